@@ -1,0 +1,285 @@
+"""Versioned, typed, validated configuration.
+
+The file is YAML with `version: v1`. Unknown versions and unknown keys are
+rejected; every error names the field (`resources.gpu.name: ...`). Defaults
+are applied for keys the file leaves out; command-line flags override the
+file. The schema is the dataclasses below: each field's type drives parsing
+and an optional `check` in its metadata validates the value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+CONFIG_VERSION = "v1"
+
+_RESOURCE_NAME = re.compile(
+    r"^(?=.{1,253}/)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+    r"/[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class ConfigError(ValueError):
+    """A configuration problem; `str()` is one line naming the field."""
+
+    def __init__(self, field_path: str, message: str) -> None:
+        super().__init__(f"{field_path}: {message}" if field_path else message)
+        self.field_path = field_path
+
+
+def _resource_name(value: Any) -> str | None:
+    if not _RESOURCE_NAME.match(value):
+        return "must be an extended resource name like vendor.example/name"
+    if value.split("/", 1)[0].endswith("kubernetes.io"):
+        return "the kubernetes.io domain is reserved for native resources"
+    return None
+
+
+def _env_name(value: Any) -> str | None:
+    return None if _ENV_NAME.match(value) else "must be an environment variable name"
+
+
+def _absolute(value: Any) -> str | None:
+    return None if value.startswith("/") else "must be an absolute path"
+
+
+def _positive(value: Any) -> str | None:
+    return None if value > 0 else "must be greater than 0"
+
+
+def _checked(default: Any, check: Callable[[Any], str | None]) -> Any:
+    return field(default=default, metadata={"check": check})
+
+
+@dataclass(frozen=True)
+class GpuResourceConfig:
+    enabled: bool = True
+    name: str = _checked("nvidia.com/gpu", _resource_name)
+
+
+@dataclass(frozen=True)
+class HcaResourceConfig:
+    enabled: bool = True
+    name: str = _checked("rdma/hca", _resource_name)
+    # The variable naming the allocated HCAs in the container (NCCL syntax).
+    env_var: str = _checked("NCCL_IB_HCA", _env_name)
+
+
+@dataclass(frozen=True)
+class ResourcesConfig:
+    gpu: GpuResourceConfig = field(default_factory=GpuResourceConfig)
+    hca: HcaResourceConfig = field(default_factory=HcaResourceConfig)
+
+
+@dataclass(frozen=True)
+class PathsConfig:
+    sysfs_root: str = _checked("/sys", _absolute)
+    dev_root: str = _checked("/dev", _absolute)
+    device_plugin_dir: str = _checked("/var/lib/kubelet/device-plugins", _absolute)
+    pod_resources_socket: str = _checked(
+        "/var/lib/kubelet/pod-resources/kubelet.sock", _absolute
+    )
+
+
+@dataclass(frozen=True)
+class NvmlConfig:
+    # A JSON fixture for the built-in fake NVML (demo, tests); null = real NVML.
+    fixture: str | None = None
+
+
+@dataclass(frozen=True)
+class DiscoveryConfig:
+    rescan_interval_seconds: float = _checked(5.0, _positive)
+
+
+@dataclass(frozen=True)
+class KubeletConfig:
+    # How often sockets are checked for a kubelet restart.
+    watch_interval_seconds: float = _checked(0.2, _positive)
+    register_timeout_seconds: float = _checked(5.0, _positive)
+    register_backoff_initial_seconds: float = _checked(0.1, _positive)
+    register_backoff_max_seconds: float = _checked(5.0, _positive)
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    format: Literal["text", "json"] = "text"
+    level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+@dataclass(frozen=True)
+class Config:
+    version: Literal["v1"] = "v1"
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    nvml: NvmlConfig = field(default_factory=NvmlConfig)
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    kubelet: KubeletConfig = field(default_factory=KubeletConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+def _type_name(kind: Any) -> str:
+    if kind is bool:
+        return "a boolean"
+    if kind is int:
+        return "an integer"
+    if kind is float:
+        return "a number"
+    if kind is str:
+        return "a string"
+    return "a mapping"
+
+
+def _convert(value: Any, kind: Any, where: str) -> Any:
+    origin = typing.get_origin(kind)
+    if origin is Literal:
+        allowed = typing.get_args(kind)
+        if value not in allowed:
+            choices = ", ".join(repr(choice) for choice in allowed)
+            raise ConfigError(where, f"must be one of {choices}, got {value!r}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        options = [arg for arg in typing.get_args(kind) if arg is not type(None)]
+        if value is None:
+            return None
+        return _convert(value, options[0], where)
+    if origin is tuple:
+        (item,) = typing.get_args(kind)[:1]
+        if not isinstance(value, list):
+            raise ConfigError(where, "must be a list")
+        return tuple(_convert(entry, item, f"{where}[{i}]") for i, entry in enumerate(value))
+    if dataclasses.is_dataclass(kind):
+        return _build(kind, value, where)
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif kind is str:
+        ok = isinstance(value, str)
+    else:  # pragma: no cover - schema error, not a user error
+        raise TypeError(f"unsupported config type {kind!r} at {where}")
+    if not ok:
+        raise ConfigError(where, f"must be {_type_name(kind)}, got {type(value).__name__}")
+    return value
+
+
+def _build(cls: Any, data: Any, where: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(where, f"must be a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in fields:
+            raise ConfigError(_join(where, str(key)), "unknown key")
+    values: dict[str, Any] = {}
+    for name, spec in fields.items():
+        if name not in data:
+            continue
+        path = _join(where, name)
+        value = _convert(data[name], hints[name], path)
+        check = spec.metadata.get("check")
+        if check is not None and value is not None:
+            problem = check(value)
+            if problem:
+                raise ConfigError(path, f"{problem}, got {value!r}")
+        values[name] = value
+    return cls(**values)
+
+
+def _join(where: str, name: str) -> str:
+    return f"{where}.{name}" if where else name
+
+
+def parse_config(data: Any) -> Config:
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError("", "the configuration must be a mapping")
+    version = data.get("version")
+    if version is None:
+        raise ConfigError("version", f"missing; this daemon reads version {CONFIG_VERSION!r}")
+    if version != CONFIG_VERSION:
+        raise ConfigError("version", f"unsupported version {version!r}; expected {CONFIG_VERSION!r}")
+    config: Config = _build(Config, data, "")
+    validate(config)
+    return config
+
+
+def validate(config: Config) -> None:
+    """Checks that span fields (single-field checks live in the schema)."""
+    gpu, hca = config.resources.gpu, config.resources.hca
+    if gpu.enabled and hca.enabled and gpu.name == hca.name:
+        raise ConfigError("resources.hca.name", f"same as resources.gpu.name ({gpu.name!r})")
+    if not gpu.enabled and not hca.enabled:
+        raise ConfigError("resources", "every resource is disabled; nothing to serve")
+    kubelet = config.kubelet
+    if kubelet.register_backoff_initial_seconds > kubelet.register_backoff_max_seconds:
+        raise ConfigError(
+            "kubelet.register_backoff_initial_seconds",
+            "must not exceed kubelet.register_backoff_max_seconds",
+        )
+
+
+def load_config(path: Path | None) -> Config:
+    """Read and validate a config file; None means all defaults."""
+    if path is None:
+        return Config()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError("", f"{path}: cannot read: {exc.strerror or exc}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise ConfigError("", f"{path}: {problem}{where}") from exc
+    return parse_config(data)
+
+
+def override(config: Config, **changes: Any) -> Config:
+    """Apply dotted-path overrides (CLI flags): override(c, **{"paths.dev_root": "/x"})."""
+    for dotted, value in changes.items():
+        if value is None:
+            continue
+        config = _replace_path(config, dotted.split("."), value, dotted)
+    validate(config)
+    return config
+
+
+def _replace_path(node: Any, parts: list[str], value: Any, dotted: str) -> Any:
+    head, rest = parts[0], parts[1:]
+    hints = typing.get_type_hints(type(node))
+    if head not in hints:
+        raise ConfigError(dotted, "unknown key")
+    if rest:
+        new_value = _replace_path(getattr(node, head), rest, value, dotted)
+    else:
+        new_value = _convert(value, hints[head], dotted)
+        spec = next(f for f in dataclasses.fields(node) if f.name == head)
+        check = spec.metadata.get("check")
+        if check is not None and new_value is not None:
+            problem = check(new_value)
+            if problem:
+                raise ConfigError(dotted, f"{problem}, got {new_value!r}")
+    return dataclasses.replace(node, **{head: new_value})
+
+
+def to_dict(config: Config) -> dict[str, Any]:
+    return dataclasses.asdict(config)

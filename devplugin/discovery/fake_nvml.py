@@ -1,0 +1,361 @@
+"""A stand-in for the `pynvml` module, driven by a JSON fixture.
+
+It implements the subset of the pynvml API that devplugin calls, with the
+same function names, constants, return shapes and error type, so the
+production NVML code path runs unchanged in the demo and in tests.
+
+Fixture format (exactly these keys, all required)::
+
+    {
+      "driver_version": "550.54.15",
+      "cuda_driver_version": 12040,
+      "gpus": [
+        {
+          "uuid": "GPU-...",
+          "name": "NVIDIA H100 80GB HBM3",
+          "pci_bus_id": "00000000:1A:00.0",
+          "minor_number": 0,
+          "memory_total_mib": 81559,
+          "nvlink_peers": {"1": 18, "2": 18}
+        }
+      ]
+    }
+
+A GPU's index is its position in `gpus`; `nvlink_peers` maps a peer's index
+(as a string, JSON keys being strings) to the number of NVLinks between the
+two. The links must be listed symmetrically on both GPUs.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from devplugin.model import PciAddress
+
+# Constant values as published by NVML (nvml.h) and mirrored by pynvml.
+NVML_SUCCESS = 0
+NVML_ERROR_UNINITIALIZED = 1
+NVML_ERROR_INVALID_ARGUMENT = 2
+NVML_ERROR_NOT_SUPPORTED = 3
+NVML_ERROR_NOT_FOUND = 6
+NVML_ERROR_DRIVER_NOT_LOADED = 9
+NVML_ERROR_LIBRARY_NOT_FOUND = 12
+NVML_ERROR_GPU_IS_LOST = 15
+NVML_ERROR_UNKNOWN = 999
+NVML_FEATURE_DISABLED = 0
+NVML_FEATURE_ENABLED = 1
+NVML_NVLINK_MAX_LINKS = 18
+NVML_NVLINK_DEVICE_TYPE_GPU = 0x00
+NVML_NVLINK_DEVICE_TYPE_SWITCH = 0x02
+
+_MESSAGES = {
+    NVML_ERROR_UNINITIALIZED: "Uninitialized",
+    NVML_ERROR_INVALID_ARGUMENT: "Invalid Argument",
+    NVML_ERROR_NOT_SUPPORTED: "Not Supported",
+    NVML_ERROR_NOT_FOUND: "Not Found",
+    NVML_ERROR_DRIVER_NOT_LOADED: "Driver Not Loaded",
+    NVML_ERROR_LIBRARY_NOT_FOUND: "NVML Shared Library Not Found",
+    NVML_ERROR_GPU_IS_LOST: "GPU is lost",
+    NVML_ERROR_UNKNOWN: "Unknown Error",
+}
+
+_TOP_KEYS = frozenset({"driver_version", "cuda_driver_version", "gpus"})
+_GPU_KEYS = frozenset(
+    {"uuid", "name", "pci_bus_id", "minor_number", "memory_total_mib", "nvlink_peers"}
+)
+
+
+class NVMLError(Exception):
+    """Same shape as pynvml.NVMLError: an exception carrying `.value`."""
+
+    def __init__(self, value: int) -> None:
+        super().__init__(value)
+        self.value = value
+
+    def __str__(self) -> str:
+        return _MESSAGES.get(self.value, f"NVML Error with code {self.value}")
+
+
+class FixtureError(ValueError):
+    """The fixture file does not have the documented shape."""
+
+
+@dataclass(frozen=True)
+class FixtureGpu:
+    uuid: str
+    name: str
+    pci_bus_id: str
+    minor_number: int
+    memory_total_mib: int
+    nvlink_peers: Mapping[int, int]
+
+
+@dataclass(frozen=True)
+class Fixture:
+    driver_version: str
+    cuda_driver_version: int
+    gpus: tuple[FixtureGpu, ...]
+
+
+def _require(condition: bool, where: str, message: str) -> None:
+    if not condition:
+        raise FixtureError(f"{where}: {message}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def parse_fixture(data: object, source: str = "fixture") -> Fixture:
+    """Validate the decoded JSON; every error names the offending field."""
+    _require(isinstance(data, dict), source, "must be a JSON object")
+    assert isinstance(data, dict)
+    unknown = sorted(set(data) - _TOP_KEYS)
+    _require(not unknown, f"{source}: {unknown[0] if unknown else ''}", "unknown key")
+    missing = sorted(_TOP_KEYS - set(data))
+    _require(not missing, f"{source}: {missing[0] if missing else ''}", "missing key")
+    _require(isinstance(data["driver_version"], str), f"{source}: driver_version", "must be a string")
+    _require(_is_int(data["cuda_driver_version"]), f"{source}: cuda_driver_version", "must be an integer")
+    _require(isinstance(data["gpus"], list), f"{source}: gpus", "must be a list")
+    gpus: list[FixtureGpu] = []
+    seen_uuids: set[str] = set()
+    seen_bus: set[PciAddress] = set()
+    seen_minor: set[int] = set()
+    count = len(data["gpus"])
+    for index, raw in enumerate(data["gpus"]):
+        where = f"{source}: gpus[{index}]"
+        _require(isinstance(raw, dict), where, "must be an object")
+        unknown = sorted(set(raw) - _GPU_KEYS)
+        _require(not unknown, f"{where}.{unknown[0] if unknown else ''}", "unknown key")
+        missing = sorted(_GPU_KEYS - set(raw))
+        _require(not missing, f"{where}.{missing[0] if missing else ''}", "missing key")
+        for key in ("uuid", "name", "pci_bus_id"):
+            _require(isinstance(raw[key], str) and raw[key], f"{where}.{key}", "must be a non-empty string")
+        for key in ("minor_number", "memory_total_mib"):
+            _require(_is_int(raw[key]) and raw[key] >= 0, f"{where}.{key}", "must be an integer >= 0")
+        try:
+            bus = PciAddress.parse(raw["pci_bus_id"])
+        except ValueError as exc:
+            raise FixtureError(f"{where}.pci_bus_id: {exc}") from exc
+        _require(raw["uuid"] not in seen_uuids, f"{where}.uuid", "duplicate UUID")
+        _require(bus not in seen_bus, f"{where}.pci_bus_id", "duplicate PCI bus id")
+        _require(raw["minor_number"] not in seen_minor, f"{where}.minor_number", "duplicate minor number")
+        seen_uuids.add(raw["uuid"])
+        seen_bus.add(bus)
+        seen_minor.add(raw["minor_number"])
+        peers_raw = raw["nvlink_peers"]
+        _require(isinstance(peers_raw, dict), f"{where}.nvlink_peers", "must be an object")
+        peers: dict[int, int] = {}
+        for key, links in peers_raw.items():
+            field = f"{where}.nvlink_peers.{key}"
+            _require(key.isdigit() and int(key) < count, field, f"peer must be a GPU index below {count}")
+            _require(int(key) != index, field, "a GPU cannot link to itself")
+            _require(_is_int(links) and links > 0, field, "link count must be an integer > 0")
+            peers[int(key)] = links
+        gpus.append(
+            FixtureGpu(
+                uuid=raw["uuid"],
+                name=raw["name"],
+                pci_bus_id=raw["pci_bus_id"],
+                minor_number=raw["minor_number"],
+                memory_total_mib=raw["memory_total_mib"],
+                nvlink_peers=peers,
+            )
+        )
+    for index, gpu in enumerate(gpus):
+        for peer, links in gpu.nvlink_peers.items():
+            back = gpus[peer].nvlink_peers.get(index, 0)
+            _require(
+                back == links,
+                f"{source}: gpus[{index}].nvlink_peers.{peer}",
+                f"{links} links to GPU {peer}, but GPU {peer} lists {back} back",
+            )
+    return Fixture(
+        driver_version=data["driver_version"],
+        cuda_driver_version=data["cuda_driver_version"],
+        gpus=tuple(gpus),
+    )
+
+
+def load_fixture(path: Path) -> Fixture:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise FixtureError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise FixtureError(f"{path}: not valid JSON: {exc}") from exc
+    return parse_fixture(data, str(path))
+
+
+@dataclass(frozen=True)
+class _PciInfo:
+    busId: str  # noqa: N815 - pynvml's field name
+    busIdLegacy: str  # noqa: N815
+
+
+@dataclass(frozen=True)
+class _Memory:
+    total: int
+    free: int
+    used: int
+
+
+@dataclass(frozen=True)
+class _Handle:
+    index: int
+
+
+def _nvml_bus_id(text: str) -> str:
+    address = PciAddress.parse(text)
+    return f"{address.domain:08X}:{address.bus:02X}:{address.device:02X}.{address.function:X}"
+
+
+class FakeNvml:
+    """Module-like object: use it wherever the `pynvml` module is expected.
+
+    Tests may change its state while a daemon runs (fail initialisation,
+    lose a GPU); every call reads the current state under a lock.
+    """
+
+    NVMLError = NVMLError
+    NVML_SUCCESS = NVML_SUCCESS
+    NVML_ERROR_UNINITIALIZED = NVML_ERROR_UNINITIALIZED
+    NVML_ERROR_INVALID_ARGUMENT = NVML_ERROR_INVALID_ARGUMENT
+    NVML_ERROR_NOT_SUPPORTED = NVML_ERROR_NOT_SUPPORTED
+    NVML_ERROR_NOT_FOUND = NVML_ERROR_NOT_FOUND
+    NVML_ERROR_DRIVER_NOT_LOADED = NVML_ERROR_DRIVER_NOT_LOADED
+    NVML_ERROR_LIBRARY_NOT_FOUND = NVML_ERROR_LIBRARY_NOT_FOUND
+    NVML_ERROR_GPU_IS_LOST = NVML_ERROR_GPU_IS_LOST
+    NVML_ERROR_UNKNOWN = NVML_ERROR_UNKNOWN
+    NVML_FEATURE_DISABLED = NVML_FEATURE_DISABLED
+    NVML_FEATURE_ENABLED = NVML_FEATURE_ENABLED
+    NVML_NVLINK_MAX_LINKS = NVML_NVLINK_MAX_LINKS
+    NVML_NVLINK_DEVICE_TYPE_GPU = NVML_NVLINK_DEVICE_TYPE_GPU
+    NVML_NVLINK_DEVICE_TYPE_SWITCH = NVML_NVLINK_DEVICE_TYPE_SWITCH
+
+    def __init__(self, fixture: Fixture, *, init_error: int | None = None) -> None:
+        self._fixture = fixture
+        self._lock = threading.Lock()
+        self._init_count = 0
+        self.init_error = init_error
+        self.lost: set[int] = set()
+        # Per GPU: the remote bus id of each NVLink, in link order.
+        self._links: list[list[str]] = []
+        for gpu in fixture.gpus:
+            links: list[str] = []
+            for peer in sorted(gpu.nvlink_peers):
+                remote = _nvml_bus_id(fixture.gpus[peer].pci_bus_id)
+                links.extend([remote] * gpu.nvlink_peers[peer])
+            self._links.append(links)
+        # A fixture may describe all-to-all NVLink through switches as direct
+        # peer counts (NV12 to each of seven peers); widen the link range so
+        # every described link is reachable by index.
+        self.NVML_NVLINK_MAX_LINKS = max([NVML_NVLINK_MAX_LINKS, *map(len, self._links)])
+
+    @classmethod
+    def from_file(cls, path: Path) -> FakeNvml:
+        return cls(load_fixture(path))
+
+    # -- library lifecycle -------------------------------------------------
+    def nvmlInit(self) -> None:  # noqa: N802 - pynvml's names
+        with self._lock:
+            if self.init_error is not None:
+                raise NVMLError(self.init_error)
+            self._init_count += 1
+
+    def nvmlShutdown(self) -> None:  # noqa: N802
+        with self._lock:
+            self._require_init()
+            self._init_count -= 1
+
+    @property
+    def initialised(self) -> bool:
+        with self._lock:
+            return self._init_count > 0
+
+    def _require_init(self) -> None:
+        if self._init_count <= 0:
+            raise NVMLError(NVML_ERROR_UNINITIALIZED)
+
+    def _gpu(self, handle: Any) -> tuple[int, FixtureGpu]:
+        with self._lock:
+            self._require_init()
+            if not isinstance(handle, _Handle) or not 0 <= handle.index < len(self._fixture.gpus):
+                raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+            if handle.index in self.lost:
+                raise NVMLError(NVML_ERROR_GPU_IS_LOST)
+            return handle.index, self._fixture.gpus[handle.index]
+
+    # -- system ------------------------------------------------------------
+    def nvmlSystemGetDriverVersion(self) -> str:  # noqa: N802
+        with self._lock:
+            self._require_init()
+            return self._fixture.driver_version
+
+    def nvmlSystemGetCudaDriverVersion(self) -> int:  # noqa: N802
+        with self._lock:
+            self._require_init()
+            return self._fixture.cuda_driver_version
+
+    def nvmlDeviceGetCount(self) -> int:  # noqa: N802
+        with self._lock:
+            self._require_init()
+            return len(self._fixture.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> _Handle:  # noqa: N802
+        with self._lock:
+            self._require_init()
+            if not 0 <= index < len(self._fixture.gpus):
+                raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+            if index in self.lost:
+                raise NVMLError(NVML_ERROR_GPU_IS_LOST)
+            return _Handle(index)
+
+    # -- per device --------------------------------------------------------
+    def nvmlDeviceGetUUID(self, handle: Any) -> str:  # noqa: N802
+        return self._gpu(handle)[1].uuid
+
+    def nvmlDeviceGetName(self, handle: Any) -> str:  # noqa: N802
+        return self._gpu(handle)[1].name
+
+    def nvmlDeviceGetPciInfo(self, handle: Any) -> _PciInfo:  # noqa: N802
+        gpu = self._gpu(handle)[1]
+        bus = _nvml_bus_id(gpu.pci_bus_id)
+        return _PciInfo(busId=bus, busIdLegacy=bus[4:])
+
+    def nvmlDeviceGetMinorNumber(self, handle: Any) -> int:  # noqa: N802
+        return self._gpu(handle)[1].minor_number
+
+    def nvmlDeviceGetMemoryInfo(self, handle: Any) -> _Memory:  # noqa: N802
+        total = self._gpu(handle)[1].memory_total_mib * 1024 * 1024
+        return _Memory(total=total, free=total, used=0)
+
+    def _link(self, handle: Any, link: int) -> str:
+        index, _ = self._gpu(handle)
+        links = self._links[index]
+        if not links:
+            raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+        if not 0 <= link < self.NVML_NVLINK_MAX_LINKS:
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        return links[link] if link < len(links) else ""
+
+    def nvmlDeviceGetNvLinkState(self, handle: Any, link: int) -> int:  # noqa: N802
+        return NVML_FEATURE_ENABLED if self._link(handle, link) else NVML_FEATURE_DISABLED
+
+    def nvmlDeviceGetNvLinkRemoteDeviceType(self, handle: Any, link: int) -> int:  # noqa: N802
+        if not self._link(handle, link):
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        return NVML_NVLINK_DEVICE_TYPE_GPU
+
+    def nvmlDeviceGetNvLinkRemotePciInfo(self, handle: Any, link: int) -> _PciInfo:  # noqa: N802
+        remote = self._link(handle, link)
+        if not remote:
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        return _PciInfo(busId=remote, busIdLegacy=remote[4:])

@@ -1,0 +1,187 @@
+"""GPUs through NVML.
+
+This is the only module that imports `pynvml`. Everything else receives the
+library as a value (`lib`), so the demo and the tests hand in the fixture
+driven fake and exercise exactly this code.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from devplugin.model import GpuInfo, NvmlStatus, PciAddress, PciFunction
+
+log = logging.getLogger(__name__)
+
+_MIB = 1024 * 1024
+# Used only when the library does not export the constant (old bindings).
+_DEFAULT_MAX_LINKS = 18
+
+
+def load_pynvml() -> Any:
+    """The real NVML bindings. Importing them does not touch the driver."""
+    import pynvml
+
+    return pynvml
+
+
+def _text(value: object) -> str:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace").rstrip("\x00")
+    return str(value)
+
+
+class NvmlGpuSource:
+    """Reads GPUs from an NVML library object; owns nvmlInit/nvmlShutdown.
+
+    Initialisation is retried on every scan until it succeeds: on nodes where
+    a driver container loads the kernel module after this daemon starts, the
+    GPUs appear as soon as the driver does. Failures are logged once per
+    distinct error, not once per scan.
+    """
+
+    def __init__(self, lib: Any) -> None:
+        self._lib = lib
+        self._lock = threading.Lock()
+        self._initialised = False
+        self._last_error: str | None = None
+        # NVLink wiring never changes while a GPU is present; reading it costs
+        # dozens of NVML calls per GPU, so it is read once per UUID.
+        self._peer_addresses: dict[str, tuple[tuple[str, int], ...]] = {}
+        self._switch_links: dict[str, int] = {}
+
+    def _error_text(self, exc: BaseException) -> str:
+        value = getattr(exc, "value", None)
+        code = f" (NVML error {value})" if isinstance(value, int) else ""
+        return f"{exc}{code}"
+
+    def _ensure_init(self) -> NvmlStatus | None:
+        if self._initialised:
+            return None
+        try:
+            self._lib.nvmlInit()
+        except Exception as exc:  # noqa: BLE001 - any failure means "no NVML"
+            message = self._error_text(exc)
+            if message != self._last_error:
+                log.error(
+                    "NVML unavailable: %s; the GPU resource serves no devices until "
+                    "NVML initialises (retried at every rescan)",
+                    message,
+                )
+                self._last_error = message
+            return NvmlStatus(error=message)
+        self._initialised = True
+        if self._last_error is not None:
+            log.info("NVML initialised after earlier failure")
+        self._last_error = None
+        return None
+
+    def scan(self, pci: Mapping[PciAddress, PciFunction]) -> tuple[tuple[GpuInfo, ...], NvmlStatus]:
+        with self._lock:
+            failure = self._ensure_init()
+            if failure is not None:
+                return (), failure
+            lib = self._lib
+            try:
+                driver = _text(lib.nvmlSystemGetDriverVersion())
+                cuda = int(lib.nvmlSystemGetCudaDriverVersion())
+                count = int(lib.nvmlDeviceGetCount())
+            except Exception as exc:  # noqa: BLE001
+                message = self._error_text(exc)
+                log.error("NVML query failed: %s", message)
+                return (), NvmlStatus(error=message)
+            raw: list[tuple[int, Any, str, str, PciAddress, int, int]] = []
+            for index in range(count):
+                try:
+                    handle = lib.nvmlDeviceGetHandleByIndex(index)
+                    uuid = _text(lib.nvmlDeviceGetUUID(handle))
+                    name = _text(lib.nvmlDeviceGetName(handle))
+                    bus_id = PciAddress.parse(_text(lib.nvmlDeviceGetPciInfo(handle).busId))
+                    minor = int(lib.nvmlDeviceGetMinorNumber(handle))
+                    memory = int(lib.nvmlDeviceGetMemoryInfo(handle).total) // _MIB
+                except Exception as exc:  # noqa: BLE001
+                    log.warning("GPU %d: NVML could not describe it: %s", index, self._error_text(exc))
+                    continue
+                raw.append((index, handle, uuid, name, bus_id, minor, memory))
+            for _, handle, uuid, _, _, _, _ in raw:
+                if uuid not in self._peer_addresses:
+                    self._read_links(handle, uuid)
+            index_by_address = {entry[4]: entry[0] for entry in raw}
+            gpus = [
+                GpuInfo(
+                    index=index,
+                    uuid=uuid,
+                    name=name,
+                    pci_address=address,
+                    minor_number=minor,
+                    memory_total_mib=memory,
+                    nvlink_peers=self._peers(uuid, index, raw, index_by_address),
+                    pci=pci.get(address),
+                )
+                for index, _, uuid, name, address, minor, memory in raw
+            ]
+            return tuple(gpus), NvmlStatus(driver_version=driver, cuda_driver_version=cuda)
+
+    def _read_links(self, handle: Any, uuid: str) -> None:
+        lib = self._lib
+        enabled = getattr(lib, "NVML_FEATURE_ENABLED", 1)
+        switch_type = getattr(lib, "NVML_NVLINK_DEVICE_TYPE_SWITCH", 2)
+        max_links = int(getattr(lib, "NVML_NVLINK_MAX_LINKS", _DEFAULT_MAX_LINKS))
+        per_peer: dict[str, int] = {}
+        switch_links = 0
+        for link in range(max_links):
+            try:
+                if lib.nvmlDeviceGetNvLinkState(handle, link) != enabled:
+                    continue
+            except Exception:  # noqa: BLE001 - absent links and no-NVLink GPUs raise
+                continue
+            try:
+                remote_type = lib.nvmlDeviceGetNvLinkRemoteDeviceType(handle, link)
+            except Exception:  # noqa: BLE001 - older drivers: assume a GPU peer
+                remote_type = None
+            if remote_type == switch_type:
+                switch_links += 1
+                continue
+            try:
+                remote = _text(lib.nvmlDeviceGetNvLinkRemotePciInfo(handle, link).busId)
+                key = str(PciAddress.parse(remote))
+            except Exception:  # noqa: BLE001
+                continue
+            per_peer[key] = per_peer.get(key, 0) + 1
+        self._peer_addresses[uuid] = tuple(sorted(per_peer.items()))
+        self._switch_links[uuid] = switch_links
+
+    def _peers(
+        self,
+        uuid: str,
+        index: int,
+        raw: list[tuple[int, Any, str, str, PciAddress, int, int]],
+        index_by_address: Mapping[PciAddress, int],
+    ) -> tuple[tuple[int, int], ...]:
+        counts: dict[int, int] = {}
+        for address_text, links in self._peer_addresses.get(uuid, ()):
+            peer = index_by_address.get(PciAddress.parse(address_text))
+            if peer is not None and peer != index:
+                counts[peer] = counts.get(peer, 0) + links
+        # Through NVSwitch every pair of switch-attached GPUs talks at the
+        # bandwidth of the thinner side's switch links.
+        own = self._switch_links.get(uuid, 0)
+        if own:
+            for peer_index, _, peer_uuid, *_ in raw:
+                peer_links = self._switch_links.get(peer_uuid, 0)
+                if peer_index != index and peer_links:
+                    counts[peer_index] = counts.get(peer_index, 0) + min(own, peer_links)
+        return tuple(sorted(counts.items()))
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._initialised:
+                return
+            try:
+                self._lib.nvmlShutdown()
+            except Exception as exc:  # noqa: BLE001
+                log.warning("nvmlShutdown failed: %s", self._error_text(exc))
+            self._initialised = False

@@ -1,0 +1,229 @@
+"""Talking to the kubelet: registration (and re-registration) and PodResources."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from devplugin.api import deviceplugin_v1beta1_pb2 as pb
+from devplugin.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
+from devplugin.api import podresources_v1_pb2 as pr
+from devplugin.api import podresources_v1_pb2_grpc as pr_grpc
+from devplugin.server import PluginServer, SocketIdentity
+
+log = logging.getLogger(__name__)
+
+API_VERSION = "v1beta1"
+KUBELET_SOCKET = "kubelet.sock"
+
+
+class RegistrationFailed(Exception):
+    pass
+
+
+def register(
+    kubelet_socket: Path,
+    endpoint: str,
+    resource_name: str,
+    options: pb.DevicePluginOptions,
+    timeout: float,
+) -> None:
+    """One Register call. The kubelet dials back and asks for options inside it,
+    so the plugin's own server must already be serving."""
+    with grpc.insecure_channel(f"unix://{kubelet_socket}") as channel:
+        stub = pb_grpc.RegistrationStub(channel)
+        request = pb.RegisterRequest(
+            version=API_VERSION,
+            endpoint=endpoint,
+            resource_name=resource_name,
+            options=options,
+        )
+        try:
+            stub.Register(request, timeout=timeout, wait_for_ready=False)
+        except grpc.RpcError as exc:
+            code = exc.code() if isinstance(exc, grpc.Call) else None
+            details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+            raise RegistrationFailed(f"{code.name if code else 'error'}: {details}") from exc
+
+
+@dataclass
+class _Registration:
+    server: PluginServer
+    registered_with: SocketIdentity | None = None
+    attempted_with: SocketIdentity | None = None
+    next_attempt: float = 0.0
+    backoff: float = 0.0
+    failures: int = 0
+
+
+class Registrar:
+    """Keeps every plugin server serving and registered with the current kubelet.
+
+    One loop, one owner: each tick it (1) restarts any server whose socket was
+    removed or replaced (the kubelet wipes its directory when it restarts),
+    then (2) registers every server not yet registered with the kubelet.sock
+    that exists now. A new kubelet.sock resets the backoff, so a restarted
+    kubelet is answered at the next tick rather than after a long wait.
+    """
+
+    def __init__(
+        self,
+        servers: Sequence[PluginServer],
+        plugin_dir: Path,
+        *,
+        interval: float,
+        register_timeout: float,
+        backoff_initial: float,
+        backoff_max: float,
+        on_register: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._plugin_dir = plugin_dir
+        self._kubelet_socket = plugin_dir / KUBELET_SOCKET
+        self._entries = [_Registration(server) for server in servers]
+        self._interval = interval
+        self._timeout = register_timeout
+        self._backoff_initial = backoff_initial
+        self._backoff_max = backoff_max
+        self._on_register = on_register
+        self._clock = clock
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._kubelet_seen: bool | None = None
+        self._lock = threading.Lock()
+
+    def registered(self) -> dict[str, bool]:
+        """Resource name -> registered with the kubelet.sock present now."""
+        current = SocketIdentity.of(self._kubelet_socket)
+        with self._lock:
+            return {
+                entry.server.servicer.resource.name: (
+                    current is not None and entry.registered_with == current
+                )
+                for entry in self._entries
+            }
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="registrar", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self._timeout + 5.0)
+
+    def _run(self) -> None:
+        log.info("registrar started (kubelet socket %s)", self._kubelet_socket)
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except Exception:
+                log.exception("registrar tick failed; continuing")
+            self._stop.wait(self._interval)
+        log.info("registrar stopped")
+
+    def tick(self) -> None:
+        for entry in self._entries:
+            if not entry.server.socket_intact():
+                log.warning(
+                    "%s: socket %s is gone or replaced (kubelet restart?); restarting server",
+                    entry.server.servicer.resource.name, entry.server.socket_path,
+                )
+                entry.server.restart()
+                with self._lock:
+                    entry.registered_with = None
+        kubelet = SocketIdentity.of(self._kubelet_socket)
+        if kubelet is None:
+            if self._kubelet_seen is not False:
+                log.warning("kubelet socket %s not present; waiting for the kubelet",
+                            self._kubelet_socket)
+            self._kubelet_seen = False
+            return
+        self._kubelet_seen = True
+        now = self._clock()
+        for entry in self._entries:
+            if entry.registered_with == kubelet:
+                continue
+            if entry.attempted_with != kubelet:
+                # A new kubelet: forget the old one's backoff.
+                entry.backoff = 0.0
+                entry.next_attempt = now
+            if now < entry.next_attempt:
+                continue
+            self._attempt(entry, kubelet)
+
+    def _attempt(self, entry: _Registration, kubelet: SocketIdentity) -> None:
+        servicer = entry.server.servicer
+        name = servicer.resource.name
+        entry.attempted_with = kubelet
+        try:
+            register(
+                self._kubelet_socket,
+                entry.server.socket_path.name,
+                name,
+                servicer.options(),
+                self._timeout,
+            )
+        except RegistrationFailed as exc:
+            entry.failures += 1
+            entry.backoff = min(
+                self._backoff_max,
+                max(self._backoff_initial, entry.backoff * 2),
+            )
+            entry.next_attempt = self._clock() + entry.backoff
+            log.warning(
+                "%s: registration with the kubelet failed (%s); retrying in %.1fs",
+                name, exc, entry.backoff,
+            )
+            return
+        with self._lock:
+            entry.registered_with = kubelet
+            entry.failures = 0
+            entry.backoff = 0.0
+        log.info("%s: registered with the kubelet as %s", name, entry.server.socket_path.name)
+        if self._on_register is not None:
+            self._on_register(name)
+
+
+@dataclass(frozen=True)
+class ContainerDevices:
+    """Devices of one resource held by one container, per the kubelet."""
+
+    namespace: str
+    pod: str
+    container: str
+    resource: str
+    device_ids: tuple[str, ...]
+
+
+class PodResourcesClient:
+    """Reads which devices each container holds from the kubelet's PodResources API."""
+
+    def __init__(self, socket_path: Path, timeout: float = 5.0) -> None:
+        self._socket_path = socket_path
+        self._timeout = timeout
+
+    def list(self) -> list[ContainerDevices]:
+        with grpc.insecure_channel(f"unix://{self._socket_path}") as channel:
+            stub = pr_grpc.PodResourcesListerStub(channel)
+            response = stub.List(pr.ListPodResourcesRequest(), timeout=self._timeout)
+        found: list[ContainerDevices] = []
+        for pod in response.pod_resources:
+            for container in pod.containers:
+                for devices in container.devices:
+                    found.append(
+                        ContainerDevices(
+                            namespace=pod.namespace,
+                            pod=pod.name,
+                            container=container.name,
+                            resource=devices.resource_name,
+                            device_ids=tuple(devices.device_ids),
+                        )
+                    )
+        return found

@@ -1,0 +1,229 @@
+"""Plain data shared by every layer: PCI addresses and paths, GPUs, HCAs.
+
+Nothing here performs I/O or imports another devplugin module, so every other
+module can depend on it without creating cycles.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+_BDF = re.compile(
+    r"^(?:(?P<domain>[0-9a-fA-F]{1,8}):)?(?P<bus>[0-9a-fA-F]{2}):"
+    r"(?P<device>[0-9a-fA-F]{2})\.(?P<function>[0-7])$"
+)
+
+
+class Health(enum.Enum):
+    """The two health values the kubelet understands (wire strings)."""
+
+    HEALTHY = "Healthy"
+    UNHEALTHY = "Unhealthy"
+
+
+@dataclass(frozen=True, order=True)
+class PciAddress:
+    """A PCI function address (domain:bus:device.function)."""
+
+    domain: int
+    bus: int
+    device: int
+    function: int
+
+    @classmethod
+    def parse(cls, text: str) -> PciAddress:
+        """Accept the sysfs form (0000:1a:00.0) and NVML's (00000000:1A:00.0).
+
+        NVML pads the domain to eight digits and upper-cases hex; sysfs uses
+        four lower-case digits. Both name the same function, so both parse to
+        the same value and print in the sysfs form.
+        """
+        match = _BDF.match(text.strip())
+        if match is None:
+            raise ValueError(f"not a PCI address: {text!r}")
+        domain = int(match.group("domain") or "0", 16)
+        if domain > 0xFFFF:
+            raise ValueError(f"PCI domain out of range in {text!r}")
+        return cls(
+            domain=domain,
+            bus=int(match.group("bus"), 16),
+            device=int(match.group("device"), 16),
+            function=int(match.group("function"), 16),
+        )
+
+    def __str__(self) -> str:
+        return f"{self.domain:04x}:{self.bus:02x}:{self.device:02x}.{self.function:x}"
+
+
+@dataclass(frozen=True)
+class PciPath:
+    """Where a function sits in the PCIe tree.
+
+    `root` names the host bridge (the `pciDDDD:BB` directory under
+    /sys/devices); `chain` lists every function from the root port down to
+    the function itself, so `chain[-1]` is the function and everything before
+    it is a bridge (root port, switch upstream and downstream ports).
+    """
+
+    root: str
+    chain: tuple[PciAddress, ...]
+
+    @property
+    def bridges(self) -> tuple[PciAddress, ...]:
+        return self.chain[:-1]
+
+
+@dataclass(frozen=True)
+class PciFunction:
+    """One PCI function as sysfs describes it. Optional files may be absent."""
+
+    address: PciAddress
+    path: PciPath
+    vendor: int | None = None
+    device: int | None = None
+    pci_class: int | None = None
+    numa_node: int | None = None
+    local_cpulist: str | None = None
+    driver: str | None = None
+
+
+@dataclass(frozen=True)
+class CharDevice:
+    """A character device node as the container will see it.
+
+    `path` is the real host path (what the kubelet passes to the runtime);
+    `present` says whether it was found under the configured /dev root.
+    """
+
+    path: str
+    present: bool
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """One GPU as NVML reports it, joined to its PCI function when known."""
+
+    index: int
+    uuid: str
+    name: str
+    pci_address: PciAddress
+    minor_number: int
+    memory_total_mib: int
+    # (peer GPU index, number of NVLinks to it), sorted by peer index.
+    nvlink_peers: tuple[tuple[int, int], ...] = ()
+    pci: PciFunction | None = None
+
+    @property
+    def numa_node(self) -> int | None:
+        return self.pci.numa_node if self.pci is not None else None
+
+    def nvlinks_to(self, peer_index: int) -> int:
+        for peer, count in self.nvlink_peers:
+            if peer == peer_index:
+                return count
+        return 0
+
+
+@dataclass(frozen=True)
+class IbPort:
+    """One port of an RDMA HCA (the raw sysfs strings are kept for display)."""
+
+    number: int
+    state: str
+    phys_state: str
+    link_layer: str
+    rate: str
+
+    @property
+    def state_code(self) -> int | None:
+        return _leading_int(self.state)
+
+    @property
+    def phys_state_code(self) -> int | None:
+        return _leading_int(self.phys_state)
+
+
+@dataclass(frozen=True)
+class HcaInfo:
+    """One RDMA HCA: its InfiniBand class entry, PCI function and device nodes."""
+
+    name: str
+    pci_address: PciAddress
+    pci: PciFunction | None
+    node_guid: str | None
+    fw_ver: str | None
+    ports: tuple[IbPort, ...]
+    netdevs: tuple[str, ...]
+    uverbs: CharDevice | None
+    umads: tuple[CharDevice, ...]
+    issms: tuple[CharDevice, ...]
+    rdma_cm: CharDevice
+
+    @property
+    def device_id(self) -> str:
+        """The id served to the kubelet: the PCI address of the HCA's function.
+
+        It survives reboots and driver reloads (the kernel may renumber
+        mlx5_N names and uverbsN nodes, but not slots), and it is the key the
+        topology is built on.
+        """
+        return str(self.pci_address)
+
+    @property
+    def numa_node(self) -> int | None:
+        return self.pci.numa_node if self.pci is not None else None
+
+    @property
+    def char_devices(self) -> tuple[CharDevice, ...]:
+        """Every node this HCA needs in a container, rdma_cm last."""
+        nodes: list[CharDevice] = []
+        if self.uverbs is not None:
+            nodes.append(self.uverbs)
+        nodes.extend(self.umads)
+        nodes.extend(self.issms)
+        nodes.append(self.rdma_cm)
+        return tuple(nodes)
+
+
+@dataclass(frozen=True)
+class NvmlStatus:
+    """What NVML said about the driver; `error` is set when it is unusable."""
+
+    driver_version: str | None = None
+    cuda_driver_version: int | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """One whole, immutable snapshot of what discovery found on the node."""
+
+    gpus: tuple[GpuInfo, ...] = ()
+    hcas: tuple[HcaInfo, ...] = ()
+    # /dev/nvidiactl, /dev/nvidia-uvm, /dev/nvidia-uvm-tools with presence.
+    gpu_control_nodes: tuple[CharDevice, ...] = ()
+    nvml: NvmlStatus = field(default_factory=NvmlStatus)
+    pci: Mapping[PciAddress, PciFunction] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PluginDevice:
+    """One entry of a ListAndWatch response."""
+
+    id: str
+    health: Health
+    numa_node: int | None = None
+    # Why the device is unhealthy; empty when healthy. Logged, not sent.
+    reason: str = ""
+
+
+def _leading_int(text: str) -> int | None:
+    head = text.split(":", 1)[0].strip()
+    return int(head) if head.isdigit() else None

@@ -1,0 +1,237 @@
+"""What each extended resource serves: its device list and what a container gets.
+
+Pure functions of an `Inventory`; no gRPC here. The server turns a
+`ContainerAllocation` into the kubelet's AllocateResponse.
+
+GPU resource (default `nvidia.com/gpu`)
+    Device id: the GPU UUID. A container gets `/dev/nvidiaN` for each GPU,
+    the node-wide nodes `/dev/nvidiactl`, `/dev/nvidia-uvm` and
+    `/dev/nvidia-uvm-tools` that exist, and
+    `NVIDIA_VISIBLE_DEVICES=<uuid>,<uuid>`.
+
+HCA resource (default `rdma/hca`)
+    Device id: the PCI address of the HCA's function (`0000:1b:00.0`). A
+    container gets each HCA's `uverbsN`, every `umadN` and `issmN` of its
+    ports, and `/dev/infiniband/rdma_cm`, all `rw`, and
+    `NCCL_IB_HCA==mlx5_0,mlx5_1` (the leading `=` makes NCCL match the
+    names exactly, so `mlx5_1` does not also select `mlx5_10`).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from devplugin.model import CharDevice, GpuInfo, HcaInfo, Health, Inventory, PluginDevice
+
+GPU_VISIBLE_ENV = "NVIDIA_VISIBLE_DEVICES"
+ACTIVE_STATE = 4  # "4: ACTIVE"
+LINK_UP_PHYS_STATE = 5  # "5: LinkUp"
+
+
+class ResourceKind(enum.Enum):
+    GPU = "gpu"
+    HCA = "hca"
+
+
+@dataclass(frozen=True)
+class DeviceNode:
+    container_path: str
+    host_path: str
+    permissions: str = "rw"
+
+
+@dataclass(frozen=True)
+class ContainerAllocation:
+    """Everything one container receives for one resource."""
+
+    envs: Mapping[str, str] = field(default_factory=dict)
+    devices: tuple[DeviceNode, ...] = ()
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a resource implements; the plugin options are derived from it."""
+
+    preferred_allocation: bool = False
+    pre_start: bool = False
+
+
+class AllocationRefused(Exception):
+    """The requested ids cannot be allocated; `reason` is shown to the kubelet."""
+
+    def __init__(self, reason: str, *, invalid_argument: bool) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        # True: the request itself is malformed (INVALID_ARGUMENT);
+        # False: the ids are known but not usable now (FAILED_PRECONDITION).
+        self.invalid_argument = invalid_argument
+
+
+@dataclass(frozen=True)
+class ResourceState:
+    """What one resource serves at one moment; replaced whole on every change."""
+
+    devices: tuple[PluginDevice, ...]
+    allocations: Mapping[str, ContainerAllocation]
+    # Added once per container whatever its devices (rdma_cm, nvidiactl, ...).
+    shared_nodes: tuple[DeviceNode, ...] = ()
+    # Device id -> the name tools know it by (HCA: mlx5_0; GPU: its UUID).
+    names: Mapping[str, str] = field(default_factory=dict)
+
+    def device(self, device_id: str) -> PluginDevice | None:
+        for device in self.devices:
+            if device.id == device_id:
+                return device
+        return None
+
+
+class Resource(Protocol):
+    """One extended resource served by its own DevicePlugin server."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def kind(self) -> ResourceKind: ...
+
+    @property
+    def capabilities(self) -> Capabilities: ...
+
+    def state(self, inventory: Inventory) -> ResourceState: ...
+
+    def allocate(self, state: ResourceState, ids: Sequence[str]) -> ContainerAllocation: ...
+
+
+def check_request(state: ResourceState, ids: Sequence[str]) -> None:
+    """Reject empty, duplicate, unknown and unhealthy ids, naming them all."""
+    if not ids:
+        raise AllocationRefused("no device ids in the container request", invalid_argument=True)
+    seen: set[str] = set()
+    duplicates: list[str] = []
+    for device_id in ids:
+        if device_id in seen and device_id not in duplicates:
+            duplicates.append(device_id)
+        seen.add(device_id)
+    known = {device.id: device for device in state.devices}
+    unknown = [device_id for device_id in dict.fromkeys(ids) if device_id not in known]
+    problems: list[str] = []
+    if unknown:
+        problems.append(f"unknown device ids: {', '.join(unknown)}")
+    if duplicates:
+        problems.append(f"duplicate device ids: {', '.join(duplicates)}")
+    if problems:
+        raise AllocationRefused("; ".join(problems), invalid_argument=True)
+    unhealthy = [
+        f"{device_id} ({known[device_id].reason or 'unhealthy'})"
+        for device_id in dict.fromkeys(ids)
+        if known[device_id].health is not Health.HEALTHY
+    ]
+    if unhealthy:
+        raise AllocationRefused(
+            f"unhealthy device ids: {', '.join(unhealthy)}", invalid_argument=False
+        )
+
+
+def _merge(state: ResourceState, ids: Sequence[str], envs: Mapping[str, str]) -> ContainerAllocation:
+    nodes: list[DeviceNode] = []
+    for device_id in ids:
+        nodes.extend(state.allocations[device_id].devices)
+    nodes.extend(state.shared_nodes)
+    unique = tuple(dict.fromkeys(nodes))
+    return ContainerAllocation(envs=dict(envs), devices=unique)
+
+
+def _node(char: CharDevice) -> DeviceNode:
+    return DeviceNode(container_path=char.path, host_path=char.path)
+
+
+@dataclass(frozen=True)
+class GpuResource:
+    """GPUs found through NVML, one device per GPU, id = UUID."""
+
+    name: str = "nvidia.com/gpu"
+    kind: ResourceKind = ResourceKind.GPU
+    capabilities: Capabilities = Capabilities()
+
+    def state(self, inventory: Inventory) -> ResourceState:
+        devices = tuple(
+            PluginDevice(id=gpu.uuid, health=Health.HEALTHY, numa_node=gpu.numa_node)
+            for gpu in inventory.gpus
+        )
+        allocations = {gpu.uuid: _gpu_allocation(gpu) for gpu in inventory.gpus}
+        shared = tuple(_node(node) for node in inventory.gpu_control_nodes if node.present)
+        return ResourceState(
+            devices=devices,
+            allocations=allocations,
+            shared_nodes=shared,
+            names={gpu.uuid: gpu.uuid for gpu in inventory.gpus},
+        )
+
+    def allocate(self, state: ResourceState, ids: Sequence[str]) -> ContainerAllocation:
+        check_request(state, ids)
+        return _merge(state, ids, {GPU_VISIBLE_ENV: ",".join(ids)})
+
+
+def _gpu_allocation(gpu: GpuInfo) -> ContainerAllocation:
+    path = f"/dev/nvidia{gpu.minor_number}"
+    return ContainerAllocation(devices=(DeviceNode(path, path),))
+
+
+def hca_health(hca: HcaInfo) -> tuple[Health, str]:
+    """Healthy when every port is ACTIVE/LinkUp and every device node exists."""
+    problems: list[str] = []
+    if not hca.ports:
+        problems.append("no ports")
+    for port in hca.ports:
+        if port.state_code != ACTIVE_STATE or port.phys_state_code != LINK_UP_PHYS_STATE:
+            problems.append(
+                f"port {port.number} is {port.state or '?'} / {port.phys_state or '?'}"
+            )
+    if hca.uverbs is None:
+        problems.append("no uverbs device")
+    missing = [node.path for node in hca.char_devices if not node.present]
+    if missing:
+        problems.append(f"missing device nodes: {', '.join(missing)}")
+    if problems:
+        return Health.UNHEALTHY, "; ".join(problems)
+    return Health.HEALTHY, ""
+
+
+@dataclass(frozen=True)
+class HcaResource:
+    """RDMA HCAs from sysfs, one device per PCI function, id = PCI address."""
+
+    name: str = "rdma/hca"
+    env_var: str = "NCCL_IB_HCA"
+    kind: ResourceKind = ResourceKind.HCA
+    capabilities: Capabilities = Capabilities()
+
+    def state(self, inventory: Inventory) -> ResourceState:
+        devices: list[PluginDevice] = []
+        allocations: dict[str, ContainerAllocation] = {}
+        rdma_cm: list[DeviceNode] = []
+        for hca in inventory.hcas:
+            health, reason = hca_health(hca)
+            devices.append(PluginDevice(hca.device_id, health, hca.numa_node, reason))
+            own = [hca.uverbs] if hca.uverbs is not None else []
+            own.extend(hca.umads)
+            own.extend(hca.issms)
+            allocations[hca.device_id] = ContainerAllocation(
+                devices=tuple(_node(node) for node in own if node.present),
+            )
+            if hca.rdma_cm.present and not rdma_cm:
+                rdma_cm.append(_node(hca.rdma_cm))
+        return ResourceState(
+            devices=tuple(devices),
+            allocations=allocations,
+            shared_nodes=tuple(rdma_cm),
+            names={hca.device_id: hca.name for hca in inventory.hcas},
+        )
+
+    def allocate(self, state: ResourceState, ids: Sequence[str]) -> ContainerAllocation:
+        check_request(state, ids)
+        names = [state.names[device_id] for device_id in ids]
+        return _merge(state, ids, {self.env_var: "=" + ",".join(names)})

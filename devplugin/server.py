@@ -1,0 +1,262 @@
+"""One DevicePlugin gRPC server per resource, each on its own unix socket."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from devplugin.api import deviceplugin_v1beta1_pb2 as pb
+from devplugin.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
+from devplugin.resources import (
+    AllocationRefused,
+    ContainerAllocation,
+    Resource,
+    ResourceState,
+)
+
+log = logging.getLogger(__name__)
+
+# The kernel limit for sun_path, including the terminating NUL.
+MAX_SOCKET_PATH = 107
+
+
+def socket_name(resource_name: str) -> str:
+    """The endpoint file name for a resource: stable and unique per resource."""
+    return "devplugin-" + resource_name.replace("/", "-") + ".sock"
+
+
+def check_socket_path(path: Path) -> None:
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+        raise ValueError(
+            f"unix socket path {path} is {len(os.fsencode(path))} bytes; "
+            f"the kernel allows at most {MAX_SOCKET_PATH}"
+        )
+
+
+def to_proto_devices(state: ResourceState) -> pb.ListAndWatchResponse:
+    response = pb.ListAndWatchResponse()
+    for device in state.devices:
+        entry = response.devices.add(ID=device.id, health=device.health.value)
+        if device.numa_node is not None:
+            entry.topology.nodes.add(ID=device.numa_node)
+    return response
+
+
+def to_proto_allocation(allocation: ContainerAllocation) -> pb.ContainerAllocateResponse:
+    response = pb.ContainerAllocateResponse()
+    response.envs.update(allocation.envs)
+    for node in allocation.devices:
+        response.devices.add(
+            container_path=node.container_path,
+            host_path=node.host_path,
+            permissions=node.permissions,
+        )
+    return response
+
+
+class DevicePluginServicer(pb_grpc.DevicePluginServicer):
+    """Serves one resource from the latest `ResourceState` it was given.
+
+    The state is replaced whole by `update`; every open ListAndWatch stream
+    sends the new list when it differs from the last one sent.
+    """
+
+    def __init__(self, resource: Resource, initial: ResourceState) -> None:
+        self.resource = resource
+        self._cond = threading.Condition()
+        self._state = initial
+        self._version = 0
+        self._closed = False
+
+    @property
+    def state(self) -> ResourceState:
+        with self._cond:
+            return self._state
+
+    def update(self, state: ResourceState) -> bool:
+        """Install a new state; returns whether the device list changed."""
+        with self._cond:
+            changed = state.devices != self._state.devices
+            self._state = state
+            if changed:
+                self._version += 1
+                self._cond.notify_all()
+            return changed
+
+    def close_streams(self) -> None:
+        """End every open ListAndWatch stream (server shutdown)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def reopen(self) -> None:
+        with self._cond:
+            self._closed = False
+
+    def options(self) -> pb.DevicePluginOptions:
+        caps = self.resource.capabilities
+        return pb.DevicePluginOptions(
+            pre_start_required=caps.pre_start,
+            get_preferred_allocation_available=caps.preferred_allocation,
+        )
+
+    # -- RPCs --------------------------------------------------------------
+    def GetDevicePluginOptions(
+        self, request: pb.Empty, context: grpc.ServicerContext
+    ) -> pb.DevicePluginOptions:
+        return self.options()
+
+    def ListAndWatch(
+        self, request: pb.Empty, context: grpc.ServicerContext
+    ) -> Iterator[pb.ListAndWatchResponse]:
+        ended = threading.Event()
+
+        def on_end() -> None:
+            ended.set()
+            with self._cond:
+                self._cond.notify_all()
+
+        context.add_callback(on_end)
+        log.info("%s: kubelet opened ListAndWatch", self.resource.name)
+        sent = -1
+        while True:
+            with self._cond:
+                self._cond.wait_for(
+                    lambda: self._version != sent or self._closed or ended.is_set(),
+                    timeout=5.0,
+                )
+                if self._closed or ended.is_set():
+                    break
+                if self._version == sent:
+                    continue
+                state, sent = self._state, self._version
+            log.info(
+                "%s: sending %d devices (%d healthy)",
+                self.resource.name,
+                len(state.devices),
+                sum(1 for device in state.devices if device.health.value == "Healthy"),
+            )
+            yield to_proto_devices(state)
+        log.info("%s: ListAndWatch stream ended", self.resource.name)
+
+    def Allocate(
+        self, request: pb.AllocateRequest, context: grpc.ServicerContext
+    ) -> pb.AllocateResponse:
+        state = self.state
+        response = pb.AllocateResponse()
+        if not request.container_requests:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no container requests")
+        for index, container in enumerate(request.container_requests):
+            ids = list(container.devices_ids)
+            try:
+                allocation = self.resource.allocate(state, ids)
+            except AllocationRefused as exc:
+                code = (
+                    grpc.StatusCode.INVALID_ARGUMENT
+                    if exc.invalid_argument
+                    else grpc.StatusCode.FAILED_PRECONDITION
+                )
+                log.warning(
+                    "%s: refused Allocate of container %d %s: %s",
+                    self.resource.name, index, ids, exc.reason,
+                )
+                context.abort(code, f"{self.resource.name}: {exc.reason}")
+            log.info("%s: allocated %s", self.resource.name, ",".join(ids))
+            response.container_responses.append(to_proto_allocation(allocation))
+        return response
+
+    def GetPreferredAllocation(
+        self, request: pb.PreferredAllocationRequest, context: grpc.ServicerContext
+    ) -> pb.PreferredAllocationResponse:
+        context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            f"{self.resource.name} does not offer preferred allocations",
+        )
+
+    def PreStartContainer(
+        self, request: pb.PreStartContainerRequest, context: grpc.ServicerContext
+    ) -> pb.PreStartContainerResponse:
+        return pb.PreStartContainerResponse()
+
+
+@dataclass(frozen=True)
+class SocketIdentity:
+    """Which file a path names: a replaced socket has a new inode."""
+
+    device: int
+    inode: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, path: Path) -> SocketIdentity | None:
+        try:
+            stat = os.stat(path)
+        except OSError:
+            return None
+        return cls(stat.st_dev, stat.st_ino, stat.st_ctime_ns)
+
+
+class PluginServer:
+    """A grpc.Server bound to one socket; restartable after the socket is wiped."""
+
+    def __init__(self, servicer: DevicePluginServicer, socket_path: Path, workers: int = 8) -> None:
+        check_socket_path(socket_path)
+        self.servicer = servicer
+        self.socket_path = socket_path
+        self._workers = workers
+        self._server: grpc.Server | None = None
+        self._identity: SocketIdentity | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._server is not None
+
+    def start(self) -> None:
+        if self._server is not None:
+            raise RuntimeError("server already running")
+        self.socket_path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.socket_path.unlink()
+        except FileNotFoundError:
+            pass
+        self.servicer.reopen()
+        server = grpc.server(
+            futures.ThreadPoolExecutor(
+                max_workers=self._workers,
+                thread_name_prefix=f"dp-{self.servicer.resource.kind.value}",
+            ),
+            options=[("grpc.so_reuseport", 0)],
+        )
+        pb_grpc.add_DevicePluginServicer_to_server(self.servicer, server)
+        server.add_insecure_port(f"unix://{self.socket_path}")
+        server.start()
+        self._server = server
+        self._identity = SocketIdentity.of(self.socket_path)
+        log.info("%s: serving on %s", self.servicer.resource.name, self.socket_path)
+
+    def socket_intact(self) -> bool:
+        """False once the socket file was removed or replaced (kubelet restart)."""
+        return self._identity is not None and SocketIdentity.of(self.socket_path) == self._identity
+
+    def stop(self, grace: float = 1.0, *, remove_socket: bool = True) -> None:
+        server, self._server = self._server, None
+        self.servicer.close_streams()
+        if server is not None:
+            server.stop(grace).wait(grace + 1.0)
+        if remove_socket and self._identity is not None and self.socket_intact():
+            try:
+                self.socket_path.unlink()
+            except FileNotFoundError:
+                pass
+        self._identity = None
+
+    def restart(self) -> None:
+        self.stop(grace=0.5, remove_socket=False)
+        self.start()

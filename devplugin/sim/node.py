@@ -1,0 +1,302 @@
+"""Declarative simulated nodes: a PCIe tree of GPUs and HCAs, built on disk.
+
+A `NodeSpec` lists root complexes; each holds switches, GPUs and HCAs
+(switches nest). `build_node` writes the sysfs tree, the /dev tree and the
+NVML fixture, numbering buses, minors and device nodes the way a real node
+would, and returns where everything went.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Union
+
+from devplugin.model import PciAddress
+from devplugin.sim.sysfs import PciNode, SysfsBuilder
+
+NVIDIA = 0x10DE
+MELLANOX = 0x15B3
+BROADCOM_PLX = 0x1000
+INTEL = 0x8086
+CLASS_BRIDGE = 0x060400
+CLASS_3D = 0x030200
+CLASS_INFINIBAND = 0x020700
+
+ACTIVE = ("4: ACTIVE", "5: LinkUp")
+DOWN = ("1: DOWN", "3: Disabled")
+
+
+@dataclass
+class Port:
+    state: str = ACTIVE[0]
+    phys_state: str = ACTIVE[1]
+    link_layer: str = "InfiniBand"
+    rate: str = "400 Gb/sec (4X NDR)"
+
+
+@dataclass
+class Gpu:
+    name: str = "NVIDIA H100 80GB HBM3"
+    memory_mib: int = 81559
+    # Omitted sysfs attributes (to simulate older kernels / odd platforms).
+    omit: tuple[str, ...] = ()
+    dev_node: bool = True
+
+
+@dataclass
+class Hca:
+    ports: list[Port] = field(default_factory=lambda: [Port()])
+    netdevs: int = 1  # how many netdevs; 0 for an HCA without one
+    fw_ver: str = "28.39.1002"
+    omit: tuple[str, ...] = ()
+    # Device nodes to leave out of /dev ("uverbs", "umad", "issm", "rdma_cm").
+    missing_nodes: tuple[str, ...] = ()
+
+
+@dataclass
+class Switch:
+    children: list[Child] = field(default_factory=list)
+
+
+Child = Union[Switch, Gpu, Hca]  # noqa: UP007 - forward reference in a runtime alias
+
+
+@dataclass
+class RootComplex:
+    numa_node: int | None
+    local_cpulist: str
+    children: list[Child] = field(default_factory=list)
+
+
+@dataclass
+class NodeSpec:
+    roots: list[RootComplex]
+    # NVLinks between every pair of GPUs (0: none), then per-pair overrides.
+    nvlink_all_to_all: int = 0
+    nvlink_pairs: dict[tuple[int, int], int] = field(default_factory=dict)
+    driver_version: str = "550.54.15"
+    cuda_driver_version: int = 12040
+
+
+@dataclass(frozen=True)
+class BuiltGpu:
+    index: int
+    uuid: str
+    address: PciAddress
+    minor: int
+    directory: Path
+
+
+@dataclass(frozen=True)
+class BuiltHca:
+    name: str
+    address: PciAddress
+    directory: Path
+    uverbs: int
+    umads: tuple[int, ...]
+    issms: tuple[int, ...]
+
+    @property
+    def device_id(self) -> str:
+        return str(self.address)
+
+
+@dataclass(frozen=True)
+class BuiltNode:
+    sysfs_root: Path
+    dev_root: Path
+    fixture: Path
+    gpus: tuple[BuiltGpu, ...]
+    hcas: tuple[BuiltHca, ...]
+    bridges: dict[PciAddress, Path]
+
+    def gpu_uuid(self, index: int) -> str:
+        return self.gpus[index].uuid
+
+    def hca(self, name: str) -> BuiltHca:
+        for hca in self.hcas:
+            if hca.name == name:
+                return hca
+        raise KeyError(name)
+
+
+class _Builder:
+    def __init__(self, spec: NodeSpec, base: Path) -> None:
+        self.spec = spec
+        self.base = base
+        self.sysfs = SysfsBuilder(base / "sys", base / "dev")
+        self.gpus: list[BuiltGpu] = []
+        self.hcas: list[BuiltHca] = []
+        self.bridges: dict[PciAddress, Path] = {}
+        self.fixture_gpus: list[dict[str, object]] = []
+        self.next_bus = 0
+        self.next_umad = 0
+        self.next_issm = 0
+
+    def bus(self) -> int:
+        self.next_bus += 1
+        if self.next_bus > 0xFF:
+            raise ValueError("simulated node needs more than 256 PCI buses")
+        return self.next_bus
+
+    def build(self) -> BuiltNode:
+        for root_index, root in enumerate(self.spec.roots):
+            # Leave room below each host bridge, as firmware does.
+            self.next_bus = max(self.next_bus + 1, 0x10 * (root_index + 1))
+            root_bus = self.next_bus
+            bridge = self.sysfs.host_bridge(
+                0, root_bus, numa_node=root.numa_node, local_cpulist=root.local_cpulist
+            )
+            for port_index, child in enumerate(root.children):
+                root_port = self.sysfs.function(
+                    bridge,
+                    PciAddress(0, root_bus, 1 + port_index, 0),
+                    vendor=INTEL, device=0x352A, pci_class=CLASS_BRIDGE, driver="pcieport",
+                )
+                self.bridges[PciAddress(0, root_bus, 1 + port_index, 0)] = root_port.directory
+                self.child(root_port, child)
+        self.sysfs.dev_node("nvidiactl")
+        self.sysfs.dev_node("nvidia-uvm")
+        self.sysfs.dev_node("nvidia-uvm-tools")
+        if self.hcas:
+            self.sysfs.dev_node("infiniband/rdma_cm")
+        fixture = self.base / "nvml.json"
+        fixture.write_text(json.dumps(self.fixture(), indent=2) + "\n", encoding="utf-8")
+        return BuiltNode(
+            sysfs_root=self.sysfs.sysfs,
+            dev_root=self.sysfs.dev,
+            fixture=fixture,
+            gpus=tuple(self.gpus),
+            hcas=tuple(self.hcas),
+            bridges=self.bridges,
+        )
+
+    def child(self, parent: PciNode, child: Child) -> None:
+        address = PciAddress(0, self.bus(), 0, 0)
+        if isinstance(child, Switch):
+            upstream = self.sysfs.function(
+                parent, address, vendor=BROADCOM_PLX, device=0xC030,
+                pci_class=CLASS_BRIDGE, driver="pcieport",
+            )
+            self.bridges[address] = upstream.directory
+            down_bus = self.bus()
+            for index, grandchild in enumerate(child.children):
+                down = self.sysfs.function(
+                    upstream, PciAddress(0, down_bus, index, 0), vendor=BROADCOM_PLX,
+                    device=0xC030, pci_class=CLASS_BRIDGE, driver="pcieport",
+                )
+                self.bridges[PciAddress(0, down_bus, index, 0)] = down.directory
+                self.child(down, grandchild)
+        elif isinstance(child, Gpu):
+            self.gpu(parent, address, child)
+        else:
+            self.hca(parent, address, child)
+
+    def gpu(self, parent: PciNode, address: PciAddress, spec: Gpu) -> None:
+        index = len(self.gpus)
+        node = self.sysfs.function(
+            parent, address, vendor=NVIDIA, device=0x2330, pci_class=CLASS_3D,
+            driver="nvidia", omit=spec.omit,
+        )
+        uuid = f"GPU-{index:08x}-5a1e-4c0d-9e00-{address.bus:012x}"
+        if spec.dev_node:
+            self.sysfs.dev_node(f"nvidia{index}")
+        self.gpus.append(BuiltGpu(index, uuid, address, index, node.directory))
+        self.fixture_gpus.append(
+            {
+                "uuid": uuid,
+                "name": spec.name,
+                "pci_bus_id": f"{address.domain:08X}:{address.bus:02X}:"
+                f"{address.device:02X}.{address.function:X}",
+                "minor_number": index,
+                "memory_total_mib": spec.memory_mib,
+            }
+        )
+
+    def hca(self, parent: PciNode, address: PciAddress, spec: Hca) -> None:
+        index = len(self.hcas)
+        name = f"mlx5_{index}"
+        node = self.sysfs.function(
+            parent, address, vendor=MELLANOX, device=0x1021, pci_class=CLASS_INFINIBAND,
+            driver="mlx5_core", omit=spec.omit,
+        )
+        netdevs = tuple(
+            f"ibp{address.bus}s0" + (f"f{n}" if n else "") for n in range(spec.netdevs)
+        )
+        self.sysfs.ib_device(
+            node, name,
+            node_guid=f"b83f:d203:00{index:02x}:{address.bus:04x}",
+            fw_ver=spec.fw_ver,
+            ports=[(p.state, p.phys_state, p.link_layer, p.rate) for p in spec.ports],
+            netdevs=netdevs,
+        )
+        self.sysfs.uverbs(node, index, name, with_dev_node="uverbs" not in spec.missing_nodes)
+        umads: list[int] = []
+        issms: list[int] = []
+        for port in range(1, len(spec.ports) + 1):
+            self.sysfs.mad(node, "umad", self.next_umad, name, port,
+                           with_dev_node="umad" not in spec.missing_nodes)
+            self.sysfs.mad(node, "issm", self.next_issm, name, port,
+                           with_dev_node="issm" not in spec.missing_nodes)
+            umads.append(self.next_umad)
+            issms.append(self.next_issm)
+            self.next_umad += 1
+            self.next_issm += 1
+        self.hcas.append(
+            BuiltHca(name, address, node.directory, index, tuple(umads), tuple(issms))
+        )
+
+    def fixture(self) -> dict[str, object]:
+        count = len(self.fixture_gpus)
+        for i, gpu in enumerate(self.fixture_gpus):
+            peers: dict[str, int] = {}
+            for j in range(count):
+                if i == j:
+                    continue
+                links = self.spec.nvlink_pairs.get(
+                    (min(i, j), max(i, j)), self.spec.nvlink_all_to_all
+                )
+                if links:
+                    peers[str(j)] = links
+            gpu["nvlink_peers"] = peers
+        return {
+            "driver_version": self.spec.driver_version,
+            "cuda_driver_version": self.spec.cuda_driver_version,
+            "gpus": self.fixture_gpus,
+        }
+
+
+def build_node(spec: NodeSpec, base: Path) -> BuiltNode:
+    """Write `spec` under `base` (sys/, dev/, nvml.json)."""
+    base.mkdir(parents=True, exist_ok=True)
+    node = _Builder(spec, base).build()
+    if any(missing == "rdma_cm" for root in spec.roots for missing in _missing(root.children)):
+        (node.dev_root / "infiniband" / "rdma_cm").unlink(missing_ok=True)
+    return node
+
+
+def _missing(children: list[Child]) -> list[str]:
+    found: list[str] = []
+    for child in children:
+        if isinstance(child, Switch):
+            found.extend(_missing(child.children))
+        elif isinstance(child, Hca):
+            found.extend(child.missing_nodes)
+    return found
+
+
+def hgx_node(sockets: int = 2, pairs_per_socket: int = 4, nvlinks: int = 18) -> NodeSpec:
+    """An HGX-H100-like node: one GPU and one HCA behind each PCIe switch,
+    every GPU joined to every other through NVSwitch."""
+    roots = []
+    for socket in range(sockets):
+        first_cpu = socket * 56
+        cpulist = f"{first_cpu}-{first_cpu + 55}"
+        for _ in range(pairs_per_socket):
+            roots.append(
+                RootComplex(numa_node=socket, local_cpulist=cpulist,
+                            children=[Switch([Gpu(), Hca()])])
+            )
+    return NodeSpec(roots=roots, nvlink_all_to_all=nvlinks)
