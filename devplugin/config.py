@@ -86,9 +86,7 @@ class PathsConfig:
     sysfs_root: str = _checked("/sys", _absolute)
     dev_root: str = _checked("/dev", _absolute)
     device_plugin_dir: str = _checked("/var/lib/kubelet/device-plugins", _absolute)
-    pod_resources_socket: str = _checked(
-        "/var/lib/kubelet/pod-resources/kubelet.sock", _absolute
-    )
+    pod_resources_socket: str = _checked("/var/lib/kubelet/pod-resources/kubelet.sock", _absolute)
 
 
 @dataclass(frozen=True)
@@ -214,7 +212,9 @@ def parse_config(data: Any) -> Config:
     if version is None:
         raise ConfigError("version", f"missing; this daemon reads version {CONFIG_VERSION!r}")
     if version != CONFIG_VERSION:
-        raise ConfigError("version", f"unsupported version {version!r}; expected {CONFIG_VERSION!r}")
+        raise ConfigError(
+            "version", f"unsupported version {version!r}; expected {CONFIG_VERSION!r}"
+        )
     config: Config = _build(Config, data, "")
     validate(config)
     return config

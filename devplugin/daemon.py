@@ -45,7 +45,9 @@ class Daemon:
             if nvml_lib is not None and config.resources.gpu.enabled
             else None
         )
-        self.discoverer = Discoverer(Roots(Path(paths.sysfs_root), Path(paths.dev_root)), gpu_source)
+        self.discoverer = Discoverer(
+            Roots(Path(paths.sysfs_root), Path(paths.dev_root)), gpu_source
+        )
         self.resources = build_resources(config)
         self.servers: list[PluginServer] = []
         self.registrar: Registrar | None = None
@@ -72,7 +74,9 @@ class Daemon:
         log.info(
             "devplugin starting: resources %s, plugin dir %s, sysfs %s, dev %s",
             ", ".join(resource.name for resource in self.resources),
-            self.plugin_dir, self.config.paths.sysfs_root, self.config.paths.dev_root,
+            self.plugin_dir,
+            self.config.paths.sysfs_root,
+            self.config.paths.dev_root,
         )
         inventory = self.rescan()
         self._log_inventory(inventory)
@@ -130,13 +134,12 @@ class Daemon:
 
     def _log_inventory(self, inventory: Inventory) -> None:
         if inventory.nvml.ok:
-            log.info(
-                "NVML driver %s: %d GPUs", inventory.nvml.driver_version, len(inventory.gpus)
-            )
+            log.info("NVML driver %s: %d GPUs", inventory.nvml.driver_version, len(inventory.gpus))
         for hca in inventory.hcas:
             log.info(
                 "HCA %s at %s (NUMA %s), ports %s",
-                hca.name, hca.pci_address,
+                hca.name,
+                hca.pci_address,
                 hca.numa_node if hca.numa_node is not None else "unknown",
                 ", ".join(f"{port.number}:{port.state}" for port in hca.ports) or "none",
             )

@@ -133,7 +133,8 @@ class Registrar:
             if not entry.server.socket_intact():
                 log.warning(
                     "%s: socket %s is gone or replaced (kubelet restart?); restarting server",
-                    entry.server.servicer.resource.name, entry.server.socket_path,
+                    entry.server.servicer.resource.name,
+                    entry.server.socket_path,
                 )
                 entry.server.restart()
                 with self._lock:
@@ -141,8 +142,9 @@ class Registrar:
         kubelet = SocketIdentity.of(self._kubelet_socket)
         if kubelet is None:
             if self._kubelet_seen is not False:
-                log.warning("kubelet socket %s not present; waiting for the kubelet",
-                            self._kubelet_socket)
+                log.warning(
+                    "kubelet socket %s not present; waiting for the kubelet", self._kubelet_socket
+                )
             self._kubelet_seen = False
             return
         self._kubelet_seen = True
@@ -179,7 +181,9 @@ class Registrar:
             entry.next_attempt = self._clock() + entry.backoff
             log.warning(
                 "%s: registration with the kubelet failed (%s); retrying in %.1fs",
-                name, exc, entry.backoff,
+                name,
+                exc,
+                entry.backoff,
             )
             return
         with self._lock:

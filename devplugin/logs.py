@@ -35,9 +35,7 @@ def setup_logging(fmt: str = "text", level: str = "info", stream: TextIO | None 
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(
-            logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s")
-        )
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
     root = logging.getLogger()
     for existing in list(root.handlers):
         root.removeHandler(existing)

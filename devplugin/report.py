@@ -159,7 +159,8 @@ def topo_matrix(inventory: Inventory) -> list[list[str]]:
 def topo_text(inventory: Inventory) -> str:
     rows = topo_matrix(inventory)
     widths = [max(len(row[col]) for row in rows) for col in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(widths[col]) for col, cell in enumerate(row)).rstrip()
-             for row in rows]
+    lines = [
+        "  ".join(cell.ljust(widths[col]) for col, cell in enumerate(row)).rstrip() for row in rows
+    ]
     hca_ids = [f"  {hca.name} = {hca.device_id}" for hca in inventory.hcas]
     return "\n".join([*lines, "", *LEGEND, *(["", "HCA ids:", *hca_ids] if hca_ids else [])])

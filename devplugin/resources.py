@@ -135,7 +135,9 @@ def check_request(state: ResourceState, ids: Sequence[str]) -> None:
         )
 
 
-def _merge(state: ResourceState, ids: Sequence[str], envs: Mapping[str, str]) -> ContainerAllocation:
+def _merge(
+    state: ResourceState, ids: Sequence[str], envs: Mapping[str, str]
+) -> ContainerAllocation:
     nodes: list[DeviceNode] = []
     for device_id in ids:
         nodes.extend(state.allocations[device_id].devices)
@@ -187,9 +189,7 @@ def hca_health(hca: HcaInfo) -> tuple[Health, str]:
         problems.append("no ports")
     for port in hca.ports:
         if port.state_code != ACTIVE_STATE or port.phys_state_code != LINK_UP_PHYS_STATE:
-            problems.append(
-                f"port {port.number} is {port.state or '?'} / {port.phys_state or '?'}"
-            )
+            problems.append(f"port {port.number} is {port.state or '?'} / {port.phys_state or '?'}")
     if hca.uverbs is None:
         problems.append("no uverbs device")
     missing = [node.path for node in hca.char_devices if not node.present]

@@ -128,10 +128,11 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         sent = -1
         while True:
             with self._cond:
-                self._cond.wait_for(
-                    lambda: self._version != sent or self._closed or ended.is_set(),
-                    timeout=5.0,
-                )
+
+                def ready(last: int = sent) -> bool:
+                    return self._version != last or self._closed or ended.is_set()
+
+                self._cond.wait_for(ready, timeout=5.0)
                 if self._closed or ended.is_set():
                     break
                 if self._version == sent:
@@ -165,7 +166,10 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
                 )
                 log.warning(
                     "%s: refused Allocate of container %d %s: %s",
-                    self.resource.name, index, ids, exc.reason,
+                    self.resource.name,
+                    index,
+                    ids,
+                    exc.reason,
                 )
                 context.abort(code, f"{self.resource.name}: {exc.reason}")
             log.info("%s: allocated %s", self.resource.name, ",".join(ids))
@@ -222,10 +226,7 @@ class PluginServer:
         if self._server is not None:
             raise RuntimeError("server already running")
         self.socket_path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            self.socket_path.unlink()
-        except FileNotFoundError:
-            pass
+        self.socket_path.unlink(missing_ok=True)
         self.servicer.reopen()
         server = grpc.server(
             futures.ThreadPoolExecutor(
@@ -251,10 +252,7 @@ class PluginServer:
         if server is not None:
             server.stop(grace).wait(grace + 1.0)
         if remove_socket and self._identity is not None and self.socket_intact():
-            try:
-                self.socket_path.unlink()
-            except FileNotFoundError:
-                pass
+            self.socket_path.unlink(missing_ok=True)
         self._identity = None
 
     def restart(self) -> None:

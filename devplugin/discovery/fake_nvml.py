@@ -119,8 +119,12 @@ def parse_fixture(data: object, source: str = "fixture") -> Fixture:
     _require(not unknown, f"{source}: {unknown[0] if unknown else ''}", "unknown key")
     missing = sorted(_TOP_KEYS - set(data))
     _require(not missing, f"{source}: {missing[0] if missing else ''}", "missing key")
-    _require(isinstance(data["driver_version"], str), f"{source}: driver_version", "must be a string")
-    _require(_is_int(data["cuda_driver_version"]), f"{source}: cuda_driver_version", "must be an integer")
+    _require(
+        isinstance(data["driver_version"], str), f"{source}: driver_version", "must be a string"
+    )
+    _require(
+        _is_int(data["cuda_driver_version"]), f"{source}: cuda_driver_version", "must be an integer"
+    )
     _require(isinstance(data["gpus"], list), f"{source}: gpus", "must be a list")
     gpus: list[FixtureGpu] = []
     seen_uuids: set[str] = set()
@@ -135,16 +139,24 @@ def parse_fixture(data: object, source: str = "fixture") -> Fixture:
         missing = sorted(_GPU_KEYS - set(raw))
         _require(not missing, f"{where}.{missing[0] if missing else ''}", "missing key")
         for key in ("uuid", "name", "pci_bus_id"):
-            _require(isinstance(raw[key], str) and raw[key], f"{where}.{key}", "must be a non-empty string")
+            _require(
+                isinstance(raw[key], str) and raw[key],
+                f"{where}.{key}",
+                "must be a non-empty string",
+            )
         for key in ("minor_number", "memory_total_mib"):
-            _require(_is_int(raw[key]) and raw[key] >= 0, f"{where}.{key}", "must be an integer >= 0")
+            _require(
+                _is_int(raw[key]) and raw[key] >= 0, f"{where}.{key}", "must be an integer >= 0"
+            )
         try:
             bus = PciAddress.parse(raw["pci_bus_id"])
         except ValueError as exc:
             raise FixtureError(f"{where}.pci_bus_id: {exc}") from exc
         _require(raw["uuid"] not in seen_uuids, f"{where}.uuid", "duplicate UUID")
         _require(bus not in seen_bus, f"{where}.pci_bus_id", "duplicate PCI bus id")
-        _require(raw["minor_number"] not in seen_minor, f"{where}.minor_number", "duplicate minor number")
+        _require(
+            raw["minor_number"] not in seen_minor, f"{where}.minor_number", "duplicate minor number"
+        )
         seen_uuids.add(raw["uuid"])
         seen_bus.add(bus)
         seen_minor.add(raw["minor_number"])
@@ -153,7 +165,9 @@ def parse_fixture(data: object, source: str = "fixture") -> Fixture:
         peers: dict[int, int] = {}
         for key, links in peers_raw.items():
             field = f"{where}.nvlink_peers.{key}"
-            _require(key.isdigit() and int(key) < count, field, f"peer must be a GPU index below {count}")
+            _require(
+                key.isdigit() and int(key) < count, field, f"peer must be a GPU index below {count}"
+            )
             _require(int(key) != index, field, "a GPU cannot link to itself")
             _require(_is_int(links) and links > 0, field, "link count must be an integer > 0")
             peers[int(key)] = links
@@ -196,8 +210,8 @@ def load_fixture(path: Path) -> Fixture:
 
 @dataclass(frozen=True)
 class _PciInfo:
-    busId: str  # noqa: N815 - pynvml's field name
-    busIdLegacy: str  # noqa: N815
+    busId: str
+    busIdLegacy: str
 
 
 @dataclass(frozen=True)
@@ -264,13 +278,13 @@ class FakeNvml:
         return cls(load_fixture(path))
 
     # -- library lifecycle -------------------------------------------------
-    def nvmlInit(self) -> None:  # noqa: N802 - pynvml's names
+    def nvmlInit(self) -> None:
         with self._lock:
             if self.init_error is not None:
                 raise NVMLError(self.init_error)
             self._init_count += 1
 
-    def nvmlShutdown(self) -> None:  # noqa: N802
+    def nvmlShutdown(self) -> None:
         with self._lock:
             self._require_init()
             self._init_count -= 1
@@ -294,22 +308,22 @@ class FakeNvml:
             return handle.index, self._fixture.gpus[handle.index]
 
     # -- system ------------------------------------------------------------
-    def nvmlSystemGetDriverVersion(self) -> str:  # noqa: N802
+    def nvmlSystemGetDriverVersion(self) -> str:
         with self._lock:
             self._require_init()
             return self._fixture.driver_version
 
-    def nvmlSystemGetCudaDriverVersion(self) -> int:  # noqa: N802
+    def nvmlSystemGetCudaDriverVersion(self) -> int:
         with self._lock:
             self._require_init()
             return self._fixture.cuda_driver_version
 
-    def nvmlDeviceGetCount(self) -> int:  # noqa: N802
+    def nvmlDeviceGetCount(self) -> int:
         with self._lock:
             self._require_init()
             return len(self._fixture.gpus)
 
-    def nvmlDeviceGetHandleByIndex(self, index: int) -> _Handle:  # noqa: N802
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> _Handle:
         with self._lock:
             self._require_init()
             if not 0 <= index < len(self._fixture.gpus):
@@ -319,21 +333,21 @@ class FakeNvml:
             return _Handle(index)
 
     # -- per device --------------------------------------------------------
-    def nvmlDeviceGetUUID(self, handle: Any) -> str:  # noqa: N802
+    def nvmlDeviceGetUUID(self, handle: Any) -> str:
         return self._gpu(handle)[1].uuid
 
-    def nvmlDeviceGetName(self, handle: Any) -> str:  # noqa: N802
+    def nvmlDeviceGetName(self, handle: Any) -> str:
         return self._gpu(handle)[1].name
 
-    def nvmlDeviceGetPciInfo(self, handle: Any) -> _PciInfo:  # noqa: N802
+    def nvmlDeviceGetPciInfo(self, handle: Any) -> _PciInfo:
         gpu = self._gpu(handle)[1]
         bus = _nvml_bus_id(gpu.pci_bus_id)
         return _PciInfo(busId=bus, busIdLegacy=bus[4:])
 
-    def nvmlDeviceGetMinorNumber(self, handle: Any) -> int:  # noqa: N802
+    def nvmlDeviceGetMinorNumber(self, handle: Any) -> int:
         return self._gpu(handle)[1].minor_number
 
-    def nvmlDeviceGetMemoryInfo(self, handle: Any) -> _Memory:  # noqa: N802
+    def nvmlDeviceGetMemoryInfo(self, handle: Any) -> _Memory:
         total = self._gpu(handle)[1].memory_total_mib * 1024 * 1024
         return _Memory(total=total, free=total, used=0)
 
@@ -346,15 +360,15 @@ class FakeNvml:
             raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
         return links[link] if link < len(links) else ""
 
-    def nvmlDeviceGetNvLinkState(self, handle: Any, link: int) -> int:  # noqa: N802
+    def nvmlDeviceGetNvLinkState(self, handle: Any, link: int) -> int:
         return NVML_FEATURE_ENABLED if self._link(handle, link) else NVML_FEATURE_DISABLED
 
-    def nvmlDeviceGetNvLinkRemoteDeviceType(self, handle: Any, link: int) -> int:  # noqa: N802
+    def nvmlDeviceGetNvLinkRemoteDeviceType(self, handle: Any, link: int) -> int:
         if not self._link(handle, link):
             raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
         return NVML_NVLINK_DEVICE_TYPE_GPU
 
-    def nvmlDeviceGetNvLinkRemotePciInfo(self, handle: Any, link: int) -> _PciInfo:  # noqa: N802
+    def nvmlDeviceGetNvLinkRemotePciInfo(self, handle: Any, link: int) -> _PciInfo:
         remote = self._link(handle, link)
         if not remote:
             raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)

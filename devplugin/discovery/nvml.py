@@ -63,7 +63,7 @@ class NvmlGpuSource:
             return None
         try:
             self._lib.nvmlInit()
-        except Exception as exc:  # noqa: BLE001 - any failure means "no NVML"
+        except Exception as exc:
             message = self._error_text(exc)
             if message != self._last_error:
                 log.error(
@@ -89,7 +89,7 @@ class NvmlGpuSource:
                 driver = _text(lib.nvmlSystemGetDriverVersion())
                 cuda = int(lib.nvmlSystemGetCudaDriverVersion())
                 count = int(lib.nvmlDeviceGetCount())
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 message = self._error_text(exc)
                 log.error("NVML query failed: %s", message)
                 return (), NvmlStatus(error=message)
@@ -102,8 +102,10 @@ class NvmlGpuSource:
                     bus_id = PciAddress.parse(_text(lib.nvmlDeviceGetPciInfo(handle).busId))
                     minor = int(lib.nvmlDeviceGetMinorNumber(handle))
                     memory = int(lib.nvmlDeviceGetMemoryInfo(handle).total) // _MIB
-                except Exception as exc:  # noqa: BLE001
-                    log.warning("GPU %d: NVML could not describe it: %s", index, self._error_text(exc))
+                except Exception as exc:
+                    log.warning(
+                        "GPU %d: NVML could not describe it: %s", index, self._error_text(exc)
+                    )
                     continue
                 raw.append((index, handle, uuid, name, bus_id, minor, memory))
             for _, handle, uuid, _, _, _, _ in raw:
@@ -136,11 +138,11 @@ class NvmlGpuSource:
             try:
                 if lib.nvmlDeviceGetNvLinkState(handle, link) != enabled:
                     continue
-            except Exception:  # noqa: BLE001 - absent links and no-NVLink GPUs raise
+            except Exception:
                 continue
             try:
                 remote_type = lib.nvmlDeviceGetNvLinkRemoteDeviceType(handle, link)
-            except Exception:  # noqa: BLE001 - older drivers: assume a GPU peer
+            except Exception:
                 remote_type = None
             if remote_type == switch_type:
                 switch_links += 1
@@ -148,7 +150,7 @@ class NvmlGpuSource:
             try:
                 remote = _text(lib.nvmlDeviceGetNvLinkRemotePciInfo(handle, link).busId)
                 key = str(PciAddress.parse(remote))
-            except Exception:  # noqa: BLE001
+            except Exception:
                 continue
             per_peer[key] = per_peer.get(key, 0) + 1
         self._peer_addresses[uuid] = tuple(sorted(per_peer.items()))
@@ -182,6 +184,6 @@ class NvmlGpuSource:
                 return
             try:
                 self._lib.nvmlShutdown()
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 log.warning("nvmlShutdown failed: %s", self._error_text(exc))
             self._initialised = False

@@ -40,7 +40,8 @@ class Discoverer:
                 self._warned_unplaced.add(gpu.uuid)
                 log.warning(
                     "GPU %s at %s is not in the sysfs PCI tree; its topology is unknown",
-                    gpu.uuid, gpu.pci_address,
+                    gpu.uuid,
+                    gpu.pci_address,
                 )
         return Inventory(
             gpus=gpus,

@@ -240,7 +240,10 @@ def read_hcas(
         if address in seen:
             log.warning(
                 "RDMA devices %s and %s share PCI function %s; serving only %s",
-                seen[address], name, address, seen[address],
+                seen[address],
+                name,
+                address,
+                seen[address],
             )
             continue
         seen[address] = name

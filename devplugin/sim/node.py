@@ -153,7 +153,10 @@ class _Builder:
                 root_port = self.sysfs.function(
                     bridge,
                     PciAddress(0, root_bus, 1 + port_index, 0),
-                    vendor=INTEL, device=0x352A, pci_class=CLASS_BRIDGE, driver="pcieport",
+                    vendor=INTEL,
+                    device=0x352A,
+                    pci_class=CLASS_BRIDGE,
+                    driver="pcieport",
                 )
                 self.bridges[PciAddress(0, root_bus, 1 + port_index, 0)] = root_port.directory
                 self.child(root_port, child)
@@ -177,15 +180,23 @@ class _Builder:
         address = PciAddress(0, self.bus(), 0, 0)
         if isinstance(child, Switch):
             upstream = self.sysfs.function(
-                parent, address, vendor=BROADCOM_PLX, device=0xC030,
-                pci_class=CLASS_BRIDGE, driver="pcieport",
+                parent,
+                address,
+                vendor=BROADCOM_PLX,
+                device=0xC030,
+                pci_class=CLASS_BRIDGE,
+                driver="pcieport",
             )
             self.bridges[address] = upstream.directory
             down_bus = self.bus()
             for index, grandchild in enumerate(child.children):
                 down = self.sysfs.function(
-                    upstream, PciAddress(0, down_bus, index, 0), vendor=BROADCOM_PLX,
-                    device=0xC030, pci_class=CLASS_BRIDGE, driver="pcieport",
+                    upstream,
+                    PciAddress(0, down_bus, index, 0),
+                    vendor=BROADCOM_PLX,
+                    device=0xC030,
+                    pci_class=CLASS_BRIDGE,
+                    driver="pcieport",
                 )
                 self.bridges[PciAddress(0, down_bus, index, 0)] = down.directory
                 self.child(down, grandchild)
@@ -197,8 +208,13 @@ class _Builder:
     def gpu(self, parent: PciNode, address: PciAddress, spec: Gpu) -> None:
         index = len(self.gpus)
         node = self.sysfs.function(
-            parent, address, vendor=NVIDIA, device=0x2330, pci_class=CLASS_3D,
-            driver="nvidia", omit=spec.omit,
+            parent,
+            address,
+            vendor=NVIDIA,
+            device=0x2330,
+            pci_class=CLASS_3D,
+            driver="nvidia",
+            omit=spec.omit,
         )
         uuid = f"GPU-{index:08x}-5a1e-4c0d-9e00-{address.bus:012x}"
         if spec.dev_node:
@@ -219,14 +235,18 @@ class _Builder:
         index = len(self.hcas)
         name = f"mlx5_{index}"
         node = self.sysfs.function(
-            parent, address, vendor=MELLANOX, device=0x1021, pci_class=CLASS_INFINIBAND,
-            driver="mlx5_core", omit=spec.omit,
+            parent,
+            address,
+            vendor=MELLANOX,
+            device=0x1021,
+            pci_class=CLASS_INFINIBAND,
+            driver="mlx5_core",
+            omit=spec.omit,
         )
-        netdevs = tuple(
-            f"ibp{address.bus}s0" + (f"f{n}" if n else "") for n in range(spec.netdevs)
-        )
+        netdevs = tuple(f"ibp{address.bus}s0" + (f"f{n}" if n else "") for n in range(spec.netdevs))
         self.sysfs.ib_device(
-            node, name,
+            node,
+            name,
             node_guid=f"b83f:d203:00{index:02x}:{address.bus:04x}",
             fw_ver=spec.fw_ver,
             ports=[(p.state, p.phys_state, p.link_layer, p.rate) for p in spec.ports],
@@ -236,17 +256,27 @@ class _Builder:
         umads: list[int] = []
         issms: list[int] = []
         for port in range(1, len(spec.ports) + 1):
-            self.sysfs.mad(node, "umad", self.next_umad, name, port,
-                           with_dev_node="umad" not in spec.missing_nodes)
-            self.sysfs.mad(node, "issm", self.next_issm, name, port,
-                           with_dev_node="issm" not in spec.missing_nodes)
+            self.sysfs.mad(
+                node,
+                "umad",
+                self.next_umad,
+                name,
+                port,
+                with_dev_node="umad" not in spec.missing_nodes,
+            )
+            self.sysfs.mad(
+                node,
+                "issm",
+                self.next_issm,
+                name,
+                port,
+                with_dev_node="issm" not in spec.missing_nodes,
+            )
             umads.append(self.next_umad)
             issms.append(self.next_issm)
             self.next_umad += 1
             self.next_issm += 1
-        self.hcas.append(
-            BuiltHca(name, address, node.directory, index, tuple(umads), tuple(issms))
-        )
+        self.hcas.append(BuiltHca(name, address, node.directory, index, tuple(umads), tuple(issms)))
 
     def fixture(self) -> dict[str, object]:
         count = len(self.fixture_gpus)
@@ -296,7 +326,8 @@ def hgx_node(sockets: int = 2, pairs_per_socket: int = 4, nvlinks: int = 18) -> 
         cpulist = f"{first_cpu}-{first_cpu + 55}"
         for _ in range(pairs_per_socket):
             roots.append(
-                RootComplex(numa_node=socket, local_cpulist=cpulist,
-                            children=[Switch([Gpu(), Hca()])])
+                RootComplex(
+                    numa_node=socket, local_cpulist=cpulist, children=[Switch([Gpu(), Hca()])]
+                )
             )
     return NodeSpec(roots=roots, nvlink_all_to_all=nvlinks)

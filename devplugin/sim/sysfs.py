@@ -124,7 +124,9 @@ class SysfsBuilder:
             _link(self.sysfs / "class" / "net" / netdev, net_dir)
         return ib_dir
 
-    def uverbs(self, function: PciNode, index: int, ibdev: str, *, with_dev_node: bool = True) -> None:
+    def uverbs(
+        self, function: PciNode, index: int, ibdev: str, *, with_dev_node: bool = True
+    ) -> None:
         entry = function.directory / "infiniband_verbs" / f"uverbs{index}"
         _write(entry / "ibdev", ibdev)
         _write(entry / "dev", f"231:{192 + index}")
@@ -133,8 +135,14 @@ class SysfsBuilder:
             self.dev_node(f"infiniband/uverbs{index}")
 
     def mad(
-        self, function: PciNode, kind: str, index: int, ibdev: str, port: int,
-        *, with_dev_node: bool = True,
+        self,
+        function: PciNode,
+        kind: str,
+        index: int,
+        ibdev: str,
+        port: int,
+        *,
+        with_dev_node: bool = True,
     ) -> None:
         """A umadN or issmN entry of class/infiniband_mad for one port."""
         entry = function.directory / "infiniband_mad" / f"{kind}{index}"

@@ -1,0 +1,38 @@
+# Every target bootstraps .venv when it is missing or older than pyproject.toml.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+PROTOS := proto/devplugin/api/deviceplugin_v1beta1.proto proto/devplugin/api/podresources_v1.proto
+
+.PHONY: install test demo bench proto lint clean
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "devplugin needs Python >= 3.11")'
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+demo: $(STAMP)
+	$(BIN)/devplugin demo
+
+bench: $(STAMP)
+	$(BIN)/python -m bench
+
+proto: $(STAMP)
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m grpc_tools.protoc -Iproto \
+		--python_out=. --mypy_out=. --grpc_python_out=. --mypy_grpc_out=. $(PROTOS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check devplugin tests bench
+	$(BIN)/ruff format --check devplugin tests bench
+	$(BIN)/mypy
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,5 @@
+import sys
+
+from devplugin.cli import main
+
+sys.exit(main())

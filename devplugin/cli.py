@@ -1,0 +1,174 @@
+"""Command-line entry points: parse, wire, run. No policy lives here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from devplugin.config import Config, ConfigError, load_config, override
+from devplugin.discovery import Discoverer, NvmlGpuSource, Roots, load_pynvml
+from devplugin.discovery.fake_nvml import FakeNvml, FixtureError
+from devplugin.logs import setup_logging
+
+log = logging.getLogger("devplugin")
+
+EXIT_CONFIG = 2
+
+
+class UsageError(Exception):
+    """Bad configuration or input: exit 2 with one line."""
+
+
+def _add_source_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, help="YAML configuration file (version: v1)")
+    parser.add_argument("--sysfs-root", help="sysfs root (default /sys)")
+    parser.add_argument("--dev-root", help="device node root (default /dev)")
+    parser.add_argument("--nvml-fixture", help="JSON fixture for the built-in fake NVML")
+    parser.add_argument("--log-format", choices=["text", "json"], help="log format")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="devplugin",
+        description="Kubelet device plugin for GPUs and RDMA HCAs with topology-aware allocation",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="run the device plugin daemon")
+    _add_source_flags(run)
+    run.add_argument("--device-plugin-dir", help="kubelet device-plugin directory")
+    run.add_argument("--pod-resources-socket", help="kubelet PodResources socket")
+    discover = commands.add_parser("discover", help="print the GPUs and HCAs found")
+    _add_source_flags(discover)
+    discover.add_argument("--json", action="store_true", help="print JSON")
+    topo = commands.add_parser("topo", help="print the GPU/HCA topology matrix")
+    _add_source_flags(topo)
+    commands.add_parser("demo", help="run the daemon on an embedded simulated node")
+    return parser
+
+
+def resolve_config(args: argparse.Namespace) -> Config:
+    """The file's configuration with command-line flags applied on top."""
+    try:
+        config = load_config(args.config)
+        return override(
+            config,
+            **{
+                "paths.sysfs_root": getattr(args, "sysfs_root", None),
+                "paths.dev_root": getattr(args, "dev_root", None),
+                "paths.device_plugin_dir": getattr(args, "device_plugin_dir", None),
+                "paths.pod_resources_socket": getattr(args, "pod_resources_socket", None),
+                "nvml.fixture": getattr(args, "nvml_fixture", None),
+                "logging.format": getattr(args, "log_format", None),
+            },
+        )
+    except ConfigError as exc:
+        raise UsageError(f"config error: {exc}") from exc
+
+
+def nvml_library(config: Config) -> Any | None:
+    """The fake NVML for a fixture, else the real bindings (None if GPUs are off)."""
+    if not config.resources.gpu.enabled:
+        return None
+    if config.nvml.fixture is not None:
+        try:
+            return FakeNvml.from_file(Path(config.nvml.fixture))
+        except FixtureError as exc:
+            raise UsageError(f"config error: nvml.fixture: {exc}") from exc
+    try:
+        return load_pynvml()
+    except ImportError as exc:  # pragma: no cover - it is a dependency
+        log.error("cannot import pynvml (nvidia-ml-py): %s; GPUs will not be served", exc)
+        return None
+
+
+def _scan(config: Config) -> Any:
+    lib = nvml_library(config)
+    discoverer = Discoverer(
+        Roots(Path(config.paths.sysfs_root), Path(config.paths.dev_root)),
+        NvmlGpuSource(lib) if lib is not None else None,
+    )
+    try:
+        return discoverer.scan()
+    finally:
+        discoverer.close()
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from devplugin.daemon import Daemon
+
+    config = resolve_config(args)
+    setup_logging(config.logging.format, config.logging.level)
+    lib = nvml_library(config)
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        log.info("received %s; shutting down", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    daemon = Daemon(config, lib)
+    try:
+        daemon.start()
+    except (OSError, ValueError, RuntimeError) as exc:
+        log.error("cannot start: %s", exc)
+        daemon.stop()
+        return 1
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        daemon.stop()
+    return 0
+
+
+def cmd_discover(args: argparse.Namespace) -> int:
+    from devplugin.report import inventory_dict, inventory_text
+
+    config = resolve_config(args)
+    setup_logging(config.logging.format, "warning")
+    inventory = _scan(config)
+    if args.json:
+        print(json.dumps(inventory_dict(inventory), indent=2))
+    else:
+        print(inventory_text(inventory))
+    return 0
+
+
+def cmd_topo(args: argparse.Namespace) -> int:
+    from devplugin.report import topo_text
+
+    config = resolve_config(args)
+    setup_logging(config.logging.format, "warning")
+    print(topo_text(_scan(config)))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from devplugin.sim.demo import run_demo
+
+    setup_logging("text", "warning")
+    return run_demo()
+
+
+COMMANDS = {"run": cmd_run, "discover": cmd_discover, "topo": cmd_topo, "demo": cmd_demo}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except UsageError as exc:
+        print(f"devplugin: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,537 @@
+"""An in-process kubelet for the demo and the tests, speaking the kubelet's protos.
+
+It behaves like the kubelet's device manager where a device plugin can tell:
+
+* serves `v1beta1.Registration` on `kubelet.sock` in the plugin directory;
+  inside Register it dials the plugin's endpoint and calls
+  GetDevicePluginOptions, then opens ListAndWatch;
+* when a ListAndWatch stream ends it marks that plugin's devices Unhealthy
+  and does not reconnect (only a new Register brings it back);
+* admits pods container by container, resource by resource (in random order
+  unless told), asking GetPreferredAllocation when offered, then Allocate,
+  then PreStartContainer when required;
+* on restart, removes every socket in the plugin directory and creates a new
+  `kubelet.sock`, keeping its record of which container holds which device;
+* serves `v1.PodResourcesLister` on its own socket.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from devplugin.api import deviceplugin_v1beta1_pb2 as pb
+from devplugin.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
+from devplugin.api import podresources_v1_pb2 as pr
+from devplugin.api import podresources_v1_pb2_grpc as pr_grpc
+
+log = logging.getLogger(__name__)
+
+_EXTENDED_NAME = re.compile(
+    r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+)
+CHECKPOINT_FILE = "kubelet_internal_checkpoint"
+
+
+class AdmissionError(Exception):
+    """A pod could not be admitted; carries the gRPC status when a plugin refused."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class DeviceRecord:
+    id: str
+    health: str
+    numa_nodes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RegistrationRecord:
+    resource: str
+    endpoint: str
+    version: str
+    options: pb.DevicePluginOptions
+    at: float
+
+
+@dataclass(frozen=True)
+class PreferredCall:
+    resource: str
+    available: tuple[str, ...]
+    must_include: tuple[str, ...]
+    size: int
+    answer: tuple[str, ...] | None
+    error: str | None
+
+
+@dataclass(frozen=True)
+class ContainerRequest:
+    name: str
+    requests: Mapping[str, int]
+
+
+@dataclass
+class ContainerResult:
+    name: str
+    devices: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    responses: dict[str, pb.ContainerAllocateResponse] = field(default_factory=dict)
+    order: tuple[str, ...] = ()
+
+
+@dataclass
+class PodResult:
+    namespace: str
+    name: str
+    containers: list[ContainerResult]
+
+    def container(self, name: str) -> ContainerResult:
+        for container in self.containers:
+            if container.name == name:
+                return container
+        raise KeyError(name)
+
+
+class _Endpoint:
+    """The kubelet side of one registered plugin."""
+
+    def __init__(self, sim: KubeletSimulator, record: RegistrationRecord, path: Path) -> None:
+        self.sim = sim
+        self.record = record
+        self.channel = grpc.insecure_channel(f"unix://{path}")
+        self.stub = pb_grpc.DevicePluginStub(self.channel)
+        self.options = record.options
+        self.devices: dict[str, DeviceRecord] = {}
+        self.connected = True
+        self.updates = 0
+        self._thread = threading.Thread(
+            target=self._watch, name=f"sim-law-{record.resource}", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _watch(self) -> None:
+        try:
+            for response in self.stub.ListAndWatch(pb.Empty()):
+                devices = {
+                    device.ID: DeviceRecord(
+                        device.ID,
+                        device.health,
+                        tuple(node.ID for node in device.topology.nodes),
+                    )
+                    for device in response.devices
+                }
+                with self.sim._cond:
+                    self.devices = devices
+                    self.updates += 1
+                    self.sim._cond.notify_all()
+        except grpc.RpcError as exc:
+            log.info(
+                "sim kubelet: ListAndWatch for %s ended: %s",
+                self.record.resource,
+                exc.code() if isinstance(exc, grpc.Call) else exc,
+            )
+        with self.sim._cond:
+            # What the kubelet does when a plugin's stream ends.
+            self.connected = False
+            self.devices = {
+                device_id: DeviceRecord(device_id, "Unhealthy", record.numa_nodes)
+                for device_id, record in self.devices.items()
+            }
+            self.sim._cond.notify_all()
+
+    def close(self) -> None:
+        self.channel.close()
+        self._thread.join(timeout=5)
+
+
+class _Registration(pb_grpc.RegistrationServicer):
+    def __init__(self, sim: KubeletSimulator) -> None:
+        self.sim = sim
+
+    def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.Empty:
+        return self.sim._register(request, context)
+
+
+class _PodResources(pr_grpc.PodResourcesListerServicer):
+    def __init__(self, sim: KubeletSimulator) -> None:
+        self.sim = sim
+
+    def List(
+        self, request: pr.ListPodResourcesRequest, context: grpc.ServicerContext
+    ) -> pr.ListPodResourcesResponse:
+        with self.sim._cond:
+            self.sim.pod_resources_calls += 1
+            pods = [self.sim._pod_proto(key, pod) for key, pod in self.sim._pods.items()]
+        return pr.ListPodResourcesResponse(pod_resources=pods)
+
+    def Get(
+        self, request: pr.GetPodResourcesRequest, context: grpc.ServicerContext
+    ) -> pr.GetPodResourcesResponse:
+        with self.sim._cond:
+            self.sim.pod_resources_calls += 1
+            key = (request.pod_namespace, request.pod_name)
+            pod = self.sim._pods.get(key)
+            proto = self.sim._pod_proto(key, pod) if pod is not None else None
+        if proto is None:
+            context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"pod {request.pod_namespace}/{request.pod_name} not found",
+            )
+        return pr.GetPodResourcesResponse(pod_resources=proto)
+
+    def GetAllocatableResources(
+        self, request: pr.AllocatableResourcesRequest, context: grpc.ServicerContext
+    ) -> pr.AllocatableResourcesResponse:
+        response = pr.AllocatableResourcesResponse()
+        with self.sim._cond:
+            self.sim.pod_resources_calls += 1
+            for resource, endpoint in self.sim._endpoints.items():
+                for device in endpoint.devices.values():
+                    if device.health == "Healthy":
+                        entry = response.devices.add(resource_name=resource, device_ids=[device.id])
+                        for node in device.numa_nodes:
+                            entry.topology.nodes.add(ID=node)
+        return response
+
+
+class KubeletSimulator:
+    """See the module docstring. All public methods are thread-safe."""
+
+    def __init__(
+        self,
+        plugin_dir: Path,
+        pod_resources_socket: Path | None = None,
+        *,
+        seed: int = 0,
+        options_timeout: float = 5.0,
+    ) -> None:
+        self.plugin_dir = plugin_dir
+        self.kubelet_socket = plugin_dir / "kubelet.sock"
+        self.pod_resources_socket = pod_resources_socket
+        self._rng = random.Random(seed)
+        self._options_timeout = options_timeout
+        self._cond = threading.Condition()
+        self._endpoints: dict[str, _Endpoint] = {}
+        self._retired: list[_Endpoint] = []
+        self._server: grpc.Server | None = None
+        self._pr_server: grpc.Server | None = None
+        # (namespace, pod) -> {container -> {resource -> ids}}
+        self._pods: dict[tuple[str, str], dict[str, dict[str, tuple[str, ...]]]] = {}
+        self.registrations: list[RegistrationRecord] = []
+        self.preferred_calls: list[PreferredCall] = []
+        self.pod_resources_calls = 0
+        self.restarts = 0
+
+    # -- lifecycle -----------------------------------------------------------
+    def start(self) -> None:
+        self.plugin_dir.mkdir(parents=True, exist_ok=True)
+        self._start_registration()
+        if self.pod_resources_socket is not None:
+            self.pod_resources_socket.parent.mkdir(parents=True, exist_ok=True)
+            self.pod_resources_socket.unlink(missing_ok=True)
+            server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+            pr_grpc.add_PodResourcesListerServicer_to_server(_PodResources(self), server)
+            server.add_insecure_port(f"unix://{self.pod_resources_socket}")
+            server.start()
+            self._pr_server = server
+
+    def _start_registration(self) -> None:
+        self.kubelet_socket.unlink(missing_ok=True)
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        pb_grpc.add_RegistrationServicer_to_server(_Registration(self), server)
+        server.add_insecure_port(f"unix://{self.kubelet_socket}")
+        server.start()
+        self._server = server
+
+    def _stop_registration(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            server.stop(0).wait(5)
+        with self._cond:
+            endpoints = list(self._endpoints.values()) + self._retired
+            self._retired = []
+        for endpoint in endpoints:
+            endpoint.close()
+
+    def stop(self) -> None:
+        """The kubelet goes away: its sockets disappear, plugins' streams end."""
+        self._stop_registration()
+        self.kubelet_socket.unlink(missing_ok=True)
+        pr_server, self._pr_server = self._pr_server, None
+        if pr_server is not None:
+            pr_server.stop(0).wait(5)
+        if self.pod_resources_socket is not None:
+            self.pod_resources_socket.unlink(missing_ok=True)
+
+    def restart(self) -> float:
+        """Restart as the kubelet does: wipe the plugin directory, new kubelet.sock.
+
+        Returns the monotonic time at which the new kubelet.sock appeared.
+        """
+        self._stop_registration()
+        with self._cond:
+            self._endpoints = {}
+            self.restarts += 1
+        for entry in os.listdir(self.plugin_dir):
+            if entry != CHECKPOINT_FILE:
+                (self.plugin_dir / entry).unlink(missing_ok=True)
+        self._start_registration()
+        return time.monotonic()
+
+    # -- registration ----------------------------------------------------------
+    def _register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.Empty:
+        if request.version != "v1beta1":
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"unsupported version {request.version!r}"
+            )
+        if not _EXTENDED_NAME.match(request.resource_name):
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"invalid resource name {request.resource_name!r}",
+            )
+        if not request.endpoint or "/" in request.endpoint:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"invalid endpoint {request.endpoint!r}"
+            )
+        path = self.plugin_dir / request.endpoint
+        with grpc.insecure_channel(f"unix://{path}") as channel:
+            try:
+                options = pb_grpc.DevicePluginStub(channel).GetDevicePluginOptions(
+                    pb.Empty(), timeout=self._options_timeout
+                )
+            except grpc.RpcError as exc:
+                context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"cannot reach plugin at {path}: "
+                    f"{exc.details() if isinstance(exc, grpc.Call) else exc}",
+                )
+        if options != request.options:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "options in RegisterRequest differ from GetDevicePluginOptions",
+            )
+        record = RegistrationRecord(
+            request.resource_name, request.endpoint, request.version, options, time.monotonic()
+        )
+        endpoint = _Endpoint(self, record, path)
+        with self._cond:
+            old = self._endpoints.get(request.resource_name)
+            if old is not None:
+                self._retired.append(old)
+            self._endpoints[request.resource_name] = endpoint
+            self.registrations.append(record)
+            self._cond.notify_all()
+        endpoint.start()
+        return pb.Empty()
+
+    # -- observation -------------------------------------------------------
+    def wait_for(self, predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
+        """Wait until `predicate()` (called under the simulator's lock) holds."""
+        with self._cond:
+            return self._cond.wait_for(predicate, timeout=timeout)
+
+    def registered(self, resource: str) -> bool:
+        with self._cond:
+            endpoint = self._endpoints.get(resource)
+            return endpoint is not None and endpoint.connected
+
+    def devices(self, resource: str) -> dict[str, DeviceRecord]:
+        with self._cond:
+            endpoint = self._endpoints.get(resource)
+            return dict(endpoint.devices) if endpoint is not None else {}
+
+    def options(self, resource: str) -> pb.DevicePluginOptions:
+        with self._cond:
+            return self._endpoints[resource].options
+
+    def stub(self, resource: str) -> pb_grpc.DevicePluginStub:
+        with self._cond:
+            return self._endpoints[resource].stub
+
+    def wait_for_devices(self, resource: str, count: int, timeout: float = 5.0) -> bool:
+        def ready() -> bool:
+            endpoint = self._endpoints.get(resource)
+            return endpoint is not None and endpoint.connected and len(endpoint.devices) >= count
+
+        return self.wait_for(ready, timeout)
+
+    def allocated(self) -> dict[str, set[str]]:
+        """resource -> ids held by any container."""
+        with self._cond:
+            return self._allocated_locked()
+
+    def _allocated_locked(self) -> dict[str, set[str]]:
+        held: dict[str, set[str]] = {}
+        for containers in self._pods.values():
+            for resources in containers.values():
+                for resource, ids in resources.items():
+                    held.setdefault(resource, set()).update(ids)
+        return held
+
+    # -- admission ---------------------------------------------------------
+    def admit(
+        self,
+        pod: str,
+        containers: Sequence[ContainerRequest],
+        *,
+        namespace: str = "default",
+        order: Sequence[str] | None = None,
+    ) -> PodResult:
+        """Admit a pod, allocating each container's resources like the kubelet."""
+        key = (namespace, pod)
+        with self._cond:
+            if key in self._pods:
+                raise AdmissionError(f"pod {namespace}/{pod} already exists")
+            self._pods[key] = {}
+        results: list[ContainerResult] = []
+        try:
+            for container in containers:
+                results.append(self._admit_container(key, container, order))
+        except Exception:
+            with self._cond:
+                del self._pods[key]
+                self._cond.notify_all()
+            raise
+        return PodResult(namespace, pod, results)
+
+    def _admit_container(
+        self,
+        key: tuple[str, str],
+        container: ContainerRequest,
+        order: Sequence[str] | None,
+    ) -> ContainerResult:
+        resources = [name for name, count in container.requests.items() if count > 0]
+        if order is not None:
+            resources.sort(
+                key=lambda name: list(order).index(name) if name in order else len(order)
+            )
+        else:
+            # The kubelet walks a Go map: no order can be relied upon.
+            self._rng.shuffle(resources)
+        result = ContainerResult(container.name, order=tuple(resources))
+        for resource in resources:
+            ids, response = self._allocate(resource, container.requests[resource])
+            result.devices[resource] = ids
+            result.responses[resource] = response
+            with self._cond:
+                self._pods[key].setdefault(container.name, {})[resource] = ids
+                self._cond.notify_all()
+        return result
+
+    def _allocate(
+        self, resource: str, count: int
+    ) -> tuple[tuple[str, ...], pb.ContainerAllocateResponse]:
+        with self._cond:
+            endpoint = self._endpoints.get(resource)
+            if endpoint is None or not endpoint.connected:
+                raise AdmissionError(f"no device plugin registered for {resource}")
+            held = self._allocated_locked().get(resource, set())
+            available = sorted(
+                device.id
+                for device in endpoint.devices.values()
+                if device.health == "Healthy" and device.id not in held
+            )
+            options = endpoint.options
+            stub = endpoint.stub
+        if len(available) < count:
+            raise AdmissionError(f"{resource}: requested {count}, only {len(available)} available")
+        chosen: list[str] = []
+        if options.get_preferred_allocation_available:
+            chosen = self._preferred(resource, stub, available, count)
+        if len(chosen) < count:
+            chosen.extend(device for device in available if device not in chosen)
+            chosen = chosen[:count]
+        try:
+            response = stub.Allocate(
+                pb.AllocateRequest(
+                    container_requests=[pb.ContainerAllocateRequest(devices_ids=chosen)]
+                ),
+                timeout=30,
+            )
+        except grpc.RpcError as exc:
+            code = exc.code() if isinstance(exc, grpc.Call) else None
+            details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+            raise AdmissionError(f"{resource}: Allocate failed: {details}", code) from exc
+        if len(response.container_responses) != 1:
+            raise AdmissionError(
+                f"{resource}: Allocate returned {len(response.container_responses)} responses"
+            )
+        if options.pre_start_required:
+            try:
+                stub.PreStartContainer(pb.PreStartContainerRequest(devices_ids=chosen), timeout=30)
+            except grpc.RpcError as exc:
+                code = exc.code() if isinstance(exc, grpc.Call) else None
+                details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+                raise AdmissionError(
+                    f"{resource}: PreStartContainer failed: {details}", code
+                ) from exc
+        return tuple(chosen), response.container_responses[0]
+
+    def _preferred(
+        self, resource: str, stub: pb_grpc.DevicePluginStub, available: list[str], count: int
+    ) -> list[str]:
+        request = pb.PreferredAllocationRequest(
+            container_requests=[
+                pb.ContainerPreferredAllocationRequest(
+                    available_deviceIDs=available, must_include_deviceIDs=[], allocation_size=count
+                )
+            ]
+        )
+        try:
+            response = stub.GetPreferredAllocation(request, timeout=30)
+        except grpc.RpcError as exc:
+            details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+            with self._cond:
+                self.preferred_calls.append(
+                    PreferredCall(resource, tuple(available), (), count, None, details)
+                )
+            return []
+        answer = (
+            list(response.container_responses[0].deviceIDs) if response.container_responses else []
+        )
+        with self._cond:
+            self.preferred_calls.append(
+                PreferredCall(resource, tuple(available), (), count, tuple(answer), None)
+            )
+        # The kubelet ignores a preference naming devices it cannot give.
+        if len(set(answer)) != len(answer) or not set(answer) <= set(available):
+            return []
+        return answer[:count]
+
+    def remove(self, pod: str, namespace: str = "default") -> None:
+        with self._cond:
+            self._pods.pop((namespace, pod), None)
+            self._cond.notify_all()
+
+    def _pod_proto(
+        self, key: tuple[str, str], containers: dict[str, dict[str, tuple[str, ...]]]
+    ) -> pr.PodResources:
+        namespace, name = key
+        proto = pr.PodResources(name=name, namespace=namespace)
+        for container, resources in containers.items():
+            entry = proto.containers.add(name=container)
+            for resource, ids in resources.items():
+                endpoint = self._endpoints.get(resource)
+                devices = entry.devices.add(resource_name=resource, device_ids=list(ids))
+                nodes: set[int] = set()
+                for device_id in ids:
+                    record = endpoint.devices.get(device_id) if endpoint is not None else None
+                    if record is not None:
+                        nodes.update(record.numa_nodes)
+                for node in sorted(nodes):
+                    devices.topology.nodes.add(ID=node)
+        return proto

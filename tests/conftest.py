@@ -1,0 +1,90 @@
+"""Shared fixtures: short socket directories, simulated nodes, a running daemon."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from devplugin.config import Config, override
+from devplugin.daemon import Daemon
+from devplugin.discovery.fake_nvml import FakeNvml
+from devplugin.sim.kubelet import KubeletSimulator
+from devplugin.sim.node import BuiltNode, NodeSpec, build_node
+
+GPU = "nvidia.com/gpu"
+HCA = "rdma/hca"
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[Path]:
+    """A short directory for unix sockets (sun_path holds 107 bytes; tmp_path is long)."""
+    path = Path(tempfile.mkdtemp(prefix="dpt-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def fast_config(node: BuiltNode, plugin_dir: Path, pod_resources: Path, **extra: Any) -> Config:
+    """Defaults, pointed at a simulated node, with quick rescans for tests."""
+    settings: dict[str, Any] = {
+        "paths.sysfs_root": str(node.sysfs_root),
+        "paths.dev_root": str(node.dev_root),
+        "paths.device_plugin_dir": str(plugin_dir),
+        "paths.pod_resources_socket": str(pod_resources),
+        "nvml.fixture": str(node.fixture),
+        "discovery.rescan_interval_seconds": 0.2,
+    }
+    settings.update(extra)
+    return override(Config(), **settings)
+
+
+@dataclass
+class Cluster:
+    """A simulated node with its kubelet and a running daemon."""
+
+    node: BuiltNode
+    kubelet: KubeletSimulator
+    daemon: Daemon
+    nvml: FakeNvml
+    plugin_dir: Path
+
+
+@pytest.fixture
+def start_cluster(tmp_path: Path, sock_dir: Path) -> Iterator[Callable[..., Cluster]]:
+    started: list[tuple[Daemon, KubeletSimulator]] = []
+
+    def start(
+        spec: NodeSpec,
+        *,
+        nvml_init_error: int | None = None,
+        start_kubelet: bool = True,
+        wait: bool = True,
+        **config: Any,
+    ) -> Cluster:
+        node = build_node(spec, tmp_path / "node")
+        plugin_dir = sock_dir / "dp"
+        kubelet = KubeletSimulator(plugin_dir, sock_dir / "pr" / "kubelet.sock", seed=1)
+        if start_kubelet:
+            kubelet.start()
+        lib = FakeNvml.from_file(node.fixture)
+        lib.init_error = nvml_init_error
+        daemon = Daemon(
+            fast_config(node, plugin_dir, sock_dir / "pr" / "kubelet.sock", **config), lib
+        )
+        daemon.start()
+        started.append((daemon, kubelet))
+        cluster = Cluster(node, kubelet, daemon, lib, plugin_dir)
+        if start_kubelet and wait:
+            assert kubelet.wait_for_devices(GPU, len(node.gpus), timeout=10)
+            assert kubelet.wait_for_devices(HCA, len(node.hcas), timeout=10)
+        return cluster
+
+    yield start
+    for daemon, kubelet in started:
+        daemon.stop()
+        kubelet.stop()

@@ -1,0 +1,153 @@
+"""The command line: the daemon as a process, discovery output, errors, the demo."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from devplugin.cli import main
+from devplugin.sim.demo import run_demo
+from devplugin.sim.kubelet import KubeletSimulator
+from devplugin.sim.node import BuiltNode, build_node, hgx_node
+from tests.conftest import GPU, HCA
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> BuiltNode:
+    return build_node(hgx_node(), tmp_path / "node")
+
+
+def source_flags(node: BuiltNode) -> list[str]:
+    return [
+        "--sysfs-root",
+        str(node.sysfs_root),
+        "--dev-root",
+        str(node.dev_root),
+        "--nvml-fixture",
+        str(node.fixture),
+    ]
+
+
+def spawn(args: list[str]) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen(
+        [sys.executable, "-m", "devplugin", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_daemon_process_serves_then_exits_zero_on_signal_removing_sockets(
+    node: BuiltNode, sock_dir: Path, signum: signal.Signals
+) -> None:
+    plugin_dir = sock_dir / "dp"
+    kubelet = KubeletSimulator(plugin_dir)
+    kubelet.start()
+    process = spawn(
+        ["run", *source_flags(node), "--device-plugin-dir", str(plugin_dir), "--log-format", "json"]
+    )
+    try:
+        assert kubelet.wait_for_devices(GPU, 8, timeout=20)
+        assert kubelet.wait_for_devices(HCA, 8, timeout=20)
+        assert sorted(p.name for p in plugin_dir.glob("devplugin-*.sock")) == [
+            "devplugin-nvidia.com-gpu.sock",
+            "devplugin-rdma-hca.sock",
+        ]
+        process.send_signal(signum)
+        output, _ = process.communicate(timeout=20)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        kubelet.stop()
+    assert process.returncode == 0, output
+    assert not list(plugin_dir.glob("devplugin-*.sock"))
+    lines = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+    assert any(entry["msg"].startswith("received SIG") for entry in lines)
+    assert any("registered with the kubelet" in entry["msg"] for entry in lines)
+
+
+def test_bad_config_exits_two_with_one_line_naming_the_field(tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("version: v1\nresources:\n  hca:\n    nmae: rdma/x\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "devplugin", "run", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.strip().splitlines() == [
+        "devplugin: config error: resources.hca.nmae: unknown key"
+    ]
+
+
+def test_bad_fixture_exits_two_naming_the_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fixture = tmp_path / "f.json"
+    fixture.write_text(json.dumps({"driver_version": "1", "cuda_driver_version": 1, "gpus": [{}]}))
+    assert main(["discover", "--nvml-fixture", str(fixture)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("devplugin: config error: nvml.fixture: ")
+    assert "gpus[0]." in err
+    assert "\n" not in err
+
+
+def test_flag_overrides_bad_value_exits_two(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["topo", "--sysfs-root", "relative/sys"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "devplugin: config error: paths.sysfs_root: must be an absolute path, got 'relative/sys'"
+    )
+
+
+def test_discover_json(node: BuiltNode, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["discover", "--json", *source_flags(node)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["nvml"]["ok"] is True
+    assert [gpu["uuid"] for gpu in data["gpus"]] == [gpu.uuid for gpu in node.gpus]
+    assert [hca["id"] for hca in data["hcas"]] == [hca.device_id for hca in node.hcas]
+    first = data["hcas"][0]
+    assert first["name"] == "mlx5_0"
+    assert first["health"] == "Healthy"
+    assert first["ports"][0]["state"] == "4: ACTIVE"
+    assert first["pci"]["numa_node"] == 0
+    assert [n["path"] for n in first["char_devices"]] == [
+        "/dev/infiniband/uverbs0",
+        "/dev/infiniband/umad0",
+        "/dev/infiniband/issm0",
+        "/dev/infiniband/rdma_cm",
+    ]
+
+
+def test_discover_text_and_topo(node: BuiltNode, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["discover", *source_flags(node)]) == 0
+    text = capsys.readouterr().out
+    assert "NVML: driver 550.54.15" in text
+    assert "HCAs: 8" in text
+    assert main(["topo", *source_flags(node)]) == 0
+    topo = capsys.readouterr().out.splitlines()
+    assert topo[0].split()[:3] == ["GPU0", "GPU1", "GPU2"]
+    assert topo[1].split()[:3] == ["GPU0", "X", "NV18"]
+
+
+def test_demo_runs_the_main_job_and_cleans_up(sock_dir: Path) -> None:
+    lines: list[str] = []
+    assert run_demo(lines.append, workdir=sock_dir) == 0
+    text = "\n".join(lines)
+    for pod in ("trainer-a", "notebook", "rdma-probe", "trainer-b"):
+        assert f"pod default/{pod}" in text
+    assert "kubelet sees nvidia.com/gpu: 8 devices, 8 healthy" in text
+    assert "NCCL_IB_HCA==" in text
+    assert "re-registered" in text
+    assert list(sock_dir.iterdir()) == []

@@ -1,0 +1,129 @@
+"""Configuration: versioned, strict, one-line errors naming the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from devplugin.config import Config, ConfigError, load_config, override, parse_config
+
+
+def test_defaults() -> None:
+    config = parse_config({"version": "v1"})
+    assert config == Config()
+    assert config.resources.gpu.name == "nvidia.com/gpu"
+    assert config.resources.hca.name == "rdma/hca"
+    assert config.resources.hca.env_var == "NCCL_IB_HCA"
+    assert config.paths.sysfs_root == "/sys"
+    assert config.paths.dev_root == "/dev"
+    assert config.paths.device_plugin_dir == "/var/lib/kubelet/device-plugins"
+    assert config.paths.pod_resources_socket == "/var/lib/kubelet/pod-resources/kubelet.sock"
+    assert config.nvml.fixture is None
+
+
+def test_a_full_file_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        """
+version: v1
+resources:
+  gpu: {name: example.com/gpu}
+  hca: {name: example.com/hca, env_var: MY_HCAS}
+paths:
+  sysfs_root: /host/sys
+  dev_root: /host/dev
+discovery:
+  rescan_interval_seconds: 2
+logging:
+  format: json
+"""
+    )
+    config = load_config(path)
+    assert config.resources.gpu.name == "example.com/gpu"
+    assert config.resources.hca.env_var == "MY_HCAS"
+    assert config.paths.sysfs_root == "/host/sys"
+    assert config.discovery.rescan_interval_seconds == 2.0
+    assert config.logging.format == "json"
+    assert config.paths.device_plugin_dir == "/var/lib/kubelet/device-plugins"
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({}, "version: missing"),
+        ({"version": "v2"}, "version: unsupported version 'v2'"),
+        ({"version": "v1", "colour": 1}, "colour: unknown key"),
+        (
+            {"version": "v1", "resources": {"gpu": {"nmae": "x/y"}}},
+            "resources.gpu.nmae: unknown key",
+        ),
+        ({"version": "v1", "resources": {"gpu": {"name": "gpu"}}}, "resources.gpu.name: must be"),
+        (
+            {"version": "v1", "resources": {"gpu": {"name": "kubernetes.io/gpu"}}},
+            "resources.gpu.name: the kubernetes.io domain is reserved",
+        ),
+        (
+            {"version": "v1", "resources": {"gpu": {"enabled": "yes"}}},
+            "resources.gpu.enabled: must be a boolean, got str",
+        ),
+        (
+            {"version": "v1", "resources": {"hca": {"name": "nvidia.com/gpu"}}},
+            "resources.hca.name: same as resources.gpu.name",
+        ),
+        (
+            {"version": "v1", "resources": {"hca": {"env_var": "NCCL-IB"}}},
+            "resources.hca.env_var: must be an environment variable name",
+        ),
+        ({"version": "v1", "resources": "all"}, "resources: must be a mapping, got str"),
+        (
+            {"version": "v1", "paths": {"sysfs_root": "sys"}},
+            "paths.sysfs_root: must be an absolute path",
+        ),
+        (
+            {"version": "v1", "discovery": {"rescan_interval_seconds": 0}},
+            "discovery.rescan_interval_seconds: must be greater than 0",
+        ),
+        (
+            {"version": "v1", "discovery": {"rescan_interval_seconds": True}},
+            "discovery.rescan_interval_seconds: must be a number, got bool",
+        ),
+        (
+            {"version": "v1", "logging": {"format": "xml"}},
+            "logging.format: must be one of 'text', 'json'",
+        ),
+        (
+            {"version": "v1", "resources": {"gpu": {"enabled": False}, "hca": {"enabled": False}}},
+            "resources: every resource is disabled",
+        ),
+    ],
+)
+def test_bad_config_names_the_field(data: object, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    assert str(info.value).startswith(message), str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_yaml_syntax_error_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("version: v1\nresources: [\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert "line" in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "absent.yaml")
+
+
+def test_overrides_replace_nested_fields_and_are_validated() -> None:
+    config = override(Config(), **{"paths.dev_root": "/host/dev", "nvml.fixture": None})
+    assert config.paths.dev_root == "/host/dev"
+    assert config.nvml.fixture is None
+    with pytest.raises(ConfigError, match=r"^paths.dev_root: must be an absolute path"):
+        override(Config(), **{"paths.dev_root": "dev"})
+    with pytest.raises(ConfigError, match=r"^paths.nope: unknown key"):
+        override(Config(), **{"paths.nope": "/x"})
