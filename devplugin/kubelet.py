@@ -15,6 +15,7 @@ from devplugin.api import deviceplugin_v1beta1_pb2 as pb
 from devplugin.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from devplugin.api import podresources_v1_pb2 as pr
 from devplugin.api import podresources_v1_pb2_grpc as pr_grpc
+from devplugin.rpc import rpc_failure
 from devplugin.server import PluginServer, SocketIdentity
 
 log = logging.getLogger(__name__)
@@ -47,8 +48,7 @@ def register(
         try:
             stub.Register(request, timeout=timeout, wait_for_ready=False)
         except grpc.RpcError as exc:
-            code = exc.code() if isinstance(exc, grpc.Call) else None
-            details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+            code, details = rpc_failure(exc)
             raise RegistrationFailed(f"{code.name if code else 'error'}: {details}") from exc
 
 

@@ -34,6 +34,7 @@ from devplugin.api import deviceplugin_v1beta1_pb2 as pb
 from devplugin.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from devplugin.api import podresources_v1_pb2 as pr
 from devplugin.api import podresources_v1_pb2_grpc as pr_grpc
+from devplugin.rpc import rpc_failure
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +143,7 @@ class _Endpoint:
             log.info(
                 "sim kubelet: ListAndWatch for %s ended: %s",
                 self.record.resource,
-                exc.code() if isinstance(exc, grpc.Call) else exc,
+                rpc_failure(exc)[0] or exc,
             )
         with self.sim._cond:
             # What the kubelet does when a plugin's stream ends.
@@ -316,8 +317,7 @@ class KubeletSimulator:
             except grpc.RpcError as exc:
                 context.abort(
                     grpc.StatusCode.UNAVAILABLE,
-                    f"cannot reach plugin at {path}: "
-                    f"{exc.details() if isinstance(exc, grpc.Call) else exc}",
+                    f"cannot reach plugin at {path}: {rpc_failure(exc)[1]}",
                 )
         if options != request.options:
             context.abort(
@@ -463,8 +463,7 @@ class KubeletSimulator:
                 timeout=30,
             )
         except grpc.RpcError as exc:
-            code = exc.code() if isinstance(exc, grpc.Call) else None
-            details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+            code, details = rpc_failure(exc)
             raise AdmissionError(f"{resource}: Allocate failed: {details}", code) from exc
         if len(response.container_responses) != 1:
             raise AdmissionError(
@@ -474,8 +473,7 @@ class KubeletSimulator:
             try:
                 stub.PreStartContainer(pb.PreStartContainerRequest(devices_ids=chosen), timeout=30)
             except grpc.RpcError as exc:
-                code = exc.code() if isinstance(exc, grpc.Call) else None
-                details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+                code, details = rpc_failure(exc)
                 raise AdmissionError(
                     f"{resource}: PreStartContainer failed: {details}", code
                 ) from exc
@@ -494,7 +492,7 @@ class KubeletSimulator:
         try:
             response = stub.GetPreferredAllocation(request, timeout=30)
         except grpc.RpcError as exc:
-            details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+            details = rpc_failure(exc)[1]
             with self._cond:
                 self.preferred_calls.append(
                     PreferredCall(resource, tuple(available), (), count, None, details)
