@@ -17,6 +17,17 @@ _BDF = re.compile(
 )
 
 
+class DeviceKind(enum.Enum):
+    """The two kinds of device devplugin serves."""
+
+    GPU = "gpu"
+    HCA = "hca"
+
+    @property
+    def other(self) -> DeviceKind:
+        return DeviceKind.HCA if self is DeviceKind.GPU else DeviceKind.GPU
+
+
 class Health(enum.Enum):
     """The two health values the kubelet understands (wire strings)."""
 

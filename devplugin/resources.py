@@ -19,21 +19,23 @@ HCA resource (default `rdma/hca`)
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from devplugin.model import CharDevice, GpuInfo, HcaInfo, Health, Inventory, PluginDevice
+from devplugin.model import (
+    CharDevice,
+    DeviceKind,
+    GpuInfo,
+    HcaInfo,
+    Health,
+    Inventory,
+    PluginDevice,
+)
 
 GPU_VISIBLE_ENV = "NVIDIA_VISIBLE_DEVICES"
 ACTIVE_STATE = 4  # "4: ACTIVE"
 LINK_UP_PHYS_STATE = 5  # "5: LinkUp"
-
-
-class ResourceKind(enum.Enum):
-    GPU = "gpu"
-    HCA = "hca"
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,7 @@ class Resource(Protocol):
     def name(self) -> str: ...
 
     @property
-    def kind(self) -> ResourceKind: ...
+    def kind(self) -> DeviceKind: ...
 
     @property
     def capabilities(self) -> Capabilities: ...
@@ -155,7 +157,7 @@ class GpuResource:
     """GPUs found through NVML, one device per GPU, id = UUID."""
 
     name: str = "nvidia.com/gpu"
-    kind: ResourceKind = ResourceKind.GPU
+    kind: DeviceKind = DeviceKind.GPU
     capabilities: Capabilities = Capabilities()
 
     def state(self, inventory: Inventory) -> ResourceState:
@@ -206,7 +208,7 @@ class HcaResource:
 
     name: str = "rdma/hca"
     env_var: str = "NCCL_IB_HCA"
-    kind: ResourceKind = ResourceKind.HCA
+    kind: DeviceKind = DeviceKind.HCA
     capabilities: Capabilities = Capabilities()
 
     def state(self, inventory: Inventory) -> ResourceState:

@@ -1,18 +1,29 @@
-"""Connection levels between GPUs and HCAs, as `nvidia-smi topo -m` names them.
+"""Connection levels between GPUs and HCAs, and the domain tree behind them.
 
-Levels come from the PCIe ancestry found in sysfs and NVLink counts from
-NVML. One `Topology` object is built per inventory and shared by everything
-that needs levels (the `topo` command, the allocator, metrics), so the
-per-request work is a dictionary lookup.
+Levels are named as `nvidia-smi topo -m` names them. Every device gets four
+nested domain keys from its sysfs PCI path, coarse to fine:
+
+    NUMA node  >  host bridge  >  root port  >  switch
+
+Two devices are PIX when they share a switch (they hang off downstream ports
+of one switch, or off one root port), PXB when they share only the root port
+(more switches in the way), PHB when they share only the host bridge, NODE
+when they share only the NUMA node, and SYS otherwise. Because the keys are
+nested, the levels form a tree (an ultrametric): the level between two
+devices is decided by the deepest domain they share. The allocator relies on
+that to search exactly without enumerating subsets.
+
+One `Topology` is built per inventory and shared by the allocator, the
+`topo` command and the alignment report; per-request work is lookups.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
 
-from devplugin.model import GpuInfo, HcaInfo, Inventory, PciFunction
+from devplugin.model import DeviceKind, GpuInfo, HcaInfo, Inventory, PciFunction
 
 
 class Level(enum.IntEnum):
@@ -25,39 +36,56 @@ class Level(enum.IntEnum):
     SYS = 5  # across NUMA nodes (or position unknown)
 
 
-def pci_level(a: PciFunction | None, b: PciFunction | None) -> Level:
-    """The level between two PCI functions.
+# The GPU-GPU connectivity the allocator maximises: per pair, 100 per NVLink,
+# otherwise a score by PCIe level.
+NVLINK_SCORE = 100
+PCIE_SCORE = {Level.PIX: 50, Level.PXB: 40, Level.PHB: 30, Level.NODE: 20, Level.SYS: 10}
 
-    With `d` the deepest bridge both sit under, the pair is PIX when each
-    side is at most one bridge below `d` (the downstream ports of one switch,
-    or one port), PXB when either side is deeper (more switches in the way),
-    and PHB when they share no bridge but share the host bridge. Different
-    host bridges are NODE within one NUMA node and SYS across nodes; when a
-    NUMA node is unknown (-1 in sysfs, typical of single-node machines) the
-    two are taken to be in the same node.
+# The level between devices that differ first at domain depth d (0 = NUMA).
+_LEVEL_AT_DEPTH = (Level.SYS, Level.NODE, Level.PHB, Level.PXB)
+DOMAIN_DEPTH = 4
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A device's nested domain keys: NUMA, host bridge, root port, switch."""
+
+    keys: tuple[Hashable, Hashable, Hashable, Hashable]
+
+
+def placement_of(function: PciFunction | None, unplaced_id: str) -> Placement:
+    """Domain keys from a PCI path; a device with no known path gets keys of
+    its own, so it is SYS to everything.
+
+    An unknown NUMA node (-1 in sysfs, typical of single-node machines) is
+    one shared key: unknown-to-unknown is the same node, unknown-to-known is
+    a different one.
     """
+    if function is None:
+        own = ("unplaced", unplaced_id)
+        return Placement((own, (own,), (own,), (own,)))
+    numa = function.numa_node if function.numa_node is not None else -1
+    chain = function.path.chain
+    host = (numa, function.path.root)
+    port = (host, chain[0])
+    # Devices on downstream ports of one switch share everything above those
+    # ports; a device directly behind a root port has the root port alone.
+    switch = (port, chain[:-2] if len(chain) >= 3 else chain[:-1])
+    return Placement((numa, host, port, switch))
+
+
+def level_between(a: Placement, b: Placement) -> Level:
+    for depth, level in enumerate(_LEVEL_AT_DEPTH):
+        if a.keys[depth] != b.keys[depth]:
+            return level
+    return Level.PIX
+
+
+def pci_level(a: PciFunction | None, b: PciFunction | None) -> Level:
+    """The level between two PCI functions (None: position unknown, SYS)."""
     if a is None or b is None:
         return Level.SYS
-    if a.path.root != b.path.root:
-        known = a.numa_node is not None and b.numa_node is not None
-        return Level.SYS if known and a.numa_node != b.numa_node else Level.NODE
-    chain_a, chain_b = a.path.chain, b.path.chain
-    common = 0
-    for x, y in zip(chain_a, chain_b, strict=False):
-        if x != y:
-            break
-        common += 1
-    if common == 0:
-        return Level.PHB
-    if common == len(chain_a) or common == len(chain_b):
-        # One is an ancestor of the other (a bridge and something below it).
-        below = max(len(chain_a), len(chain_b)) - common
-        return Level.PIX if below <= 1 else Level.PXB
-    # chain[common - 1] is the shared bridge; count hops below it per side,
-    # not counting the endpoint itself.
-    hops_a = len(chain_a) - common - 1
-    hops_b = len(chain_b) - common - 1
-    return Level.PIX if hops_a <= 1 and hops_b <= 1 else Level.PXB
+    return level_between(placement_of(a, ""), placement_of(b, ""))
 
 
 @dataclass(frozen=True)
@@ -71,9 +99,53 @@ class Link:
     def label(self) -> str:
         return f"NV{self.nvlinks}" if self.nvlinks else self.level.name
 
+    @property
+    def score(self) -> int:
+        """GPU pair connectivity: NVLinks outrank every PCIe level."""
+        return NVLINK_SCORE * self.nvlinks if self.nvlinks else PCIE_SCORE[self.level]
+
+
+@dataclass(frozen=True)
+class DomainNode:
+    """A node of the domain tree. Depth 0 is the whole system, 1 a NUMA node,
+    2 a host bridge, 3 a root port, 4 a switch (whose children are classes)."""
+
+    index: int
+    depth: int
+    parent: int | None
+    children: tuple[int, ...]
+    classes: tuple[int, ...]
+
+    @property
+    def level(self) -> Level:
+        """The level between devices below different children of this node."""
+        return _LEVEL_AT_DEPTH[self.depth] if self.depth < DOMAIN_DEPTH else Level.PIX
+
+
+@dataclass
+class _NodeDraft:
+    depth: int
+    parent: int | None
+    children: list[int] = field(default_factory=list)
+    classes: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class DeviceClass:
+    """Devices of one kind that are interchangeable for every objective term:
+    same switch, and (GPUs) the same NVLinks to everything else with a
+    uniform count among themselves."""
+
+    index: int
+    kind: DeviceKind
+    devices: tuple[str, ...]
+    node: int
+    internal_score: int
+
 
 class Topology:
-    """Precomputed pairwise links between every GPU and HCA of an inventory.
+    """Pairwise links between every GPU and HCA of an inventory, plus the
+    domain tree and device classes the allocator searches over.
 
     Devices are keyed by the ids served to the kubelet: GPU UUIDs and HCA
     ids (PCI addresses).
@@ -82,39 +154,164 @@ class Topology:
     def __init__(self, gpus: Iterable[GpuInfo], hcas: Iterable[HcaInfo]) -> None:
         self.gpus: tuple[GpuInfo, ...] = tuple(gpus)
         self.hcas: tuple[HcaInfo, ...] = tuple(hcas)
-        functions: dict[str, PciFunction | None] = {}
-        for gpu in self.gpus:
-            functions[gpu.uuid] = gpu.pci
-        for hca in self.hcas:
-            functions[hca.device_id] = hca.pci
+        self.kind: dict[str, DeviceKind] = {gpu.uuid: DeviceKind.GPU for gpu in self.gpus}
+        self.kind.update({hca.device_id: DeviceKind.HCA for hca in self.hcas})
+        self.placement: dict[str, Placement] = {
+            gpu.uuid: placement_of(gpu.pci, gpu.uuid) for gpu in self.gpus
+        }
+        self.placement.update(
+            {hca.device_id: placement_of(hca.pci, hca.device_id) for hca in self.hcas}
+        )
         self._numa = {gpu.uuid: gpu.numa_node for gpu in self.gpus}
         self._numa.update({hca.device_id: hca.numa_node for hca in self.hcas})
-        index_by_uuid = {gpu.index: gpu.uuid for gpu in self.gpus}
-        self._links: dict[tuple[str, str], Link] = {}
-        ids = list(functions)
-        for i, first in enumerate(ids):
-            for second in ids[i + 1 :]:
-                link = Link(pci_level(functions[first], functions[second]))
-                self._links[(first, second)] = link
-                self._links[(second, first)] = link
+        uuid_by_index = {gpu.index: gpu.uuid for gpu in self.gpus}
+        self._nvlinks: dict[tuple[str, str], int] = {}
         for gpu in self.gpus:
             for peer_index, count in gpu.nvlink_peers:
-                peer = index_by_uuid.get(peer_index)
+                peer = uuid_by_index.get(peer_index)
                 if peer is not None and count > 0:
-                    pci = self._links[(gpu.uuid, peer)].level
-                    self._links[(gpu.uuid, peer)] = Link(pci, count)
-                    self._links[(peer, gpu.uuid)] = Link(pci, count)
+                    self._nvlinks[(gpu.uuid, peer)] = count
+                    self._nvlinks[(peer, gpu.uuid)] = count
+        self._build_tree()
 
     @classmethod
     def from_inventory(cls, inventory: Inventory) -> Topology:
         return cls(inventory.gpus, inventory.hcas)
 
+    # -- pairwise ------------------------------------------------------------
+    def level(self, first: str, second: str) -> Level:
+        return level_between(self.placement[first], self.placement[second])
+
+    def nvlinks(self, first: str, second: str) -> int:
+        return self._nvlinks.get((first, second), 0)
+
     def link(self, first: str, second: str) -> Link:
         """The link between two distinct devices (KeyError for unknown ids)."""
-        return self._links[(first, second)]
+        return Link(self.level(first, second), self.nvlinks(first, second))
 
-    def level(self, first: str, second: str) -> Level:
-        return self._links[(first, second)].level
+    def score(self, first: str, second: str) -> int:
+        return self.link(first, second).score
 
     def numa_node(self, device_id: str) -> int | None:
         return self._numa.get(device_id)
+
+    def ids(self, kind: DeviceKind) -> list[str]:
+        return [device_id for device_id, k in self.kind.items() if k is kind]
+
+    # -- domain tree ---------------------------------------------------------
+    def _build_tree(self) -> None:
+        drafts = [_NodeDraft(depth=0, parent=None)]
+        index_of: dict[Hashable, int] = {}
+        switch_members: dict[int, list[str]] = {}
+        for device_id, placement in self.placement.items():
+            parent = 0
+            for depth, key in enumerate(placement.keys, start=1):
+                node = index_of.get(key)
+                if node is None:
+                    node = len(drafts)
+                    index_of[key] = node
+                    drafts.append(_NodeDraft(depth=depth, parent=parent))
+                    drafts[parent].children.append(node)
+                parent = node
+            switch_members.setdefault(parent, []).append(device_id)
+        classes: list[DeviceClass] = []
+        for switch, members in switch_members.items():
+            for kind, group, internal in self._split_classes(members):
+                klass = DeviceClass(len(classes), kind, tuple(sorted(group)), switch, internal)
+                classes.append(klass)
+                drafts[switch].classes.append(klass.index)
+        self.nodes: tuple[DomainNode, ...] = tuple(
+            DomainNode(i, d.depth, d.parent, tuple(d.children), tuple(d.classes))
+            for i, d in enumerate(drafts)
+        )
+        self.classes: tuple[DeviceClass, ...] = tuple(classes)
+        self.class_of: dict[str, int] = {
+            device: klass.index for klass in self.classes for device in klass.devices
+        }
+        # Ancestors of each class's switch node, deepest first, root last.
+        self.class_path: tuple[tuple[int, ...], ...] = tuple(
+            self._path(klass.node) for klass in self.classes
+        )
+        # Children before parents: the order the allocator folds the tree in.
+        order: list[int] = []
+        stack = [0]
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            stack.extend(self.nodes[node].children)
+        self.postorder: tuple[int, ...] = tuple(reversed(order))
+        self.class_level = tuple(
+            tuple(self._class_level(a, b) for b in self.classes) for a in self.classes
+        )
+        self.cross_score, self.tree_exact = self._cross_scores()
+
+    def _path(self, node: int) -> tuple[int, ...]:
+        path: list[int] = []
+        current: int | None = node
+        while current is not None:
+            path.append(current)
+            current = self.nodes[current].parent
+        return tuple(path)
+
+    def _class_level(self, a: DeviceClass, b: DeviceClass) -> Level:
+        return self.level(a.devices[0], b.devices[0]) if a.index != b.index else Level.PIX
+
+    def _split_classes(self, members: list[str]) -> list[tuple[DeviceKind, list[str], int]]:
+        """Interchangeable groups within one switch.
+
+        HCAs of one switch are interchangeable. GPUs are grouped by NVLink:
+        the connected components of the NVLink graph inside the switch, each
+        kept whole when it is a clique of one link count and its members see
+        the same NVLinks outside it; otherwise its GPUs stand alone (and the
+        allocator falls back to exhaustive search if the tree cannot express
+        the scores).
+        """
+        hcas = [m for m in members if self.kind[m] is DeviceKind.HCA]
+        gpus = sorted(m for m in members if self.kind[m] is DeviceKind.GPU)
+        groups: list[tuple[DeviceKind, list[str], int]] = []
+        if hcas:
+            groups.append((DeviceKind.HCA, hcas, 0))
+        seen: set[str] = set()
+        outside = [g.uuid for g in self.gpus]
+        for gpu in gpus:
+            if gpu in seen:
+                continue
+            component = [gpu]
+            seen.add(gpu)
+            frontier = [gpu]
+            while frontier:
+                current = frontier.pop()
+                for other in gpus:
+                    if other not in seen and self.nvlinks(current, other):
+                        seen.add(other)
+                        component.append(other)
+                        frontier.append(other)
+            scores = {self.score(a, b) for i, a in enumerate(component) for b in component[i + 1 :]}
+            external = {
+                tuple(self.nvlinks(member, x) for x in outside if x not in component)
+                for member in component
+            }
+            if len(scores) <= 1 and len(external) == 1:
+                internal = scores.pop() if scores else PCIE_SCORE[Level.PIX]
+                groups.append((DeviceKind.GPU, component, internal))
+            else:
+                groups.extend(
+                    (DeviceKind.GPU, [member], PCIE_SCORE[Level.PIX]) for member in component
+                )
+        return groups
+
+    def _cross_scores(self) -> tuple[tuple[int, ...], bool]:
+        """The GPU pair score across children of each node, and whether the
+        tree expresses every GPU pair score (one score per node)."""
+        found: dict[int, set[int]] = {}
+        gpu_classes = [k for k in self.classes if k.kind is DeviceKind.GPU]
+        for i, a in enumerate(gpu_classes):
+            path_a = self.class_path[a.index]
+            for b in gpu_classes[i + 1 :]:
+                path_b = set(self.class_path[b.index])
+                lca = next(node for node in path_a if node in path_b)
+                score = self.score(a.devices[0], b.devices[0])
+                found.setdefault(lca, set()).add(score)
+        exact = all(len(scores) == 1 for scores in found.values())
+        cross = tuple(min(found[node]) if node in found else 0 for node in range(len(self.nodes)))
+        return cross, exact

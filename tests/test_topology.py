@@ -69,11 +69,17 @@ UP = "0000:11:00.0"
             fn("pci0000:30", "0000:30:01.0", "0000:31:00.0", numa=1),
             Level.SYS,
         ),
-        # NUMA unknown on one side: treated as the same node.
+        # NUMA unknown on both sides: one node.
+        (
+            fn("pci0000:10", RP, "0000:11:00.0", numa=None),
+            fn("pci0000:30", "0000:30:01.0", "0000:31:00.0", numa=None),
+            Level.NODE,
+        ),
+        # NUMA unknown on one side only: not known to be the same node.
         (
             fn("pci0000:10", RP, "0000:11:00.0", numa=None),
             fn("pci0000:30", "0000:30:01.0", "0000:31:00.0", numa=1),
-            Level.NODE,
+            Level.SYS,
         ),
     ],
 )
