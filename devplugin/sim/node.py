@@ -8,12 +8,21 @@ would, and returns where everything went.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Union
 
-from devplugin.model import PciAddress
+from devplugin.model import (
+    CharDevice,
+    GpuInfo,
+    HcaInfo,
+    IbPort,
+    PciAddress,
+    PciFunction,
+    PciPath,
+)
 from devplugin.sim.sysfs import PciNode, SysfsBuilder
 
 NVIDIA = 0x10DE
@@ -216,7 +225,7 @@ class _Builder:
             driver="nvidia",
             omit=spec.omit,
         )
-        uuid = f"GPU-{index:08x}-5a1e-4c0d-9e00-{address.bus:012x}"
+        uuid = gpu_uuid(index, address)
         if spec.dev_node:
             self.sysfs.dev_node(f"nvidia{index}")
         self.gpus.append(BuiltGpu(index, uuid, address, index, node.directory))
@@ -331,3 +340,97 @@ def hgx_node(sockets: int = 2, pairs_per_socket: int = 4, nvlinks: int = 18) -> 
                 )
             )
     return NodeSpec(roots=roots, nvlink_all_to_all=nvlinks)
+
+
+def gpu_uuid(index: int, address: PciAddress) -> str:
+    return f"GPU-{index:08x}-5a1e-4c0d-9e00-{address.bus:012x}"
+
+
+def devices_from_spec(spec: NodeSpec) -> tuple[tuple[GpuInfo, ...], tuple[HcaInfo, ...]]:
+    """The GPUs and HCAs discovery would find on `build_node(spec)`, built in
+    memory (no files): for large randomized corpora and benchmarks."""
+    gpus: list[GpuInfo] = []
+    hcas: list[HcaInfo] = []
+    next_bus = 0
+
+    def bus() -> int:
+        nonlocal next_bus
+        next_bus += 1
+        return next_bus
+
+    def function(
+        address: PciAddress, root: str, chain: tuple[PciAddress, ...], numa: int | None, cpus: str
+    ) -> PciFunction:
+        return PciFunction(
+            address, PciPath(root, (*chain, address)), numa_node=numa, local_cpulist=cpus
+        )
+
+    def walk(
+        child: Child, root: str, chain: tuple[PciAddress, ...], numa: int | None, cpus: str
+    ) -> None:
+        address = PciAddress(0, bus(), 0, 0)
+        if isinstance(child, Switch):
+            down_bus = bus()
+            for index, grandchild in enumerate(child.children):
+                walk(
+                    grandchild,
+                    root,
+                    (*chain, address, PciAddress(0, down_bus, index, 0)),
+                    numa,
+                    cpus,
+                )
+        elif isinstance(child, Gpu):
+            index = len(gpus)
+            gpus.append(
+                GpuInfo(
+                    index,
+                    gpu_uuid(index, address),
+                    child.name,
+                    address,
+                    index,
+                    child.memory_mib,
+                    (),
+                    function(address, root, chain, numa, cpus),
+                )
+            )
+        else:
+            index = len(hcas)
+            node = CharDevice(f"/dev/infiniband/uverbs{index}", True)
+            ports = tuple(
+                IbPort(n, p.state, p.phys_state, p.link_layer, p.rate)
+                for n, p in enumerate(child.ports, start=1)
+            )
+            hcas.append(
+                HcaInfo(
+                    f"mlx5_{index}",
+                    address,
+                    function(address, root, chain, numa, cpus),
+                    None,
+                    child.fw_ver,
+                    ports,
+                    (),
+                    node,
+                    (),
+                    (),
+                    CharDevice("/dev/infiniband/rdma_cm", True),
+                )
+            )
+
+    for root_index, root in enumerate(spec.roots):
+        next_bus = max(next_bus + 1, 0x10 * (root_index + 1))
+        root_bus = next_bus
+        name = f"pci0000:{root_bus:02x}"
+        for port_index, child in enumerate(root.children):
+            port = PciAddress(0, root_bus, 1 + port_index, 0)
+            walk(child, name, (port,), root.numa_node, root.local_cpulist)
+    count = len(gpus)
+    linked = []
+    for i, gpu in enumerate(gpus):
+        peers = []
+        for j in range(count):
+            if i != j:
+                links = spec.nvlink_pairs.get((min(i, j), max(i, j)), spec.nvlink_all_to_all)
+                if links:
+                    peers.append((j, links))
+        linked.append(dataclasses.replace(gpu, nvlink_peers=tuple(peers)))
+    return tuple(linked), tuple(hcas)

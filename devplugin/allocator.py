@@ -1,0 +1,458 @@
+"""Exact, fast choice of the devices one container gets. Pure: data in, ids out.
+
+The objective, lexicographic, lower is better (levels count PIX 1 .. SYS 5,
+`lvl(x, S)` is the level from x to the nearest device of S):
+
+GPUs, given a partner set P of HCAs (the HCAs just chosen for this
+container, or, when GPUs come first, every free HCA):
+    1. worst  = max over chosen GPUs g of lvl(g, P)   (0 when P is empty)
+    2. total  = sum of the same
+    3. -connectivity: sum over chosen GPU pairs of 100 per NVLink, otherwise
+       PIX 50, PXB 40, PHB 30, NODE 20, SYS 10
+    4. -spread (fragmentation, below)
+
+HCAs, second (the container's GPUs G were just chosen):
+    1. worst  = max over g in G of lvl(g, H)
+    2. total  = sum of the same
+    4. -spread
+
+HCAs, first (partner = every free GPU F):
+    1. worst  = max over chosen HCAs h of lvl(h, F)
+    2. total  = sum of the same
+    3. -support: how many free GPUs have a chosen HCA within PIX, then
+       within PXB, PHB, NODE (more is better: HCAs next to the most free GPUs)
+    4. -spread
+
+Spread is the sum, over every domain (switch, root port, host bridge, NUMA
+node), of the square of the free devices (both kinds) left in it. Squares
+reward leaving free devices together: a lone free GPU in a half-used switch
+is taken before a whole free switch is broken.
+
+How it is exact without enumerating subsets: devices sit in a tree of nested
+domains and every term above decomposes over that tree (levels are decided
+by the deepest shared domain, pair scores by the domain where two devices
+part, coverage by the lowest domain holding a chosen device). The worst
+level is fixed by trying thresholds from a lower bound upwards; for each,
+a knapsack-style fold over the tree gives the best value for every count in
+every subtree. Interchangeable devices (same switch, same NVLinks) are
+folded as one class with a count. When the NVLink scores cannot be
+expressed by the tree (GPU pairs parting at one domain with different
+scores), GPU requests fall back to exhaustive search, which is exact too.
+The tests compare both against exhaustive search on a randomized corpus.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from devplugin.model import DeviceKind
+from devplugin.topology import DOMAIN_DEPTH, Level, Topology
+
+SUPPORT_LEVELS = (Level.PIX, Level.PXB, Level.PHB, Level.NODE)
+
+
+class Role(enum.Enum):
+    FIRST = "first"  # the other resource is still to come: partner = its free devices
+    SECOND = "second"  # the other resource was just chosen: partner = those devices
+
+
+class AllocationError(Exception):
+    """The request cannot be answered; `reason` is meant for the kubelet."""
+
+    def __init__(self, reason: str, *, invalid_argument: bool) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.invalid_argument = invalid_argument
+
+
+@dataclass(frozen=True)
+class Request:
+    kind: DeviceKind
+    available: frozenset[str]
+    size: int
+    must_include: frozenset[str] = frozenset()
+    role: Role = Role.FIRST
+    # Devices of the other kind the objective measures against (see module doc).
+    partner: frozenset[str] = frozenset()
+    # Devices of the other kind that stay free after this choice (spread).
+    other_free: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Score:
+    worst: int
+    total: int
+    connectivity: int
+    support: tuple[int, int, int, int]
+    spread: int
+
+    def key(self) -> tuple[int, ...]:
+        return (
+            self.worst,
+            self.total,
+            -self.connectivity,
+            *(-count for count in self.support),
+            -self.spread,
+        )
+
+
+@dataclass(frozen=True)
+class Choice:
+    ids: tuple[str, ...]
+    score: Score
+
+
+def _coverage_mode(request: Request) -> bool:
+    """HCAs chosen second are judged by how well they cover the GPUs."""
+    return request.kind is DeviceKind.HCA and request.role is Role.SECOND
+
+
+def _support_mode(request: Request) -> bool:
+    return request.kind is DeviceKind.HCA and request.role is Role.FIRST
+
+
+def validate(topology: Topology, request: Request) -> frozenset[str]:
+    """The usable candidates; raises AllocationError for unanswerable requests."""
+    if request.size < 1:
+        raise AllocationError(
+            f"allocation size must be at least 1, got {request.size}", invalid_argument=True
+        )
+    unknown = sorted(d for d in request.must_include if topology.kind.get(d) is not request.kind)
+    if unknown:
+        raise AllocationError(
+            f"unknown must-include device ids: {', '.join(unknown)}", invalid_argument=True
+        )
+    if len(request.must_include) > request.size:
+        raise AllocationError(
+            f"{len(request.must_include)} must-include ids exceed the allocation size "
+            f"{request.size}",
+            invalid_argument=True,
+        )
+    candidates = frozenset(d for d in request.available if topology.kind.get(d) is request.kind)
+    missing = sorted(request.must_include - candidates)
+    if missing:
+        raise AllocationError(
+            f"must-include device ids not available: {', '.join(missing)}",
+            invalid_argument=False,
+        )
+    if request.size > len(candidates):
+        raise AllocationError(
+            f"requested {request.size} devices, only {len(candidates)} available",
+            invalid_argument=False,
+        )
+    return candidates
+
+
+def evaluate(topology: Topology, request: Request, chosen: Iterable[str]) -> Score:
+    """The objective of one candidate answer, computed from the definitions.
+
+    Slow and obvious on purpose: the exhaustive search and the tests use it
+    as the reference the fast search is checked against.
+    """
+    picked = list(chosen)
+    partner = list(request.partner)
+    worst = total = 0
+    support = (0, 0, 0, 0)
+    if _coverage_mode(request):
+        levels = [min(topology.level(q, h) for h in picked) for q in partner]
+        worst, total = max(levels, default=0), sum(levels)
+    elif partner:
+        levels = [min(topology.level(d, p) for p in partner) for d in picked]
+        worst, total = max(levels), sum(levels)
+    if _support_mode(request) and partner:
+        covered = [min(topology.level(q, h) for h in picked) for q in partner]
+        support = tuple(sum(1 for lv in covered if lv <= limit) for limit in SUPPORT_LEVELS)  # type: ignore[assignment]
+    connectivity = 0
+    if request.kind is DeviceKind.GPU:
+        connectivity = sum(topology.score(a, b) for a, b in itertools.combinations(picked, 2))
+    chosen_set = set(picked)
+    spread = 0
+    for depth in range(DOMAIN_DEPTH):
+        free: dict[object, int] = {}
+        for device in request.available:
+            if device not in chosen_set:
+                key = topology.placement[device].keys[depth]
+                free[key] = free.get(key, 0) + 1
+        for device in request.other_free:
+            key = topology.placement[device].keys[depth]
+            free[key] = free.get(key, 0) + 1
+        spread += sum(count * count for count in free.values())
+    return Score(worst, total, connectivity, support, spread)
+
+
+def exhaustive(topology: Topology, request: Request) -> Choice:
+    """The optimum by enumerating every subset (reference; exponential)."""
+    candidates = validate(topology, request)
+    must = sorted(request.must_include)
+    rest = sorted(candidates - request.must_include)
+    best: Choice | None = None
+    for extra in itertools.combinations(rest, request.size - len(must)):
+        ids = (*must, *extra)
+        score = evaluate(topology, request, ids)
+        if best is None or score.key() < best.score.key():
+            best = Choice(ids, score)
+    assert best is not None
+    return best
+
+
+class Allocator:
+    """The fast exact search for one topology (rebuilt when devices change)."""
+
+    def __init__(self, topology: Topology) -> None:
+        self.topology = topology
+        t = topology
+        n = max(1, len(t.kind))
+        max_score = max([50, *t.cross_score, *(klass.internal_score for klass in t.classes)])
+        # Mixed-radix weights: one integer orders like the lexicographic key.
+        # Each bound covers the largest magnitude a component can reach.
+        bounds = [
+            5 * n,  # total
+            max_score * n * n,  # connectivity
+            n, n, n, n,  # support within PIX, PXB, PHB, NODE
+            DOMAIN_DEPTH * n * n,  # spread
+        ]  # fmt: skip
+        weights = [1] * len(bounds)
+        for i in range(len(bounds) - 2, -1, -1):
+            weights[i] = weights[i + 1] * (2 * bounds[i + 1] + 1)
+        self._bounds = bounds
+        self._weights = weights
+        self._w_total, self._w_conn = weights[0], weights[1]
+        self._w_support = weights[2:6]
+        self._w_spread = weights[6]
+        # Per node: the classes and child nodes folded into it.
+        self._items: list[tuple[tuple[int, ...], tuple[int, ...]]] = [
+            (node.children, node.classes) for node in t.nodes
+        ]
+        self._domain = [0 < node.depth <= DOMAIN_DEPTH for node in t.nodes]
+        self._node_level = [int(node.level) for node in t.nodes]
+
+    # -- public --------------------------------------------------------------
+    def choose(self, request: Request) -> Choice:
+        candidates = validate(self.topology, request)
+        if request.kind is DeviceKind.GPU and not self.topology.tree_exact:
+            return exhaustive(self.topology, request)
+        return self._search(request, candidates)
+
+    # -- the tree search -----------------------------------------------------
+    def _search(self, request: Request, candidates: frozenset[str]) -> Choice:
+        t = self.topology
+        class_of = t.class_of
+        nclasses = len(t.classes)
+        cap = [0] * nclasses
+        must = [0] * nclasses
+        partner = [0] * nclasses
+        for device in candidates:
+            cap[class_of[device]] += 1
+        for device in request.must_include:
+            must[class_of[device]] += 1
+        for device in request.partner:
+            partner[class_of[device]] += 1
+        partner_classes = [c for c in range(nclasses) if partner[c]]
+        coverage = _coverage_mode(request)
+        support = _support_mode(request)
+        kind = request.kind
+        cost = [0] * nclasses
+        if partner_classes and not coverage:
+            for klass in t.classes:
+                if klass.kind is kind and cap[klass.index]:
+                    row = t.class_level[klass.index]
+                    cost[klass.index] = min(row[q] for q in partner_classes)
+        # Free devices per domain before the choice, and targets per subtree.
+        free = [0] * len(t.nodes)
+        targets = [0] * len(t.nodes)
+        for c in range(nclasses):
+            extra = cap[c]
+            for node in t.class_path[c]:
+                free[node] += extra
+                targets[node] += partner[c]
+        for device in request.other_free:
+            for node in t.class_path[class_of[device]]:
+                free[node] += 1
+        lower = self._lower_bound(request, cap, must, cost, partner_classes)
+        for threshold in range(lower, 6):
+            found = self._fold(request, threshold, cap, must, cost, partner, free, targets)
+            if found is not None:
+                value, counts = found
+                ids = self._materialize(request, candidates, counts)
+                worst = threshold if (partner_classes or coverage) else 0
+                return Choice(ids, self._decode(value, worst, support))
+        raise AllocationError("no feasible allocation", invalid_argument=False)  # pragma: no cover
+
+    def _lower_bound(
+        self,
+        request: Request,
+        cap: list[int],
+        must: list[int],
+        cost: list[int],
+        partner_classes: list[int],
+    ) -> int:
+        if not partner_classes:
+            return 0
+        t = self.topology
+        if _coverage_mode(request):
+            # Every target needs a candidate within the threshold.
+            usable = [c for c in range(len(cap)) if cap[c]]
+            return max(min(t.class_level[q][c] for c in usable) for q in partner_classes)
+        bound = max((cost[c] for c in range(len(cap)) if must[c]), default=0)
+        by_cost = sorted((cost[c], cap[c]) for c in range(len(cap)) if cap[c])
+        have = 0
+        for level, count in by_cost:
+            have += count
+            if have >= request.size:
+                return max(bound, level)
+        return max(bound, 5)  # pragma: no cover - validate() guarantees capacity
+
+    def _fold(
+        self,
+        request: Request,
+        threshold: int,
+        cap: list[int],
+        must: list[int],
+        cost: list[int],
+        partner: list[int],
+        free: list[int],
+        targets: list[int],
+    ) -> tuple[int, dict[int, int]] | None:
+        t = self.topology
+        size = request.size
+        kind = request.kind
+        coverage = _coverage_mode(request)
+        support = _support_mode(request)
+        w_total, w_conn, w_spread = self._w_total, self._w_conn, self._w_spread
+        w_support = self._w_support
+        gpu = kind is DeviceKind.GPU
+        cross = t.cross_score
+
+        def cover(count: int, level: int) -> int | None:
+            """The value of `count` partner devices first covered at `level`."""
+            if not count:
+                return 0
+            if coverage:
+                return None if level > threshold else count * level * w_total
+            if support:
+                return -count * sum(
+                    w for w, lim in zip(w_support, SUPPORT_LEVELS, strict=True) if level <= lim
+                )
+            return 0
+
+        class_values: list[list[int | None]] = []
+        for klass in t.classes:
+            c = klass.index
+            if klass.kind is not kind or not cap[c]:
+                class_values.append([0])
+                continue
+            high = min(cap[c], size)
+            values: list[int | None] = [None] * (high + 1)
+            per = cost[c]
+            internal = klass.internal_score if gpu else 0
+            for k in range(must[c], high + 1):
+                if k and per > threshold:
+                    break
+                values[k] = k * per * w_total - internal * (k * (k - 1) // 2) * w_conn
+            class_values.append(values)
+
+        node_values: list[list[int | None]] = [[] for _ in t.nodes]
+        backs: list[list[tuple[bool, int, list[int]]]] = [[] for _ in t.nodes]
+        for node in t.postorder:
+            children, classes = self._items[node]
+            level = self._node_level[node]
+            pair = cross[node] if gpu else 0
+            current: list[int | None] = [0]
+            zero: int | None = 0
+            steps: list[tuple[bool, int, list[int]]] = []
+            for is_class, item in itertools.chain(
+                ((False, child) for child in children), ((True, klass) for klass in classes)
+            ):
+                values = class_values[item] if is_class else node_values[item]
+                pending = partner[item] if is_class else targets[item]
+                first = values[0]
+                if zero is not None:
+                    zero = None if first is None else zero + first
+                covered = cover(pending, level)
+                adjusted = None if first is None or covered is None else first + covered
+                if len(values) == 1:
+                    if adjusted is None:
+                        current = [None] * len(current)
+                    elif adjusted:
+                        current = [None if v is None else v + adjusted for v in current]
+                    steps.append((is_class, item, [0] * len(current)))
+                    continue
+                limit = min(size, len(current) + len(values) - 2)
+                merged: list[int | None] = [None] * (limit + 1)
+                back = [0] * (limit + 1)
+                for k1, v1 in enumerate(current):
+                    if v1 is None:
+                        continue
+                    for k2 in range(min(len(values), limit - k1 + 1)):
+                        v2 = adjusted if k2 == 0 else values[k2]
+                        if v2 is None:
+                            continue
+                        value = v1 + v2 - pair * k1 * k2 * w_conn
+                        slot = k1 + k2
+                        best = merged[slot]
+                        if best is None or value < best:
+                            merged[slot] = value
+                            back[slot] = k2
+                current = merged
+                steps.append((is_class, item, back))
+            result: list[int | None] = list(current)
+            result[0] = zero
+            if self._domain[node]:
+                room = free[node]
+                for k, value in enumerate(result):
+                    if value is not None:
+                        left = room - k
+                        result[k] = value - left * left * w_spread
+            node_values[node] = result
+            backs[node] = steps
+        root = node_values[0]
+        if len(root) <= size or root[size] is None:
+            return None
+        value = root[size]
+        assert value is not None
+        counts: dict[int, int] = {}
+        stack = [(0, size)]
+        while stack:
+            node, k = stack.pop()
+            for is_class, item, back in reversed(backs[node]):
+                take = back[k] if k < len(back) else 0
+                if take:
+                    if is_class:
+                        counts[item] = take
+                    else:
+                        stack.append((item, take))
+                k -= take
+        return value, counts
+
+    def _materialize(
+        self, request: Request, candidates: frozenset[str], counts: dict[int, int]
+    ) -> tuple[str, ...]:
+        ids: list[str] = []
+        for c, count in sorted(counts.items()):
+            members = [d for d in self.topology.classes[c].devices if d in candidates]
+            members.sort(key=lambda d: (d not in request.must_include, d))
+            ids.extend(members[:count])
+        return tuple(ids)
+
+    def _decode(self, value: int, worst: int, support: bool) -> Score:
+        digits: list[int] = []
+        rest = value
+        for i in range(len(self._weights) - 1, 0, -1):
+            base = 2 * self._bounds[i] + 1
+            digit = rest % base
+            if digit > self._bounds[i]:
+                digit -= base
+            digits.append(digit)
+            rest = (rest - digit) // base
+        digits.append(rest)
+        total, neg_conn, s1, s2, s3, s4, neg_spread = reversed(digits)
+        return Score(
+            worst=worst,
+            total=total,
+            connectivity=-neg_conn,
+            support=(-s1, -s2, -s3, -s4) if support else (0, 0, 0, 0),
+            spread=-neg_spread,
+        )
