@@ -164,7 +164,8 @@ def evaluate(topology: Topology, request: Request, chosen: Iterable[str]) -> Sco
         worst, total = max(levels), sum(levels)
     if _support_mode(request) and partner:
         covered = [min(topology.level(q, h) for h in picked) for q in partner]
-        support = tuple(sum(1 for lv in covered if lv <= limit) for limit in SUPPORT_LEVELS)  # type: ignore[assignment]
+        s1, s2, s3, s4 = (sum(1 for lv in covered if lv <= limit) for limit in SUPPORT_LEVELS)
+        support = (s1, s2, s3, s4)
     connectivity = 0
     if request.kind is DeviceKind.GPU:
         connectivity = sum(topology.score(a, b) for a, b in itertools.combinations(picked, 2))
@@ -196,6 +197,18 @@ def exhaustive(topology: Topology, request: Request) -> Choice:
             best = Choice(ids, score)
     assert best is not None
     return best
+
+
+@dataclass
+class _Inputs:
+    """Per-request arrays, indexed by class or by domain node."""
+
+    cap: list[int]  # candidates per class
+    must: list[int]  # must-include devices per class
+    cost: list[int]  # level to the partner set per class (cost modes)
+    partner: list[int]  # partner devices per class
+    free: list[int]  # free devices (both kinds) per node, before the choice
+    targets: list[int]  # partner devices per subtree
 
 
 class Allocator:
@@ -272,8 +285,9 @@ class Allocator:
             for node in t.class_path[class_of[device]]:
                 free[node] += 1
         lower = self._lower_bound(request, cap, must, cost, partner_classes)
+        inputs = _Inputs(cap, must, cost, partner, free, targets)
         for threshold in range(lower, 6):
-            found = self._fold(request, threshold, cap, must, cost, partner, free, targets)
+            found = self._fold(request, threshold, inputs)
             if found is not None:
                 value, counts = found
                 ids = self._materialize(request, candidates, counts)
@@ -306,17 +320,11 @@ class Allocator:
         return max(bound, 5)  # pragma: no cover - validate() guarantees capacity
 
     def _fold(
-        self,
-        request: Request,
-        threshold: int,
-        cap: list[int],
-        must: list[int],
-        cost: list[int],
-        partner: list[int],
-        free: list[int],
-        targets: list[int],
+        self, request: Request, threshold: int, inputs: _Inputs
     ) -> tuple[int, dict[int, int]] | None:
         t = self.topology
+        cap, must, cost = inputs.cap, inputs.must, inputs.cost
+        partner, free, targets = inputs.partner, inputs.free, inputs.targets
         size = request.size
         kind = request.kind
         coverage = _coverage_mode(request)
@@ -402,17 +410,16 @@ class Allocator:
             result[0] = zero
             if self._domain[node]:
                 room = free[node]
-                for k, value in enumerate(result):
-                    if value is not None:
+                for k, entry in enumerate(result):
+                    if entry is not None:
                         left = room - k
-                        result[k] = value - left * left * w_spread
+                        result[k] = entry - left * left * w_spread
             node_values[node] = result
             backs[node] = steps
         root = node_values[0]
-        if len(root) <= size or root[size] is None:
+        best_value = root[size] if len(root) > size else None
+        if best_value is None:
             return None
-        value = root[size]
-        assert value is not None
         counts: dict[int, int] = {}
         stack = [(0, size)]
         while stack:
@@ -425,7 +432,7 @@ class Allocator:
                     else:
                         stack.append((item, take))
                 k -= take
-        return value, counts
+        return best_value, counts
 
     def _materialize(
         self, request: Request, candidates: frozenset[str], counts: dict[int, int]

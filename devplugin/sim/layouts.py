@@ -1,0 +1,90 @@
+"""Named node layouts for tests, benchmarks and the demo.
+
+Each is a `NodeSpec`; `build_node` writes it to disk, `devices_from_spec`
+builds it in memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from devplugin.sim.node import Gpu, Hca, NodeSpec, RootComplex, Switch, hgx_node
+
+
+def _cpus(numa: int, per_node: int = 32) -> str:
+    return f"{numa * per_node}-{numa * per_node + per_node - 1}"
+
+
+def dgx_a100() -> NodeSpec:
+    """Four switch complexes, each a top switch over two switches of one GPU
+    and one HCA (two GPUs + two HCAs per complex), NV12 between all GPUs."""
+    roots = [
+        RootComplex(numa, _cpus(numa), [Switch([Switch([Gpu(), Hca()]), Switch([Gpu(), Hca()])])])
+        for numa in (0, 0, 1, 1)
+    ]
+    return NodeSpec(roots=roots, nvlink_all_to_all=12)
+
+
+def hgx_h100() -> NodeSpec:
+    """One GPU and one HCA behind each of eight switches, NV18 through NVSwitch."""
+    return hgx_node(sockets=2, pairs_per_socket=4, nvlinks=18)
+
+
+def pcie_server() -> NodeSpec:
+    """Eight PCIe GPUs in pairs behind four switches, one HCA per NUMA node
+    (sharing a switch with one GPU pair), no NVLink."""
+    roots = []
+    for numa in (0, 1):
+        roots.append(RootComplex(numa, _cpus(numa), [Switch([Gpu(), Gpu(), Hca()])]))
+        roots.append(RootComplex(numa, _cpus(numa), [Switch([Gpu(), Gpu()])]))
+    return NodeSpec(roots=roots)
+
+
+def asymmetric() -> NodeSpec:
+    """Uneven switches: some without HCAs, one with two; NVLink bridges
+    between GPU pairs that share a switch."""
+    roots = [
+        RootComplex(0, _cpus(0), [Switch([Gpu(), Gpu(), Hca()])]),
+        RootComplex(0, _cpus(0), [Switch([Gpu(), Gpu()])]),
+        RootComplex(1, _cpus(1), [Switch([Gpu(), Hca(), Hca()])]),
+        RootComplex(1, _cpus(1), [Switch([Switch([Gpu(), Gpu()]), Switch([Gpu()])])]),
+    ]
+    return NodeSpec(roots=roots, nvlink_pairs={(0, 1): 4, (2, 3): 4, (5, 6): 4})
+
+
+def sixteen_gpu() -> NodeSpec:
+    """Sixteen PCIe GPUs, eight HCAs: per NUMA node two host bridges, each a
+    top switch over two switches of two GPUs and one HCA."""
+    roots = [
+        RootComplex(
+            numa,
+            _cpus(numa),
+            [Switch([Switch([Gpu(), Gpu(), Hca()]), Switch([Gpu(), Gpu(), Hca()])])],
+        )
+        for numa in (0, 0, 1, 1)
+    ]
+    return NodeSpec(roots=roots)
+
+
+def node_64() -> NodeSpec:
+    """64 GPUs and 16 HCAs: per NUMA node four host bridges, each with two
+    switches of four GPUs and one HCA. No NVLink (PCIe only)."""
+    roots = [
+        RootComplex(
+            numa,
+            _cpus(numa, 64),
+            [Switch([Gpu()] * 4 + [Hca()]), Switch([Gpu()] * 4 + [Hca()])],
+        )
+        for numa in (0, 0, 0, 0, 1, 1, 1, 1)
+    ]
+    return NodeSpec(roots=roots)
+
+
+LAYOUTS: dict[str, Callable[[], NodeSpec]] = {
+    "dgx-a100": dgx_a100,
+    "hgx-h100": hgx_h100,
+    "pcie-server": pcie_server,
+    "asymmetric": asymmetric,
+    "16-gpu": sixteen_gpu,
+    "64-gpu": node_64,
+}

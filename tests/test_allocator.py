@@ -1,0 +1,212 @@
+"""The allocator is exact: equal to exhaustive search on named layouts and a
+seeded randomized corpus, and honours must-include, availability and errors."""
+
+from __future__ import annotations
+
+import random
+from functools import cache
+
+import pytest
+
+from devplugin.allocator import (
+    AllocationError,
+    Allocator,
+    Choice,
+    Request,
+    Role,
+    evaluate,
+    exhaustive,
+)
+from devplugin.model import DeviceKind
+from devplugin.sim.layouts import LAYOUTS
+from devplugin.sim.node import devices_from_spec
+from devplugin.sim.random_topology import random_spec
+from devplugin.topology import Level, Topology
+
+GPU, HCA = DeviceKind.GPU, DeviceKind.HCA
+TABLE_LAYOUTS = ["dgx-a100", "hgx-h100", "pcie-server", "asymmetric", "16-gpu"]
+
+
+@cache
+def layout(name: str) -> tuple[Topology, Allocator, list[str], list[str]]:
+    gpus, hcas = devices_from_spec(LAYOUTS[name]())
+    topology = Topology(gpus, hcas)
+    return topology, Allocator(topology), [g.uuid for g in gpus], [h.device_id for h in hcas]
+
+
+def check(topology: Topology, allocator: Allocator, request: Request) -> Choice:
+    """Fast answer == exhaustive optimum, and the answer is a valid one."""
+    choice = allocator.choose(request)
+    assert len(choice.ids) == request.size
+    assert len(set(choice.ids)) == request.size
+    assert set(choice.ids) <= request.available
+    assert request.must_include <= set(choice.ids)
+    assert evaluate(topology, request, choice.ids) == choice.score
+    reference = exhaustive(topology, request)
+    assert choice.score.key() == reference.score.key(), (choice, reference)
+    return choice
+
+
+def scenarios(name: str) -> list[tuple[str, frozenset[str], frozenset[str], frozenset[str]]]:
+    """(label, available GPUs, free HCAs, must-include GPUs) situations on a layout."""
+    _, _, gpus, hcas = layout(name)
+    rng = random.Random(name)
+    in_use = frozenset(rng.sample(gpus, len(gpus) // 4))
+    unhealthy = frozenset(rng.sample(sorted(set(gpus) - in_use), 1))
+    busy_hcas = frozenset(rng.sample(hcas, len(hcas) // 3))
+    return [
+        ("all free", frozenset(gpus), frozenset(hcas), frozenset()),
+        ("some in use", frozenset(gpus) - in_use, frozenset(hcas) - busy_hcas, frozenset()),
+        ("unhealthy left out", frozenset(gpus) - unhealthy, frozenset(hcas), frozenset()),
+        ("must include", frozenset(gpus) - in_use, frozenset(hcas),
+         frozenset(sorted(set(gpus) - in_use)[-1:])),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", TABLE_LAYOUTS)
+def test_gpus_first_every_size_equals_exhaustive(name: str) -> None:
+    topology, allocator, _, _ = layout(name)
+    limit = 6 if name == "16-gpu" else 99  # keep exhaustive search affordable
+    for _, available, free_hcas, must in scenarios(name):
+        for size in range(max(1, len(must)), min(len(available), limit) + 1):
+            request = Request(GPU, available, size, must, Role.FIRST, free_hcas, free_hcas)
+            check(topology, allocator, request)
+
+
+@pytest.mark.parametrize("name", TABLE_LAYOUTS)
+def test_gpus_second_against_chosen_hcas_equals_exhaustive(name: str) -> None:
+    topology, allocator, _, hcas = layout(name)
+    rng = random.Random(f"{name}-second")
+    limit = 6 if name == "16-gpu" else 99
+    for _, available, free_hcas, must in scenarios(name):
+        chosen = frozenset(rng.sample(sorted(free_hcas), min(2, len(free_hcas))))
+        for size in range(max(1, len(must)), min(len(available), limit) + 1):
+            request = Request(GPU, available, size, must, Role.SECOND, chosen, free_hcas - chosen)
+            check(topology, allocator, request)
+
+
+@pytest.mark.parametrize("name", TABLE_LAYOUTS)
+@pytest.mark.parametrize("role", [Role.FIRST, Role.SECOND])
+def test_hcas_every_size_equals_exhaustive(name: str, role: Role) -> None:
+    topology, allocator, gpus, hcas = layout(name)
+    rng = random.Random(f"{name}-hca")
+    for _, free_gpus, available, _ in scenarios(name):
+        if role is Role.SECOND:
+            partner = frozenset(rng.sample(sorted(free_gpus), min(3, len(free_gpus))))
+            other_free = free_gpus - partner
+        else:
+            partner = other_free = free_gpus
+        must = frozenset(sorted(available)[:1])
+        for size in range(1, len(available) + 1):
+            check(topology, allocator, Request(HCA, available, size, must, role, partner, other_free))
+
+
+def test_randomized_corpus_equals_exhaustive() -> None:
+    """1500 seeded random nodes (nested switches, 1-2 NUMA nodes, no / all-to-all /
+    random NVLink), four random requests each, every mode."""
+    cases = 0
+    for seed in range(1500):
+        rng = random.Random(seed)
+        gpus, hcas = devices_from_spec(random_spec(rng, max_gpus=10))
+        topology = Topology(gpus, hcas)
+        allocator = Allocator(topology)
+        gpu_ids = [g.uuid for g in gpus]
+        hca_ids = [h.device_id for h in hcas]
+        for _ in range(4):
+            kind = rng.choice([GPU, HCA])
+            same, other = (gpu_ids, hca_ids) if kind is GPU else (hca_ids, gpu_ids)
+            if not same:
+                continue
+            available = [d for d in same if rng.random() < 0.8] or same[:1]
+            size = rng.randint(1, len(available))
+            must = frozenset(rng.sample(available, rng.randint(0, min(2, size))))
+            role = rng.choice([Role.FIRST, Role.SECOND])
+            other_free = [d for d in other if rng.random() < 0.7]
+            if role is Role.SECOND and other:
+                partner = frozenset(rng.sample(other, rng.randint(1, len(other))))
+                other_free = [d for d in other_free if d not in partner]
+            else:
+                partner = frozenset(other_free)
+            request = Request(
+                kind, frozenset(available), size, must, role, partner, frozenset(other_free)
+            )
+            check(topology, allocator, request)
+            cases += 1
+    assert cases > 4000
+
+
+# -- behaviour on hand-checked cases ------------------------------------------
+
+
+def test_hgx_gpus_first_sit_next_to_free_hcas_in_one_numa_node() -> None:
+    topology, allocator, gpus, hcas = layout("hgx-h100")
+    free = frozenset(hcas)
+    choice = allocator.choose(Request(GPU, frozenset(gpus), 4, partner=free, other_free=free))
+    assert choice.score.worst == Level.PIX
+    assert len({topology.numa_node(g) for g in choice.ids}) == 1
+
+
+def test_second_resource_is_chosen_against_the_first() -> None:
+    topology, allocator, gpus, hcas = layout("dgx-a100")
+    chosen_gpus = frozenset([gpus[2], gpus[3]])
+    request = Request(HCA, frozenset(hcas), 2, role=Role.SECOND, partner=chosen_gpus)
+    choice = allocator.choose(request)
+    assert choice.score.worst == Level.PIX
+    assert sorted(choice.ids) == sorted([hcas[2], hcas[3]])
+
+
+def test_pcie_pair_is_taken_from_one_switch_next_to_the_hca() -> None:
+    topology, allocator, gpus, hcas = layout("pcie-server")
+    free = frozenset(hcas)
+    choice = allocator.choose(Request(GPU, frozenset(gpus), 2, partner=free, other_free=free))
+    assert choice.score.worst == Level.PIX
+    assert topology.level(*choice.ids) is Level.PIX
+
+
+def test_lone_free_gpu_is_taken_before_breaking_a_whole_free_switch() -> None:
+    topology, allocator, gpus, _ = layout("pcie-server")
+    # GPU2 and GPU3 share a switch; with GPU2 in use, GPU3 is the lone one.
+    available = frozenset(gpus) - {gpus[2]}
+    choice = allocator.choose(Request(GPU, available, 1))
+    assert choice.ids == (gpus[3],)
+
+
+def test_nvlink_pairs_outrank_pcie_closeness() -> None:
+    topology, allocator, gpus, _ = layout("asymmetric")
+    choice = allocator.choose(Request(GPU, frozenset(gpus[4:]), 2))
+    assert sorted(choice.ids) == sorted([gpus[5], gpus[6]])  # NV4 beats PXB
+    assert choice.score.connectivity == 400
+
+
+def test_hcas_first_go_next_to_the_most_free_gpus() -> None:
+    topology, allocator, gpus, hcas = layout("pcie-server")
+    # NUMA 0 has two free GPUs left, NUMA 1 four: the HCA of NUMA 1 is preferred.
+    free = frozenset(gpus) - {gpus[0], gpus[1]}
+    hca = allocator.choose(Request(HCA, frozenset(hcas), 1, partner=free, other_free=free))
+    assert topology.numa_node(hca.ids[0]) == 1
+
+
+@pytest.mark.parametrize(
+    ("request_", "message", "invalid"),
+    [
+        (lambda g: Request(GPU, frozenset(g), 0), "at least 1", True),
+        (lambda g: Request(GPU, frozenset(g[:2]), 3), "requested 3 devices, only 2", False),
+        (lambda g: Request(GPU, frozenset(g[:2]), 1, frozenset(["GPU-x"])), "unknown must", True),
+        (lambda g: Request(GPU, frozenset(g[:2]), 2, frozenset([g[5]])), "not available", False),
+        (lambda g: Request(GPU, frozenset(g), 1, frozenset(g[:2])), "exceed", True),
+    ],
+)
+def test_unanswerable_requests_are_refused_clearly(
+    request_: object, message: str, invalid: bool
+) -> None:
+    _, allocator, gpus, _ = layout("hgx-h100")
+    assert callable(request_)
+    with pytest.raises(AllocationError, match=message) as info:
+        allocator.choose(request_(gpus))
+    assert info.value.invalid_argument is invalid
+
+
+def test_unknown_available_ids_are_ignored() -> None:
+    _, allocator, gpus, _ = layout("hgx-h100")
+    choice = allocator.choose(Request(GPU, frozenset([gpus[0], "GPU-gone"]), 1))
+    assert choice.ids == (gpus[0],)
