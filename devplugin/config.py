@@ -110,6 +110,25 @@ class KubeletConfig:
 
 
 @dataclass(frozen=True)
+class AllocationConfig:
+    # Offer GetPreferredAllocation (topology-aware choice) for both resources.
+    preferred: bool = True
+    # A request for one resource within this many seconds of an Allocate of
+    # the other is taken as the same container's second resource.
+    pairing_window_seconds: float = _checked(2.0, _positive)
+    # Shared-HCA setups: a GPU allocation also gets the nearest HCAs' device
+    # nodes and the HCA variable, with no rdma/hca request needed.
+    attach_hcas: bool = False
+
+
+@dataclass(frozen=True)
+class PodResourcesConfig:
+    poll_interval_seconds: float = _checked(10.0, _positive)
+    # Never poll more often than this (the kubelet allows 100 requests/s).
+    min_interval_seconds: float = _checked(0.5, _positive)
+
+
+@dataclass(frozen=True)
 class LoggingConfig:
     format: Literal["text", "json"] = "text"
     level: Literal["debug", "info", "warning", "error"] = "info"
@@ -123,6 +142,8 @@ class Config:
     nvml: NvmlConfig = field(default_factory=NvmlConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     kubelet: KubeletConfig = field(default_factory=KubeletConfig)
+    allocation: AllocationConfig = field(default_factory=AllocationConfig)
+    pod_resources: PodResourcesConfig = field(default_factory=PodResourcesConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
@@ -227,6 +248,8 @@ def validate(config: Config) -> None:
         raise ConfigError("resources.hca.name", f"same as resources.gpu.name ({gpu.name!r})")
     if not gpu.enabled and not hca.enabled:
         raise ConfigError("resources", "every resource is disabled; nothing to serve")
+    if config.allocation.attach_hcas and not gpu.enabled:
+        raise ConfigError("allocation.attach_hcas", "needs resources.gpu.enabled")
     kubelet = config.kubelet
     if kubelet.register_backoff_initial_seconds > kubelet.register_backoff_max_seconds:
         raise ConfigError(

@@ -83,6 +83,9 @@ class ResourceState:
     # Device id -> the name tools know it by (HCA: mlx5_0; GPU: its UUID).
     names: Mapping[str, str] = field(default_factory=dict)
 
+    def healthy_ids(self) -> frozenset[str]:
+        return frozenset(d.id for d in self.devices if d.health is Health.HEALTHY)
+
     def device(self, device_id: str) -> PluginDevice | None:
         for device in self.devices:
             if device.id == device_id:
@@ -137,6 +140,16 @@ def check_request(state: ResourceState, ids: Sequence[str]) -> None:
         )
 
 
+def merge_allocations(
+    first: ContainerAllocation, second: ContainerAllocation
+) -> ContainerAllocation:
+    """Both allocations in one container: every node once, all variables."""
+    return ContainerAllocation(
+        envs={**first.envs, **second.envs},
+        devices=tuple(dict.fromkeys((*first.devices, *second.devices))),
+    )
+
+
 def _merge(
     state: ResourceState, ids: Sequence[str], envs: Mapping[str, str]
 ) -> ContainerAllocation:
@@ -158,7 +171,7 @@ class GpuResource:
 
     name: str = "nvidia.com/gpu"
     kind: DeviceKind = DeviceKind.GPU
-    capabilities: Capabilities = Capabilities()
+    capabilities: Capabilities = Capabilities(preferred_allocation=True)
 
     def state(self, inventory: Inventory) -> ResourceState:
         devices = tuple(
@@ -209,7 +222,7 @@ class HcaResource:
     name: str = "rdma/hca"
     env_var: str = "NCCL_IB_HCA"
     kind: DeviceKind = DeviceKind.HCA
-    capabilities: Capabilities = Capabilities()
+    capabilities: Capabilities = Capabilities(preferred_allocation=True)
 
     def state(self, inventory: Inventory) -> ResourceState:
         devices: list[PluginDevice] = []

@@ -5,20 +5,23 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
+from devplugin.allocator import AllocationError
 from devplugin.api import deviceplugin_v1beta1_pb2 as pb
 from devplugin.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
+from devplugin.coordination import Coordinator
 from devplugin.resources import (
     AllocationRefused,
     ContainerAllocation,
     Resource,
     ResourceState,
+    merge_allocations,
 )
 
 log = logging.getLogger(__name__)
@@ -68,8 +71,19 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
     sends the new list when it differs from the last one sent.
     """
 
-    def __init__(self, resource: Resource, initial: ResourceState) -> None:
+    def __init__(
+        self,
+        resource: Resource,
+        initial: ResourceState,
+        *,
+        coordinator: Coordinator | None = None,
+        on_allocate: Callable[[Sequence[str]], None] | None = None,
+        attach: Callable[[Sequence[str]], ContainerAllocation | None] | None = None,
+    ) -> None:
         self.resource = resource
+        self._coordinator = coordinator
+        self._on_allocate = on_allocate
+        self._attach = attach
         self._cond = threading.Condition()
         self._state = initial
         self._version = 0
@@ -172,17 +186,59 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
                     exc.reason,
                 )
                 context.abort(code, f"{self.resource.name}: {exc.reason}")
+            if self._attach is not None:
+                extra = self._attach(ids)
+                if extra is not None:
+                    allocation = merge_allocations(allocation, extra)
             log.info("%s: allocated %s", self.resource.name, ",".join(ids))
             response.container_responses.append(to_proto_allocation(allocation))
+        if self._on_allocate is not None:
+            for container in request.container_requests:
+                self._on_allocate(list(container.devices_ids))
         return response
 
     def GetPreferredAllocation(
         self, request: pb.PreferredAllocationRequest, context: grpc.ServicerContext
     ) -> pb.PreferredAllocationResponse:
-        context.abort(
-            grpc.StatusCode.UNIMPLEMENTED,
-            f"{self.resource.name} does not offer preferred allocations",
-        )
+        coordinator = self._coordinator
+        if coordinator is None or not self.resource.capabilities.preferred_allocation:
+            context.abort(
+                grpc.StatusCode.UNIMPLEMENTED,
+                f"{self.resource.name} does not offer preferred allocations",
+            )
+        response = pb.PreferredAllocationResponse()
+        for container in request.container_requests:
+            try:
+                choice, role = coordinator.preferred(
+                    self.resource.kind,
+                    container.available_deviceIDs,
+                    container.must_include_deviceIDs,
+                    container.allocation_size,
+                )
+            except AllocationError as exc:
+                code = (
+                    grpc.StatusCode.INVALID_ARGUMENT
+                    if exc.invalid_argument
+                    else grpc.StatusCode.FAILED_PRECONDITION
+                )
+                log.warning(
+                    "%s: no preferred allocation of %d from %d available: %s",
+                    self.resource.name,
+                    container.allocation_size,
+                    len(container.available_deviceIDs),
+                    exc.reason,
+                )
+                context.abort(code, f"{self.resource.name}: {exc.reason}")
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug(
+                    "%s: preferred %s (%s, %s)",
+                    self.resource.name,
+                    ",".join(choice.ids),
+                    role.value,
+                    choice.score,
+                )
+            response.container_responses.add(deviceIDs=choice.ids)
+        return response
 
     def PreStartContainer(
         self, request: pb.PreStartContainerRequest, context: grpc.ServicerContext

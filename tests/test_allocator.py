@@ -98,7 +98,9 @@ def test_hcas_every_size_equals_exhaustive(name: str, role: Role) -> None:
             partner = other_free = free_gpus
         must = frozenset(sorted(available)[:1])
         for size in range(1, len(available) + 1):
-            check(topology, allocator, Request(HCA, available, size, must, role, partner, other_free))
+            check(
+                topology, allocator, Request(HCA, available, size, must, role, partner, other_free)
+            )
 
 
 def test_randomized_corpus_equals_exhaustive() -> None:

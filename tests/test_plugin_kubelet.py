@@ -43,13 +43,14 @@ def test_both_resources_register_with_correct_fields(start_cluster: Start) -> No
     assert records[HCA].endpoint == "devplugin-rdma-hca.sock"
     for resource in (GPU, HCA):
         assert (cluster.plugin_dir / records[resource].endpoint).exists()
-        # Options are what the resource implements (issue 2: neither call).
+        # Options are derived from what the resource implements.
         servicer = cluster.daemon.servicer(resource)
         caps = servicer.resource.capabilities
         assert records[resource].options == pb.DevicePluginOptions(
             pre_start_required=caps.pre_start,
             get_preferred_allocation_available=caps.preferred_allocation,
         )
+        assert records[resource].options.get_preferred_allocation_available
 
 
 def test_list_and_watch_lists_every_device_with_its_numa_node(start_cluster: Start) -> None:
@@ -161,8 +162,10 @@ def test_unhealthy_device_is_refused_with_its_reason(start_cluster: Start) -> No
     assert "port 1 is 1: DOWN" in info.value.details()
 
 
-def test_preferred_allocation_is_not_offered_yet(start_cluster: Start) -> None:
-    cluster = start_cluster(hgx_node())
+def test_preferred_allocation_can_be_switched_off(start_cluster: Start) -> None:
+    cluster = start_cluster(hgx_node(), **{"allocation.preferred": False})
+    for record in cluster.kubelet.registrations:
+        assert record.options == pb.DevicePluginOptions()
     with pytest.raises(grpc.RpcError) as info:
         cluster.kubelet.stub(GPU).GetPreferredAllocation(pb.PreferredAllocationRequest(), timeout=5)
     assert info.value.code() is grpc.StatusCode.UNIMPLEMENTED

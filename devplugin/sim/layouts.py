@@ -73,7 +73,7 @@ def node_64() -> NodeSpec:
         RootComplex(
             numa,
             _cpus(numa, 64),
-            [Switch([Gpu()] * 4 + [Hca()]), Switch([Gpu()] * 4 + [Hca()])],
+            [Switch([Gpu(), Gpu(), Gpu(), Gpu(), Hca()]) for _ in range(2)],
         )
         for numa in (0, 0, 0, 0, 1, 1, 1, 1)
     ]

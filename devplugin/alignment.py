@@ -1,0 +1,169 @@
+"""What each container really holds, from the kubelet, and how well aligned it is.
+
+The monitor polls the PodResources API from its own thread, never from an
+RPC handler (on some kubelet versions a List issued while an Allocate is in
+flight races with the kubelet's own bookkeeping). Polls happen every
+`interval` seconds and shortly after an Allocate (`poke`), never closer than
+`min_interval` apart, far below the kubelet's limit of 100 requests/s.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from devplugin.coordination import Coordinator
+from devplugin.kubelet import PodResourcesClient
+from devplugin.model import DeviceKind
+from devplugin.rpc import rpc_failure
+from devplugin.topology import Level, Topology
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ContainerAlignment:
+    namespace: str
+    pod: str
+    container: str
+    gpus: tuple[str, ...]
+    hcas: tuple[str, ...]
+    # Worst and summed level from each GPU to its nearest HCA; None unless
+    # the container holds both kinds.
+    worst: Level | None
+    total: int | None
+
+    @property
+    def name(self) -> str:
+        return f"{self.namespace}/{self.pod}/{self.container}"
+
+
+def alignment(
+    topology: Topology, gpus: Sequence[str], hcas: Sequence[str]
+) -> tuple[Level, int] | None:
+    """The worst and summed GPU-to-nearest-HCA level of a device set."""
+    known_gpus = [g for g in gpus if g in topology.kind]
+    known_hcas = [h for h in hcas if h in topology.kind]
+    if not known_gpus or not known_hcas:
+        return None
+    levels = [min(topology.level(g, h) for h in known_hcas) for g in known_gpus]
+    return Level(max(levels)), sum(levels)
+
+
+class AlignmentMonitor:
+    """Polls PodResources; feeds held devices to the coordinator; reports levels."""
+
+    def __init__(
+        self,
+        client: PodResourcesClient,
+        coordinator: Coordinator,
+        resource_names: dict[DeviceKind, str],
+        *,
+        interval: float,
+        min_interval: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._client = client
+        self._coordinator = coordinator
+        self._kinds = {name: kind for kind, name in resource_names.items()}
+        self._interval = interval
+        self._min_interval = min_interval
+        self._clock = clock
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._report: dict[str, ContainerAlignment] = {}
+        self._last_call = float("-inf")
+        self._failing: str | None = None
+        self.polls = 0
+
+    def report(self) -> dict[str, ContainerAlignment]:
+        with self._lock:
+            return dict(self._report)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="alignment", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def poke(self) -> None:
+        """Ask for a poll soon (after an Allocate)."""
+        self._wake.set()
+
+    def _run(self) -> None:
+        log.info("alignment monitor started (PodResources every %.1fs)", self._interval)
+        while not self._stop.is_set():
+            self._wake.wait(self._interval)
+            if self._stop.is_set():
+                break
+            wait = self._min_interval - (self._clock() - self._last_call)
+            if wait > 0 and self._stop.wait(wait):
+                break
+            self._wake.clear()
+            self.poll_once()
+        log.info("alignment monitor stopped")
+
+    def poll_once(self) -> bool:
+        started = self._clock()
+        self._last_call = started
+        self.polls += 1
+        try:
+            entries = self._client.list()
+        except grpc.RpcError as exc:
+            code, details = rpc_failure(exc)
+            message = f"{code.name if code else 'error'}: {details}"
+            if message != self._failing:
+                log.warning("PodResources List failed (%s); retrying", message)
+                self._failing = message
+            return False
+        if self._failing is not None:
+            log.info("PodResources List works again")
+            self._failing = None
+        held: dict[DeviceKind, set[str]] = {kind: set() for kind in DeviceKind}
+        holdings: dict[tuple[str, str, str], dict[DeviceKind, list[str]]] = {}
+        for entry in entries:
+            kind = self._kinds.get(entry.resource)
+            if kind is None:
+                continue
+            held[kind].update(entry.device_ids)
+            key = (entry.namespace, entry.pod, entry.container)
+            holdings.setdefault(key, {k: [] for k in DeviceKind})[kind].extend(entry.device_ids)
+        self._coordinator.observe_assignments(held, started)
+        topology = self._coordinator.topology
+        report: dict[str, ContainerAlignment] = {}
+        for (namespace, pod, container), devices in sorted(holdings.items()):
+            gpus, hcas = devices[DeviceKind.GPU], devices[DeviceKind.HCA]
+            measured = alignment(topology, gpus, hcas)
+            entry_report = ContainerAlignment(
+                namespace, pod, container, tuple(gpus), tuple(hcas),
+                measured[0] if measured else None, measured[1] if measured else None,
+            )  # fmt: skip
+            report[entry_report.name] = entry_report
+        with self._lock:
+            previous, self._report = self._report, report
+        for name, item in report.items():
+            if previous.get(name) != item:
+                level = (
+                    f"worst GPU-HCA level {item.worst.name} (sum {item.total})"
+                    if item.worst
+                    else "no GPU-HCA pair"
+                )
+                log.info(
+                    "container %s holds %d GPUs, %d HCAs: %s",
+                    name,
+                    len(item.gpus),
+                    len(item.hcas),
+                    level,
+                )
+        return True

@@ -1,0 +1,160 @@
+"""One container, two resources: the state both DevicePlugin servers share.
+
+The kubelet asks for a container's GPUs and HCAs one resource at a time (its
+own preference, then Allocate, then the next resource), in an order that is
+not defined (it walks a Go map), and the requests carry no pod identity. So:
+
+* When a request comes with no recent allocation of the other resource, it
+  is treated as the first of a pair and chosen so the other resource can
+  still be aligned: GPUs next to free HCAs, HCAs next to the most free GPUs
+  (`Role.FIRST`, partner = the other kind's free devices).
+* An Allocate records what was just given. A request for the other resource
+  within `pairing_window` seconds is the same container's second resource
+  and is chosen against that set (`Role.SECOND`). The kubelet handles one
+  container's resources back to back, so the window can be short; a stale
+  pairing only biases a choice towards one set of devices, it never makes a
+  choice invalid.
+* Which devices of the other kind are free is known from the kubelet's
+  PodResources API (polled in the background by the alignment monitor) plus
+  the allocations made since the last poll.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from devplugin.allocator import Allocator, Choice, Request, Role
+from devplugin.model import DeviceKind
+from devplugin.topology import Topology
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Given:
+    kind: DeviceKind
+    ids: frozenset[str]
+    at: float
+
+
+class Coordinator:
+    """Topology, health, free-device estimates and pairing for both resources."""
+
+    def __init__(
+        self,
+        *,
+        pairing_window: float = 2.0,
+        unconfirmed_hold: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._window = pairing_window
+        self._unconfirmed_hold = unconfirmed_hold
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._topology = Topology((), ())
+        self._allocator = Allocator(self._topology)
+        self._healthy: dict[DeviceKind, frozenset[str]] = {k: frozenset() for k in DeviceKind}
+        self._held: dict[DeviceKind, frozenset[str]] = {k: frozenset() for k in DeviceKind}
+        self._recent: list[_Given] = []
+        self._pending: _Given | None = None
+
+    # -- inputs ----------------------------------------------------------------
+    @property
+    def topology(self) -> Topology:
+        with self._lock:
+            return self._topology
+
+    def set_topology(self, topology: Topology) -> None:
+        """A new device set: precompute the search structures once, here."""
+        allocator = Allocator(topology)
+        with self._lock:
+            self._topology = topology
+            self._allocator = allocator
+
+    def set_healthy(self, kind: DeviceKind, ids: Iterable[str]) -> None:
+        with self._lock:
+            self._healthy[kind] = frozenset(ids)
+
+    def observe_assignments(
+        self, held: Mapping[DeviceKind, Iterable[str]], polled_at: float
+    ) -> None:
+        """What PodResources said every container holds, as of `polled_at`."""
+        with self._lock:
+            for kind in DeviceKind:
+                self._held[kind] = frozenset(held.get(kind, ()))
+            # Allocations before the poll began are in its answer.
+            self._recent = [given for given in self._recent if given.at >= polled_at]
+
+    def allocated(self, kind: DeviceKind, ids: Sequence[str]) -> None:
+        """An Allocate succeeded: the devices are taken, and pairing advances."""
+        now = self._clock()
+        given = _Given(kind, frozenset(ids), now)
+        with self._lock:
+            self._recent.append(given)
+            self._recent = [g for g in self._recent if now - g.at <= self._unconfirmed_hold]
+            pending = self._pending
+            if (
+                pending is not None
+                and pending.kind is not kind
+                and now - pending.at <= self._window
+            ):
+                # The container's second resource: the pair is complete.
+                self._pending = None
+            else:
+                self._pending = given
+
+    # -- queries ---------------------------------------------------------------
+    def free(self, kind: DeviceKind) -> frozenset[str]:
+        with self._lock:
+            return self._free_locked(kind)
+
+    def _free_locked(self, kind: DeviceKind) -> frozenset[str]:
+        taken = set(self._held[kind])
+        for given in self._recent:
+            if given.kind is kind:
+                taken.update(given.ids)
+        return self._healthy[kind] - taken
+
+    def preferred(
+        self,
+        kind: DeviceKind,
+        available: Iterable[str],
+        must_include: Iterable[str],
+        size: int,
+    ) -> tuple[Choice, Role]:
+        """The choice for one container request (raises AllocationError)."""
+        now = self._clock()
+        must = frozenset(must_include)
+        with self._lock:
+            healthy = self._healthy[kind]
+            # Unhealthy devices are never offered, whatever the kubelet lists.
+            candidates = frozenset(available).union(must) & healthy
+            other = kind.other
+            other_free = self._free_locked(other)
+            pending = self._pending
+            if pending is not None and pending.kind is other and now - pending.at <= self._window:
+                role, partner = Role.SECOND, pending.ids
+                other_free = other_free - pending.ids
+            else:
+                role, partner = Role.FIRST, other_free
+            allocator = self._allocator
+        request = Request(kind, candidates, size, must, role, partner, other_free)
+        return allocator.choose(request), role
+
+    def nearest(self, gpu_ids: Sequence[str], kind: DeviceKind = DeviceKind.HCA) -> list[str]:
+        """Per GPU, the healthy device of `kind` closest to it (attach mode)."""
+        with self._lock:
+            topology = self._topology
+            healthy = sorted(self._healthy[kind])
+        chosen: list[str] = []
+        for gpu in gpu_ids:
+            if gpu not in topology.kind or not healthy:
+                continue
+            best = min(healthy, key=lambda device: (topology.level(gpu, device), device))
+            if best not in chosen:
+                chosen.append(best)
+        return chosen
