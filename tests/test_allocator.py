@@ -75,7 +75,7 @@ def test_gpus_first_every_size_equals_exhaustive(name: str) -> None:
 
 @pytest.mark.parametrize("name", TABLE_LAYOUTS)
 def test_gpus_second_against_chosen_hcas_equals_exhaustive(name: str) -> None:
-    topology, allocator, _, hcas = layout(name)
+    topology, allocator, _, _hcas = layout(name)
     rng = random.Random(f"{name}-second")
     limit = 6 if name == "16-gpu" else 99
     for _, available, free_hcas, must in scenarios(name):
@@ -88,7 +88,7 @@ def test_gpus_second_against_chosen_hcas_equals_exhaustive(name: str) -> None:
 @pytest.mark.parametrize("name", TABLE_LAYOUTS)
 @pytest.mark.parametrize("role", [Role.FIRST, Role.SECOND])
 def test_hcas_every_size_equals_exhaustive(name: str, role: Role) -> None:
-    topology, allocator, gpus, hcas = layout(name)
+    topology, allocator, _gpus, _hcas = layout(name)
     rng = random.Random(f"{name}-hca")
     for _, free_gpus, available, _ in scenarios(name):
         if role is Role.SECOND:
@@ -149,7 +149,7 @@ def test_hgx_gpus_first_sit_next_to_free_hcas_in_one_numa_node() -> None:
 
 
 def test_second_resource_is_chosen_against_the_first() -> None:
-    topology, allocator, gpus, hcas = layout("dgx-a100")
+    _topology, allocator, gpus, hcas = layout("dgx-a100")
     chosen_gpus = frozenset([gpus[2], gpus[3]])
     request = Request(HCA, frozenset(hcas), 2, role=Role.SECOND, partner=chosen_gpus)
     choice = allocator.choose(request)
@@ -166,7 +166,7 @@ def test_pcie_pair_is_taken_from_one_switch_next_to_the_hca() -> None:
 
 
 def test_lone_free_gpu_is_taken_before_breaking_a_whole_free_switch() -> None:
-    topology, allocator, gpus, _ = layout("pcie-server")
+    _topology, allocator, gpus, _ = layout("pcie-server")
     # GPU2 and GPU3 share a switch; with GPU2 in use, GPU3 is the lone one.
     available = frozenset(gpus) - {gpus[2]}
     choice = allocator.choose(Request(GPU, available, 1))
@@ -174,7 +174,7 @@ def test_lone_free_gpu_is_taken_before_breaking_a_whole_free_switch() -> None:
 
 
 def test_nvlink_pairs_outrank_pcie_closeness() -> None:
-    topology, allocator, gpus, _ = layout("asymmetric")
+    _topology, allocator, gpus, _ = layout("asymmetric")
     choice = allocator.choose(Request(GPU, frozenset(gpus[4:]), 2))
     assert sorted(choice.ids) == sorted([gpus[5], gpus[6]])  # NV4 beats PXB
     assert choice.score.connectivity == 400
