@@ -4,7 +4,8 @@ The objective, lexicographic, lower is better (levels count PIX 1 .. SYS 5,
 `lvl(x, S)` is the level from x to the nearest device of S):
 
 GPUs, given a partner set P of HCAs (the HCAs just chosen for this
-container, or, when GPUs come first, every free HCA):
+container; or, when GPUs come first and at least as many HCAs are expected,
+every free HCA):
     1. worst  = max over chosen GPUs g of lvl(g, P)   (0 when P is empty)
     2. total  = sum of the same
     3. -connectivity: sum over chosen GPU pairs of 100 per NVLink, otherwise
@@ -16,12 +17,18 @@ HCAs, second (the container's GPUs G were just chosen):
     2. total  = sum of the same
     4. -spread
 
-HCAs, first (partner = every free GPU F):
-    1. worst  = max over chosen HCAs h of lvl(h, F)
-    2. total  = sum of the same
-    3. -support: how many free GPUs have a chosen HCA within PIX, then
-       within PXB, PHB, NODE (more is better: HCAs next to the most free GPUs)
-    4. -spread
+HCAs, first, with p GPUs expected to follow (partner = the free GPUs F):
+    1. worst  = the level within which p free GPUs have a chosen HCA (the
+       p-th smallest lvl(g, H) over g in F): what the GPUs will get
+    2. -how many free GPUs are within that level of H
+    3. total  = sum over chosen HCAs h of lvl(h, F)
+    4. -support: free GPUs within PIX of H, then PXB, PHB, NODE (HCAs next to
+       the most free GPUs), then -spread
+
+GPUs first with fewer HCAs expected (p < size) plan the HCAs first (as
+above, with `size` GPUs expected) and then choose the GPUs second against
+that plan: the pair then reaches the best worst level any choice of both
+sets could.
 
 Spread is the sum, over every domain (switch, root port, host bridge, NUMA
 node), of the square of the free devices (both kinds) left in it. Squares
@@ -79,6 +86,16 @@ class Request:
     partner: frozenset[str] = frozenset()
     # Devices of the other kind that stay free after this choice (spread).
     other_free: frozenset[str] = frozenset()
+    # First role: how many devices of the other kind the container is expected
+    # to ask for next (None: as many as this request; 0: none).
+    expected: int | None = None
+
+    @property
+    def expected_partners(self) -> int:
+        if self.role is Role.SECOND or not self.partner:
+            return 0
+        wanted = self.size if self.expected is None else self.expected
+        return min(wanted, len(self.partner))
 
 
 @dataclass(frozen=True)
@@ -88,10 +105,13 @@ class Score:
     connectivity: int
     support: tuple[int, int, int, int]
     spread: int
+    # HCAs first: free GPUs within `worst` of the chosen HCAs.
+    reach: int = 0
 
     def key(self) -> tuple[int, ...]:
         return (
             self.worst,
+            -self.reach,
             self.total,
             -self.connectivity,
             *(-count for count in self.support),
@@ -103,6 +123,8 @@ class Score:
 class Choice:
     ids: tuple[str, ...]
     score: Score
+    # GPUs first with fewer HCAs expected: the HCAs the GPUs were placed near.
+    plan: tuple[str, ...] = ()
 
 
 def _coverage_mode(request: Request) -> bool:
@@ -111,7 +133,21 @@ def _coverage_mode(request: Request) -> bool:
 
 
 def _support_mode(request: Request) -> bool:
-    return request.kind is DeviceKind.HCA and request.role is Role.FIRST
+    """HCAs chosen first are judged by the free GPUs they will be near."""
+    return (
+        request.kind is DeviceKind.HCA
+        and request.role is Role.FIRST
+        and request.expected_partners > 0
+    )
+
+
+def _cost_partner(request: Request) -> frozenset[str]:
+    """The set each chosen device's own level is measured to (cost terms)."""
+    if request.role is Role.FIRST and request.expected_partners == 0:
+        return frozenset()
+    if _coverage_mode(request):
+        return frozenset()
+    return request.partner
 
 
 def validate(topology: Topology, request: Request) -> frozenset[str]:
@@ -153,17 +189,19 @@ def evaluate(topology: Topology, request: Request, chosen: Iterable[str]) -> Sco
     as the reference the fast search is checked against.
     """
     picked = list(chosen)
-    partner = list(request.partner)
-    worst = total = 0
+    worst = total = reach = 0
     support = (0, 0, 0, 0)
     if _coverage_mode(request):
-        levels = [min(topology.level(q, h) for h in picked) for q in partner]
+        levels = [min(topology.level(q, h) for h in picked) for q in request.partner]
         worst, total = max(levels, default=0), sum(levels)
-    elif partner:
-        levels = [min(topology.level(d, p) for p in partner) for d in picked]
+    cost_partner = _cost_partner(request)
+    if cost_partner:
+        levels = [min(topology.level(d, p) for p in cost_partner) for d in picked]
         worst, total = max(levels), sum(levels)
-    if _support_mode(request) and partner:
-        covered = [min(topology.level(q, h) for h in picked) for q in partner]
+    if _support_mode(request):
+        covered = sorted(min(topology.level(q, h) for h in picked) for q in request.partner)
+        worst = covered[request.expected_partners - 1]
+        reach = sum(1 for level in covered if level <= worst)
         s1, s2, s3, s4 = (sum(1 for lv in covered if lv <= limit) for limit in SUPPORT_LEVELS)
         support = (s1, s2, s3, s4)
     connectivity = 0
@@ -181,7 +219,7 @@ def evaluate(topology: Topology, request: Request, chosen: Iterable[str]) -> Sco
             key = topology.placement[device].keys[depth]
             free[key] = free.get(key, 0) + 1
         spread += sum(count * count for count in free.values())
-    return Score(worst, total, connectivity, support, spread)
+    return Score(worst, total, connectivity, support, spread, reach)
 
 
 def exhaustive(topology: Topology, request: Request) -> Choice:
@@ -197,6 +235,34 @@ def exhaustive(topology: Topology, request: Request) -> Choice:
             best = Choice(ids, score)
     assert best is not None
     return best
+
+
+def plan_request(request: Request, candidates: frozenset[str], expected: int) -> Request:
+    """GPUs first with `expected` < size HCAs to follow: the HCA request that
+    places those HCAs where the GPUs can be nearest."""
+    return Request(
+        DeviceKind.HCA,
+        request.partner,
+        expected,
+        role=Role.FIRST,
+        partner=candidates,
+        other_free=candidates,
+        expected=request.size,
+    )
+
+
+def planned_request(request: Request, candidates: frozenset[str], plan: Iterable[str]) -> Request:
+    """The GPU request, chosen second against the planned HCAs."""
+    planned = frozenset(plan)
+    return Request(
+        DeviceKind.GPU,
+        candidates,
+        request.size,
+        request.must_include,
+        Role.SECOND,
+        planned,
+        request.partner - planned,
+    )
 
 
 @dataclass
@@ -222,6 +288,7 @@ class Allocator:
         # Mixed-radix weights: one integer orders like the lexicographic key.
         # Each bound covers the largest magnitude a component can reach.
         bounds = [
+            n,  # reach (HCAs first)
             5 * n,  # total
             max_score * n * n,  # connectivity
             n, n, n, n,  # support within PIX, PXB, PHB, NODE
@@ -232,10 +299,10 @@ class Allocator:
             weights[i] = weights[i + 1] * (2 * bounds[i + 1] + 1)
         self._bounds = bounds
         self._weights = weights
-        self._w_total, self._w_conn = weights[0], weights[1]
-        self._w_support = weights[2:6]
-        self._w_spread = weights[6]
-        # Per node: the classes and child nodes folded into it.
+        self._w_reach, self._w_total, self._w_conn = weights[0], weights[1], weights[2]
+        self._w_support = weights[3:7]
+        self._w_spread = weights[7]
+        # Per node: the child nodes and classes folded into it.
         self._items: list[tuple[tuple[int, ...], tuple[int, ...]]] = [
             (node.children, node.classes) for node in t.nodes
         ]
@@ -245,9 +312,30 @@ class Allocator:
     # -- public --------------------------------------------------------------
     def choose(self, request: Request) -> Choice:
         candidates = validate(self.topology, request)
+        expected = request.expected_partners
+        if (
+            request.kind is DeviceKind.GPU
+            and request.role is Role.FIRST
+            and 0 < expected < request.size
+        ):
+            return self._plan_then_choose(request, candidates, expected)
         if request.kind is DeviceKind.GPU and not self.topology.tree_exact:
             return exhaustive(self.topology, request)
         return self._search(request, candidates)
+
+    def _plan_then_choose(
+        self, request: Request, candidates: frozenset[str], expected: int
+    ) -> Choice:
+        """GPUs first, fewer HCAs to come: place the HCAs where `size` GPUs can
+        be nearest, then choose the GPUs against those HCAs."""
+        first = plan_request(request, candidates, expected)
+        plan = self._search(first, validate(self.topology, first))
+        second = planned_request(request, candidates, plan.ids)
+        if not self.topology.tree_exact:
+            choice = exhaustive(self.topology, second)
+        else:
+            choice = self._search(second, candidates)
+        return Choice(choice.ids, choice.score, plan.ids)
 
     # -- the tree search -----------------------------------------------------
     def _search(self, request: Request, candidates: frozenset[str]) -> Choice:
@@ -263,53 +351,51 @@ class Allocator:
             must[class_of[device]] += 1
         for device in request.partner:
             partner[class_of[device]] += 1
-        partner_classes = [c for c in range(nclasses) if partner[c]]
-        coverage = _coverage_mode(request)
-        support = _support_mode(request)
-        kind = request.kind
         cost = [0] * nclasses
-        if partner_classes and not coverage:
+        cost_partner = {class_of[d] for d in _cost_partner(request)}
+        if cost_partner:
+            kind = request.kind
             for klass in t.classes:
                 if klass.kind is kind and cap[klass.index]:
                     row = t.class_level[klass.index]
-                    cost[klass.index] = min(row[q] for q in partner_classes)
-        # Free devices per domain before the choice, and targets per subtree.
+                    cost[klass.index] = min(row[q] for q in cost_partner)
+        # Free devices per domain before the choice, and partners per subtree.
         free = [0] * len(t.nodes)
         targets = [0] * len(t.nodes)
         for c in range(nclasses):
-            extra = cap[c]
             for node in t.class_path[c]:
-                free[node] += extra
+                free[node] += cap[c]
                 targets[node] += partner[c]
         for device in request.other_free:
             for node in t.class_path[class_of[device]]:
                 free[node] += 1
-        lower = self._lower_bound(request, cap, must, cost, partner_classes)
         inputs = _Inputs(cap, must, cost, partner, free, targets)
-        for threshold in range(lower, 6):
+        support = _support_mode(request)
+        if support:
+            thresholds: Iterable[int] = range(1, 6)
+        elif cost_partner or _coverage_mode(request):
+            thresholds = range(self._lower_bound(request, inputs, cost_partner), 6)
+        else:
+            thresholds = (0,)
+        for threshold in thresholds:
             found = self._fold(request, threshold, inputs)
-            if found is not None:
-                value, counts = found
-                ids = self._materialize(request, candidates, counts)
-                worst = threshold if (partner_classes or coverage) else 0
-                return Choice(ids, self._decode(value, worst, support))
+            if found is None:
+                continue
+            value, counts = found
+            score = self._decode(value, threshold, support)
+            if support and score.reach < request.expected_partners:
+                continue
+            return Choice(self._materialize(request, candidates, counts), score)
         raise AllocationError("no feasible allocation", invalid_argument=False)  # pragma: no cover
 
-    def _lower_bound(
-        self,
-        request: Request,
-        cap: list[int],
-        must: list[int],
-        cost: list[int],
-        partner_classes: list[int],
-    ) -> int:
-        if not partner_classes:
-            return 0
+    def _lower_bound(self, request: Request, inputs: _Inputs, cost_partner: set[int]) -> int:
         t = self.topology
+        cap, must, cost = inputs.cap, inputs.must, inputs.cost
         if _coverage_mode(request):
-            # Every target needs a candidate within the threshold.
+            # Every partner needs a candidate within the threshold.
             usable = [c for c in range(len(cap)) if cap[c]]
-            return max(min(t.class_level[q][c] for c in usable) for q in partner_classes)
+            partners = [c for c in range(len(cap)) if inputs.partner[c]]
+            return max((min(t.class_level[q][c] for c in usable) for q in partners), default=0)
         bound = max((cost[c] for c in range(len(cap)) if must[c]), default=0)
         by_cost = sorted((cost[c], cap[c]) for c in range(len(cap)) if cap[c])
         have = 0
@@ -317,7 +403,7 @@ class Allocator:
             have += count
             if have >= request.size:
                 return max(bound, level)
-        return max(bound, 5)  # pragma: no cover - validate() guarantees capacity
+        return 5  # pragma: no cover - validate() guarantees capacity
 
     def _fold(
         self, request: Request, threshold: int, inputs: _Inputs
@@ -330,21 +416,23 @@ class Allocator:
         coverage = _coverage_mode(request)
         support = _support_mode(request)
         w_total, w_conn, w_spread = self._w_total, self._w_conn, self._w_spread
-        w_support = self._w_support
+        w_reach = self._w_reach
         gpu = kind is DeviceKind.GPU
         cross = t.cross_score
-
-        def cover(count: int, level: int) -> int | None:
-            """The value of `count` partner devices first covered at `level`."""
-            if not count:
-                return 0
-            if coverage:
-                return None if level > threshold else count * level * w_total
-            if support:
-                return -count * sum(
-                    w for w, lim in zip(w_support, SUPPORT_LEVELS, strict=True) if level <= lim
-                )
-            return 0
+        # Cost levels above the threshold are infeasible only when the
+        # threshold bounds the chosen devices' own levels.
+        prune = not coverage and not support
+        # The value of one partner first covered at each level (index = level).
+        cover_unit: list[int | None] = [0] * 6
+        if coverage:
+            cover_unit = [None if level > threshold else level * w_total for level in range(6)]
+        elif support:
+            for depth_level in range(1, 6):
+                gain = -w_reach if depth_level <= threshold else 0
+                for w, bound_level in zip(self._w_support, SUPPORT_LEVELS, strict=True):
+                    if depth_level <= bound_level:
+                        gain -= w
+                cover_unit[depth_level] = gain
 
         class_values: list[list[int | None]] = []
         for klass in t.classes:
@@ -357,7 +445,7 @@ class Allocator:
             per = cost[c]
             internal = klass.internal_score if gpu else 0
             for k in range(must[c], high + 1):
-                if k and per > threshold:
+                if k and prune and per > threshold:
                     break
                 values[k] = k * per * w_total - internal * (k * (k - 1) // 2) * w_conn
             class_values.append(values)
@@ -366,7 +454,7 @@ class Allocator:
         backs: list[list[tuple[bool, int, list[int]]]] = [[] for _ in t.nodes]
         for node in t.postorder:
             children, classes = self._items[node]
-            level = self._node_level[node]
+            unit = cover_unit[self._node_level[node]]
             pair = cross[node] if gpu else 0
             current: list[int | None] = [0]
             zero: int | None = 0
@@ -379,8 +467,14 @@ class Allocator:
                 first = values[0]
                 if zero is not None:
                     zero = None if first is None else zero + first
-                covered = cover(pending, level)
-                adjusted = None if first is None or covered is None else first + covered
+                # When this item takes nothing, its partners are covered here.
+                adjusted: int | None
+                if first is None or not pending:
+                    adjusted = first
+                elif unit is None:
+                    adjusted = None
+                else:
+                    adjusted = first + pending * unit
                 if len(values) == 1:
                     if adjusted is None:
                         current = [None] * len(current)
@@ -444,7 +538,7 @@ class Allocator:
             ids.extend(members[:count])
         return tuple(ids)
 
-    def _decode(self, value: int, worst: int, support: bool) -> Score:
+    def _decode(self, value: int, threshold: int, support: bool) -> Score:
         digits: list[int] = []
         rest = value
         for i in range(len(self._weights) - 1, 0, -1):
@@ -455,11 +549,12 @@ class Allocator:
             digits.append(digit)
             rest = (rest - digit) // base
         digits.append(rest)
-        total, neg_conn, s1, s2, s3, s4, neg_spread = reversed(digits)
+        neg_reach, total, neg_conn, s1, s2, s3, s4, neg_spread = reversed(digits)
         return Score(
-            worst=worst,
+            worst=threshold,
             total=total,
             connectivity=-neg_conn,
             support=(-s1, -s2, -s3, -s4) if support else (0, 0, 0, 0),
             spread=-neg_spread,
+            reach=-neg_reach,
         )

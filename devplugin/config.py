@@ -123,7 +123,7 @@ class AllocationConfig:
 
 @dataclass(frozen=True)
 class PodResourcesConfig:
-    poll_interval_seconds: float = _checked(10.0, _positive)
+    poll_interval_seconds: float = _checked(2.0, _positive)
     # Never poll more often than this (the kubelet allows 100 requests/s).
     min_interval_seconds: float = _checked(0.5, _positive)
 

@@ -14,6 +14,12 @@ not defined (it walks a Go map), and the requests carry no pod identity. So:
   container's resources back to back, so the window can be short; a stale
   pairing only biases a choice towards one set of devices, it never makes a
   choice invalid.
+* The first resource's choice depends on how many devices of the other
+  kind will follow, which the kubelet does not say. The coordinator
+  remembers, per (kind, count), the partner count of the last completed
+  pair (0 when no partner followed) and assumes it again; with no history it
+  assumes as many as requested (one HCA per GPU). When the assumption holds,
+  the pair reaches the best worst level any choice of both sets could.
 * Which devices of the other kind are free is known from the kubelet's
   PodResources API (polled in the background by the alignment monitor) plus
   the allocations made since the last poll.
@@ -61,6 +67,8 @@ class Coordinator:
         self._held: dict[DeviceKind, frozenset[str]] = {k: frozenset() for k in DeviceKind}
         self._recent: list[_Given] = []
         self._pending: _Given | None = None
+        # (kind, count) of a first resource -> partner count that followed.
+        self._shapes: dict[tuple[DeviceKind, int], int] = {}
 
     # -- inputs ----------------------------------------------------------------
     @property
@@ -103,9 +111,14 @@ class Coordinator:
                 and now - pending.at <= self._window
             ):
                 # The container's second resource: the pair is complete.
+                self._shapes[(pending.kind, len(pending.ids))] = len(given.ids)
+                self._shapes[(kind, len(given.ids))] = len(pending.ids)
                 self._pending = None
-            else:
-                self._pending = given
+                return
+            if pending is not None:
+                # Nothing of the other kind followed it.
+                self._shapes[(pending.kind, len(pending.ids))] = 0
+            self._pending = given
 
     # -- queries ---------------------------------------------------------------
     def free(self, kind: DeviceKind) -> frozenset[str]:
@@ -136,14 +149,21 @@ class Coordinator:
             other = kind.other
             other_free = self._free_locked(other)
             pending = self._pending
+            expected: int | None = None
             if pending is not None and pending.kind is other and now - pending.at <= self._window:
                 role, partner = Role.SECOND, pending.ids
                 other_free = other_free - pending.ids
             else:
                 role, partner = Role.FIRST, other_free
+                expected = self._shapes.get((kind, size), size)
             allocator = self._allocator
-        request = Request(kind, candidates, size, must, role, partner, other_free)
+        request = Request(kind, candidates, size, must, role, partner, other_free, expected)
         return allocator.choose(request), role
+
+    def expected_partners(self, kind: DeviceKind, size: int) -> int:
+        """How many devices of the other kind a first request is assumed to get."""
+        with self._lock:
+            return self._shapes.get((kind, size), size)
 
     def nearest(self, gpu_ids: Sequence[str], kind: DeviceKind = DeviceKind.HCA) -> list[str]:
         """Per GPU, the healthy device of `kind` closest to it (attach mode)."""

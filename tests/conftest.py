@@ -66,16 +66,17 @@ def start_cluster(tmp_path: Path, sock_dir: Path) -> Iterator[Callable[..., Clus
         wait: bool = True,
         **config: Any,
     ) -> Cluster:
-        node = build_node(spec, tmp_path / "node")
-        plugin_dir = sock_dir / "dp"
-        kubelet = KubeletSimulator(plugin_dir, sock_dir / "pr" / "kubelet.sock", seed=1)
+        # Several clusters may run in one test, each in its own directories.
+        tag = str(len(started))
+        node = build_node(spec, tmp_path / f"node{tag}")
+        plugin_dir = sock_dir / f"dp{tag}"
+        pod_resources = sock_dir / f"pr{tag}" / "kubelet.sock"
+        kubelet = KubeletSimulator(plugin_dir, pod_resources, seed=1)
         if start_kubelet:
             kubelet.start()
         lib = FakeNvml.from_file(node.fixture)
         lib.init_error = nvml_init_error
-        daemon = Daemon(
-            fast_config(node, plugin_dir, sock_dir / "pr" / "kubelet.sock", **config), lib
-        )
+        daemon = Daemon(fast_config(node, plugin_dir, pod_resources, **config), lib)
         daemon.start()
         started.append((daemon, kubelet))
         cluster = Cluster(node, kubelet, daemon, lib, plugin_dir)

@@ -3,6 +3,7 @@ seeded randomized corpus, and honours must-include, availability and errors."""
 
 from __future__ import annotations
 
+import itertools
 import random
 from functools import cache
 
@@ -16,6 +17,9 @@ from devplugin.allocator import (
     Role,
     evaluate,
     exhaustive,
+    plan_request,
+    planned_request,
+    validate,
 )
 from devplugin.model import DeviceKind
 from devplugin.sim.layouts import LAYOUTS
@@ -35,12 +39,28 @@ def layout(name: str) -> tuple[Topology, Allocator, list[str], list[str]]:
 
 
 def check(topology: Topology, allocator: Allocator, request: Request) -> Choice:
-    """Fast answer == exhaustive optimum, and the answer is a valid one."""
+    """Fast answer == exhaustive optimum, and the answer is a valid one.
+
+    GPUs first with fewer HCAs expected are chosen in two steps (plan the
+    HCAs, then the GPUs against the plan); each step must be exhaustive-optimal.
+    """
     choice = allocator.choose(request)
     assert len(choice.ids) == request.size
     assert len(set(choice.ids)) == request.size
     assert set(choice.ids) <= request.available
     assert request.must_include <= set(choice.ids)
+    if choice.plan:
+        candidates = validate(topology, request)
+        first = plan_request(request, candidates, request.expected_partners)
+        planned = exhaustive(topology, first)
+        assert evaluate(topology, first, choice.plan).key() == planned.score.key()
+        request = planned_request(request, candidates, choice.plan)
+    else:
+        assert not (
+            request.kind is GPU
+            and request.role is Role.FIRST
+            and 0 < request.expected_partners < request.size
+        )
     assert evaluate(topology, request, choice.ids) == choice.score
     reference = exhaustive(topology, request)
     assert choice.score.key() == reference.score.key(), (choice, reference)
@@ -123,6 +143,7 @@ def test_randomized_corpus_equals_exhaustive() -> None:
             size = rng.randint(1, len(available))
             must = frozenset(rng.sample(available, rng.randint(0, min(2, size))))
             role = rng.choice([Role.FIRST, Role.SECOND])
+            expected = rng.choice([None, 0, 1, 2, size, size + 1])
             other_free = [d for d in other if rng.random() < 0.7]
             if role is Role.SECOND and other:
                 partner = frozenset(rng.sample(other, rng.randint(1, len(other))))
@@ -130,11 +151,75 @@ def test_randomized_corpus_equals_exhaustive() -> None:
             else:
                 partner = frozenset(other_free)
             request = Request(
-                kind, frozenset(available), size, must, role, partner, frozenset(other_free)
-            )
+                kind, frozenset(available), size, must, role, partner, frozenset(other_free),
+                expected,
+            )  # fmt: skip
             check(topology, allocator, request)
             cases += 1
     assert cases > 4000
+
+
+def joint_optimum(
+    topology: Topology, free_gpus: frozenset[str], free_hcas: frozenset[str], m: int, k: int
+) -> int:
+    """Best worst GPU-to-nearest-HCA level over every pair of sets (brute force)."""
+    best = int(Level.SYS)
+    for hcas in itertools.combinations(sorted(free_hcas), k):
+        levels = sorted(min(topology.level(g, h) for h in hcas) for g in free_gpus)
+        best = min(best, levels[m - 1])
+    return best
+
+
+def two_steps(
+    allocator: Allocator,
+    first: DeviceKind,
+    free_g: frozenset[str],
+    free_h: frozenset[str],
+    m: int,
+    k: int,
+) -> int:
+    """One container through both steps, as the coordinator drives them."""
+    if first is GPU:
+        gpus = allocator.choose(
+            Request(GPU, free_g, m, partner=free_h, other_free=free_h, expected=k)
+        ).ids
+        hcas = allocator.choose(
+            Request(HCA, free_h, k, role=Role.SECOND, partner=frozenset(gpus))
+        ).ids
+    else:
+        hcas = allocator.choose(
+            Request(HCA, free_h, k, partner=free_g, other_free=free_g, expected=m)
+        ).ids
+        gpus = allocator.choose(
+            Request(GPU, free_g, m, role=Role.SECOND, partner=frozenset(hcas))
+        ).ids
+    return max(min(allocator.topology.level(g, h) for h in hcas) for g in gpus)
+
+
+def test_two_steps_reach_the_joint_optimum_when_the_partner_count_is_known() -> None:
+    """Either order, any shape: with the other count known (the coordinator
+    learns it from completed pairs), the pair's worst level is the best any
+    choice of both sets could reach. Seeded corpus of random nodes and states."""
+    cases = 0
+    for seed in range(600):
+        rng = random.Random(10_000 + seed)
+        gpus, hcas = devices_from_spec(random_spec(rng, max_gpus=10))
+        if not hcas:
+            continue
+        topology = Topology(gpus, hcas)
+        allocator = Allocator(topology)
+        free_g = frozenset(g.uuid for g in gpus if rng.random() < 0.8) or frozenset([gpus[0].uuid])
+        free_h = frozenset(h.device_id for h in hcas if rng.random() < 0.8) or frozenset(
+            [hcas[0].device_id]
+        )
+        for _ in range(3):
+            m = rng.randint(1, len(free_g))
+            k = rng.randint(1, min(len(free_h), 4))
+            expected = joint_optimum(topology, free_g, free_h, m, k)
+            for first in (GPU, HCA):
+                assert two_steps(allocator, first, free_g, free_h, m, k) == expected, (seed, m, k)
+                cases += 1
+    assert cases > 2000
 
 
 # -- behaviour on hand-checked cases ------------------------------------------
