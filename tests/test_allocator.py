@@ -173,6 +173,7 @@ def joint_optimum(
 def two_steps(
     allocator: Allocator,
     first: DeviceKind,
+    *,
     free_g: frozenset[str],
     free_h: frozenset[str],
     m: int,
@@ -217,7 +218,9 @@ def test_two_steps_reach_the_joint_optimum_when_the_partner_count_is_known() -> 
             k = rng.randint(1, min(len(free_h), 4))
             expected = joint_optimum(topology, free_g, free_h, m, k)
             for first in (GPU, HCA):
-                assert two_steps(allocator, first, free_g, free_h, m, k) == expected, (seed, m, k)
+                assert (
+                    two_steps(allocator, first, free_g=free_g, free_h=free_h, m=m, k=k) == expected
+                ), (seed, m, k)
                 cases += 1
     assert cases > 2000
 
