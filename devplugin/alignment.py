@@ -9,10 +9,11 @@ flight races with the kubelet's own bookkeeping). Polls happen every
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -167,3 +168,17 @@ class AlignmentMonitor:
                     level,
                 )
         return True
+
+
+def best_worst_level(
+    topology: Topology, free_gpus: Iterable[str], free_hcas: Iterable[str], gpus: int, hcas: int
+) -> Level:
+    """The best worst GPU-to-nearest-HCA level any choice of `gpus` free GPUs
+    and `hcas` free HCAs could reach: exhaustive over the HCA sets (for a
+    given HCA set the best GPUs are simply the nearest ones)."""
+    candidates = list(free_gpus)
+    best = Level.SYS
+    for chosen in itertools.combinations(sorted(free_hcas), hcas):
+        levels = sorted(min(topology.level(g, h) for h in chosen) for g in candidates)
+        best = min(best, Level(levels[gpus - 1]))
+    return best

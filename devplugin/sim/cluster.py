@@ -1,0 +1,89 @@
+"""A simulated node, its kubelet and a running daemon, as one context manager."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from devplugin.config import Config, override
+from devplugin.daemon import Daemon
+from devplugin.discovery.fake_nvml import FakeNvml
+from devplugin.sim.kubelet import KubeletSimulator
+from devplugin.sim.node import BuiltNode, NodeSpec, build_node
+
+GPU = "nvidia.com/gpu"
+HCA = "rdma/hca"
+
+
+class SimCluster:
+    """Builds `spec` under a short temporary directory (unix socket paths are
+    limited to 107 bytes), starts the kubelet simulator and the daemon, and
+    waits until both resources are registered with every device listed."""
+
+    def __init__(
+        self,
+        spec: NodeSpec,
+        *,
+        settings: dict[str, Any] | None = None,
+        seed: int = 1,
+        workdir: Path | None = None,
+    ) -> None:
+        self.spec = spec
+        self.settings = settings or {}
+        self.seed = seed
+        self.workdir = workdir
+        self.base = Path()
+        self.node: BuiltNode
+        self.kubelet: KubeletSimulator
+        self.daemon: Daemon
+
+    def __enter__(self) -> SimCluster:
+        self.base = Path(tempfile.mkdtemp(prefix="dpsim-", dir=self.workdir or "/tmp"))
+        try:
+            self.node = build_node(self.spec, self.base / "node")
+            plugin_dir = self.base / "dp"
+            pod_resources = self.base / "pr" / "kubelet.sock"
+            self.kubelet = KubeletSimulator(plugin_dir, pod_resources, seed=self.seed)
+            self.kubelet.start()
+            config = override(
+                Config(),
+                **{
+                    "paths.sysfs_root": str(self.node.sysfs_root),
+                    "paths.dev_root": str(self.node.dev_root),
+                    "paths.device_plugin_dir": str(plugin_dir),
+                    "paths.pod_resources_socket": str(pod_resources),
+                    "nvml.fixture": str(self.node.fixture),
+                    **self.settings,
+                },
+            )
+            self.daemon = Daemon(config, FakeNvml.from_file(self.node.fixture))
+            self.daemon.start()
+            ready = self.kubelet.wait_for_devices(
+                GPU, len(self.node.gpus), timeout=10
+            ) and self.kubelet.wait_for_devices(HCA, len(self.node.hcas), timeout=10)
+            if not ready:
+                raise RuntimeError("the daemon did not register both resources in time")
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        daemon = getattr(self, "daemon", None)
+        if daemon is not None:
+            daemon.stop()
+        kubelet = getattr(self, "kubelet", None)
+        if kubelet is not None:
+            kubelet.stop()
+        shutil.rmtree(self.base, ignore_errors=True)
