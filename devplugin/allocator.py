@@ -156,7 +156,7 @@ def validate(topology: Topology, request: Request) -> frozenset[str]:
         raise AllocationError(
             f"allocation size must be at least 1, got {request.size}", invalid_argument=True
         )
-    unknown = sorted(d for d in request.must_include if topology.kind.get(d) is not request.kind)
+    unknown = sorted(request.must_include - topology.id_set(request.kind))
     if unknown:
         raise AllocationError(
             f"unknown must-include device ids: {', '.join(unknown)}", invalid_argument=True
@@ -167,7 +167,7 @@ def validate(topology: Topology, request: Request) -> frozenset[str]:
             f"{request.size}",
             invalid_argument=True,
         )
-    candidates = frozenset(d for d in request.available if topology.kind.get(d) is request.kind)
+    candidates = request.available & topology.id_set(request.kind)
     missing = sorted(request.must_include - candidates)
     if missing:
         raise AllocationError(
@@ -302,12 +302,42 @@ class Allocator:
         self._w_reach, self._w_total, self._w_conn = weights[0], weights[1], weights[2]
         self._w_support = weights[3:7]
         self._w_spread = weights[7]
-        # Per node: the child nodes and classes folded into it.
-        self._items: list[tuple[tuple[int, ...], tuple[int, ...]]] = [
-            (node.children, node.classes) for node in t.nodes
+        # The fold visits a compressed tree: a node with one child and no
+        # classes has the same subtree as that child, so it adds nothing but
+        # a second copy of the child's spread term. Chains collapse into
+        # their lowest node, which counts the spread term once per domain in
+        # the chain (`spread_copies`).
+        keep = [
+            node.index == 0 or len(node.children) != 1 or bool(node.classes) for node in t.nodes
         ]
-        self._domain = [0 < node.depth <= DOMAIN_DEPTH for node in t.nodes]
+        self._spread_copies = [0] * len(t.nodes)
+
+        def lowest(node: int) -> int:
+            copies = 0
+            while True:
+                if 0 < t.nodes[node].depth <= DOMAIN_DEPTH:
+                    copies += 1
+                if keep[node]:
+                    self._spread_copies[node] += copies
+                    return node
+                node = t.nodes[node].children[0]
+
+        self._node_items: list[list[tuple[bool, int]]] = [[] for _ in t.nodes]
+        self._order: list[int] = []
+        for node in t.postorder:
+            if not keep[node]:
+                continue
+            self._order.append(node)
+            self._node_items[node] = [
+                (False, lowest(child)) for child in t.nodes[node].children
+            ] + [(True, c) for c in t.nodes[node].classes]
+        if 0 < t.nodes[0].depth <= DOMAIN_DEPTH:  # pragma: no cover - the root is no domain
+            self._spread_copies[0] += 1
         self._node_level = [int(node.level) for node in t.nodes]
+        # Per class, the other classes from nearest to farthest (cost terms).
+        self._by_distance = [
+            sorted(range(len(t.classes)), key=row.__getitem__) for row in t.class_level
+        ]
 
     # -- public --------------------------------------------------------------
     def choose(self, request: Request) -> Choice:
@@ -354,11 +384,10 @@ class Allocator:
         cost = [0] * nclasses
         cost_partner = {class_of[d] for d in _cost_partner(request)}
         if cost_partner:
-            kind = request.kind
-            for klass in t.classes:
-                if klass.kind is kind and cap[klass.index]:
-                    row = t.class_level[klass.index]
-                    cost[klass.index] = min(row[q] for q in cost_partner)
+            for c in range(nclasses):
+                if cap[c]:
+                    row = t.class_level[c]
+                    cost[c] = next(row[q] for q in self._by_distance[c] if q in cost_partner)
         # Free devices per domain before the choice, and partners per subtree.
         free = [0] * len(t.nodes)
         targets = [0] * len(t.nodes)
@@ -452,47 +481,55 @@ class Allocator:
 
         node_values: list[list[int | None]] = [[] for _ in t.nodes]
         backs: list[list[tuple[bool, int, list[int]]]] = [[] for _ in t.nodes]
-        for node in t.postorder:
-            children, classes = self._items[node]
-            unit = cover_unit[self._node_level[node]]
-            pair = cross[node] if gpu else 0
+        node_items, level_of, copies = self._node_items, self._node_level, self._spread_copies
+        for node in self._order:
+            unit = cover_unit[level_of[node]]
+            pair_weight = cross[node] * w_conn if gpu else 0
             current: list[int | None] = [0]
             zero: int | None = 0
             steps: list[tuple[bool, int, list[int]]] = []
-            for is_class, item in itertools.chain(
-                ((False, child) for child in children), ((True, klass) for klass in classes)
-            ):
-                values = class_values[item] if is_class else node_values[item]
-                pending = partner[item] if is_class else targets[item]
+            for is_class, item in node_items[node]:
+                if is_class:
+                    values, pending = class_values[item], partner[item]
+                else:
+                    values, pending = node_values[item], targets[item]
                 first = values[0]
                 if zero is not None:
                     zero = None if first is None else zero + first
                 # When this item takes nothing, its partners are covered here.
                 adjusted: int | None
-                if first is None or not pending:
-                    adjusted = first
-                elif unit is None:
+                if first is None:
                     adjusted = None
+                elif pending:
+                    adjusted = None if unit is None else first + pending * unit
                 else:
-                    adjusted = first + pending * unit
-                if len(values) == 1:
+                    adjusted = first
+                width = len(values)
+                if width == 1:
+                    # Takes nothing whatever happens: no choice to record.
                     if adjusted is None:
                         current = [None] * len(current)
                     elif adjusted:
                         current = [None if v is None else v + adjusted for v in current]
-                    steps.append((is_class, item, [0] * len(current)))
                     continue
-                limit = min(size, len(current) + len(values) - 2)
+                limit = min(size, len(current) + width - 2)
                 merged: list[int | None] = [None] * (limit + 1)
                 back = [0] * (limit + 1)
                 for k1, v1 in enumerate(current):
                     if v1 is None:
                         continue
-                    for k2 in range(min(len(values), limit - k1 + 1)):
-                        v2 = adjusted if k2 == 0 else values[k2]
+                    if adjusted is not None:
+                        value = v1 + adjusted
+                        best = merged[k1]
+                        if best is None or value < best:
+                            merged[k1] = value
+                            back[k1] = 0
+                    cross_k1 = pair_weight * k1
+                    for k2 in range(1, min(width, limit - k1 + 1)):
+                        v2 = values[k2]
                         if v2 is None:
                             continue
-                        value = v1 + v2 - pair * k1 * k2 * w_conn
+                        value = v1 + v2 - cross_k1 * k2
                         slot = k1 + k2
                         best = merged[slot]
                         if best is None or value < best:
@@ -500,15 +537,15 @@ class Allocator:
                             back[slot] = k2
                 current = merged
                 steps.append((is_class, item, back))
-            result: list[int | None] = list(current)
-            result[0] = zero
-            if self._domain[node]:
+            current[0] = zero
+            if copies[node]:
                 room = free[node]
-                for k, entry in enumerate(result):
+                weight = copies[node] * w_spread
+                for k, entry in enumerate(current):
                     if entry is not None:
                         left = room - k
-                        result[k] = entry - left * left * w_spread
-            node_values[node] = result
+                        current[k] = entry - left * left * weight
+            node_values[node] = current
             backs[node] = steps
         root = node_values[0]
         best_value = root[size] if len(root) > size else None

@@ -69,6 +69,8 @@ class Coordinator:
         self._pending: _Given | None = None
         # (kind, count) of a first resource -> partner count that followed.
         self._shapes: dict[tuple[DeviceKind, int], int] = {}
+        # Free sets, recomputed only after something they depend on changed.
+        self._free_cache: dict[DeviceKind, frozenset[str]] = {}
 
     # -- inputs ----------------------------------------------------------------
     @property
@@ -82,16 +84,19 @@ class Coordinator:
         with self._lock:
             self._topology = topology
             self._allocator = allocator
+            self._free_cache.clear()
 
     def set_healthy(self, kind: DeviceKind, ids: Iterable[str]) -> None:
         with self._lock:
             self._healthy[kind] = frozenset(ids)
+            self._free_cache.clear()
 
     def observe_assignments(
         self, held: Mapping[DeviceKind, Iterable[str]], polled_at: float
     ) -> None:
         """What PodResources said every container holds, as of `polled_at`."""
         with self._lock:
+            self._free_cache.clear()
             for kind in DeviceKind:
                 self._held[kind] = frozenset(held.get(kind, ()))
             # Allocations before the poll began are in its answer.
@@ -102,6 +107,7 @@ class Coordinator:
         now = self._clock()
         given = _Given(kind, frozenset(ids), now)
         with self._lock:
+            self._free_cache.clear()
             self._recent.append(given)
             self._recent = [g for g in self._recent if now - g.at <= self._unconfirmed_hold]
             pending = self._pending
@@ -126,11 +132,16 @@ class Coordinator:
             return self._free_locked(kind)
 
     def _free_locked(self, kind: DeviceKind) -> frozenset[str]:
+        cached = self._free_cache.get(kind)
+        if cached is not None:
+            return cached
         taken = set(self._held[kind])
         for given in self._recent:
             if given.kind is kind:
                 taken.update(given.ids)
-        return self._healthy[kind] - taken
+        free = self._healthy[kind] - taken
+        self._free_cache[kind] = free
+        return free
 
     def preferred(
         self,

@@ -172,6 +172,7 @@ class Topology:
                 if peer is not None and count > 0:
                     self._nvlinks[(gpu.uuid, peer)] = count
                     self._nvlinks[(peer, gpu.uuid)] = count
+        self._id_sets = {kind: frozenset(self.ids(kind)) for kind in DeviceKind}
         self._build_tree()
 
     @classmethod
@@ -197,6 +198,9 @@ class Topology:
 
     def ids(self, kind: DeviceKind) -> list[str]:
         return [device_id for device_id, k in self.kind.items() if k is kind]
+
+    def id_set(self, kind: DeviceKind) -> frozenset[str]:
+        return self._id_sets[kind]
 
     # -- domain tree ---------------------------------------------------------
     def _build_tree(self) -> None:
