@@ -13,12 +13,14 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from devplugin.alignment import alignment
 from devplugin.config import Config, override
 from devplugin.daemon import Daemon
 from devplugin.discovery.fake_nvml import FakeNvml
 from devplugin.report import topo_text
 from devplugin.sim.kubelet import AdmissionError, ContainerRequest, KubeletSimulator, PodResult
 from devplugin.sim.node import build_node, hgx_node
+from devplugin.topology import Topology
 
 GPU = "nvidia.com/gpu"
 HCA = "rdma/hca"
@@ -31,10 +33,15 @@ PODS: list[tuple[str, list[ContainerRequest]]] = [
 ]
 
 
-def _print_pod(pod: PodResult, out: Callable[[str], None]) -> None:
+def _print_pod(pod: PodResult, topology: Topology, out: Callable[[str], None]) -> None:
     out(f"pod {pod.namespace}/{pod.name}")
     for container in pod.containers:
         out(f"  container {container.name} (kubelet asked for: {', '.join(container.order)})")
+        measured = alignment(
+            topology, container.devices.get(GPU, ()), container.devices.get(HCA, ())
+        )
+        if measured is not None:
+            out(f"    worst GPU-to-HCA level: {measured[0].name}")
         for resource in container.order:
             response = container.responses[resource]
             out(f"    {resource}: {', '.join(container.devices[resource])}")
@@ -82,7 +89,7 @@ def run_demo(out: Callable[[str], None] = print, workdir: Path | None = None) ->
             out("")
             for name, containers in PODS:
                 try:
-                    _print_pod(kubelet.admit(name, containers), out)
+                    _print_pod(kubelet.admit(name, containers), daemon.coordinator.topology, out)
                 except AdmissionError as exc:
                     out(f"pod {name} not admitted: {exc}")
                     return 1
