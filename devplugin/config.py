@@ -57,14 +57,40 @@ def _positive(value: Any) -> str | None:
     return None if value > 0 else "must be greater than 0"
 
 
+def _at_least_one(value: Any) -> str | None:
+    return None if value >= 1 else "must be at least 1"
+
+
+def _argv(value: Any) -> str | None:
+    if value and not all(value):
+        return "every argument must be a non-empty string"
+    return None
+
+
+def _xids(value: Any) -> str | None:
+    return None if all(0 < xid < 1000 for xid in value) else "XIDs are integers from 1 to 999"
+
+
 def _checked(default: Any, check: Callable[[Any], str | None]) -> Any:
     return field(default=default, metadata={"check": check})
+
+
+@dataclass(frozen=True)
+class HooksConfig:
+    # Commands as argv lists (never a shell string); empty = no hook.
+    init: tuple[str, ...] = _checked((), _argv)
+    cleanup: tuple[str, ...] = _checked((), _argv)
+    timeout_seconds: float = _checked(60.0, _positive)
+    # Where init runs: in Allocate, or in PreStartContainer (the resource then
+    # advertises pre_start_required).
+    init_phase: Literal["allocate", "pre_start"] = "allocate"
 
 
 @dataclass(frozen=True)
 class GpuResourceConfig:
     enabled: bool = True
     name: str = _checked("nvidia.com/gpu", _resource_name)
+    hooks: HooksConfig = field(default_factory=HooksConfig)
 
 
 @dataclass(frozen=True)
@@ -73,6 +99,7 @@ class HcaResourceConfig:
     name: str = _checked("rdma/hca", _resource_name)
     # The variable naming the allocated HCAs in the container (NCCL syntax).
     env_var: str = _checked("NCCL_IB_HCA", _env_name)
+    hooks: HooksConfig = field(default_factory=HooksConfig)
 
 
 @dataclass(frozen=True)
@@ -129,6 +156,38 @@ class PodResourcesConfig:
 
 
 @dataclass(frozen=True)
+class HealthConfig:
+    # Light health checks (HCA ports, device nodes, NVML handles) this often.
+    interval_seconds: float = _checked(1.0, _positive)
+    # How an unhealthy device comes back: after `good_checks` consecutive
+    # good checks, or only after its cleanup hook succeeds.
+    recovery: Literal["auto", "after_cleanup"] = "auto"
+    good_checks: int = _checked(1, _at_least_one)
+    # An XID or double-bit ECC error is a real GPU fault: it needs this many
+    # good checks in a row (auto recovery) before the GPU is offered again.
+    xid_good_checks: int = _checked(30, _at_least_one)
+    # Application-caused XIDs that say nothing about the GPU's health.
+    xid_ignore: tuple[int, ...] = _checked((13, 31, 43, 45, 68, 109), _xids)
+
+
+@dataclass(frozen=True)
+class HotplugConfig:
+    # Watch udev for PCI and InfiniBand add/remove events (falls back to the
+    # periodic rescan where udev is not available).
+    udev: bool = True
+
+
+@dataclass(frozen=True)
+class LifecycleConfig:
+    checkpoint_file: str = _checked("/var/lib/devplugin/checkpoint.json", _absolute)
+    # PodResources polls in a row that must miss a device before it counts as
+    # released (guards against a transiently empty answer).
+    release_confirmations: int = _checked(2, _at_least_one)
+    cleanup_retry_initial_seconds: float = _checked(5.0, _positive)
+    cleanup_retry_max_seconds: float = _checked(300.0, _positive)
+
+
+@dataclass(frozen=True)
 class LoggingConfig:
     format: Literal["text", "json"] = "text"
     level: Literal["debug", "info", "warning", "error"] = "info"
@@ -144,6 +203,9 @@ class Config:
     kubelet: KubeletConfig = field(default_factory=KubeletConfig)
     allocation: AllocationConfig = field(default_factory=AllocationConfig)
     pod_resources: PodResourcesConfig = field(default_factory=PodResourcesConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    hotplug: HotplugConfig = field(default_factory=HotplugConfig)
+    lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
@@ -248,6 +310,19 @@ def validate(config: Config) -> None:
         raise ConfigError("resources.hca.name", f"same as resources.gpu.name ({gpu.name!r})")
     if not gpu.enabled and not hca.enabled:
         raise ConfigError("resources", "every resource is disabled; nothing to serve")
+    if config.health.recovery == "after_cleanup":
+        for name, resource in (("gpu", gpu), ("hca", hca)):
+            if resource.enabled and not resource.hooks.cleanup:
+                raise ConfigError(
+                    f"resources.{name}.hooks.cleanup",
+                    "health.recovery after_cleanup needs a cleanup hook for every resource",
+                )
+    lifecycle = config.lifecycle
+    if lifecycle.cleanup_retry_initial_seconds > lifecycle.cleanup_retry_max_seconds:
+        raise ConfigError(
+            "lifecycle.cleanup_retry_initial_seconds",
+            "must not exceed lifecycle.cleanup_retry_max_seconds",
+        )
     if config.allocation.attach_hcas and not gpu.enabled:
         raise ConfigError("allocation.attach_hcas", "needs resources.gpu.enabled")
     kubelet = config.kubelet

@@ -1,0 +1,1 @@
+"""Keeping devices safe to hand out: health, hooks, cleanup and its checkpoint."""
