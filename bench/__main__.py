@@ -156,6 +156,7 @@ def bench_node(name: str, iterations: int, warmup: int, base: Path) -> list[Row]
             "paths.device_plugin_dir": str(base / f"{name}-dp"),
             "paths.pod_resources_socket": str(base / f"{name}-pr.sock"),
             "nvml.fixture": str(node.fixture),
+            "lifecycle.checkpoint_file": str(base / f"{name}-checkpoint.json"),
         },
     )
     daemon = Daemon(config, FakeNvml.from_file(node.fixture))

@@ -67,8 +67,10 @@ class AlignmentMonitor:
         *,
         interval: float,
         min_interval: float,
+        listeners: Sequence[Callable[[dict[DeviceKind, set[str]], float], None]] = (),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self._listeners = list(listeners)
         self._client = client
         self._coordinator = coordinator
         self._kinds = {name: kind for kind, name in resource_names.items()}
@@ -104,8 +106,11 @@ class AlignmentMonitor:
 
     def _run(self) -> None:
         log.info("alignment monitor started (PodResources every %.1fs)", self._interval)
+        first = True
         while not self._stop.is_set():
-            self._wake.wait(self._interval)
+            if not first:
+                self._wake.wait(self._interval)
+            first = False
             if self._stop.is_set():
                 break
             wait = self._min_interval - (self._clock() - self._last_call)
@@ -141,6 +146,8 @@ class AlignmentMonitor:
             key = (entry.namespace, entry.pod, entry.container)
             holdings.setdefault(key, {k: [] for k in DeviceKind})[kind].extend(entry.device_ids)
         self._coordinator.observe_assignments(held, started)
+        for listener in self._listeners:
+            listener(held, started)
         topology = self._coordinator.topology
         report: dict[str, ContainerAlignment] = {}
         for (namespace, pod, container), devices in sorted(holdings.items()):

@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_source_flags(run)
     run.add_argument("--device-plugin-dir", help="kubelet device-plugin directory")
     run.add_argument("--pod-resources-socket", help="kubelet PodResources socket")
+    run.add_argument("--checkpoint-file", help="lifecycle checkpoint (in-use devices, cleanups)")
     discover = commands.add_parser("discover", help="print the GPUs and HCAs found")
     _add_source_flags(discover)
     discover.add_argument("--json", action="store_true", help="print JSON")
@@ -65,6 +66,7 @@ def resolve_config(args: argparse.Namespace) -> Config:
                 "paths.device_plugin_dir": getattr(args, "device_plugin_dir", None),
                 "paths.pod_resources_socket": getattr(args, "pod_resources_socket", None),
                 "nvml.fixture": getattr(args, "nvml_fixture", None),
+                "lifecycle.checkpoint_file": getattr(args, "checkpoint_file", None),
                 "logging.format": getattr(args, "log_format", None),
             },
         )

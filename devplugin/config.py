@@ -153,6 +153,9 @@ class PodResourcesConfig:
     poll_interval_seconds: float = _checked(2.0, _positive)
     # Never poll more often than this (the kubelet allows 100 requests/s).
     min_interval_seconds: float = _checked(0.5, _positive)
+    # The kubelet records an allocation just after Allocate returns; a device
+    # allocated this recently counts as taken until a poll has seen it.
+    bookkeeping_grace_seconds: float = _checked(5.0, _positive)
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from devplugin.allocator import Allocator, Choice, Request, Role
 from devplugin.model import DeviceKind
+from devplugin.recent import BOOKKEEPING_GRACE, RecentAllocations
 from devplugin.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -54,18 +55,17 @@ class Coordinator:
         self,
         *,
         pairing_window: float = 2.0,
-        unconfirmed_hold: float = 300.0,
+        bookkeeping_grace: float = BOOKKEEPING_GRACE,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._window = pairing_window
-        self._unconfirmed_hold = unconfirmed_hold
         self._clock = clock
         self._lock = threading.Lock()
         self._topology = Topology((), ())
         self._allocator = Allocator(self._topology)
         self._healthy: dict[DeviceKind, frozenset[str]] = {k: frozenset() for k in DeviceKind}
         self._held: dict[DeviceKind, frozenset[str]] = {k: frozenset() for k in DeviceKind}
-        self._recent: list[_Given] = []
+        self._recent = RecentAllocations(bookkeeping_grace)
         self._pending: _Given | None = None
         # (kind, count) of a first resource -> partner count that followed.
         self._shapes: dict[tuple[DeviceKind, int], int] = {}
@@ -99,8 +99,7 @@ class Coordinator:
             self._free_cache.clear()
             for kind in DeviceKind:
                 self._held[kind] = frozenset(held.get(kind, ()))
-            # Allocations before the poll began are in its answer.
-            self._recent = [given for given in self._recent if given.at >= polled_at]
+            self._recent.confirm(held, polled_at)
 
     def allocated(self, kind: DeviceKind, ids: Sequence[str]) -> None:
         """An Allocate succeeded: the devices are taken, and pairing advances."""
@@ -108,8 +107,7 @@ class Coordinator:
         given = _Given(kind, frozenset(ids), now)
         with self._lock:
             self._free_cache.clear()
-            self._recent.append(given)
-            self._recent = [g for g in self._recent if now - g.at <= self._unconfirmed_hold]
+            self._recent.add(kind, ids, now)
             pending = self._pending
             if (
                 pending is not None
@@ -135,10 +133,7 @@ class Coordinator:
         cached = self._free_cache.get(kind)
         if cached is not None:
             return cached
-        taken = set(self._held[kind])
-        for given in self._recent:
-            if given.kind is kind:
-                taken.update(given.ids)
+        taken = set(self._held[kind]) | self._recent.ids(kind)
         free = self._healthy[kind] - taken
         self._free_cache[kind] = free
         return free

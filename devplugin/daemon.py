@@ -1,24 +1,39 @@
-"""The daemon's main job: scan, serve every resource, stay registered, rescan.
+"""The daemon's main job: scan, judge health, serve, stay registered.
 
-Scan, diff, serve: each rescan produces a whole `Inventory`; each resource
-turns it into a `ResourceState`; a server pushes a new ListAndWatch list only
-when its device list changed.
+Scan, diff, serve: every check produces a whole `Inventory`; each resource
+turns it into the list it would serve on the hardware alone (live health);
+the health tracker (latched faults, recovery) and the cleanup manager (in
+use, cleaning, quarantined) then decide each device's final health; a
+server pushes a ListAndWatch update only when its list changed.
+
+One loop owns the checks: a light check (ports, device nodes, NVML handles)
+every `health.interval_seconds`, a full rescan of the PCI tree every
+`discovery.rescan_interval_seconds` or at once on a hotplug event, and a
+re-judgement (no scan) whenever an XID arrives or a cleanup changes state.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
 from devplugin.alignment import AlignmentMonitor
-from devplugin.config import Config
+from devplugin.config import Config, HooksConfig
 from devplugin.coordination import Coordinator
 from devplugin.discovery import Discoverer, NvmlGpuSource, Roots
+from devplugin.discovery.udev import HotplugWatcher, udev_monitor
 from devplugin.kubelet import PodResourcesClient, Registrar
-from devplugin.model import DeviceKind, Inventory
+from devplugin.lifecycle.checkpoint import Checkpoint
+from devplugin.lifecycle.cleanup import CleanupManager
+from devplugin.lifecycle.health import HealthTracker, Recovery
+from devplugin.lifecycle.hooks import HookDevice, HookSpec, run_hook
+from devplugin.lifecycle.xid import XidWatcher
+from devplugin.model import DeviceKind, Health, Inventory, PluginDevice
 from devplugin.resources import (
     AllocationRefused,
     Capabilities,
@@ -34,18 +49,24 @@ from devplugin.topology import Topology
 log = logging.getLogger(__name__)
 
 
+def _hooks_config(config: Config, kind: DeviceKind) -> HooksConfig:
+    return config.resources.gpu.hooks if kind is DeviceKind.GPU else config.resources.hca.hooks
+
+
 def build_resources(config: Config) -> list[Resource]:
-    caps = Capabilities(preferred_allocation=config.allocation.preferred)
+    def caps(hooks: HooksConfig) -> Capabilities:
+        return Capabilities(
+            preferred_allocation=config.allocation.preferred,
+            pre_start=bool(hooks.init) and hooks.init_phase == "pre_start",
+        )
+
     resources: list[Resource] = []
-    if config.resources.gpu.enabled:
-        resources.append(GpuResource(name=config.resources.gpu.name, capabilities=caps))
-    if config.resources.hca.enabled:
+    gpu, hca = config.resources.gpu, config.resources.hca
+    if gpu.enabled:
+        resources.append(GpuResource(name=gpu.name, capabilities=caps(gpu.hooks)))
+    if hca.enabled:
         resources.append(
-            HcaResource(
-                name=config.resources.hca.name,
-                env_var=config.resources.hca.env_var,
-                capabilities=caps,
-            )
+            HcaResource(name=hca.name, env_var=hca.env_var, capabilities=caps(hca.hooks))
         )
     return resources
 
@@ -62,48 +83,85 @@ def topology_key(inventory: Inventory) -> Hashable:
 
 
 class Daemon:
-    """Owns the servers, the registrar and the rescan loop for one node."""
+    """Owns the servers, the registrar, the checks and the lifecycle for one node."""
 
-    def __init__(self, config: Config, nvml_lib: Any | None) -> None:
+    def __init__(
+        self, config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None = None
+    ) -> None:
         self.config = config
         paths = config.paths
         self.plugin_dir = Path(paths.device_plugin_dir)
-        gpu_source = (
-            NvmlGpuSource(nvml_lib)
-            if nvml_lib is not None and config.resources.gpu.enabled
-            else None
-        )
+        gpu_lib = nvml_lib if config.resources.gpu.enabled else None
+        gpu_source = NvmlGpuSource(gpu_lib) if gpu_lib is not None else None
         self.discoverer = Discoverer(
             Roots(Path(paths.sysfs_root), Path(paths.dev_root)), gpu_source
         )
         self.resources = build_resources(config)
-        self.coordinator = Coordinator(pairing_window=config.allocation.pairing_window_seconds)
+        grace = config.pod_resources.bookkeeping_grace_seconds
+        self.coordinator = Coordinator(
+            pairing_window=config.allocation.pairing_window_seconds, bookkeeping_grace=grace
+        )
         # HCA device nodes for attach mode, whether or not rdma/hca is served.
         self._hca_view = HcaResource(
             name=config.resources.hca.name, env_var=config.resources.hca.env_var
         )
-        self._hca_state: ResourceState | None = None
-        self._topology_key: Hashable = None
-        names = {resource.kind: resource.name for resource in self.resources}
+        self._names = {resource.kind: resource.name for resource in self.resources}
+        self.health = HealthTracker(Recovery(config.health.recovery), config.health.good_checks)
+        self._init_hooks: dict[DeviceKind, HookSpec] = {}
+        cleanup_hooks: dict[DeviceKind, HookSpec] = {}
+        for resource in self.resources:
+            hooks = _hooks_config(config, resource.kind)
+            if hooks.init:
+                self._init_hooks[resource.kind] = HookSpec(hooks.init, hooks.timeout_seconds)
+            if hooks.cleanup:
+                cleanup_hooks[resource.kind] = HookSpec(hooks.cleanup, hooks.timeout_seconds)
+        lifecycle = config.lifecycle
+        self.cleanup = CleanupManager(
+            hooks=cleanup_hooks,
+            resource_names=self._names,
+            describe=self.describe,
+            checkpoint=Checkpoint(Path(lifecycle.checkpoint_file)),
+            confirmations=lifecycle.release_confirmations,
+            retry_initial=lifecycle.cleanup_retry_initial_seconds,
+            retry_max=lifecycle.cleanup_retry_max_seconds,
+            bookkeeping_grace=grace,
+            on_change=self.request_judge,
+            on_cleaned=self._cleaned,
+        )
         self.monitor = AlignmentMonitor(
             PodResourcesClient(Path(paths.pod_resources_socket)),
             self.coordinator,
-            names,
+            self._names,
             interval=config.pod_resources.poll_interval_seconds,
             min_interval=config.pod_resources.min_interval_seconds,
+            listeners=[self.cleanup.observe],
         )
+        self.xid = (
+            XidWatcher(gpu_lib, ignore=config.health.xid_ignore, on_fault=self._gpu_fault)
+            if gpu_lib is not None
+            else None
+        )
+        self._hotplug_monitor = hotplug_monitor
+        self.hotplug: HotplugWatcher | None = None
         self.servers: list[PluginServer] = []
         self.registrar: Registrar | None = None
         self._inventory = Inventory()
-        self._inventory_lock = threading.Lock()
+        self._live: dict[DeviceKind, ResourceState] = {}
+        self._served: dict[DeviceKind, ResourceState] = {}
+        self._hca_state: ResourceState | None = None
+        self._topology_key: Hashable = None
+        self._refresh_lock = threading.RLock()
         self._stop = threading.Event()
-        self._rescan_now = threading.Event()
-        self._rescan_thread: threading.Thread | None = None
+        self._wake = threading.Event()
+        self._want_full = False
+        self._want_judge = False
+        self._loop_thread: threading.Thread | None = None
         self._started = False
 
+    # -- state ---------------------------------------------------------------
     @property
     def inventory(self) -> Inventory:
-        with self._inventory_lock:
+        with self._refresh_lock:
             return self._inventory
 
     def servicer(self, resource_name: str) -> DevicePluginServicer:
@@ -112,33 +170,42 @@ class Daemon:
                 return server.servicer
         raise KeyError(resource_name)
 
+    # -- lifecycle -------------------------------------------------------------
     def start(self) -> None:
         """Serve first, then register: the kubelet dials back inside Register."""
         log.info(
             "devplugin starting: resources %s, plugin dir %s, sysfs %s, dev %s",
             ", ".join(resource.name for resource in self.resources),
-            self.plugin_dir,
-            self.config.paths.sysfs_root,
-            self.config.paths.dev_root,
-        )
-        inventory = self.rescan()
-        self._log_inventory(inventory)
-        attach = self.config.allocation.attach_hcas
+            self.plugin_dir, self.config.paths.sysfs_root, self.config.paths.dev_root,
+        )  # fmt: skip
+        self.cleanup.start()
+        self.refresh(full=True)
+        self._log_inventory(self._inventory)
         for resource in self.resources:
+            kind = resource.kind
+            init = self._init_hooks.get(kind)
+            pre_start = resource.capabilities.pre_start
             servicer = DevicePluginServicer(
                 resource,
-                resource.state(inventory),
+                self._served[kind],
                 coordinator=self.coordinator,
-                on_allocate=self._allocation_hook(resource.kind),
-                attach=self._attach if attach and resource.kind is DeviceKind.GPU else None,
+                on_allocate=self._allocation_hook(kind),
+                attach=self._attach
+                if self.config.allocation.attach_hcas and kind is DeviceKind.GPU
+                else None,
+                prepare=self._prepare_hook(kind),
+                init=self._init_hook(kind) if init is not None and not pre_start else None,
+                pre_start=self._init_hook(kind) if init is not None and pre_start else None,
             )
-            server = PluginServer(servicer, self.plugin_dir / socket_name(resource.name))
-            self.servers.append(server)
+            self.servers.append(
+                PluginServer(servicer, self.plugin_dir / socket_name(resource.name))
+            )
         try:
             for server in self.servers:
                 server.start()
         except Exception:
             self._stop_servers()
+            self.cleanup.stop()
             raise
         kubelet = self.config.kubelet
         self.registrar = Registrar(
@@ -151,38 +218,227 @@ class Daemon:
         )
         self.registrar.start()
         self.monitor.start()
-        self._rescan_thread = threading.Thread(target=self._rescan_loop, name="rescan", daemon=True)
-        self._rescan_thread.start()
+        if self.xid is not None:
+            self.xid.start()
+        monitor = self._hotplug_monitor
+        if monitor is None and self.config.hotplug.udev:
+            monitor = udev_monitor()
+        if monitor is not None:
+            self.hotplug = HotplugWatcher(monitor, lambda what: self.request_rescan())
+            self.hotplug.start()
+        self._loop_thread = threading.Thread(target=self._loop, name="checks", daemon=True)
+        self._loop_thread.start()
         self._started = True
 
-    def rescan(self) -> Inventory:
-        """Scan the node and push any change to the servers."""
-        inventory = self.discoverer.scan()
-        with self._inventory_lock:
-            self._inventory = inventory
-        key = topology_key(inventory)
-        if key != self._topology_key:
-            self.coordinator.set_topology(Topology.from_inventory(inventory))
-            self._topology_key = key
-        self._hca_state = self._hca_view.state(inventory)
-        healthy = {DeviceKind.HCA: self._hca_state.healthy_ids()}
-        for resource in self.resources:
-            if resource.kind is DeviceKind.GPU:
-                healthy[DeviceKind.GPU] = resource.state(inventory).healthy_ids()
-        for kind, ids in healthy.items():
-            self.coordinator.set_healthy(kind, ids)
+    def stop(self) -> None:
+        """Stop serving and remove our sockets. Safe to call more than once."""
+        self._stop.set()
+        self._wake.set()
+        if self.registrar is not None:
+            self.registrar.stop()
+        self.monitor.stop()
+        if self.hotplug is not None:
+            self.hotplug.stop()
+        if self.xid is not None:
+            self.xid.stop()
+        if self._loop_thread is not None:
+            self._loop_thread.join(timeout=10)
+        self._stop_servers()
+        self.cleanup.stop()
+        self.discoverer.close()
+        if self._started:
+            log.info("devplugin stopped; sockets removed")
+        self._started = False
+
+    def _stop_servers(self) -> None:
         for server in self.servers:
-            servicer = server.servicer
-            if servicer.update(servicer.resource.state(inventory)):
-                log.info("%s: device list changed", servicer.resource.name)
-        return inventory
+            server.stop(grace=1.0)
+
+    # -- the check loop --------------------------------------------------------
+    def request_rescan(self) -> None:
+        """A full rescan soon (hotplug)."""
+        self._want_full = True
+        self._wake.set()
+
+    def request_judge(self) -> None:
+        """Re-decide health without scanning (an XID, a cleanup state change)."""
+        self._want_judge = True
+        self._wake.set()
+
+    def _loop(self) -> None:
+        interval = self.config.health.interval_seconds
+        rescan = self.config.discovery.rescan_interval_seconds
+        log.info(
+            "check loop started (health every %.1fs, full rescan every %.1fs)", interval, rescan
+        )
+        next_check = time.monotonic() + interval
+        next_full = time.monotonic() + rescan
+        while not self._stop.is_set():
+            self._wake.wait(max(0.0, min(next_check, next_full) - time.monotonic()))
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            full, self._want_full = self._want_full, False
+            judge, self._want_judge = self._want_judge, False
+            now = time.monotonic()
+            try:
+                if full or now >= next_full:
+                    self.refresh(full=True)
+                    next_full = now + rescan
+                    next_check = now + interval
+                elif now >= next_check:
+                    self.refresh(full=False)
+                    next_check = now + interval
+                elif judge:
+                    self.judge()
+            except Exception:
+                log.exception("health check failed; keeping the previous device lists")
+        log.info("check loop stopped")
+
+    def refresh(self, *, full: bool = True) -> Inventory:
+        """Scan (everything, or just health inputs), record the checks, judge."""
+        with self._refresh_lock:
+            inventory = self.discoverer.scan(full=full)
+            self._inventory = inventory
+            key = topology_key(inventory)
+            if key != self._topology_key:
+                if self._topology_key is not None:
+                    log.info("device set changed; topology rebuilt")
+                self.coordinator.set_topology(Topology.from_inventory(inventory))
+                self._topology_key = key
+            self._hca_state = self._hca_view.state(inventory)
+            live = {resource.kind: resource.state(inventory) for resource in self.resources}
+            present: list[str] = []
+            for state in live.values():
+                for device in state.devices:
+                    present.append(device.id)
+                    self.health.observe(device.id, device.health is Health.HEALTHY, device.reason)
+            self.health.forget(present)
+            self._live = live
+            self.judge()
+            return inventory
+
+    def rescan(self) -> Inventory:
+        return self.refresh(full=True)
+
+    def judge(self) -> None:
+        """Final health per device: cleanup state first, then latched faults."""
+        with self._refresh_lock:
+            after_cleanup = self.config.health.recovery == "after_cleanup"
+            for kind, live in self._live.items():
+                devices: list[PluginDevice] = []
+                previous = self._served.get(kind)
+                for device in live.devices:
+                    verdict = self.cleanup.verdict(kind, device.id) or self.health.verdict(
+                        device.id
+                    )
+                    judged = dataclasses.replace(
+                        device, health=verdict.health, reason=verdict.reason
+                    )
+                    devices.append(judged)
+                    before = previous.device(device.id) if previous is not None else None
+                    self._log_transition(kind, before, judged)
+                    if (
+                        after_cleanup
+                        and verdict.health is Health.UNHEALTHY
+                        and device.health is Health.HEALTHY
+                        and device.id not in self.cleanup.in_use(kind)
+                    ):
+                        self.cleanup.request_cleanup(kind, device.id)
+                served = dataclasses.replace(live, devices=tuple(devices))
+                self._served[kind] = served
+                self.coordinator.set_healthy(kind, served.healthy_ids())
+                for server in self.servers:
+                    if server.servicer.resource.kind is kind and server.servicer.update(served):
+                        log.info("%s: device list changed", self._names[kind])
+            if DeviceKind.HCA not in self._live and self._hca_state is not None:
+                self.coordinator.set_healthy(DeviceKind.HCA, self._hca_state.healthy_ids())
+
+    def _log_transition(
+        self, kind: DeviceKind, before: PluginDevice | None, after: PluginDevice
+    ) -> None:
+        name = self._names[kind]
+        if before is None:
+            if after.health is Health.UNHEALTHY:
+                log.warning("%s: %s is Unhealthy: %s", name, after.id, after.reason)
+            return
+        if before.health is after.health and before.reason == after.reason:
+            return
+        if after.health is Health.HEALTHY:
+            log.info("%s: %s is Healthy again", name, after.id)
+        else:
+            log.warning("%s: %s is Unhealthy: %s", name, after.id, after.reason)
+
+    # -- events ----------------------------------------------------------------
+    def _gpu_fault(self, uuid: str, reason: str) -> None:
+        self.health.fault(uuid, reason, self.config.health.xid_good_checks)
+        self.request_judge()
+
+    def _cleaned(self, kind: DeviceKind, device: str) -> None:
+        self.health.cleaned(device)
+        self.request_judge()
+
+    # -- per-RPC hooks -----------------------------------------------------------
+    def describe(self, kind: DeviceKind, ids: Sequence[str]) -> list[HookDevice] | None:
+        """What hooks are told about each device; None if one is unknown."""
+        inventory = self.inventory
+        found: list[HookDevice] = []
+        if kind is DeviceKind.GPU:
+            gpus = {gpu.uuid: gpu for gpu in inventory.gpus}
+            for device_id in ids:
+                gpu = gpus.get(device_id)
+                if gpu is None:
+                    return None
+                found.append(
+                    HookDevice(device_id, str(gpu.pci_address), (f"/dev/nvidia{gpu.minor_number}",),
+                               gpu.numa_node, gpu_uuid=gpu.uuid)
+                )  # fmt: skip
+        else:
+            hcas = {hca.device_id: hca for hca in inventory.hcas}
+            for device_id in ids:
+                hca = hcas.get(device_id)
+                if hca is None:
+                    return None
+                nodes = tuple(node.path for node in hca.char_devices)
+                found.append(
+                    HookDevice(device_id, str(hca.pci_address), nodes, hca.numa_node,
+                               hca_name=hca.name)
+                )  # fmt: skip
+        return found
 
     def _allocation_hook(self, kind: DeviceKind) -> Callable[[Sequence[str]], None]:
         def allocated(ids: Sequence[str]) -> None:
             self.coordinator.allocated(kind, ids)
+            self.cleanup.allocated(kind, ids)
             self.monitor.poke()
 
         return allocated
+
+    def _prepare_hook(self, kind: DeviceKind) -> Callable[[Sequence[str]], str | None]:
+        def prepare(ids: Sequence[str]) -> str | None:
+            error = self.cleanup.prepare(kind, ids)
+            self.judge()
+            return error
+
+        return prepare
+
+    def _init_hook(self, kind: DeviceKind) -> Callable[[Sequence[str]], str | None]:
+        spec = self._init_hooks[kind]
+        name = self._names[kind]
+
+        def init(ids: Sequence[str]) -> str | None:
+            devices = self.describe(kind, ids)
+            if devices is None:
+                return "unknown device ids"
+            result = run_hook(spec, "init", name, devices)
+            if result.ok:
+                log.info("%s: init hook for %s took %.2fs", name, ",".join(ids), result.duration)
+                return None
+            message = result.describe("init", spec.timeout)
+            log.warning("%s: %s for %s", name, message, ",".join(ids))
+            return message
+
+        return init
 
     def _attach(self, gpu_ids: Sequence[str]) -> ContainerAllocation | None:
         """Attach mode: the nearest healthy HCAs' nodes and variable for these GPUs."""
@@ -196,50 +452,13 @@ class Daemon:
             log.warning("attach: cannot add HCAs %s: %s", ",".join(hcas), exc.reason)
             return None
 
-    def request_rescan(self) -> None:
-        self._rescan_now.set()
-
-    def _rescan_loop(self) -> None:
-        interval = self.config.discovery.rescan_interval_seconds
-        log.info("rescan loop started (every %.1fs)", interval)
-        while not self._stop.is_set():
-            self._rescan_now.wait(interval)
-            self._rescan_now.clear()
-            if self._stop.is_set():
-                break
-            try:
-                self.rescan()
-            except Exception:
-                log.exception("rescan failed; keeping the previous device lists")
-        log.info("rescan loop stopped")
-
     def _log_inventory(self, inventory: Inventory) -> None:
         if inventory.nvml.ok:
             log.info("NVML driver %s: %d GPUs", inventory.nvml.driver_version, len(inventory.gpus))
         for hca in inventory.hcas:
             log.info(
                 "HCA %s at %s (NUMA %s), ports %s",
-                hca.name,
-                hca.pci_address,
+                hca.name, hca.pci_address,
                 hca.numa_node if hca.numa_node is not None else "unknown",
                 ", ".join(f"{port.number}:{port.state}" for port in hca.ports) or "none",
-            )
-
-    def stop(self) -> None:
-        """Stop serving and remove our sockets. Safe to call more than once."""
-        self._stop.set()
-        self._rescan_now.set()
-        if self.registrar is not None:
-            self.registrar.stop()
-        self.monitor.stop()
-        if self._rescan_thread is not None:
-            self._rescan_thread.join(timeout=10)
-        self._stop_servers()
-        self.discoverer.close()
-        if self._started:
-            log.info("devplugin stopped; sockets removed")
-        self._started = False
-
-    def _stop_servers(self) -> None:
-        for server in self.servers:
-            server.stop(grace=1.0)
+            )  # fmt: skip

@@ -126,6 +126,9 @@ class GpuInfo:
     # (peer GPU index, number of NVLinks to it), sorted by peer index.
     nvlink_peers: tuple[tuple[int, int], ...] = ()
     pci: PciFunction | None = None
+    # Set when NVML can no longer reach a GPU it reported before (lost, or
+    # its handle fails): the GPU stays listed, Unhealthy, with this reason.
+    error: str | None = None
 
     @property
     def numa_node(self) -> int | None:

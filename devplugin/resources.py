@@ -175,7 +175,12 @@ class GpuResource:
 
     def state(self, inventory: Inventory) -> ResourceState:
         devices = tuple(
-            PluginDevice(id=gpu.uuid, health=Health.HEALTHY, numa_node=gpu.numa_node)
+            PluginDevice(
+                id=gpu.uuid,
+                health=Health.UNHEALTHY if gpu.error else Health.HEALTHY,
+                numa_node=gpu.numa_node,
+                reason=f"NVML: {gpu.error}" if gpu.error else "",
+            )
             for gpu in inventory.gpus
         )
         allocations = {gpu.uuid: _gpu_allocation(gpu) for gpu in inventory.gpus}

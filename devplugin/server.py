@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import grpc
 
@@ -79,11 +80,19 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         coordinator: Coordinator | None = None,
         on_allocate: Callable[[Sequence[str]], None] | None = None,
         attach: Callable[[Sequence[str]], ContainerAllocation | None] | None = None,
+        prepare: Callable[[Sequence[str]], str | None] | None = None,
+        init: Callable[[Sequence[str]], str | None] | None = None,
+        pre_start: Callable[[Sequence[str]], str | None] | None = None,
     ) -> None:
         self.resource = resource
         self._coordinator = coordinator
         self._on_allocate = on_allocate
         self._attach = attach
+        # Hooks that return an error text, or None when the devices are ready:
+        # make previously used devices clean, then initialise them.
+        self._prepare = prepare
+        self._init = init
+        self._pre_start = pre_start
         self._cond = threading.Condition()
         self._state = initial
         self._version = 0
@@ -164,38 +173,51 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
     def Allocate(
         self, request: pb.AllocateRequest, context: grpc.ServicerContext
     ) -> pb.AllocateResponse:
-        state = self.state
         response = pb.AllocateResponse()
         if not request.container_requests:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no container requests")
         for index, container in enumerate(request.container_requests):
             ids = list(container.devices_ids)
+            if self._prepare is not None and ids:
+                problem = self._prepare(ids)
+                if problem is not None:
+                    self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, index, ids, problem)
             try:
-                allocation = self.resource.allocate(state, ids)
+                allocation = self.resource.allocate(self.state, ids)
             except AllocationRefused as exc:
                 code = (
                     grpc.StatusCode.INVALID_ARGUMENT
                     if exc.invalid_argument
                     else grpc.StatusCode.FAILED_PRECONDITION
                 )
-                log.warning(
-                    "%s: refused Allocate of container %d %s: %s",
-                    self.resource.name,
-                    index,
-                    ids,
-                    exc.reason,
-                )
-                context.abort(code, f"{self.resource.name}: {exc.reason}")
+                self._refuse(context, code, index, ids, exc.reason)
             if self._attach is not None:
                 extra = self._attach(ids)
                 if extra is not None:
                     allocation = merge_allocations(allocation, extra)
+            if self._init is not None:
+                problem = self._init(ids)
+                if problem is not None:
+                    self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, index, ids, problem)
             log.info("%s: allocated %s", self.resource.name, ",".join(ids))
             response.container_responses.append(to_proto_allocation(allocation))
         if self._on_allocate is not None:
             for container in request.container_requests:
                 self._on_allocate(list(container.devices_ids))
         return response
+
+    def _refuse(
+        self,
+        context: grpc.ServicerContext,
+        code: grpc.StatusCode,
+        index: int,
+        ids: Sequence[str],
+        reason: str,
+    ) -> NoReturn:
+        log.warning(
+            "%s: refused Allocate of container %d %s: %s", self.resource.name, index, ids, reason
+        )
+        context.abort(code, f"{self.resource.name}: {reason}")
 
     def GetPreferredAllocation(
         self, request: pb.PreferredAllocationRequest, context: grpc.ServicerContext
@@ -243,6 +265,14 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
     def PreStartContainer(
         self, request: pb.PreStartContainerRequest, context: grpc.ServicerContext
     ) -> pb.PreStartContainerResponse:
+        ids = list(request.devices_ids)
+        if self._pre_start is not None:
+            problem = self._pre_start(ids)
+            if problem is not None:
+                log.warning("%s: PreStartContainer %s failed: %s", self.resource.name, ids, problem)
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION, f"{self.resource.name}: {problem}"
+                )
         return pb.PreStartContainerResponse()
 
 

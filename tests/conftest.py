@@ -37,7 +37,11 @@ def fast_config(node: BuiltNode, plugin_dir: Path, pod_resources: Path, **extra:
         "paths.device_plugin_dir": str(plugin_dir),
         "paths.pod_resources_socket": str(pod_resources),
         "nvml.fixture": str(node.fixture),
-        "discovery.rescan_interval_seconds": 0.2,
+        "discovery.rescan_interval_seconds": 0.5,
+        "health.interval_seconds": 0.2,
+        "pod_resources.poll_interval_seconds": 0.5,
+        "pod_resources.bookkeeping_grace_seconds": 0.05,
+        "lifecycle.checkpoint_file": str(node.sysfs_root.parent / "checkpoint.json"),
     }
     settings.update(extra)
     return override(Config(), **settings)

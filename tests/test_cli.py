@@ -53,8 +53,11 @@ def test_daemon_process_serves_then_exits_zero_on_signal_removing_sockets(
     kubelet = KubeletSimulator(plugin_dir)
     kubelet.start()
     process = spawn(
-        ["run", *source_flags(node), "--device-plugin-dir", str(plugin_dir), "--log-format", "json"]
-    )
+        [
+            "run", *source_flags(node), "--device-plugin-dir", str(plugin_dir),
+            "--log-format", "json", "--checkpoint-file", str(sock_dir / "checkpoint.json"),
+        ]
+    )  # fmt: skip
     try:
         assert kubelet.wait_for_devices(GPU, 8, timeout=20)
         assert kubelet.wait_for_devices(HCA, 8, timeout=20)

@@ -43,9 +43,10 @@ def settle(cluster: Cluster) -> None:
     """Let the daemon see released devices: it learns of releases only from
     its PodResources poll, as it would on a real node."""
     coordinator = cluster.daemon.coordinator
-    cluster.daemon.monitor.poke()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
+        # Allocations younger than the bookkeeping grace need a later poll.
+        cluster.daemon.monitor.poke()
         if coordinator.free(DeviceKind.GPU) == free_devices(
             cluster.kubelet, GPU
         ) and coordinator.free(DeviceKind.HCA) == free_devices(cluster.kubelet, HCA):

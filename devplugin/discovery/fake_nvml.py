@@ -29,6 +29,7 @@ two. The links must be listed symmetrically on both GPUs.
 from __future__ import annotations
 
 import json
+import queue
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ NVML_ERROR_INVALID_ARGUMENT = 2
 NVML_ERROR_NOT_SUPPORTED = 3
 NVML_ERROR_NOT_FOUND = 6
 NVML_ERROR_DRIVER_NOT_LOADED = 9
+NVML_ERROR_TIMEOUT = 10
 NVML_ERROR_LIBRARY_NOT_FOUND = 12
 NVML_ERROR_GPU_IS_LOST = 15
 NVML_ERROR_UNKNOWN = 999
@@ -52,6 +54,12 @@ NVML_FEATURE_ENABLED = 1
 NVML_NVLINK_MAX_LINKS = 18
 NVML_NVLINK_DEVICE_TYPE_GPU = 0x00
 NVML_NVLINK_DEVICE_TYPE_SWITCH = 0x02
+NVML_COMPUTEMODE_DEFAULT = 0
+NVML_COMPUTEMODE_PROHIBITED = 2
+NVML_COMPUTEMODE_EXCLUSIVE_PROCESS = 3
+nvmlEventTypeSingleBitEccError = 0x1
+nvmlEventTypeDoubleBitEccError = 0x2
+nvmlEventTypeXidCriticalError = 0x8
 
 _MESSAGES = {
     NVML_ERROR_UNINITIALIZED: "Uninitialized",
@@ -59,6 +67,7 @@ _MESSAGES = {
     NVML_ERROR_NOT_SUPPORTED: "Not Supported",
     NVML_ERROR_NOT_FOUND: "Not Found",
     NVML_ERROR_DRIVER_NOT_LOADED: "Driver Not Loaded",
+    NVML_ERROR_TIMEOUT: "Timeout",
     NVML_ERROR_LIBRARY_NOT_FOUND: "NVML Shared Library Not Found",
     NVML_ERROR_GPU_IS_LOST: "GPU is lost",
     NVML_ERROR_UNKNOWN: "Unknown Error",
@@ -226,6 +235,28 @@ class _Handle:
     index: int
 
 
+@dataclass(frozen=True)
+class _EventData:
+    device: _Handle
+    eventType: int
+    eventData: int
+    gpuInstanceId: int = 0
+    computeInstanceId: int = 0
+
+
+@dataclass(frozen=True)
+class _Process:
+    pid: int
+    usedGpuMemory: int
+
+
+class _EventSet:
+    def __init__(self) -> None:
+        self.registered: dict[int, int] = {}  # GPU index -> event type mask
+        self.queue: queue.Queue[_EventData] = queue.Queue()
+        self.freed = False
+
+
 def _nvml_bus_id(text: str) -> str:
     address = PciAddress.parse(text)
     return f"{address.domain:08X}:{address.bus:02X}:{address.device:02X}.{address.function:X}"
@@ -245,6 +276,13 @@ class FakeNvml:
     NVML_ERROR_NOT_SUPPORTED = NVML_ERROR_NOT_SUPPORTED
     NVML_ERROR_NOT_FOUND = NVML_ERROR_NOT_FOUND
     NVML_ERROR_DRIVER_NOT_LOADED = NVML_ERROR_DRIVER_NOT_LOADED
+    NVML_ERROR_TIMEOUT = NVML_ERROR_TIMEOUT
+    NVML_COMPUTEMODE_DEFAULT = NVML_COMPUTEMODE_DEFAULT
+    NVML_COMPUTEMODE_PROHIBITED = NVML_COMPUTEMODE_PROHIBITED
+    NVML_COMPUTEMODE_EXCLUSIVE_PROCESS = NVML_COMPUTEMODE_EXCLUSIVE_PROCESS
+    nvmlEventTypeSingleBitEccError = nvmlEventTypeSingleBitEccError
+    nvmlEventTypeDoubleBitEccError = nvmlEventTypeDoubleBitEccError
+    nvmlEventTypeXidCriticalError = nvmlEventTypeXidCriticalError
     NVML_ERROR_LIBRARY_NOT_FOUND = NVML_ERROR_LIBRARY_NOT_FOUND
     NVML_ERROR_GPU_IS_LOST = NVML_ERROR_GPU_IS_LOST
     NVML_ERROR_UNKNOWN = NVML_ERROR_UNKNOWN
@@ -260,6 +298,12 @@ class FakeNvml:
         self._init_count = 0
         self.init_error = init_error
         self.lost: set[int] = set()
+        # Test controls and observations beyond the fixture.
+        self.processes: dict[int, list[int]] = {}
+        self.compute_mode: dict[int, int] = {}
+        self.clock_resets: list[int] = []
+        self.events_unsupported: set[int] = set()
+        self._event_sets: list[_EventSet] = []
         # Per GPU: the remote bus id of each NVLink, in link order.
         self._links: list[list[str]] = []
         for gpu in fixture.gpus:
@@ -373,3 +417,67 @@ class FakeNvml:
         if not remote:
             raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
         return _PciInfo(busId=remote, busIdLegacy=remote[4:])
+
+    # -- lookups, compute state --------------------------------------------------
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> _Handle:
+        with self._lock:
+            self._require_init()
+            for index, gpu in enumerate(self._fixture.gpus):
+                if gpu.uuid == uuid:
+                    if index in self.lost:
+                        raise NVMLError(NVML_ERROR_GPU_IS_LOST)
+                    return _Handle(index)
+        raise NVMLError(NVML_ERROR_NOT_FOUND)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[_Process]:
+        index, _ = self._gpu(handle)
+        return [_Process(pid, 1 << 30) for pid in self.processes.get(index, [])]
+
+    def nvmlDeviceGetComputeMode(self, handle: Any) -> int:
+        index, _ = self._gpu(handle)
+        return self.compute_mode.get(index, NVML_COMPUTEMODE_DEFAULT)
+
+    def nvmlDeviceSetComputeMode(self, handle: Any, mode: int) -> None:
+        index, _ = self._gpu(handle)
+        self.compute_mode[index] = mode
+
+    def nvmlDeviceResetApplicationsClocks(self, handle: Any) -> None:
+        index, _ = self._gpu(handle)
+        self.clock_resets.append(index)
+
+    # -- events ----------------------------------------------------------------
+    def nvmlEventSetCreate(self) -> _EventSet:
+        with self._lock:
+            self._require_init()
+            event_set = _EventSet()
+            self._event_sets.append(event_set)
+            return event_set
+
+    def nvmlDeviceRegisterEvents(self, handle: Any, event_types: int, event_set: _EventSet) -> None:
+        index, _ = self._gpu(handle)
+        if index in self.events_unsupported:
+            raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+        event_set.registered[index] = event_set.registered.get(index, 0) | event_types
+
+    def nvmlEventSetWait_v2(self, event_set: _EventSet, timeout_ms: int) -> _EventData:
+        try:
+            return event_set.queue.get(timeout=timeout_ms / 1000.0)
+        except queue.Empty:
+            raise NVMLError(NVML_ERROR_TIMEOUT) from None
+
+    def nvmlEventSetFree(self, event_set: _EventSet) -> None:
+        event_set.freed = True
+
+    def inject_event(self, index: int, event_type: int, data: int = 0) -> int:
+        """Deliver an event to every set registered for it; returns how many."""
+        delivered = 0
+        with self._lock:
+            sets = list(self._event_sets)
+        for event_set in sets:
+            if not event_set.freed and event_set.registered.get(index, 0) & event_type:
+                event_set.queue.put(_EventData(_Handle(index), event_type, data))
+                delivered += 1
+        return delivered
+
+    def inject_xid(self, index: int, xid: int) -> int:
+        return self.inject_event(index, nvmlEventTypeXidCriticalError, xid)

@@ -7,6 +7,7 @@ driven fake and exercise exactly this code.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Mapping
@@ -52,6 +53,9 @@ class NvmlGpuSource:
         # dozens of NVML calls per GPU, so it is read once per UUID.
         self._peer_addresses: dict[str, tuple[tuple[str, int], ...]] = {}
         self._switch_links: dict[str, int] = {}
+        # The last good description of each GPU index, so a GPU that NVML
+        # loses stays listed (Unhealthy) instead of silently vanishing.
+        self._known: dict[int, GpuInfo] = {}
 
     def _error_text(self, exc: BaseException) -> str:
         value = getattr(exc, "value", None)
@@ -63,7 +67,7 @@ class NvmlGpuSource:
             return None
         try:
             self._lib.nvmlInit()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - NVML bindings raise various types
             message = self._error_text(exc)
             if message != self._last_error:
                 log.error(
@@ -89,11 +93,12 @@ class NvmlGpuSource:
                 driver = _text(lib.nvmlSystemGetDriverVersion())
                 cuda = int(lib.nvmlSystemGetCudaDriverVersion())
                 count = int(lib.nvmlDeviceGetCount())
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - NVML bindings raise various types
                 message = self._error_text(exc)
                 log.error("NVML query failed: %s", message)
                 return (), NvmlStatus(error=message)
             raw: list[tuple[int, Any, str, str, PciAddress, int, int]] = []
+            failed: dict[int, str] = {}
             for index in range(count):
                 try:
                     handle = lib.nvmlDeviceGetHandleByIndex(index)
@@ -102,10 +107,8 @@ class NvmlGpuSource:
                     bus_id = PciAddress.parse(_text(lib.nvmlDeviceGetPciInfo(handle).busId))
                     minor = int(lib.nvmlDeviceGetMinorNumber(handle))
                     memory = int(lib.nvmlDeviceGetMemoryInfo(handle).total) // _MIB
-                except Exception as exc:
-                    log.warning(
-                        "GPU %d: NVML could not describe it: %s", index, self._error_text(exc)
-                    )
+                except Exception as exc:  # noqa: BLE001 - NVML bindings raise various types
+                    failed[index] = self._error_text(exc)
                     continue
                 raw.append((index, handle, uuid, name, bus_id, minor, memory))
             for _, handle, uuid, _, _, _, _ in raw:
@@ -125,6 +128,17 @@ class NvmlGpuSource:
                 )
                 for index, _, uuid, name, address, minor, memory in raw
             ]
+            seen = {gpu.uuid for gpu in gpus}
+            for gpu in gpus:
+                self._known[gpu.index] = gpu
+            for index, known in sorted(self._known.items()):
+                if known.uuid in seen:
+                    continue
+                reason = failed.get(index, "no longer reported by NVML")
+                gpus.append(
+                    dataclasses.replace(known, error=reason, pci=pci.get(known.pci_address))
+                )
+            gpus.sort(key=lambda gpu: gpu.index)
             return tuple(gpus), NvmlStatus(driver_version=driver, cuda_driver_version=cuda)
 
     def _read_links(self, handle: Any, uuid: str) -> None:
@@ -138,11 +152,11 @@ class NvmlGpuSource:
             try:
                 if lib.nvmlDeviceGetNvLinkState(handle, link) != enabled:
                     continue
-            except Exception:
+            except Exception:  # noqa: BLE001 - NVML bindings raise various types
                 continue
             try:
                 remote_type = lib.nvmlDeviceGetNvLinkRemoteDeviceType(handle, link)
-            except Exception:
+            except Exception:  # noqa: BLE001 - NVML bindings raise various types
                 remote_type = None
             if remote_type == switch_type:
                 switch_links += 1
@@ -150,7 +164,7 @@ class NvmlGpuSource:
             try:
                 remote = _text(lib.nvmlDeviceGetNvLinkRemotePciInfo(handle, link).busId)
                 key = str(PciAddress.parse(remote))
-            except Exception:
+            except Exception:  # noqa: BLE001 - NVML bindings raise various types
                 continue
             per_peer[key] = per_peer.get(key, 0) + 1
         self._peer_addresses[uuid] = tuple(sorted(per_peer.items()))
@@ -184,6 +198,6 @@ class NvmlGpuSource:
                 return
             try:
                 self._lib.nvmlShutdown()
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - NVML bindings raise various types
                 log.warning("nvmlShutdown failed: %s", self._error_text(exc))
             self._initialised = False

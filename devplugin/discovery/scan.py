@@ -8,7 +8,7 @@ from pathlib import Path
 
 from devplugin.discovery.nvml import NvmlGpuSource
 from devplugin.discovery.sysfs import gpu_control_nodes, read_hcas, read_pci_functions
-from devplugin.model import Inventory, NvmlStatus
+from devplugin.model import Inventory, NvmlStatus, PciAddress, PciFunction
 
 log = logging.getLogger(__name__)
 
@@ -28,9 +28,14 @@ class Discoverer:
         self._roots = roots
         self._gpus = gpus
         self._warned_unplaced: set[str] = set()
+        self._pci: dict[PciAddress, PciFunction] | None = None
 
-    def scan(self) -> Inventory:
-        pci = read_pci_functions(self._roots.sysfs)
+    def scan(self, *, full: bool = True) -> Inventory:
+        """A whole snapshot. `full=False` re-reads only what health depends on
+        (RDMA ports and device nodes, NVML) and reuses the last PCI tree."""
+        if full or self._pci is None:
+            self._pci = read_pci_functions(self._roots.sysfs)
+        pci = self._pci
         if self._gpus is not None:
             gpus, status = self._gpus.scan(pci)
         else:

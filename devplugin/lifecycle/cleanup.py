@@ -31,6 +31,7 @@ from devplugin.lifecycle.checkpoint import Checkpoint, LifecycleState
 from devplugin.lifecycle.health import Verdict
 from devplugin.lifecycle.hooks import HookDevice, HookResult, HookSpec, run_hook
 from devplugin.model import DeviceKind, Health
+from devplugin.recent import BOOKKEEPING_GRACE, RecentAllocations
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class CleanupManager:
         confirmations: int = 2,
         retry_initial: float = 5.0,
         retry_max: float = 300.0,
+        bookkeeping_grace: float = BOOKKEEPING_GRACE,
         on_change: Callable[[], None] = lambda: None,
         on_cleaned: Callable[[DeviceKind, str], None] = lambda kind, device: None,
         runner: HookRunner = run_hook,
@@ -77,7 +79,7 @@ class CleanupManager:
         self._assigned: dict[DeviceKind, set[str]] = {kind: set() for kind in DeviceKind}
         self._unverified: set[tuple[DeviceKind, str]] = set()
         self._missing: dict[tuple[DeviceKind, str], int] = {}
-        self._recent: list[tuple[float, DeviceKind, frozenset[str]]] = []
+        self._recent = RecentAllocations(bookkeeping_grace)
         self._jobs: dict[tuple[DeviceKind, str], _Job] = {}
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -116,7 +118,7 @@ class CleanupManager:
     def allocated(self, kind: DeviceKind, ids: Sequence[str]) -> None:
         with self._cond:
             self._assigned[kind].update(ids)
-            self._recent.append((self._clock(), kind, frozenset(ids)))
+            self._recent.add(kind, ids, self._clock())
             for device in ids:
                 self._missing.pop((kind, device), None)
                 self._unverified.discard((kind, device))
@@ -126,12 +128,9 @@ class CleanupManager:
         """One PodResources answer: what every container held at `polled_at`."""
         changed = False
         with self._cond:
-            self._recent = [entry for entry in self._recent if entry[0] >= polled_at]
+            self._recent.confirm(held, polled_at)
             for kind in DeviceKind:
-                effective = set(held.get(kind, ()))
-                for at, recent_kind, ids in self._recent:
-                    if recent_kind is kind and at >= polled_at:
-                        effective |= ids
+                effective = set(held.get(kind, ())) | self._recent.ids(kind)
                 for device in effective:
                     self._missing.pop((kind, device), None)
                     if (kind, device) in self._unverified:

@@ -52,9 +52,10 @@ def _free(kubelet: KubeletSimulator, resource: str) -> set[str]:
 def _settle(cluster: SimCluster) -> None:
     """Wait until the daemon's PodResources view has caught up with releases."""
     coordinator = cluster.daemon.coordinator
-    cluster.daemon.monitor.poke()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
+        # Allocations younger than the bookkeeping grace need a later poll.
+        cluster.daemon.monitor.poke()
         if coordinator.free(DeviceKind.GPU) == _free(cluster.kubelet, GPU) and coordinator.free(
             DeviceKind.HCA
         ) == _free(cluster.kubelet, HCA):
@@ -67,6 +68,8 @@ def run_churn(spec: NodeSpec, seed: int, *, preferred: bool, events: int = 60) -
     settings = {
         "allocation.preferred": preferred,
         "pod_resources.min_interval_seconds": 0.01,
+        # The simulator records allocations as Allocate returns.
+        "pod_resources.bookkeeping_grace_seconds": 0.05,
     }
     outcome = ChurnOutcome()
     with SimCluster(spec, settings=settings, seed=seed) as cluster:

@@ -56,6 +56,7 @@ class SimCluster:
                     "paths.device_plugin_dir": str(plugin_dir),
                     "paths.pod_resources_socket": str(pod_resources),
                     "nvml.fixture": str(self.node.fixture),
+                    "lifecycle.checkpoint_file": str(self.base / "checkpoint.json"),
                     **self.settings,
                 },
             )

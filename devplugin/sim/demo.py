@@ -67,6 +67,7 @@ def run_demo(out: Callable[[str], None] = print, workdir: Path | None = None) ->
                 "paths.device_plugin_dir": str(plugin_dir),
                 "paths.pod_resources_socket": str(pod_resources),
                 "nvml.fixture": str(node.fixture),
+                "lifecycle.checkpoint_file": str(base / "checkpoint.json"),
             },
         )
         daemon = Daemon(config, FakeNvml.from_file(node.fixture))

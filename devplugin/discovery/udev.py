@@ -1,0 +1,74 @@
+"""Hotplug: udev add/remove events for PCI and RDMA devices trigger a rescan.
+
+`pyudev` is used when a udev netlink socket can be opened; otherwise (some
+containers, tests) the daemon relies on its periodic rescan alone. Any object
+with pyudev's `Monitor.poll(timeout)` interface can be handed in instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+SUBSYSTEMS = ("pci", "infiniband", "infiniband_verbs", "infiniband_mad")
+ACTIONS = frozenset({"add", "remove", "bind", "unbind"})
+
+
+def udev_monitor() -> Any | None:
+    """A started pyudev monitor for the subsystems above, or None."""
+    try:
+        import pyudev
+
+        context = pyudev.Context()
+        monitor = pyudev.Monitor.from_netlink(context)
+        for subsystem in SUBSYSTEMS:
+            monitor.filter_by(subsystem)
+        monitor.start()
+    except Exception as exc:  # noqa: BLE001 - any failure means "no udev here"
+        log.info("udev not available (%s); relying on periodic rescans", exc)
+        return None
+    return monitor
+
+
+class HotplugWatcher:
+    """Calls `on_event` with a description of every relevant udev event."""
+
+    def __init__(self, monitor: Any, on_event: Callable[[str], None]) -> None:
+        self._monitor = monitor
+        self._on_event = on_event
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="hotplug", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        log.info("hotplug watcher started")
+        while not self._stop.is_set():
+            try:
+                device = self._monitor.poll(timeout=0.5)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("udev monitor failed (%s); periodic rescans continue", exc)
+                self._stop.wait(5.0)
+                continue
+            if device is None:
+                continue
+            action = getattr(device, "action", None)
+            if action not in ACTIONS:
+                continue
+            what = (
+                f"{action} {getattr(device, 'subsystem', '?')} {getattr(device, 'sys_name', '?')}"
+            )
+            log.info("hotplug event: %s", what)
+            self._on_event(what)
+        log.info("hotplug watcher stopped")
