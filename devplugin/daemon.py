@@ -157,6 +157,7 @@ class Daemon:
         self._want_judge = False
         self._loop_thread: threading.Thread | None = None
         self._started = False
+        self.checks = 0  # completed scans, for observers
 
     # -- state ---------------------------------------------------------------
     @property
@@ -316,6 +317,7 @@ class Daemon:
             self.health.forget(present)
             self._live = live
             self.judge()
+            self.checks += 1
             return inventory
 
     def rescan(self) -> Inventory:

@@ -46,6 +46,7 @@ class XidWatcher:
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self.watched: set[str] = set()
+        self.events_seen = 0
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="xid", daemon=True)
@@ -113,6 +114,12 @@ class XidWatcher:
                 log.debug("NVML event set cleanup failed", exc_info=True)
 
     def _handle(self, event: Any, xid_type: int) -> None:
+        try:
+            self._dispatch(event, xid_type)
+        finally:
+            self.events_seen += 1
+
+    def _dispatch(self, event: Any, xid_type: int) -> None:
         try:
             uuid = _text(self._lib.nvmlDeviceGetUUID(event.device))
         except Exception:  # noqa: BLE001 - the GPU may be gone; checks will see it

@@ -117,6 +117,8 @@ class _Endpoint:
         self.devices: dict[str, DeviceRecord] = {}
         self.connected = True
         self.updates = 0
+        # (monotonic time, id -> health) for every list received.
+        self.history: list[tuple[float, dict[str, str]]] = []
         self._thread = threading.Thread(
             target=self._watch, name=f"sim-law-{record.resource}", daemon=True
         )
@@ -138,6 +140,9 @@ class _Endpoint:
                 with self.sim._cond:
                     self.devices = devices
                     self.updates += 1
+                    self.history.append(
+                        (time.monotonic(), {d: r.health for d, r in devices.items()})
+                    )
                     self.sim._cond.notify_all()
         except grpc.RpcError as exc:
             log.info(
@@ -357,6 +362,12 @@ class KubeletSimulator:
     def options(self, resource: str) -> pb.DevicePluginOptions:
         with self._cond:
             return self._endpoints[resource].options
+
+    def history(self, resource: str) -> list[tuple[float, dict[str, str]]]:
+        """Every device list received from the current registration of `resource`."""
+        with self._cond:
+            endpoint = self._endpoints.get(resource)
+            return list(endpoint.history) if endpoint is not None else []
 
     def stub(self, resource: str) -> pb_grpc.DevicePluginStub:
         with self._cond:

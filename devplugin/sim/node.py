@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Union
@@ -434,3 +436,45 @@ def devices_from_spec(spec: NodeSpec) -> tuple[tuple[GpuInfo, ...], tuple[HcaInf
                     peers.append((j, links))
         linked.append(dataclasses.replace(gpu, nvlink_peers=tuple(peers)))
     return tuple(linked), tuple(hcas)
+
+
+@dataclass
+class Unplugged:
+    """What `unplug_hca` took away, so `replug` can put it back."""
+
+    stash: Path
+    directory: Path
+    links: list[tuple[Path, str]]
+    dev_nodes: list[Path]
+
+
+def unplug_hca(node: BuiltNode, name: str, stash: Path) -> Unplugged:
+    """Remove an HCA from the sysfs and /dev trees as a hot-unplug would:
+    its PCI function directory, every class and bus link to it, its nodes."""
+    hca = node.hca(name)
+    directory = hca.directory
+    links: list[tuple[Path, str]] = []
+    for link in node.sysfs_root.rglob("*"):
+        if link.is_symlink() and "devices" not in link.relative_to(node.sysfs_root).parts[:1]:
+            target = os.path.realpath(link)
+            if target == str(directory) or target.startswith(str(directory) + os.sep):
+                links.append((link, os.readlink(link)))
+    for link, _ in links:
+        link.unlink()
+    nodes = [node.dev_root / "infiniband" / f"uverbs{hca.uverbs}"]
+    nodes += [node.dev_root / "infiniband" / f"umad{i}" for i in hca.umads]
+    nodes += [node.dev_root / "infiniband" / f"issm{i}" for i in hca.issms]
+    for path in nodes:
+        path.unlink(missing_ok=True)
+    stash.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(directory), str(stash / directory.name))
+    return Unplugged(stash, directory, links, nodes)
+
+
+def replug(unplugged: Unplugged) -> None:
+    """Put an unplugged HCA back (a hot-add of the same card)."""
+    shutil.move(str(unplugged.stash / unplugged.directory.name), str(unplugged.directory))
+    for link, target in unplugged.links:
+        os.symlink(target, link)
+    for path in unplugged.dev_nodes:
+        path.touch()
