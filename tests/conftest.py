@@ -66,6 +66,7 @@ def start_cluster(tmp_path: Path, sock_dir: Path) -> Iterator[Callable[..., Clus
         spec: NodeSpec,
         *,
         nvml_init_error: int | None = None,
+        hotplug_monitor: Any | None = None,
         start_kubelet: bool = True,
         wait: bool = True,
         **config: Any,
@@ -80,7 +81,11 @@ def start_cluster(tmp_path: Path, sock_dir: Path) -> Iterator[Callable[..., Clus
             kubelet.start()
         lib = FakeNvml.from_file(node.fixture)
         lib.init_error = nvml_init_error
-        daemon = Daemon(fast_config(node, plugin_dir, pod_resources, **config), lib)
+        daemon = Daemon(
+            fast_config(node, plugin_dir, pod_resources, **config),
+            lib,
+            hotplug_monitor=hotplug_monitor,
+        )
         daemon.start()
         started.append((daemon, kubelet))
         cluster = Cluster(node, kubelet, daemon, lib, plugin_dir)

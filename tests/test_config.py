@@ -96,13 +96,57 @@ logging:
             {"version": "v1", "resources": {"gpu": {"enabled": False}, "hca": {"enabled": False}}},
             "resources: every resource is disabled",
         ),
+        ({"version": "v1", "resources": {"gpu": {"hooks": {"init": "reset-gpu --all"}}}},
+         "resources.gpu.hooks.init: must be a list"),
+        ({"version": "v1", "resources": {"hca": {"hooks": {"cleanup": ["x", ""]}}}},
+         "resources.hca.hooks.cleanup: every argument must be a non-empty string"),
+        ({"version": "v1", "resources": {"hca": {"hooks": {"init_phase": "later"}}}},
+         "resources.hca.hooks.init_phase: must be one of 'allocate', 'pre_start'"),
+        ({"version": "v1", "health": {"recovery": "after_cleanup"}},
+         "resources.gpu.hooks.cleanup: health.recovery after_cleanup needs a cleanup hook"),
+        ({"version": "v1", "health": {"xid_ignore": [13, 0]}},
+         "health.xid_ignore: XIDs are integers from 1 to 999"),
+        ({"version": "v1", "health": {"good_checks": 0}}, "health.good_checks: must be at least 1"),
+        ({"version": "v1", "lifecycle": {"checkpoint_file": "state.json"}},
+         "lifecycle.checkpoint_file: must be an absolute path"),
     ],
-)
+)  # fmt: skip
 def test_bad_config_names_the_field(data: object, message: str) -> None:
     with pytest.raises(ConfigError) as info:
         parse_config(data)
     assert str(info.value).startswith(message), str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_hooks_are_read_as_argv_lists(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        """
+version: v1
+resources:
+  gpu:
+    hooks:
+      init: [/usr/bin/gpu-init, --quiet]
+      cleanup: [python3, -m, devplugin.hooks.gpu_cleanup]
+      timeout_seconds: 30
+      init_phase: pre_start
+  hca:
+    hooks:
+      cleanup: [python3, -m, devplugin.hooks.hca_check]
+health:
+  recovery: after_cleanup
+  xid_ignore: [13, 43]
+"""
+    )
+    config = load_config(path)
+    hooks = config.resources.gpu.hooks
+    assert hooks.init == ("/usr/bin/gpu-init", "--quiet")
+    assert hooks.cleanup == ("python3", "-m", "devplugin.hooks.gpu_cleanup")
+    assert hooks.timeout_seconds == 30.0
+    assert hooks.init_phase == "pre_start"
+    assert config.resources.hca.hooks.cleanup[-1] == "devplugin.hooks.hca_check"
+    assert config.health.recovery == "after_cleanup"
+    assert config.health.xid_ignore == (13, 43)
 
 
 def test_yaml_syntax_error_is_one_line(tmp_path: Path) -> None:

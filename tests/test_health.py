@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -152,3 +153,31 @@ def test_a_lost_gpu_leaves_the_others_allocatable(start_cluster: Start) -> None:
     # The GPU comes back: usable again, so Healthy again.
     cluster.nvml.lost.discard(2)
     assert becomes(cluster, GPU, lost.uuid, "Healthy", within=2.0)
+
+
+def test_after_cleanup_recovery_waits_for_a_successful_cleanup(
+    start_cluster: Start, tmp_path: Path
+) -> None:
+    from tests.test_hooks import hook, runs
+
+    log = tmp_path / "cleanup.log"
+    cluster = start_cluster(
+        hgx_node(),
+        **{
+            "health.recovery": "after_cleanup",
+            "resources.gpu.hooks.cleanup": hook(tmp_path / "gpu.log", "ok"),
+            "resources.hca.hooks.cleanup": hook(log, "ok"),
+        },
+    )
+    hca = cluster.node.hcas[1]
+    state = hca.directory / "infiniband" / hca.name / "ports" / "1" / "state"
+    state.write_text("1: DOWN\n")
+    assert becomes(cluster, HCA, hca.device_id, "Unhealthy", within=2.0)
+    # While the port is down no cleanup is attempted; good checks alone do
+    # not bring it back in this mode.
+    wait_checks(cluster, 3)
+    assert runs(log) == []
+    state.write_text("4: ACTIVE\n")
+    assert becomes(cluster, HCA, hca.device_id, "Healthy", within=5.0)
+    (run,) = runs(log)
+    assert run["env"]["DEVPLUGIN_DEVICE_IDS"] == hca.device_id

@@ -238,7 +238,7 @@ class CleanupManager:
                         if not job.running and job.next_at <= now
                     ]
                     if due:
-                        picked = min(due)[1]
+                        picked = min(due, key=lambda item: item[0])[1]
                         break
                     upcoming = [job.next_at for job in self._jobs.values() if not job.running]
                     self._cond.wait(min(upcoming) - now if upcoming else None)
@@ -248,8 +248,15 @@ class CleanupManager:
                 job = self._jobs[picked]
                 job.running = True
             kind, device = picked
-            self._on_change()
-            self._run(kind, device, job, self._hooks[kind], inline=False)
+            try:
+                self._on_change()
+                self._run(kind, device, job, self._hooks[kind], inline=False)
+            except Exception:
+                log.exception("cleanup of %s failed unexpectedly; will retry", device)
+                with self._cond:
+                    job.running = False
+                    job.attempts += 1
+                    job.next_at = self._clock() + self._retry_max
         log.info("cleanup worker stopped")
 
     def _run(

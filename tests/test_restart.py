@@ -1,0 +1,138 @@
+"""The lifecycle survives a SIGKILL: in-use devices are not cleaned, and a
+device released while the daemon was down is cleaned before it is offered."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from devplugin.sim.kubelet import ContainerRequest, KubeletSimulator
+from devplugin.sim.node import build_node, hgx_node
+from tests.conftest import GPU, HCA
+from tests.test_hooks import hook
+
+Runs = dict[str, list[tuple[float, float]]]
+
+
+def cleanup_runs(log: Path) -> Runs:
+    """Device id -> (start, end) of every finished cleanup run."""
+    starts: dict[int, tuple[str, float]] = {}
+    found: Runs = {}
+    if not log.exists():
+        return found
+    for entry in map(json.loads, log.read_text().splitlines()):
+        if "stdin" in entry:
+            starts[entry["pid"]] = (entry["env"]["DEVPLUGIN_DEVICE_IDS"], entry["start"])
+        elif entry["pid"] in starts:
+            device, start = starts[entry["pid"]]
+            found.setdefault(device, []).append((start, entry["end"]))
+    return found
+
+
+def spawn(config: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "devplugin", "run", "--config", str(config)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )  # fmt: skip
+
+
+def wait_until(condition: Any, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return bool(condition())
+
+
+def test_sigkill_then_restart_cleans_only_what_was_released(tmp_path: Path, sock_dir: Path) -> None:
+    node = build_node(hgx_node(), tmp_path / "node")
+    log = tmp_path / "cleanup.log"
+    checkpoint = tmp_path / "state" / "checkpoint.json"
+    config = tmp_path / "devplugin.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "version": "v1",
+                "paths": {
+                    "sysfs_root": str(node.sysfs_root),
+                    "dev_root": str(node.dev_root),
+                    "device_plugin_dir": str(sock_dir / "dp"),
+                    "pod_resources_socket": str(sock_dir / "pr" / "kubelet.sock"),
+                },
+                "nvml": {"fixture": str(node.fixture)},
+                "resources": {
+                    "gpu": {"hooks": {"cleanup": hook(log, "ok")}},
+                    "hca": {"hooks": {"cleanup": hook(log, "ok")}},
+                },
+                "health": {"interval_seconds": 0.2},
+                "pod_resources": {"poll_interval_seconds": 0.3, "min_interval_seconds": 0.05},
+                "lifecycle": {"checkpoint_file": str(checkpoint)},
+            }
+        )
+    )
+    kubelet = KubeletSimulator(sock_dir / "dp", sock_dir / "pr" / "kubelet.sock")
+    kubelet.start()
+    first = spawn(config)
+    second: subprocess.Popen[str] | None = None
+    try:
+        assert kubelet.wait_for_devices(GPU, 8, timeout=20)
+        assert kubelet.wait_for_devices(HCA, 8, timeout=20)
+        a = kubelet.admit("a", [ContainerRequest("c", {GPU: 1, HCA: 1})]).container("c")
+        b = kubelet.admit("b", [ContainerRequest("c", {GPU: 1, HCA: 1})]).container("c")
+        released = {a.devices[GPU][0], a.devices[HCA][0]}
+        in_use = {b.devices[GPU][0], b.devices[HCA][0]}
+
+        def saved() -> set[str]:
+            try:
+                state = json.loads(checkpoint.read_text())
+            except (OSError, ValueError):
+                return set()
+            return {d for ids in state["assigned"].values() for d in ids}
+
+        assert wait_until(lambda: saved() >= released | in_use)
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=10)
+        kubelet.remove("a")  # released while the daemon is down
+        before = len(kubelet.registrations)
+        second = spawn(config)
+        assert kubelet.wait_for(lambda: len(kubelet.registrations) >= before + 2, timeout=20)
+        if not wait_until(lambda: set(cleanup_runs(log)) >= released):
+            second.send_signal(signal.SIGTERM)
+            _, err = second.communicate(timeout=20)
+            raise AssertionError(err[-6000:])
+        for resource, device in ((GPU, a.devices[GPU][0]), (HCA, a.devices[HCA][0])):
+            assert kubelet.wait_for(
+                lambda r=resource, d=device: kubelet.devices(r)[d].health == "Healthy", timeout=10
+            )
+        # Some polls later: the in-use devices were never cleaned.
+        calls = kubelet.pod_resources_calls
+        assert wait_until(lambda: kubelet.pod_resources_calls >= calls + 3)
+        done = cleanup_runs(log)
+        assert set(done) == released
+        assert all(len(spans) == 1 for spans in done.values())
+        # Never offered before cleaned: every list the restarted daemon sent
+        # before a released device's cleanup ended shows it Unhealthy.
+        for resource in (GPU, HCA):
+            for at, healths in kubelet.history(resource):
+                for device in released & set(healths):
+                    if at < done[device][0][1]:
+                        assert healths[device] == "Unhealthy", (resource, device, at)
+        assert all(
+            kubelet.devices(GPU)[d].health == "Healthy" for d in in_use if d in kubelet.devices(GPU)
+        )
+    finally:
+        for process in (first, second):
+            if process is not None and process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                process.wait(timeout=20)
+        kubelet.stop()
