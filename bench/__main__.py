@@ -157,6 +157,7 @@ def bench_node(name: str, iterations: int, warmup: int, base: Path) -> list[Row]
             "paths.pod_resources_socket": str(base / f"{name}-pr.sock"),
             "nvml.fixture": str(node.fixture),
             "lifecycle.checkpoint_file": str(base / f"{name}-checkpoint.json"),
+            "metrics.addresses": ["127.0.0.1:0"],
         },
     )
     daemon = Daemon(config, FakeNvml.from_file(node.fixture))

@@ -20,6 +20,7 @@ import grpc
 
 from devplugin.coordination import Coordinator
 from devplugin.kubelet import PodResourcesClient
+from devplugin.metrics import Metrics
 from devplugin.model import DeviceKind
 from devplugin.rpc import rpc_failure
 from devplugin.topology import Level, Topology
@@ -68,8 +69,10 @@ class AlignmentMonitor:
         interval: float,
         min_interval: float,
         listeners: Sequence[Callable[[dict[DeviceKind, set[str]], float], None]] = (),
+        metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self._metrics = metrics
         self._listeners = list(listeners)
         self._client = client
         self._coordinator = coordinator
@@ -160,7 +163,11 @@ class AlignmentMonitor:
             report[entry_report.name] = entry_report
         with self._lock:
             previous, self._report = self._report, report
+        if self._metrics is not None:
+            self._metrics.set_alignment(item.worst for item in report.values() if item.worst)
         for name, item in report.items():
+            if self._metrics is not None and item.worst and name not in previous:
+                self._metrics.alignment.observe(int(item.worst))
             if previous.get(name) != item:
                 level = (
                     f"worst GPU-HCA level {item.worst.name} (sum {item.total})"

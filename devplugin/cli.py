@@ -45,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--device-plugin-dir", help="kubelet device-plugin directory")
     run.add_argument("--pod-resources-socket", help="kubelet PodResources socket")
     run.add_argument("--checkpoint-file", help="lifecycle checkpoint (in-use devices, cleanups)")
+    run.add_argument(
+        "--metrics-address", action="append", metavar="HOST:PORT",
+        help="serve /metrics, /healthz, /readyz here (repeatable; replaces the config's list)",
+    )  # fmt: skip
     discover = commands.add_parser("discover", help="print the GPUs and HCAs found")
     _add_source_flags(discover)
     discover.add_argument("--json", action="store_true", help="print JSON")
@@ -67,6 +71,7 @@ def resolve_config(args: argparse.Namespace) -> Config:
                 "paths.pod_resources_socket": getattr(args, "pod_resources_socket", None),
                 "nvml.fixture": getattr(args, "nvml_fixture", None),
                 "lifecycle.checkpoint_file": getattr(args, "checkpoint_file", None),
+                "metrics.addresses": getattr(args, "metrics_address", None),
                 "logging.format": getattr(args, "log_format", None),
             },
         )

@@ -67,6 +67,23 @@ def _argv(value: Any) -> str | None:
     return None
 
 
+def parse_address(text: str) -> tuple[str, int]:
+    """`host:port` (IPv6 hosts in brackets); an empty host means every address."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"not a host:port address: {text!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def _addresses(value: Any) -> str | None:
+    for address in value:
+        try:
+            parse_address(address)
+        except ValueError:
+            return f"every address must be host:port ({address!r} is not)"
+    return None
+
+
 def _xids(value: Any) -> str | None:
     return None if all(0 < xid < 1000 for xid in value) else "XIDs are integers from 1 to 999"
 
@@ -191,6 +208,13 @@ class LifecycleConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    # /metrics, /healthz and /readyz on each host:port (the chart adds the pod IP).
+    enabled: bool = True
+    addresses: tuple[str, ...] = _checked(("127.0.0.1:9410",), _addresses)
+
+
+@dataclass(frozen=True)
 class LoggingConfig:
     format: Literal["text", "json"] = "text"
     level: Literal["debug", "info", "warning", "error"] = "info"
@@ -209,6 +233,7 @@ class Config:
     health: HealthConfig = field(default_factory=HealthConfig)
     hotplug: HotplugConfig = field(default_factory=HotplugConfig)
     lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 

@@ -33,6 +33,7 @@ from devplugin.lifecycle.cleanup import CleanupManager
 from devplugin.lifecycle.health import HealthTracker, Recovery
 from devplugin.lifecycle.hooks import HookDevice, HookSpec, run_hook
 from devplugin.lifecycle.xid import XidWatcher
+from devplugin.metrics import Metrics
 from devplugin.model import DeviceKind, Health, Inventory, PluginDevice
 from devplugin.resources import (
     AllocationRefused,
@@ -44,6 +45,7 @@ from devplugin.resources import (
     ResourceState,
 )
 from devplugin.server import DevicePluginServicer, PluginServer, socket_name
+from devplugin.status import StatusServer
 from devplugin.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -106,6 +108,8 @@ class Daemon:
             name=config.resources.hca.name, env_var=config.resources.hca.env_var
         )
         self._names = {resource.kind: resource.name for resource in self.resources}
+        self.metrics = Metrics()
+        self._run_hook = self.metrics.timed_hooks(run_hook)
         self.health = HealthTracker(Recovery(config.health.recovery), config.health.good_checks)
         self._init_hooks: dict[DeviceKind, HookSpec] = {}
         cleanup_hooks: dict[DeviceKind, HookSpec] = {}
@@ -127,6 +131,7 @@ class Daemon:
             bookkeeping_grace=grace,
             on_change=self.request_judge,
             on_cleaned=self._cleaned,
+            runner=self._run_hook,
         )
         self.monitor = AlignmentMonitor(
             PodResourcesClient(Path(paths.pod_resources_socket)),
@@ -135,7 +140,9 @@ class Daemon:
             interval=config.pod_resources.poll_interval_seconds,
             min_interval=config.pod_resources.min_interval_seconds,
             listeners=[self.cleanup.observe],
+            metrics=self.metrics,
         )
+        self.status: StatusServer | None = None
         self.xid = (
             XidWatcher(gpu_lib, ignore=config.health.xid_ignore, on_fault=self._gpu_fault)
             if gpu_lib is not None
@@ -197,6 +204,7 @@ class Daemon:
                 prepare=self._prepare_hook(kind),
                 init=self._init_hook(kind) if init is not None and not pre_start else None,
                 pre_start=self._init_hook(kind) if init is not None and pre_start else None,
+                metrics=self.metrics,
             )
             self.servers.append(
                 PluginServer(servicer, self.plugin_dir / socket_name(resource.name))
@@ -216,8 +224,17 @@ class Daemon:
             register_timeout=kubelet.register_timeout_seconds,
             backoff_initial=kubelet.register_backoff_initial_seconds,
             backoff_max=kubelet.register_backoff_max_seconds,
+            on_register=lambda name: self.metrics.registrations.labels(name).inc(),
         )
         self.registrar.start()
+        if self.config.metrics.enabled:
+            self.status = StatusServer(
+                list(self.config.metrics.addresses),
+                self.metrics.registry,
+                healthy=self.healthy,
+                ready=self.ready,
+            )
+            self.status.start()
         self.monitor.start()
         if self.xid is not None:
             self.xid.start()
@@ -231,10 +248,34 @@ class Daemon:
         self._loop_thread.start()
         self._started = True
 
+    def healthy(self) -> tuple[bool, str]:
+        """/healthz: the process, its gRPC servers and its loops are alive."""
+        down = [s.servicer.resource.name for s in self.servers if not s.running]
+        if down:
+            return False, f"gRPC server not running: {', '.join(down)}"
+        threads = [self._loop_thread]
+        if self.registrar is not None:
+            threads.append(self.registrar.thread)
+        for thread in threads:
+            if thread is not None and not thread.is_alive():
+                return False, f"{thread.name} loop has stopped"
+        return True, ""
+
+    def ready(self) -> tuple[bool, str]:
+        """/readyz: every resource is registered with the current kubelet."""
+        if self.registrar is None:
+            return False, "not started"
+        missing = [name for name, ok in self.registrar.registered().items() if not ok]
+        if missing:
+            return False, f"not registered with the kubelet: {', '.join(missing)}"
+        return True, ""
+
     def stop(self) -> None:
         """Stop serving and remove our sockets. Safe to call more than once."""
         self._stop.set()
         self._wake.set()
+        if self.status is not None:
+            self.status.stop()
         if self.registrar is not None:
             self.registrar.stop()
         self.monitor.stop()
@@ -349,6 +390,7 @@ class Daemon:
                         self.cleanup.request_cleanup(kind, device.id)
                 served = dataclasses.replace(live, devices=tuple(devices))
                 self._served[kind] = served
+                self.metrics.set_devices(self._names[kind], (d.health for d in devices))
                 self.coordinator.set_healthy(kind, served.healthy_ids())
                 for server in self.servers:
                     if server.servicer.resource.kind is kind and server.servicer.update(served):
@@ -432,7 +474,7 @@ class Daemon:
             devices = self.describe(kind, ids)
             if devices is None:
                 return "unknown device ids"
-            result = run_hook(spec, "init", name, devices)
+            result = self._run_hook(spec, "init", name, devices)
             if result.ok:
                 log.info("%s: init hook for %s took %.2fs", name, ",".join(ids), result.duration)
                 return None

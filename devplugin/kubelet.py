@@ -109,6 +109,10 @@ class Registrar:
                 for entry in self._entries
             }
 
+    @property
+    def thread(self) -> threading.Thread | None:
+        return self._thread
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="registrar", daemon=True)
         self._thread.start()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from devplugin.allocator import AllocationError
 from devplugin.api import deviceplugin_v1beta1_pb2 as pb
 from devplugin.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from devplugin.coordination import Coordinator
+from devplugin.metrics import Metrics
 from devplugin.resources import (
     AllocationRefused,
     ContainerAllocation,
@@ -83,8 +85,10 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         prepare: Callable[[Sequence[str]], str | None] | None = None,
         init: Callable[[Sequence[str]], str | None] | None = None,
         pre_start: Callable[[Sequence[str]], str | None] | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.resource = resource
+        self._metrics = metrics
         self._coordinator = coordinator
         self._on_allocate = on_allocate
         self._attach = attach
@@ -173,6 +177,18 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
     def Allocate(
         self, request: pb.AllocateRequest, context: grpc.ServicerContext
     ) -> pb.AllocateResponse:
+        started = time.perf_counter()
+        try:
+            return self._allocate(request, context)
+        finally:
+            if self._metrics is not None:
+                self._metrics.allocate_seconds.labels(self.resource.name).observe(
+                    time.perf_counter() - started
+                )
+
+    def _allocate(
+        self, request: pb.AllocateRequest, context: grpc.ServicerContext
+    ) -> pb.AllocateResponse:
         response = pb.AllocateResponse()
         if not request.container_requests:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no container requests")
@@ -200,6 +216,8 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
                 if problem is not None:
                     self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, index, ids, problem)
             log.info("%s: allocated %s", self.resource.name, ",".join(ids))
+            if self._metrics is not None:
+                self._metrics.allocations.labels(self.resource.name, "ok").inc()
             response.container_responses.append(to_proto_allocation(allocation))
         if self._on_allocate is not None:
             for container in request.container_requests:
@@ -217,9 +235,23 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         log.warning(
             "%s: refused Allocate of container %d %s: %s", self.resource.name, index, ids, reason
         )
+        if self._metrics is not None:
+            self._metrics.allocations.labels(self.resource.name, "refused").inc()
         context.abort(code, f"{self.resource.name}: {reason}")
 
     def GetPreferredAllocation(
+        self, request: pb.PreferredAllocationRequest, context: grpc.ServicerContext
+    ) -> pb.PreferredAllocationResponse:
+        started = time.perf_counter()
+        try:
+            return self._preferred(request, context)
+        finally:
+            if self._metrics is not None:
+                self._metrics.preferred_seconds.labels(self.resource.name).observe(
+                    time.perf_counter() - started
+                )
+
+    def _preferred(
         self, request: pb.PreferredAllocationRequest, context: grpc.ServicerContext
     ) -> pb.PreferredAllocationResponse:
         coordinator = self._coordinator
@@ -243,6 +275,8 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
                     if exc.invalid_argument
                     else grpc.StatusCode.FAILED_PRECONDITION
                 )
+                if self._metrics is not None:
+                    self._metrics.preferred.labels(self.resource.name, "-", "refused").inc()
                 log.warning(
                     "%s: no preferred allocation of %d from %d available: %s",
                     self.resource.name,
@@ -259,6 +293,8 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
                     role.value,
                     choice.score,
                 )
+            if self._metrics is not None:
+                self._metrics.preferred.labels(self.resource.name, role.value, "ok").inc()
             response.container_responses.add(deviceIDs=choice.ids)
         return response
 

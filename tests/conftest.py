@@ -42,6 +42,7 @@ def fast_config(node: BuiltNode, plugin_dir: Path, pod_resources: Path, **extra:
         "pod_resources.poll_interval_seconds": 0.5,
         "pod_resources.bookkeeping_grace_seconds": 0.05,
         "lifecycle.checkpoint_file": str(node.sysfs_root.parent / "checkpoint.json"),
+        "metrics.addresses": ["127.0.0.1:0"],
     }
     settings.update(extra)
     return override(Config(), **settings)

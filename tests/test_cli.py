@@ -56,6 +56,7 @@ def test_daemon_process_serves_then_exits_zero_on_signal_removing_sockets(
         [
             "run", *source_flags(node), "--device-plugin-dir", str(plugin_dir),
             "--log-format", "json", "--checkpoint-file", str(sock_dir / "checkpoint.json"),
+            "--metrics-address", "127.0.0.1:0",
         ]
     )  # fmt: skip
     try:

@@ -77,6 +77,7 @@ def test_sigkill_then_restart_cleans_only_what_was_released(tmp_path: Path, sock
                 "health": {"interval_seconds": 0.2},
                 "pod_resources": {"poll_interval_seconds": 0.3, "min_interval_seconds": 0.05},
                 "lifecycle": {"checkpoint_file": str(checkpoint)},
+                "metrics": {"addresses": ["127.0.0.1:0"]},
             }
         )
     )

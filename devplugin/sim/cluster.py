@@ -57,6 +57,7 @@ class SimCluster:
                     "paths.pod_resources_socket": str(pod_resources),
                     "nvml.fixture": str(self.node.fixture),
                     "lifecycle.checkpoint_file": str(self.base / "checkpoint.json"),
+                    "metrics.addresses": ["127.0.0.1:0"],
                     **self.settings,
                 },
             )

@@ -68,6 +68,7 @@ def run_demo(out: Callable[[str], None] = print, workdir: Path | None = None) ->
                 "paths.pod_resources_socket": str(pod_resources),
                 "nvml.fixture": str(node.fixture),
                 "lifecycle.checkpoint_file": str(base / "checkpoint.json"),
+                "metrics.addresses": ["127.0.0.1:0"],
             },
         )
         daemon = Daemon(config, FakeNvml.from_file(node.fixture))

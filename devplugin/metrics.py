@@ -1,0 +1,107 @@
+"""Prometheus metrics, one registry per daemon.
+
+Names and labels (all prefixed `devplugin_`):
+
+    devices{resource, health}                        gauge
+    allocations_total{resource, result}              counter  (ok | refused)
+    preferred_allocation_requests_total{resource, role, result}
+                                                     counter  (role: first | second)
+    preferred_allocation_seconds{resource}           histogram
+    allocate_seconds{resource}                       histogram (hooks included)
+    alignment_level                                  histogram of the worst GPU-to-HCA
+                                                     level per container (PIX 1 .. SYS 5)
+    containers_by_alignment{level}                   gauge, containers holding GPUs
+                                                     and HCAs now, by worst level
+    hook_runs_total{resource, phase, result}         counter  (ok | failed | timeout)
+    hook_duration_seconds{resource, phase}           histogram
+    registrations_total{resource}                    counter  (first and re-registrations)
+"""
+
+from __future__ import annotations
+
+from collections import Counter as Tally
+from collections.abc import Callable, Iterable, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from devplugin.lifecycle.hooks import HookDevice, HookResult, HookSpec
+from devplugin.model import Health
+from devplugin.topology import Level
+
+FAST = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5)
+SLOW = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        registry = CollectorRegistry()
+        self.registry = registry
+        self.devices = Gauge(
+            "devplugin_devices", "Devices served, by resource and health",
+            ["resource", "health"], registry=registry,
+        )  # fmt: skip
+        self.allocations = Counter(
+            "devplugin_allocations", "Allocate calls per container request",
+            ["resource", "result"], registry=registry,
+        )  # fmt: skip
+        self.preferred = Counter(
+            "devplugin_preferred_allocation_requests", "GetPreferredAllocation container requests",
+            ["resource", "role", "result"], registry=registry,
+        )  # fmt: skip
+        self.preferred_seconds = Histogram(
+            "devplugin_preferred_allocation_seconds", "GetPreferredAllocation handling time",
+            ["resource"], buckets=FAST, registry=registry,
+        )  # fmt: skip
+        self.allocate_seconds = Histogram(
+            "devplugin_allocate_seconds", "Allocate handling time, hooks included",
+            ["resource"], buckets=SLOW, registry=registry,
+        )  # fmt: skip
+        self.alignment = Histogram(
+            "devplugin_alignment_level",
+            "Worst GPU-to-nearest-HCA level per container (PIX 1, PXB 2, PHB 3, NODE 4, SYS 5)",
+            buckets=(1, 2, 3, 4, 5), registry=registry,
+        )  # fmt: skip
+        self.containers_by_alignment = Gauge(
+            "devplugin_containers_by_alignment",
+            "Containers now holding GPUs and HCAs, by worst GPU-to-HCA level",
+            ["level"], registry=registry,
+        )  # fmt: skip
+        self.hook_runs = Counter(
+            "devplugin_hook_runs", "Init and cleanup hook runs",
+            ["resource", "phase", "result"], registry=registry,
+        )  # fmt: skip
+        self.hook_seconds = Histogram(
+            "devplugin_hook_duration_seconds", "Hook run time",
+            ["resource", "phase"], buckets=SLOW, registry=registry,
+        )  # fmt: skip
+        self.registrations = Counter(
+            "devplugin_registrations", "Successful registrations with the kubelet",
+            ["resource"], registry=registry,
+        )  # fmt: skip
+
+    def set_devices(self, resource: str, healths: Iterable[Health]) -> None:
+        counts = Tally(health.value for health in healths)
+        for health in Health:
+            self.devices.labels(resource, health.value).set(counts.get(health.value, 0))
+
+    def set_alignment(self, levels: Iterable[Level]) -> None:
+        counts = Tally(level.name for level in levels)
+        for level in Level:
+            self.containers_by_alignment.labels(level.name).set(counts.get(level.name, 0))
+
+    def timed_hooks(
+        self,
+        runner: Callable[[HookSpec, str, str, Sequence[HookDevice]], HookResult],
+    ) -> Callable[[HookSpec, str, str, Sequence[HookDevice]], HookResult]:
+        """Wrap a hook runner so every run is counted and timed."""
+
+        def run(
+            spec: HookSpec, phase: str, resource: str, devices: Sequence[HookDevice]
+        ) -> HookResult:
+            result = runner(spec, phase, resource, devices)
+            outcome = "ok" if result.ok else "timeout" if result.timed_out else "failed"
+            self.hook_runs.labels(resource, phase, outcome).inc()
+            self.hook_seconds.labels(resource, phase).observe(result.duration)
+            return result
+
+        return run

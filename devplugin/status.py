@@ -1,0 +1,93 @@
+"""The HTTP endpoint: /metrics, /healthz (alive) and /readyz (registered).
+
+Listens on every configured address (the node's loopback, and the pod IP
+when the chart passes it), each a plain `host:port`; port 0 picks a free port.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from devplugin.config import parse_address
+
+log = logging.getLogger(__name__)
+
+Probe = Callable[[], tuple[bool, str]]
+
+
+class StatusServer:
+    def __init__(
+        self,
+        addresses: list[str],
+        registry: CollectorRegistry,
+        *,
+        healthy: Probe,
+        ready: Probe,
+    ) -> None:
+        self._addresses = [parse_address(address) for address in addresses]
+        self._registry = registry
+        self._healthy = healthy
+        self._ready = ready
+        self._servers: list[ThreadingHTTPServer] = []
+        self._threads: list[threading.Thread] = []
+
+    @property
+    def bound(self) -> list[tuple[str, int]]:
+        return [
+            (str(server.server_address[0]), int(server.server_address[1]))
+            for server in self._servers
+        ]
+
+    def start(self) -> None:
+        handler = self._handler()
+        for host, port in self._addresses:
+            server = ThreadingHTTPServer((host, port), handler)
+            server.daemon_threads = True
+            thread = threading.Thread(
+                target=server.serve_forever, kwargs={"poll_interval": 0.2},
+                name=f"http-{port}", daemon=True,
+            )  # fmt: skip
+            thread.start()
+            self._servers.append(server)
+            self._threads.append(thread)
+            log.info("metrics and probes on http://%s:%d", *server.server_address[:2])
+
+    def stop(self) -> None:
+        for server in self._servers:
+            server.shutdown()
+            server.server_close()
+        for thread in self._threads:
+            thread.join(timeout=5)
+        self._servers, self._threads = [], []
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        registry, healthy, ready = self._registry, self._healthy, self._ready
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                path = self.path.split("?", 1)[0]
+                if path == "/metrics":
+                    self._send(200, generate_latest(registry), CONTENT_TYPE_LATEST)
+                elif path in ("/healthz", "/readyz"):
+                    ok, detail = (healthy if path == "/healthz" else ready)()
+                    body = ("ok" if ok else detail or "not ok") + "\n"
+                    self._send(200 if ok else 503, body.encode(), "text/plain; charset=utf-8")
+                else:
+                    self._send(404, b"not found\n", "text/plain; charset=utf-8")
+
+            def _send(self, code: int, body: bytes, content_type: str) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:
+                log.debug("http: " + format, *args)
+
+        return Handler
