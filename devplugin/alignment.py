@@ -23,6 +23,7 @@ from devplugin.kubelet import PodResourcesClient
 from devplugin.metrics import Metrics
 from devplugin.model import DeviceKind
 from devplugin.rpc import rpc_failure
+from devplugin.sharing import physical_ids
 from devplugin.topology import Level, Topology
 
 log = logging.getLogger(__name__)
@@ -145,9 +146,10 @@ class AlignmentMonitor:
             kind = self._kinds.get(entry.resource)
             if kind is None:
                 continue
-            held[kind].update(entry.device_ids)
+            physical = physical_ids(entry.device_ids)
+            held[kind].update(physical)
             key = (entry.namespace, entry.pod, entry.container)
-            holdings.setdefault(key, {k: [] for k in DeviceKind})[kind].extend(entry.device_ids)
+            holdings.setdefault(key, {k: [] for k in DeviceKind})[kind].extend(physical)
         self._coordinator.observe_assignments(held, started)
         for listener in self._listeners:
             listener(held, started)

@@ -208,6 +208,30 @@ class LifecycleConfig:
 
 
 @dataclass(frozen=True)
+class GpuSharingConfig:
+    # Time-slicing: each GPU advertised as this many replicas (1 = no sharing).
+    replicas: int = _checked(1, _at_least_one)
+    # Serve the replicas under another resource name ("" = resources.gpu.name).
+    resource_name: str = ""
+    policy: Literal["distributed", "packed"] = "distributed"
+    # Refuse a container several replicas of one GPU.
+    refuse_multiple_per_gpu: bool = False
+
+
+@dataclass(frozen=True)
+class HcaSharingConfig:
+    # Shared HCAs: each HCA advertised as this many units (1 = no sharing).
+    units: int = _checked(1, _at_least_one)
+    policy: Literal["distributed", "packed"] = "distributed"
+
+
+@dataclass(frozen=True)
+class SharingConfig:
+    gpu: GpuSharingConfig = field(default_factory=GpuSharingConfig)
+    hca: HcaSharingConfig = field(default_factory=HcaSharingConfig)
+
+
+@dataclass(frozen=True)
 class MetricsConfig:
     # /metrics, /healthz and /readyz on each host:port (the chart adds the pod IP).
     enabled: bool = True
@@ -233,6 +257,7 @@ class Config:
     health: HealthConfig = field(default_factory=HealthConfig)
     hotplug: HotplugConfig = field(default_factory=HotplugConfig)
     lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)
+    sharing: SharingConfig = field(default_factory=SharingConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
@@ -334,8 +359,13 @@ def parse_config(data: Any) -> Config:
 def validate(config: Config) -> None:
     """Checks that span fields (single-field checks live in the schema)."""
     gpu, hca = config.resources.gpu, config.resources.hca
-    if gpu.enabled and hca.enabled and gpu.name == hca.name:
-        raise ConfigError("resources.hca.name", f"same as resources.gpu.name ({gpu.name!r})")
+    gpu_name = config.sharing.gpu.resource_name or gpu.name
+    if config.sharing.gpu.resource_name:
+        problem = _resource_name(config.sharing.gpu.resource_name)
+        if problem:
+            raise ConfigError("sharing.gpu.resource_name", problem)
+    if gpu.enabled and hca.enabled and gpu_name == hca.name:
+        raise ConfigError("resources.hca.name", f"same as the GPU resource name ({gpu_name!r})")
     if not gpu.enabled and not hca.enabled:
         raise ConfigError("resources", "every resource is disabled; nothing to serve")
     if config.health.recovery == "after_cleanup":

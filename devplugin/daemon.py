@@ -45,6 +45,7 @@ from devplugin.resources import (
     ResourceState,
 )
 from devplugin.server import DevicePluginServicer, PluginServer, socket_name
+from devplugin.sharing import SharedResource
 from devplugin.status import StatusServer
 from devplugin.topology import Topology
 
@@ -64,12 +65,27 @@ def build_resources(config: Config) -> list[Resource]:
 
     resources: list[Resource] = []
     gpu, hca = config.resources.gpu, config.resources.hca
+    sharing = config.sharing
     if gpu.enabled:
-        resources.append(GpuResource(name=gpu.name, capabilities=caps(gpu.hooks)))
+        gpu_resource: Resource = GpuResource(name=gpu.name, capabilities=caps(gpu.hooks))
+        if sharing.gpu.replicas > 1:
+            gpu_resource = SharedResource(
+                gpu_resource,
+                sharing.gpu.replicas,
+                policy=sharing.gpu.policy,
+                refuse_multiple=sharing.gpu.refuse_multiple_per_gpu,
+                renamed=sharing.gpu.resource_name,
+            )
+        resources.append(gpu_resource)
     if hca.enabled:
-        resources.append(
-            HcaResource(name=hca.name, env_var=hca.env_var, capabilities=caps(hca.hooks))
+        hca_resource: Resource = HcaResource(
+            name=hca.name, env_var=hca.env_var, capabilities=caps(hca.hooks)
         )
+        if sharing.hca.units > 1:
+            hca_resource = SharedResource(
+                hca_resource, sharing.hca.units, policy=sharing.hca.policy
+            )
+        resources.append(hca_resource)
     return resources
 
 
@@ -195,7 +211,7 @@ class Daemon:
             pre_start = resource.capabilities.pre_start
             servicer = DevicePluginServicer(
                 resource,
-                self._served[kind],
+                resource.serve(self._served[kind]),
                 coordinator=self.coordinator,
                 on_allocate=self._allocation_hook(kind),
                 attach=self._attach
@@ -388,13 +404,15 @@ class Daemon:
                         and device.id not in self.cleanup.in_use(kind)
                     ):
                         self.cleanup.request_cleanup(kind, device.id)
-                served = dataclasses.replace(live, devices=tuple(devices))
-                self._served[kind] = served
-                self.metrics.set_devices(self._names[kind], (d.health for d in devices))
-                self.coordinator.set_healthy(kind, served.healthy_ids())
+                judged_state = dataclasses.replace(live, devices=tuple(devices))
+                self._served[kind] = judged_state
+                self.coordinator.set_healthy(kind, judged_state.healthy_ids())
+                resource = next(r for r in self.resources if r.kind is kind)
+                served = resource.serve(judged_state)
+                self.metrics.set_devices(resource.name, (d.health for d in served.devices))
                 for server in self.servers:
-                    if server.servicer.resource.kind is kind and server.servicer.update(served):
-                        log.info("%s: device list changed", self._names[kind])
+                    if server.servicer.resource is resource and server.servicer.update(served):
+                        log.info("%s: device list changed", resource.name)
             if DeviceKind.HCA not in self._live and self._hca_state is not None:
                 self.coordinator.set_healthy(DeviceKind.HCA, self._hca_state.healthy_ids())
 

@@ -82,6 +82,8 @@ class ResourceState:
     shared_nodes: tuple[DeviceNode, ...] = ()
     # Device id -> the name tools know it by (HCA: mlx5_0; GPU: its UUID).
     names: Mapping[str, str] = field(default_factory=dict)
+    # Shared resources: the physical devices' state behind the replicas.
+    backing: ResourceState | None = None
 
     def healthy_ids(self) -> frozenset[str]:
         return frozenset(d.id for d in self.devices if d.health is Health.HEALTHY)
@@ -105,7 +107,17 @@ class Resource(Protocol):
     @property
     def capabilities(self) -> Capabilities: ...
 
-    def state(self, inventory: Inventory) -> ResourceState: ...
+    def state(self, inventory: Inventory) -> ResourceState:
+        """The physical devices, with their health on the hardware alone."""
+        ...
+
+    def serve(self, state: ResourceState) -> ResourceState:
+        """What the kubelet sees for a judged physical state (replicas, if shared)."""
+        ...
+
+    def physical(self, ids: Sequence[str]) -> list[str]:
+        """The physical devices behind served ids."""
+        ...
 
     def allocate(self, state: ResourceState, ids: Sequence[str]) -> ContainerAllocation: ...
 
@@ -192,6 +204,12 @@ class GpuResource:
             names={gpu.uuid: gpu.uuid for gpu in inventory.gpus},
         )
 
+    def serve(self, state: ResourceState) -> ResourceState:
+        return state
+
+    def physical(self, ids: Sequence[str]) -> list[str]:
+        return list(ids)
+
     def allocate(self, state: ResourceState, ids: Sequence[str]) -> ContainerAllocation:
         check_request(state, ids)
         return _merge(state, ids, {GPU_VISIBLE_ENV: ",".join(ids)})
@@ -250,6 +268,12 @@ class HcaResource:
             shared_nodes=tuple(rdma_cm),
             names={hca.device_id: hca.name for hca in inventory.hcas},
         )
+
+    def serve(self, state: ResourceState) -> ResourceState:
+        return state
+
+    def physical(self, ids: Sequence[str]) -> list[str]:
+        return list(ids)
 
     def allocate(self, state: ResourceState, ids: Sequence[str]) -> ContainerAllocation:
         check_request(state, ids)

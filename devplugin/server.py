@@ -14,7 +14,7 @@ from typing import NoReturn
 
 import grpc
 
-from devplugin.allocator import AllocationError
+from devplugin.allocator import AllocationError, Role
 from devplugin.api import deviceplugin_v1beta1_pb2 as pb
 from devplugin.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from devplugin.coordination import Coordinator
@@ -26,6 +26,7 @@ from devplugin.resources import (
     ResourceState,
     merge_allocations,
 )
+from devplugin.sharing import SharedResource
 
 log = logging.getLogger(__name__)
 
@@ -194,8 +195,9 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no container requests")
         for index, container in enumerate(request.container_requests):
             ids = list(container.devices_ids)
+            physical = self.resource.physical(ids)
             if self._prepare is not None and ids:
-                problem = self._prepare(ids)
+                problem = self._prepare(physical)
                 if problem is not None:
                     self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, index, ids, problem)
             try:
@@ -208,11 +210,11 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
                 )
                 self._refuse(context, code, index, ids, exc.reason)
             if self._attach is not None:
-                extra = self._attach(ids)
+                extra = self._attach(physical)
                 if extra is not None:
                     allocation = merge_allocations(allocation, extra)
             if self._init is not None:
-                problem = self._init(ids)
+                problem = self._init(physical)
                 if problem is not None:
                     self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, index, ids, problem)
             log.info("%s: allocated %s", self.resource.name, ",".join(ids))
@@ -221,7 +223,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
             response.container_responses.append(to_proto_allocation(allocation))
         if self._on_allocate is not None:
             for container in request.container_requests:
-                self._on_allocate(list(container.devices_ids))
+                self._on_allocate(self.resource.physical(list(container.devices_ids)))
         return response
 
     def _refuse(
@@ -263,10 +265,10 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         response = pb.PreferredAllocationResponse()
         for container in request.container_requests:
             try:
-                choice, role = coordinator.preferred(
-                    self.resource.kind,
-                    container.available_deviceIDs,
-                    container.must_include_deviceIDs,
+                ids, role, detail = self._choose(
+                    coordinator,
+                    list(container.available_deviceIDs),
+                    list(container.must_include_deviceIDs),
                     container.allocation_size,
                 )
             except AllocationError as exc:
@@ -289,21 +291,40 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
                 log.debug(
                     "%s: preferred %s (%s, %s)",
                     self.resource.name,
-                    ",".join(choice.ids),
+                    ",".join(ids),
                     role.value,
-                    choice.score,
+                    detail,
                 )
             if self._metrics is not None:
                 self._metrics.preferred.labels(self.resource.name, role.value, "ok").inc()
-            response.container_responses.add(deviceIDs=choice.ids)
+            response.container_responses.add(deviceIDs=ids)
         return response
+
+    def _choose(
+        self, coordinator: Coordinator, available: list[str], must: list[str], size: int
+    ) -> tuple[list[str], Role, object]:
+        """Device ids for one container request, with the role and score."""
+        kind = self.resource.kind
+        resource = self.resource
+        if not isinstance(resource, SharedResource):
+            choice, role = coordinator.preferred(kind, available, must, size)
+            return list(choice.ids), role, choice.score
+        roles: list[Role] = []
+
+        def pick(physical: frozenset[str], required: frozenset[str], count: int) -> list[str]:
+            choice, role = coordinator.preferred(kind, physical, required, count)
+            roles.append(role)
+            return list(choice.ids)
+
+        replicas = resource.choose(available, must, size, pick)
+        return replicas, roles[-1] if roles else Role.FIRST, f"{resource.policy} replicas"
 
     def PreStartContainer(
         self, request: pb.PreStartContainerRequest, context: grpc.ServicerContext
     ) -> pb.PreStartContainerResponse:
         ids = list(request.devices_ids)
         if self._pre_start is not None:
-            problem = self._pre_start(ids)
+            problem = self._pre_start(self.resource.physical(ids))
             if problem is not None:
                 log.warning("%s: PreStartContainer %s failed: %s", self.resource.name, ids, problem)
                 context.abort(

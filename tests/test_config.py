@@ -69,7 +69,7 @@ logging:
         ),
         (
             {"version": "v1", "resources": {"hca": {"name": "nvidia.com/gpu"}}},
-            "resources.hca.name: same as resources.gpu.name",
+            "resources.hca.name: same as the GPU resource name",
         ),
         (
             {"version": "v1", "resources": {"hca": {"env_var": "NCCL-IB"}}},
