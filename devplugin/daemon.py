@@ -477,8 +477,10 @@ class Daemon:
         return allocated
 
     def _prepare_hook(self, kind: DeviceKind) -> Callable[[Sequence[str]], str | None]:
+        shared = any(isinstance(r, SharedResource) for r in self.resources if r.kind is kind)
+
         def prepare(ids: Sequence[str]) -> str | None:
-            error = self.cleanup.prepare(kind, ids)
+            error = self.cleanup.prepare(kind, ids, reuse_proves_release=not shared)
             self.judge()
             return error
 

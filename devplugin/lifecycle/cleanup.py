@@ -168,10 +168,15 @@ class CleanupManager:
             self._cond.notify_all()
         self._on_change()
 
-    def prepare(self, kind: DeviceKind, ids: Sequence[str]) -> str | None:
+    def prepare(
+        self, kind: DeviceKind, ids: Sequence[str], *, reuse_proves_release: bool = True
+    ) -> str | None:
         """Before Allocate hands these devices out: wait for a running cleanup,
         or clean inline any device still believed dirty. An error text when a
-        device could not be made clean."""
+        device could not be made clean.
+
+        `reuse_proves_release` is False for shared devices: another replica
+        of a device being allocated says nothing about the first holder."""
         spec = self._hooks.get(kind)
         if spec is None:
             return None
@@ -184,8 +189,8 @@ class CleanupManager:
                     job = self._jobs.get(key)
                     if job is not None and job.running:
                         return f"cleanup of {device} is still running"
-                if job is None and device not in self._assigned[kind]:
-                    continue  # clean
+                if job is None and (not reuse_proves_release or device not in self._assigned[kind]):
+                    continue  # clean, or (shared) possibly still in use
                 job = self._jobs.setdefault(key, _Job())
                 job.running = True
             error = self._run(kind, device, job, spec, inline=True)
