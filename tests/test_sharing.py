@@ -9,8 +9,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from devplugin.api import deviceplugin_v1beta1_pb2 as pb
 from devplugin.allocator import AllocationError
+from devplugin.api import deviceplugin_v1beta1_pb2 as pb
 from devplugin.resources import GpuResource
 from devplugin.sharing import SharedResource, physical_of
 from devplugin.sim.kubelet import AdmissionError, ContainerRequest
