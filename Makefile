@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PROTOS := proto/devplugin/api/deviceplugin_v1beta1.proto proto/devplugin/api/podresources_v1.proto
 
-.PHONY: install test demo bench proto lint clean
+.PHONY: install test demo bench proto lint chart-schema image clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "devplugin needs Python >= 3.11")'
@@ -29,9 +29,13 @@ proto: $(STAMP)
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m grpc_tools.protoc -Iproto \
 		--python_out=. --mypy_out=. --grpc_python_out=. --mypy_grpc_out=. $(PROTOS)
 
+chart-schema: $(STAMP)
+	$(BIN)/python scripts/chart_schema.py
+
 lint: $(STAMP)
-	$(BIN)/ruff check devplugin tests bench
-	$(BIN)/ruff format --check devplugin tests bench
+	$(BIN)/ruff check devplugin tests bench scripts
+	$(BIN)/ruff format --check devplugin tests bench scripts
+	$(BIN)/python scripts/chart_schema.py --check
 	$(BIN)/mypy
 
 clean:

@@ -439,3 +439,66 @@ def _replace_path(node: Any, parts: list[str], value: Any, dotted: str) -> Any:
 
 def to_dict(config: Config) -> dict[str, Any]:
     return dataclasses.asdict(config)
+
+
+# Keys the Helm chart sets itself (container paths, the metrics listeners,
+# the checkpoint location); everything else is settable from values.
+CHART_MANAGED = ("version", "paths", "nvml", "metrics", "lifecycle.checkpoint_file")
+
+
+def json_schema(cls: Any = Config, where: str = "") -> dict[str, Any]:
+    """The JSON Schema of a config section (the chart's values.schema.json
+    embeds it for `config`, minus CHART_MANAGED keys)."""
+    hints = typing.get_type_hints(cls)
+    properties: dict[str, Any] = {}
+    for spec in dataclasses.fields(cls):
+        path = _join(where, spec.name)
+        if path in CHART_MANAGED:
+            continue
+        schema = _type_schema(hints[spec.name], path)
+        check = spec.metadata.get("check")
+        if check in _CHECK_SCHEMA:
+            extra = _CHECK_SCHEMA[check]
+            if "items" in extra and "items" in schema:
+                schema["items"] = {**schema["items"], **extra["items"]}
+            else:
+                schema.update(extra)
+        properties[spec.name] = schema
+    return {"type": "object", "additionalProperties": False, "properties": properties}
+
+
+_BASIC: dict[Any, dict[str, Any]] = {
+    bool: {"type": "boolean"},
+    int: {"type": "integer"},
+    float: {"type": "number"},
+    str: {"type": "string"},
+}
+
+# The single-field checks, as JSON Schema (Go's regexp has no lookahead, so
+# the resource-name pattern drops the 253-character prefix limit).
+_CHECK_SCHEMA: dict[Any, dict[str, Any]] = {
+    _positive: {"exclusiveMinimum": 0},
+    _at_least_one: {"minimum": 1},
+    _resource_name: {
+        "pattern": r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+    },
+    _env_name: {"pattern": _ENV_NAME.pattern},
+    _absolute: {"pattern": "^/"},
+    _argv: {"items": {"minLength": 1}},
+    _xids: {"items": {"minimum": 1, "maximum": 999}},
+    _addresses: {"items": {"pattern": r"^.*:[0-9]{1,5}$"}},
+}
+
+
+def _type_schema(kind: Any, path: str) -> dict[str, Any]:
+    origin = typing.get_origin(kind)
+    if origin is Literal:
+        return {"enum": list(typing.get_args(kind))}
+    if origin in (typing.Union, types.UnionType):
+        options = [arg for arg in typing.get_args(kind) if arg is not type(None)]
+        return {"anyOf": [_type_schema(options[0], path), {"type": "null"}]}
+    if origin is tuple:
+        return {"type": "array", "items": _type_schema(typing.get_args(kind)[0], path)}
+    if dataclasses.is_dataclass(kind):
+        return json_schema(kind, path)
+    return dict(_BASIC[kind])

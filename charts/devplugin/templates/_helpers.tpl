@@ -1,0 +1,44 @@
+{{- define "devplugin.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "devplugin.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "devplugin.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "devplugin.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "devplugin.labels" -}}
+{{ include "devplugin.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{/* The daemon's config file: values.config plus what the chart manages. */}}
+{{- define "devplugin.config" -}}
+{{- $config := deepCopy .Values.config -}}
+{{- $lifecycle := get $config "lifecycle" | default dict -}}
+{{- $_ := set $lifecycle "checkpoint_file" "/var/lib/devplugin/checkpoint.json" -}}
+{{- $_ = set $config "lifecycle" $lifecycle -}}
+{{- $_ = set $config "version" "v1" -}}
+{{- $_ = set $config "paths" (dict
+      "sysfs_root" "/host/sys"
+      "dev_root" "/host/dev"
+      "device_plugin_dir" "/var/lib/kubelet/device-plugins"
+      "pod_resources_socket" "/var/lib/kubelet/pod-resources/kubelet.sock") -}}
+{{- $_ = set $config "metrics" (dict "enabled" .Values.metrics.enabled) -}}
+{{- toYaml $config -}}
+{{- end -}}

@@ -1,0 +1,358 @@
+"""The Helm chart: rendered by the real Helm engine, and checked without it.
+
+With Helm: helm-sdkpy (Helm's Go library) runs in its own Python 3.12
+environment (`.venv-helm`, made here on first use) and installs the chart
+against a fake API server that records every object, for the default values
+and for each switch (sharing, hooks, metrics, privileges, placement); bad
+values must make the install fail on the chart's schema. Where helm-sdkpy
+cannot be installed those tests are skipped, saying why.
+
+Without Helm: the values (defaults and every switch) are checked against
+values.schema.json, the daemon config the chart renders is rebuilt from the
+values the way the template builds it and must load in devplugin, and the
+schema must be the one generated from devplugin's config.
+"""
+
+from __future__ import annotations
+
+import copy
+import glob
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from devplugin.config import json_schema, parse_config
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "charts" / "devplugin"
+HELM_ENV = ROOT / ".venv-helm"
+RENDER = Path(__file__).resolve().parent / "helm" / "render.py"
+sys.path.insert(0, str(ROOT / "scripts"))
+from chart_schema import values_schema  # noqa: E402
+
+DEFAULTS: dict[str, Any] = yaml.safe_load((CHART / "values.yaml").read_text())
+SCHEMA: dict[str, Any] = json.loads((CHART / "values.schema.json").read_text())
+
+CASES: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "sharing": {
+        "config": {
+            "sharing": {
+                "gpu": {"replicas": 4, "resource_name": "nvidia.com/gpu.shared", "policy": "packed",
+                        "refuse_multiple_per_gpu": True},
+                "hca": {"units": 8},
+            }
+        }
+    },
+    "hooks": {
+        "config": {
+            "resources": {
+                "gpu": {"hooks": {"init": ["/opt/hooks/gpu-init"], "init_phase": "pre_start",
+                                  "cleanup": ["python3", "-m", "devplugin.hooks.gpu_cleanup"],
+                                  "timeout_seconds": 120}},
+                "hca": {"hooks": {"cleanup": ["python3", "-m", "devplugin.hooks.hca_check"]}},
+            },
+            "health": {"recovery": "after_cleanup", "xid_ignore": [13, 43]},
+        },
+        "privileged": True,
+    },
+    "metrics": {
+        "metrics": {
+            "port": 9500,
+            "service": {"enabled": True, "annotations": {"prometheus.io/scrape": "true"}},
+            "serviceMonitor": {"enabled": True, "interval": "15s", "labels": {"release": "prom"}},
+        }
+    },
+    "no-metrics": {"metrics": {"enabled": False}},
+    "placement": {
+        "nodeSelector": {"gpu.example.com/pool": "training"},
+        "affinity": {"podAntiAffinity": {}},
+        "runtimeClassName": "nvidia",
+        "hostNetwork": True,
+        "image": {"repository": "registry.example.com/devplugin", "tag": "1.2.3"},
+    },
+}  # fmt: skip
+
+BAD: dict[str, tuple[dict[str, Any], str]] = {
+    "unknown-config-key": ({"config": {"resources": {"gpu": {"nmae": "x/y"}}}}, "nmae"),
+    "zero-replicas": ({"config": {"sharing": {"gpu": {"replicas": 0}}}}, "replicas"),
+    "shell-string-hook": (
+        {"config": {"resources": {"gpu": {"hooks": {"init": "reset --all"}}}}}, "init"
+    ),
+    "port-out-of-range": ({"metrics": {"port": 70000}}, "port"),
+    "chart-managed-path": ({"config": {"paths": {"dev_root": "/x"}}}, "paths"),
+    "bad-recovery": ({"config": {"health": {"recovery": "never"}}}, "recovery"),
+    "bad-resource-name": ({"config": {"resources": {"hca": {"name": "hca"}}}}, "name"),
+    "unknown-top-level": ({"replicas": 3}, "replicas"),
+}  # fmt: skip
+
+
+def merged(values: dict[str, Any]) -> dict[str, Any]:
+    """Helm's merge of user values over the chart's: maps deep, lists replaced."""
+
+    def merge(base: Any, over: Any) -> Any:
+        if isinstance(base, dict) and isinstance(over, dict):
+            out = dict(base)
+            for key, value in over.items():
+                out[key] = merge(base.get(key), value) if key in base else copy.deepcopy(value)
+            return out
+        return copy.deepcopy(over)
+
+    result: dict[str, Any] = merge(DEFAULTS, values)
+    return result
+
+
+def expected_config(values: dict[str, Any]) -> dict[str, Any]:
+    """The daemon config the chart's `devplugin.config` template renders."""
+    full = merged(values)
+    config: dict[str, Any] = copy.deepcopy(full["config"])
+    config.setdefault("lifecycle", {})["checkpoint_file"] = "/var/lib/devplugin/checkpoint.json"
+    config["version"] = "v1"
+    config["paths"] = {
+        "sysfs_root": "/host/sys",
+        "dev_root": "/host/dev",
+        "device_plugin_dir": "/var/lib/kubelet/device-plugins",
+        "pod_resources_socket": "/var/lib/kubelet/pod-resources/kubelet.sock",
+    }
+    config["metrics"] = {"enabled": full["metrics"]["enabled"]}
+    return config
+
+
+# -- without Helm ------------------------------------------------------------------
+
+
+def test_values_schema_is_generated_from_the_daemon_config() -> None:
+    assert values_schema() == SCHEMA
+    assert SCHEMA["properties"]["config"] == json_schema()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_switch_passes_the_schema(case: str) -> None:
+    jsonschema.validate(merged(CASES[case]), SCHEMA)
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_values_fail_the_schema(case: str) -> None:
+    values, _ = BAD[case]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(merged(values), SCHEMA)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_rendered_daemon_config_loads(case: str) -> None:
+    config = parse_config(expected_config(CASES[case]))
+    assert config.paths.sysfs_root == "/host/sys"
+    assert config.lifecycle.checkpoint_file == "/var/lib/devplugin/checkpoint.json"
+    if case == "sharing":
+        assert config.sharing.gpu.replicas == 4
+        assert config.sharing.gpu.resource_name == "nvidia.com/gpu.shared"
+        assert config.sharing.hca.units == 8
+    if case == "hooks":
+        assert config.resources.gpu.hooks.cleanup == (
+            "python3",
+            "-m",
+            "devplugin.hooks.gpu_cleanup",
+        )
+        assert config.resources.gpu.hooks.init_phase == "pre_start"
+        assert config.health.recovery == "after_cleanup"
+    assert config.metrics.enabled is (case != "no-metrics")
+
+
+# -- with Helm ---------------------------------------------------------------------
+
+
+def python312() -> str | None:
+    """A working Python 3.12 (pyenv's own copy first: its shim may refuse)."""
+    candidates = sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.12*/bin/python3.12")))
+    found = shutil.which("python3.12")
+    if found:
+        candidates.append(found)
+    for candidate in candidates:
+        probe = [candidate, "-c", "import sys; assert sys.version_info[:2] == (3, 12)"]
+        if subprocess.run(probe, capture_output=True, check=False).returncode == 0:
+            return candidate
+    return None
+
+
+@pytest.fixture(scope="session")
+def helm_python() -> str:
+    python = HELM_ENV / "bin" / "python"
+    probe = [str(python), "-c", "import helm_sdkpy"]
+    if python.exists() and subprocess.run(probe, capture_output=True, check=False).returncode == 0:
+        return str(python)
+    interpreter = python312()
+    if interpreter is None:
+        pytest.skip("helm-sdkpy needs Python 3.12, and no python3.12 was found")
+    steps = [
+        [interpreter, "-m", "venv", "--clear", str(HELM_ENV)],
+        [str(python), "-m", "pip", "install", "-q", "helm-sdkpy>=0.1.30"],
+    ]
+    for step in steps:
+        result = subprocess.run(step, capture_output=True, text=True, timeout=600, check=False)
+        if result.returncode != 0:
+            pytest.skip(f"cannot install helm-sdkpy: {result.stderr.strip()[-300:]}")
+    return str(python)
+
+
+def run_helm(python: str, cases: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    payload = json.dumps([{"name": name, "values": values} for name, values in cases.items()])
+    result = subprocess.run(
+        [python, str(RENDER), str(CHART)],
+        input=payload, capture_output=True, text=True, timeout=300, check=False,
+        env=dict(os.environ, HELM_DRIVER="memory"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    return {entry["name"]: entry for entry in json.loads(result.stdout)}
+
+
+@pytest.fixture(scope="session")
+def installs(helm_python: str) -> dict[str, dict[str, Any]]:
+    return run_helm(helm_python, CASES)
+
+
+def objects(installs: dict[str, dict[str, Any]], case: str) -> dict[str, dict[str, Any]]:
+    entry = installs[case]
+    assert entry["ok"], entry.get("error")
+    return {obj["kind"]: obj for obj in entry["objects"]}
+
+
+def container(objs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    (main,) = objs["DaemonSet"]["spec"]["template"]["spec"]["containers"]
+    result: dict[str, Any] = main
+    return result
+
+
+def test_helm_lint_passes(helm_python: str) -> None:
+    result = subprocess.run(
+        [helm_python, str(RENDER), str(CHART), "lint"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    assert report["TotalChartsLinted"] == 1
+    assert not report["Errors"]
+
+
+def test_default_install_renders_a_least_privilege_daemonset(
+    installs: dict[str, dict[str, Any]],
+) -> None:
+    objs = objects(installs, "defaults")
+    assert set(objs) == {"ConfigMap", "DaemonSet"}
+    daemonset = objs["DaemonSet"]
+    spec = daemonset["spec"]["template"]["spec"]
+    assert daemonset["spec"]["updateStrategy"]["type"] == "RollingUpdate"
+    assert spec["priorityClassName"] == "system-node-critical"
+    assert {t["key"] for t in spec["tolerations"]} == {"nvidia.com/gpu", "CriticalAddonsOnly"}
+    terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    keys = {term["matchExpressions"][0]["key"] for term in terms["nodeSelectorTerms"]}
+    assert "feature.node.kubernetes.io/pci-0302_10de.present" in keys
+    assert "feature.node.kubernetes.io/pci-0207_15b3.present" in keys
+    assert "hostNetwork" not in spec
+    main = container(objs)
+    security = main["securityContext"]
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["readOnlyRootFilesystem"] is True
+    assert "privileged" not in security
+    mounts = {m["name"]: m for m in main["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    for name, host in [
+        ("device-plugins", "/var/lib/kubelet/device-plugins"),
+        ("pod-resources", "/var/lib/kubelet/pod-resources"),
+        ("sys", "/sys"), ("dev", "/dev"), ("state", "/var/lib/devplugin"),
+    ]:  # fmt: skip
+        assert volumes[name]["hostPath"]["path"] == host
+    assert mounts["sys"]["readOnly"] is True
+    assert mounts["dev"]["readOnly"] is True
+    assert mounts["pod-resources"]["readOnly"] is True
+    assert not mounts["device-plugins"].get("readOnly", False)
+    assert main["args"] == [
+        "--config=/etc/devplugin/config.yaml",
+        "--metrics-address=127.0.0.1:9410",
+        "--metrics-address=$(POD_IP):9410",
+    ]
+    assert main["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert main["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert main["image"] == "ghcr.io/devplugin/devplugin:0.1.0"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_rendered_config_is_the_expected_one_and_rolls_the_pods(
+    installs: dict[str, dict[str, Any]], case: str
+) -> None:
+    objs = objects(installs, case)
+    text = objs["ConfigMap"]["data"]["config.yaml"]
+    assert yaml.safe_load(text) == expected_config(CASES[case])
+    parse_config(yaml.safe_load(text))
+    annotations = objs["DaemonSet"]["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["checksum/config"] == hashlib.sha256(text.rstrip("\n").encode()).hexdigest()
+
+
+def test_a_config_change_changes_the_checksum(installs: dict[str, dict[str, Any]]) -> None:
+    def checksum(case: str) -> str:
+        template = objects(installs, case)["DaemonSet"]["spec"]["template"]
+        value: str = template["metadata"]["annotations"]["checksum/config"]
+        return value
+
+    assert checksum("defaults") != checksum("sharing")
+    assert checksum("defaults") != checksum("hooks")
+    assert checksum("defaults") == checksum("placement")  # no config change, no roll
+
+
+def test_metrics_switches(installs: dict[str, dict[str, Any]]) -> None:
+    objs = objects(installs, "metrics")
+    service = objs["Service"]
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["ports"][0]["port"] == 9500
+    assert service["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+    monitor = objs["ServiceMonitor"]
+    assert monitor["spec"]["endpoints"] == [
+        {"port": "metrics", "path": "/metrics", "interval": "15s"}
+    ]
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    assert monitor["spec"]["selector"]["matchLabels"] == service["spec"]["selector"]
+    main = container(objs)
+    assert main["ports"] == [{"name": "metrics", "containerPort": 9500, "protocol": "TCP"}]
+    off = container(objects(installs, "no-metrics"))
+    assert "ports" not in off
+    assert "livenessProbe" not in off
+    assert off["args"] == ["--config=/etc/devplugin/config.yaml"]
+
+
+def test_privileged_and_placement_switches(installs: dict[str, dict[str, Any]]) -> None:
+    assert container(objects(installs, "hooks"))["securityContext"] == {"privileged": True}
+    objs = objects(installs, "placement")
+    spec = objs["DaemonSet"]["spec"]["template"]["spec"]
+    assert spec["nodeSelector"] == {"gpu.example.com/pool": "training"}
+    assert spec["affinity"] == {"podAntiAffinity": {}}
+    assert spec["runtimeClassName"] == "nvidia"
+    assert spec["hostNetwork"] is True
+    assert spec["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert container(objs)["image"] == "registry.example.com/devplugin:1.2.3"
+
+
+def test_helm_install_rejects_bad_values(helm_python: str) -> None:
+    results = run_helm(helm_python, {name: values for name, (values, _) in BAD.items()})
+    for name, (_, field) in BAD.items():
+        entry = results[name]
+        assert not entry["ok"], name
+        assert "schema" in entry["error"], (name, entry["error"])
+        assert field in entry["error"], (name, entry["error"])
+
+
+def test_service_monitor_without_service_fails_clearly(helm_python: str) -> None:
+    results = run_helm(
+        helm_python, {"monitor-only": {"metrics": {"serviceMonitor": {"enabled": True}}}}
+    )
+    entry = results["monitor-only"]
+    assert not entry["ok"]
+    assert "metrics.serviceMonitor.enabled needs metrics.service.enabled" in entry["error"]
