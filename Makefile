@@ -38,5 +38,10 @@ lint: $(STAMP)
 	$(BIN)/python scripts/chart_schema.py --check
 	$(BIN)/mypy
 
+VERSION ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+image:
+	@docker info >/dev/null 2>&1 || { echo "make image: no Docker engine reachable (docker info failed)" >&2; exit 1; }
+	docker build --build-arg VERSION=$(VERSION) -t devplugin:$(VERSION) .
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

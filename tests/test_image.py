@@ -1,0 +1,57 @@
+"""The Dockerfile: multi-stage, wheel-installed, no build tools, OCI labels."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCKERFILE = (ROOT / "Dockerfile").read_text()
+
+
+def stages() -> list[str]:
+    return re.split(r"(?m)^FROM ", DOCKERFILE)[1:]
+
+
+def test_two_stages_from_a_slim_python() -> None:
+    parts = stages()
+    assert len(parts) == 2
+    assert all(part.startswith("python:${PYTHON}-slim") for part in parts)
+    assert parts[0].split()[2] == "build"  # "... AS build"
+
+
+def test_final_stage_installs_the_wheel_offline_and_keeps_no_build_tools() -> None:
+    final = stages()[1]
+    assert "COPY --from=build /wheels /wheels" in final
+    assert "--no-index" in final
+    assert "rm -rf /wheels" in final
+    assert "pip uninstall -y pip setuptools wheel" in final
+    commands = " ".join(re.findall(r"(?ms)^RUN (.*?)(?:\n(?=[A-Z])|\Z)", final))
+    for tool in ("gcc", "build-essential", "apt-get", "apk", "git ", "make "):
+        assert tool not in commands, tool
+
+
+def test_entrypoint_and_labels() -> None:
+    final = stages()[1]
+    (entrypoint,) = re.findall(r"(?m)^ENTRYPOINT (.*)$", final)
+    assert json.loads(entrypoint) == ["devplugin", "run"]
+    for label in ("title", "description", "version", "licenses", "source"):
+        assert f"org.opencontainers.image.{label}=" in final
+
+
+def test_image_builds_where_a_docker_engine_exists() -> None:
+    docker = shutil.which("docker")
+    if (
+        docker is None
+        or subprocess.run([docker, "info"], capture_output=True, check=False).returncode
+    ):
+        pytest.skip("no Docker engine here (`make image` needs one)")
+    result = subprocess.run(
+        ["make", "image"], cwd=ROOT, capture_output=True, text=True, timeout=1200, check=False
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
