@@ -32,6 +32,7 @@ def test_final_stage_installs_the_wheel_offline_and_keeps_no_build_tools() -> No
     assert "rm -rf /wheels" in final
     assert "pip uninstall -y pip setuptools wheel" in final
     commands = " ".join(re.findall(r"(?ms)^RUN (.*?)(?:\n(?=[A-Z])|\Z)", final))
+    assert "pip install" in commands
     for tool in ("gcc", "build-essential", "apt-get", "apk", "git ", "make "):
         assert tool not in commands, tool
 
