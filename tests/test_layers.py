@@ -50,7 +50,23 @@ FORBIDDEN = {
     "server.py": ("devplugin.daemon", "devplugin.cli", "devplugin.kubelet", "devplugin.discovery"),
     "kubelet.py": ("devplugin.daemon", "devplugin.cli", "devplugin.discovery"),
     "daemon.py": ("devplugin.cli",),
-}
+    "allocator.py": ("grpc", "devplugin.api", "devplugin.server", "devplugin.kubelet",
+                     "devplugin.daemon", "devplugin.cli", "devplugin.discovery",
+                     "devplugin.coordination"),
+    "coordination.py": ("grpc", "devplugin.api", "devplugin.server", "devplugin.daemon",
+                        "devplugin.cli"),
+    "sharing.py": ("grpc", "devplugin.api", "devplugin.server", "devplugin.daemon",
+                   "devplugin.cli"),
+    "lifecycle/health.py": ("grpc", "devplugin.api", "devplugin.server", "devplugin.daemon",
+                            "devplugin.discovery", "devplugin.cli"),
+    "lifecycle/hooks.py": ("devplugin.", "grpc"),
+    "lifecycle/checkpoint.py": ("grpc", "devplugin.server", "devplugin.daemon", "devplugin.cli"),
+    "lifecycle/cleanup.py": ("grpc", "devplugin.server", "devplugin.daemon", "devplugin.cli",
+                             "devplugin.api"),
+    "lifecycle/xid.py": ("grpc", "devplugin.server", "devplugin.daemon", "pynvml"),
+    "metrics.py": ("grpc", "devplugin.server", "devplugin.daemon", "devplugin.cli"),
+    "recent.py": ("grpc", "devplugin.server", "devplugin.daemon", "devplugin.cli"),
+}  # fmt: skip
 
 
 def imports_of(path: Path) -> set[str]:
