@@ -73,6 +73,14 @@ CASES: dict[str, dict[str, Any]] = {
         }
     },
     "no-metrics": {"metrics": {"enabled": False}},
+    "paths-and-probes": {
+        "hostPaths": {"devicePlugins": "/data/kubelet/device-plugins",
+                      "podResources": "/data/kubelet/pod-resources", "state": "/data/devplugin"},
+        "probes": {"liveness": {"enabled": False}, "readiness": {"periodSeconds": 2}},
+        "updateStrategy": {"type": "OnDelete"},
+        "resources": {"requests": {"cpu": "10m"}},
+        "priorityClassName": "gpu-infra-critical",
+    },
     "placement": {
         "nodeSelector": {"gpu.example.com/pool": "training"},
         "affinity": {"podAntiAffinity": {}},
@@ -338,6 +346,29 @@ def test_privileged_and_placement_switches(installs: dict[str, dict[str, Any]]) 
     assert spec["hostNetwork"] is True
     assert spec["dnsPolicy"] == "ClusterFirstWithHostNet"
     assert container(objs)["image"] == "registry.example.com/devplugin:1.2.3"
+
+
+def test_paths_probes_and_rollout_switches(installs: dict[str, dict[str, Any]]) -> None:
+    objs = objects(installs, "paths-and-probes")
+    daemonset = objs["DaemonSet"]
+    spec = daemonset["spec"]["template"]["spec"]
+    volumes = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
+    assert volumes["device-plugins"] == "/data/kubelet/device-plugins"
+    assert volumes["pod-resources"] == "/data/kubelet/pod-resources"
+    assert volumes["state"] == "/data/devplugin"
+    main = container(objs)
+    # The container sees the kubelet's directories where the daemon expects them.
+    mounts = {m["name"]: m["mountPath"] for m in main["volumeMounts"]}
+    assert mounts["device-plugins"] == "/var/lib/kubelet/device-plugins"
+    assert "livenessProbe" not in main
+    assert main["readinessProbe"]["periodSeconds"] == 2
+    # Maps merge into the chart's defaults, as Helm merges values.
+    assert main["resources"] == {
+        "requests": {"cpu": "10m", "memory": "64Mi"},
+        "limits": {"memory": "256Mi"},
+    }
+    assert daemonset["spec"]["updateStrategy"]["type"] == "OnDelete"
+    assert spec["priorityClassName"] == "gpu-infra-critical"
 
 
 def test_helm_install_rejects_bad_values(helm_python: str) -> None:
