@@ -55,7 +55,7 @@ import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from devplugin.model import DeviceKind
+from devplugin.model import DeviceKind, Refused
 from devplugin.topology import DOMAIN_DEPTH, Level, Topology
 
 SUPPORT_LEVELS = (Level.PIX, Level.PXB, Level.PHB, Level.NODE)
@@ -64,15 +64,6 @@ SUPPORT_LEVELS = (Level.PIX, Level.PXB, Level.PHB, Level.NODE)
 class Role(enum.Enum):
     FIRST = "first"  # the other resource is still to come: partner = its free devices
     SECOND = "second"  # the other resource was just chosen: partner = those devices
-
-
-class AllocationError(Exception):
-    """The request cannot be answered; `reason` is meant for the kubelet."""
-
-    def __init__(self, reason: str, *, invalid_argument: bool) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.invalid_argument = invalid_argument
 
 
 @dataclass(frozen=True)
@@ -151,18 +142,18 @@ def _cost_partner(request: Request) -> frozenset[str]:
 
 
 def validate(topology: Topology, request: Request) -> frozenset[str]:
-    """The usable candidates; raises AllocationError for unanswerable requests."""
+    """The usable candidates; raises Refused for unanswerable requests."""
     if request.size < 1:
-        raise AllocationError(
+        raise Refused(
             f"allocation size must be at least 1, got {request.size}", invalid_argument=True
         )
     unknown = sorted(request.must_include - topology.id_set(request.kind))
     if unknown:
-        raise AllocationError(
+        raise Refused(
             f"unknown must-include device ids: {', '.join(unknown)}", invalid_argument=True
         )
     if len(request.must_include) > request.size:
-        raise AllocationError(
+        raise Refused(
             f"{len(request.must_include)} must-include ids exceed the allocation size "
             f"{request.size}",
             invalid_argument=True,
@@ -170,12 +161,12 @@ def validate(topology: Topology, request: Request) -> frozenset[str]:
     candidates = request.available & topology.id_set(request.kind)
     missing = sorted(request.must_include - candidates)
     if missing:
-        raise AllocationError(
+        raise Refused(
             f"must-include device ids not available: {', '.join(missing)}",
             invalid_argument=False,
         )
     if request.size > len(candidates):
-        raise AllocationError(
+        raise Refused(
             f"requested {request.size} devices, only {len(candidates)} available",
             invalid_argument=False,
         )
@@ -415,7 +406,7 @@ class Allocator:
             if support and score.reach < request.expected_partners:
                 continue
             return Choice(self._materialize(request, candidates, counts), score)
-        raise AllocationError("no feasible allocation", invalid_argument=False)  # pragma: no cover
+        raise Refused("no feasible allocation", invalid_argument=False)  # pragma: no cover
 
     def _lower_bound(self, request: Request, inputs: _Inputs, cost_partner: set[int]) -> int:
         t = self.topology

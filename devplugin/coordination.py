@@ -145,7 +145,7 @@ class Coordinator:
         must_include: Iterable[str],
         size: int,
     ) -> tuple[Choice, Role]:
-        """The choice for one container request (raises AllocationError)."""
+        """The choice for one container request (raises Refused)."""
         now = self._clock()
         must = frozenset(must_include)
         with self._lock:

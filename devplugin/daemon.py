@@ -34,9 +34,8 @@ from devplugin.lifecycle.health import HealthTracker, Recovery
 from devplugin.lifecycle.hooks import HookDevice, HookSpec, run_hook
 from devplugin.lifecycle.xid import XidWatcher
 from devplugin.metrics import Metrics
-from devplugin.model import DeviceKind, Health, Inventory, PluginDevice
+from devplugin.model import DeviceKind, Health, Inventory, PluginDevice, Refused
 from devplugin.resources import (
-    AllocationRefused,
     Capabilities,
     ContainerAllocation,
     GpuResource,
@@ -512,7 +511,7 @@ class Daemon:
             return None
         try:
             return self._hca_view.allocate(state, hcas)
-        except AllocationRefused as exc:
+        except Refused as exc:
             log.warning("attach: cannot add HCAs %s: %s", ",".join(hcas), exc.reason)
             return None
 

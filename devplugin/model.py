@@ -28,6 +28,17 @@ class DeviceKind(enum.Enum):
         return DeviceKind.HCA if self is DeviceKind.GPU else DeviceKind.GPU
 
 
+class Refused(Exception):
+    """A request the daemon cannot answer; `reason` is shown to the kubelet."""
+
+    def __init__(self, reason: str, *, invalid_argument: bool) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        # True: the request itself is malformed (INVALID_ARGUMENT);
+        # False: it is well formed but cannot be met now (FAILED_PRECONDITION).
+        self.invalid_argument = invalid_argument
+
+
 class Health(enum.Enum):
     """The two health values the kubelet understands (wire strings)."""
 

@@ -31,6 +31,7 @@ from devplugin.model import (
     Health,
     Inventory,
     PluginDevice,
+    Refused,
 )
 
 GPU_VISIBLE_ENV = "NVIDIA_VISIBLE_DEVICES"
@@ -59,17 +60,6 @@ class Capabilities:
 
     preferred_allocation: bool = False
     pre_start: bool = False
-
-
-class AllocationRefused(Exception):
-    """The requested ids cannot be allocated; `reason` is shown to the kubelet."""
-
-    def __init__(self, reason: str, *, invalid_argument: bool) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        # True: the request itself is malformed (INVALID_ARGUMENT);
-        # False: the ids are known but not usable now (FAILED_PRECONDITION).
-        self.invalid_argument = invalid_argument
 
 
 @dataclass(frozen=True)
@@ -125,7 +115,7 @@ class Resource(Protocol):
 def check_request(state: ResourceState, ids: Sequence[str]) -> None:
     """Reject empty, duplicate, unknown and unhealthy ids, naming them all."""
     if not ids:
-        raise AllocationRefused("no device ids in the container request", invalid_argument=True)
+        raise Refused("no device ids in the container request", invalid_argument=True)
     seen: set[str] = set()
     duplicates: list[str] = []
     for device_id in ids:
@@ -140,16 +130,14 @@ def check_request(state: ResourceState, ids: Sequence[str]) -> None:
     if duplicates:
         problems.append(f"duplicate device ids: {', '.join(duplicates)}")
     if problems:
-        raise AllocationRefused("; ".join(problems), invalid_argument=True)
+        raise Refused("; ".join(problems), invalid_argument=True)
     unhealthy = [
         f"{device_id} ({known[device_id].reason or 'unhealthy'})"
         for device_id in dict.fromkeys(ids)
         if known[device_id].health is not Health.HEALTHY
     ]
     if unhealthy:
-        raise AllocationRefused(
-            f"unhealthy device ids: {', '.join(unhealthy)}", invalid_argument=False
-        )
+        raise Refused(f"unhealthy device ids: {', '.join(unhealthy)}", invalid_argument=False)
 
 
 def merge_allocations(

@@ -14,13 +14,13 @@ from typing import NoReturn
 
 import grpc
 
-from devplugin.allocator import AllocationError, Role
+from devplugin.allocator import Role
 from devplugin.api import deviceplugin_v1beta1_pb2 as pb
 from devplugin.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from devplugin.coordination import Coordinator
 from devplugin.metrics import Metrics
+from devplugin.model import Refused
 from devplugin.resources import (
-    AllocationRefused,
     ContainerAllocation,
     Resource,
     ResourceState,
@@ -45,6 +45,14 @@ def check_socket_path(path: Path) -> None:
             f"unix socket path {path} is {len(os.fsencode(path))} bytes; "
             f"the kernel allows at most {MAX_SOCKET_PATH}"
         )
+
+
+def status_of(refusal: Refused) -> grpc.StatusCode:
+    """A malformed request is INVALID_ARGUMENT; one that cannot be met now,
+    FAILED_PRECONDITION."""
+    if refusal.invalid_argument:
+        return grpc.StatusCode.INVALID_ARGUMENT
+    return grpc.StatusCode.FAILED_PRECONDITION
 
 
 def to_proto_devices(state: ResourceState) -> pb.ListAndWatchResponse:
@@ -202,13 +210,8 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
                     self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, index, ids, problem)
             try:
                 allocation = self.resource.allocate(self.state, ids)
-            except AllocationRefused as exc:
-                code = (
-                    grpc.StatusCode.INVALID_ARGUMENT
-                    if exc.invalid_argument
-                    else grpc.StatusCode.FAILED_PRECONDITION
-                )
-                self._refuse(context, code, index, ids, exc.reason)
+            except Refused as exc:
+                self._refuse(context, status_of(exc), index, ids, exc.reason)
             if self._attach is not None:
                 extra = self._attach(physical)
                 if extra is not None:
@@ -271,12 +274,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
                     list(container.must_include_deviceIDs),
                     container.allocation_size,
                 )
-            except AllocationError as exc:
-                code = (
-                    grpc.StatusCode.INVALID_ARGUMENT
-                    if exc.invalid_argument
-                    else grpc.StatusCode.FAILED_PRECONDITION
-                )
+            except Refused as exc:
                 if self._metrics is not None:
                     self._metrics.preferred.labels(self.resource.name, "-", "refused").inc()
                 log.warning(
@@ -286,7 +284,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
                     len(container.available_deviceIDs),
                     exc.reason,
                 )
-                context.abort(code, f"{self.resource.name}: {exc.reason}")
+                context.abort(status_of(exc), f"{self.resource.name}: {exc.reason}")
             if log.isEnabledFor(logging.DEBUG):
                 log.debug(
                     "%s: preferred %s (%s, %s)",

@@ -19,10 +19,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from devplugin.allocator import AllocationError
-from devplugin.model import DeviceKind, Inventory
+from devplugin.model import DeviceKind, Inventory, Refused
 from devplugin.resources import (
-    AllocationRefused,
     Capabilities,
     ContainerAllocation,
     Resource,
@@ -90,7 +88,7 @@ class SharedResource:
         physical = physical_ids(ids)
         if self.refuse_multiple and len(physical) < len(ids):
             shared = sorted({p for p in physical if sum(physical_of(i) == p for i in ids) > 1})
-            raise AllocationRefused(
+            raise Refused(
                 f"several replicas of one device requested ({', '.join(shared)}); "
                 "this node gives at most one replica per device to a container",
                 invalid_argument=True,
@@ -104,9 +102,7 @@ class SharedResource:
         """The replicas for one container; `pick` chooses physical devices
         (the topology-aware allocator)."""
         if size < 1:
-            raise AllocationError(
-                f"allocation size must be at least 1, got {size}", invalid_argument=True
-            )
+            raise Refused(f"allocation size must be at least 1, got {size}", invalid_argument=True)
         free: dict[str, list[str]] = {}
         for device_id in dict.fromkeys([*must, *available]):
             free.setdefault(physical_of(device_id), []).append(device_id)
@@ -120,16 +116,16 @@ class SharedResource:
         must_physical = frozenset(physical_of(device_id) for device_id in must)
         total = sum(len(replicas) for replicas in free.values())
         if size > total:
-            raise AllocationError(
+            raise Refused(
                 f"requested {size} replicas, only {total} available", invalid_argument=False
             )
         if self.refuse_multiple:
             if len(must_physical) < len(set(must)):
-                raise AllocationError(
+                raise Refused(
                     "must-include names several replicas of one device", invalid_argument=True
                 )
             if size > len(free):
-                raise AllocationError(
+                raise Refused(
                     f"requested {size} replicas but only {len(free)} devices have one free, "
                     "and this node gives at most one replica per device",
                     invalid_argument=False,

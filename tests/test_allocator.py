@@ -10,7 +10,6 @@ from functools import cache
 import pytest
 
 from devplugin.allocator import (
-    AllocationError,
     Allocator,
     Choice,
     Request,
@@ -21,7 +20,7 @@ from devplugin.allocator import (
     planned_request,
     validate,
 )
-from devplugin.model import DeviceKind
+from devplugin.model import DeviceKind, Refused
 from devplugin.sim.layouts import LAYOUTS
 from devplugin.sim.node import devices_from_spec
 from devplugin.sim.random_topology import random_spec
@@ -291,7 +290,7 @@ def test_unanswerable_requests_are_refused_clearly(
 ) -> None:
     _, allocator, gpus, _ = layout("hgx-h100")
     assert callable(request_)
-    with pytest.raises(AllocationError, match=message) as info:
+    with pytest.raises(Refused, match=message) as info:
         allocator.choose(request_(gpus))
     assert info.value.invalid_argument is invalid
 

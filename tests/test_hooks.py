@@ -16,6 +16,7 @@ import pytest
 from devplugin.sim.kubelet import AdmissionError, ContainerRequest
 from devplugin.sim.node import hgx_node
 from tests.conftest import GPU, HCA, Cluster
+from tests.waiting import wait_until
 
 Start = Callable[..., Cluster]
 HELPER = str(Path(__file__).with_name("hook_helper.py"))
@@ -29,15 +30,6 @@ def runs(log: Path) -> list[dict[str, Any]]:
     if not log.exists():
         return []
     return [entry for entry in map(json.loads, log.read_text().splitlines()) if "stdin" in entry]
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.01)
-    return condition()
 
 
 def test_init_receives_exactly_the_allocated_devices(start_cluster: Start, tmp_path: Path) -> None:

@@ -4,13 +4,13 @@ events (a fake monitor) and the periodic rescan."""
 from __future__ import annotations
 
 import queue
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from devplugin.sim.node import hgx_node, replug, unplug_hca
 from tests.conftest import HCA, Cluster
+from tests.waiting import wait_until
 
 Start = Callable[..., Cluster]
 # Only the path under test may notice: the other checks run rarely.
@@ -96,12 +96,3 @@ def test_unrelated_udev_events_are_ignored(start_cluster: Start) -> None:
     assert cluster.daemon.checks == checks
     monitor.events.put(Event("add", "pci", "0000:99:00.0"))
     assert wait_until(lambda: cluster.daemon.checks == checks + 1)
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.01)
-    return condition()

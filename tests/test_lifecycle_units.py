@@ -21,6 +21,7 @@ from devplugin.lifecycle.health import HealthTracker, Recovery
 from devplugin.lifecycle.hooks import HookDevice, HookResult, HookSpec, run_hook
 from devplugin.model import DeviceKind, Health
 from devplugin.sim.node import DOWN, Hca, NodeSpec, Port, RootComplex, Switch, build_node, hgx_node
+from tests.waiting import wait_until
 
 GPU, HCA = DeviceKind.GPU, DeviceKind.HCA
 
@@ -194,16 +195,6 @@ def manager(runner: Runner, tmp_path: Path, **kwargs: object) -> CleanupManager:
     )
 
 
-def wait(condition: object, timeout: float = 5.0) -> bool:
-    assert callable(condition)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.01)
-    return bool(condition())
-
-
 def test_release_needs_confirmations_then_cleans_once(tmp_path: Path) -> None:
     runner = Runner([True])
     cleanup = manager(runner, tmp_path, confirmations=2)
@@ -215,7 +206,7 @@ def test_release_needs_confirmations_then_cleans_once(tmp_path: Path) -> None:
         cleanup.observe({GPU: {"b"}}, now + 1)
         assert cleanup.verdict(GPU, "a") is None  # one miss is not a release
         cleanup.observe({GPU: {"b"}}, now + 2)
-        assert wait(lambda: runner.calls == [["a"]] and cleanup.verdict(GPU, "a") is None)
+        assert wait_until(lambda: runner.calls == [["a"]] and cleanup.verdict(GPU, "a") is None)
         assert cleanup.in_use(GPU) == {"b"}
     finally:
         cleanup.stop()
@@ -241,7 +232,7 @@ def test_pending_cleanups_survive_in_the_checkpoint(tmp_path: Path) -> None:
     cleanup.start()
     cleanup.allocated(GPU, ["a"])
     cleanup.observe({GPU: set()}, time.monotonic() + 10)
-    assert wait(lambda: len(runner.calls) == 1)
+    assert wait_until(lambda: len(runner.calls) == 1)
     cleanup.stop()
     verdict = cleanup.verdict(GPU, "a")
     assert verdict is not None
@@ -251,7 +242,7 @@ def test_pending_cleanups_survive_in_the_checkpoint(tmp_path: Path) -> None:
     assert restarted.verdict(GPU, "a") is None
     restarted.start()
     try:
-        assert wait(lambda: again.calls == [["a"]])
+        assert wait_until(lambda: again.calls == [["a"]])
     finally:
         restarted.stop()
 

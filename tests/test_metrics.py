@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -17,6 +16,7 @@ from devplugin.api import deviceplugin_v1beta1_pb2 as pb
 from devplugin.sim.kubelet import ContainerRequest
 from devplugin.sim.node import hgx_node
 from tests.conftest import GPU, HCA, Cluster
+from tests.waiting import wait_until
 
 Start = Callable[..., Cluster]
 
@@ -49,15 +49,6 @@ def value(
     samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str
 ) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()
 
 
 def test_metrics_move_with_allocations_hooks_and_registrations(

@@ -8,9 +8,7 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Any
 
 import yaml
 
@@ -18,6 +16,7 @@ from devplugin.sim.kubelet import ContainerRequest, KubeletSimulator
 from devplugin.sim.node import build_node, hgx_node
 from tests.conftest import GPU, HCA
 from tests.test_hooks import hook
+from tests.waiting import wait_until
 
 Runs = dict[str, list[tuple[float, float]]]
 
@@ -43,15 +42,6 @@ def spawn(config: Path) -> subprocess.Popen[str]:
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
     )  # fmt: skip
-
-
-def wait_until(condition: Any, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return bool(condition())
 
 
 def test_sigkill_then_restart_cleans_only_what_was_released(tmp_path: Path, sock_dir: Path) -> None:
@@ -100,14 +90,14 @@ def test_sigkill_then_restart_cleans_only_what_was_released(tmp_path: Path, sock
                 return set()
             return {d for ids in state["assigned"].values() for d in ids}
 
-        assert wait_until(lambda: saved() >= released | in_use)
+        assert wait_until(lambda: saved() >= released | in_use, timeout=20)
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=10)
         kubelet.remove("a")  # released while the daemon is down
         before = len(kubelet.registrations)
         second = spawn(config)
         assert kubelet.wait_for(lambda: len(kubelet.registrations) >= before + 2, timeout=20)
-        if not wait_until(lambda: set(cleanup_runs(log)) >= released):
+        if not wait_until(lambda: set(cleanup_runs(log)) >= released, timeout=20):
             second.send_signal(signal.SIGTERM)
             _, err = second.communicate(timeout=20)
             raise AssertionError(err[-6000:])
@@ -117,7 +107,7 @@ def test_sigkill_then_restart_cleans_only_what_was_released(tmp_path: Path, sock
             )
         # Some polls later: the in-use devices were never cleaned.
         calls = kubelet.pod_resources_calls
-        assert wait_until(lambda: kubelet.pod_resources_calls >= calls + 3)
+        assert wait_until(lambda: kubelet.pod_resources_calls >= calls + 3, timeout=20)
         done = cleanup_runs(log)
         assert set(done) == released
         assert all(len(spans) == 1 for spans in done.values())

@@ -9,15 +9,16 @@ from pathlib import Path
 import grpc
 import pytest
 
-from devplugin.allocator import AllocationError
 from devplugin.api import deviceplugin_v1beta1_pb2 as pb
+from devplugin.model import Refused
 from devplugin.resources import GpuResource
 from devplugin.sharing import SharedResource, physical_of
 from devplugin.sim.kubelet import AdmissionError, ContainerRequest
 from devplugin.sim.node import hgx_node
 from devplugin.topology import Level
 from tests.conftest import GPU, HCA, Cluster
-from tests.test_hooks import hook, runs, wait_until
+from tests.test_hooks import hook, runs
+from tests.waiting import wait_until
 
 Start = Callable[..., Cluster]
 SHARED = "nvidia.com/gpu.shared"
@@ -193,9 +194,9 @@ def test_packed_fills_the_fullest_used_device_first() -> None:
 
 def test_refusing_several_replicas_per_device() -> None:
     resource = shared("distributed", refuse=True)
-    with pytest.raises(AllocationError, match="at most one replica per device"):
+    with pytest.raises(Refused, match="at most one replica per device"):
         resource.choose(ALL, [], 4, pick_sorted)
-    with pytest.raises(AllocationError, match="several replicas of one device"):
+    with pytest.raises(Refused, match="several replicas of one device"):
         resource.choose(ALL, ["A::0", "A::1"], 2, pick_sorted)
-    with pytest.raises(AllocationError, match="only 9 available"):
+    with pytest.raises(Refused, match="only 9 available"):
         shared("packed").choose(ALL, [], 10, pick_sorted)
