@@ -437,10 +437,6 @@ def _replace_path(node: Any, parts: list[str], value: Any, dotted: str) -> Any:
     return dataclasses.replace(node, **{head: new_value})
 
 
-def to_dict(config: Config) -> dict[str, Any]:
-    return dataclasses.asdict(config)
-
-
 # Keys the Helm chart sets itself (container paths, the metrics listeners,
 # the checkpoint location); everything else is settable from values.
 CHART_MANAGED = ("version", "paths", "nvml", "metrics", "lifecycle.checkpoint_file")

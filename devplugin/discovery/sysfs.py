@@ -141,10 +141,6 @@ def gpu_control_nodes(dev_root: Path) -> tuple[CharDevice, ...]:
     return tuple(_char_device(dev_root, name) for name in _GPU_CONTROL_NODES)
 
 
-def gpu_device_node(dev_root: Path, minor: int) -> CharDevice:
-    return _char_device(dev_root, f"nvidia{minor}")
-
-
 @dataclass(frozen=True)
 class _MadNode:
     name: str
