@@ -121,7 +121,7 @@ class Daemon:
         self.coordinator = Coordinator(
             pairing_window=config.allocation.pairing_window_seconds, bookkeeping_grace=grace
         )
-        # HCA device nodes for attach mode, whether or not rdma/hca is served.
+        # HCA device nodes for attach mode when rdma/hca itself is not served.
         self._hca_view = HcaResource(
             name=config.resources.hca.name, env_var=config.resources.hca.env_var
         )
@@ -173,6 +173,7 @@ class Daemon:
         self._inventory = Inventory()
         self._live: dict[DeviceKind, ResourceState] = {}
         self._served: dict[DeviceKind, ResourceState] = {}
+        # The HCAs' judged state (or, unserved, their live one) for attach mode.
         self._hca_state: ResourceState | None = None
         self._topology_key: Hashable = None
         self._refresh_lock = threading.RLock()
@@ -370,8 +371,10 @@ class Daemon:
                     log.info("device set changed; topology rebuilt")
                 self.coordinator.set_topology(Topology.from_inventory(inventory))
                 self._topology_key = key
-            self._hca_state = self._hca_view.state(inventory)
             live = {resource.kind: resource.state(inventory) for resource in self.resources}
+            # Attach mode needs HCA device nodes even when rdma/hca is not served.
+            if DeviceKind.HCA not in live:
+                self._hca_state = self._hca_view.state(inventory)
             present: list[str] = []
             for state in live.values():
                 for device in state.devices:
@@ -419,7 +422,9 @@ class Daemon:
                 for server in self.servers:
                     if server.servicer.resource is resource and server.servicer.update(served):
                         log.info("%s: device list changed", resource.name)
-            if DeviceKind.HCA not in self._live and self._hca_state is not None:
+            if DeviceKind.HCA in self._served:
+                self._hca_state = self._served[DeviceKind.HCA]
+            elif self._hca_state is not None:
                 self.coordinator.set_healthy(DeviceKind.HCA, self._hca_state.healthy_ids())
 
     def _log_transition(

@@ -265,3 +265,18 @@ def test_attach_mode_gives_gpus_their_nearest_hcas(start_cluster: Start) -> None
         "/dev/infiniband/issm1", "/dev/infiniband/uverbs6", "/dev/infiniband/umad6",
         "/dev/infiniband/issm6", "/dev/infiniband/rdma_cm",
     ]  # fmt: skip
+
+
+def test_attach_mode_works_without_serving_the_hca_resource(start_cluster: Start) -> None:
+    cluster = start_cluster(
+        hgx_node(), wait=False, **{"allocation.attach_hcas": True, "resources.hca.enabled": False}
+    )
+    assert cluster.kubelet.wait_for_devices(GPU, 8, timeout=10)
+    assert not cluster.kubelet.registered(HCA)
+    gpu = cluster.node.gpus[4]
+    request = pb.AllocateRequest(
+        container_requests=[pb.ContainerAllocateRequest(devices_ids=[gpu.uuid])]
+    )
+    (container,) = cluster.kubelet.stub(GPU).Allocate(request, timeout=5).container_responses
+    assert container.envs["NCCL_IB_HCA"] == "=mlx5_4"
+    assert "/dev/infiniband/uverbs4" in [d.host_path for d in container.devices]
