@@ -14,6 +14,7 @@ from devplugin.kubelet import PodResourcesClient
 from devplugin.sim.kubelet import AdmissionError, ContainerRequest
 from devplugin.sim.node import DOWN, Gpu, Hca, NodeSpec, Port, RootComplex, Switch, hgx_node
 from tests.conftest import GPU, HCA, Cluster
+from tests.waiting import wait_until
 
 Start = Callable[..., Cluster]
 
@@ -235,7 +236,8 @@ def test_daemon_waits_for_an_absent_kubelet(start_cluster: Start) -> None:
     kubelet.start()
     assert kubelet.wait_for_devices(GPU, 8, timeout=2.0)
     assert kubelet.wait_for_devices(HCA, 8, timeout=2.0)
-    assert registrar.registered() == {GPU: True, HCA: True}
+    # The kubelet may list the devices a moment before Register returns.
+    assert wait_until(lambda: registrar.registered() == {GPU: True, HCA: True}, timeout=2.0)
 
 
 def test_without_nvml_the_hca_resource_still_works(
