@@ -201,9 +201,11 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         response = pb.AllocateResponse()
         if not request.container_requests:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no container requests")
+        given: list[list[str]] = []
         for index, container in enumerate(request.container_requests):
             ids = list(container.devices_ids)
             physical = self.resource.physical(ids)
+            given.append(physical)
             if self._prepare is not None and ids:
                 problem = self._prepare(physical)
                 if problem is not None:
@@ -225,8 +227,8 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
                 self._metrics.allocations.labels(self.resource.name, "ok").inc()
             response.container_responses.append(to_proto_allocation(allocation))
         if self._on_allocate is not None:
-            for container in request.container_requests:
-                self._on_allocate(self.resource.physical(list(container.devices_ids)))
+            for physical in given:
+                self._on_allocate(physical)
         return response
 
     def _refuse(

@@ -214,6 +214,16 @@ class _PodResources(pr_grpc.PodResourcesListerServicer):
         return response
 
 
+def _serve(socket: Path, add: Callable[[grpc.Server], None]) -> grpc.Server:
+    """A started gRPC server on a fresh unix socket."""
+    socket.unlink(missing_ok=True)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    add(server)
+    server.add_insecure_port(f"unix://{socket}")
+    server.start()
+    return server
+
+
 class KubeletSimulator:
     """See the module docstring. All public methods are thread-safe."""
 
@@ -248,20 +258,18 @@ class KubeletSimulator:
         self._start_registration()
         if self.pod_resources_socket is not None:
             self.pod_resources_socket.parent.mkdir(parents=True, exist_ok=True)
-            self.pod_resources_socket.unlink(missing_ok=True)
-            server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-            pr_grpc.add_PodResourcesListerServicer_to_server(_PodResources(self), server)
-            server.add_insecure_port(f"unix://{self.pod_resources_socket}")
-            server.start()
-            self._pr_server = server
+            self._pr_server = _serve(
+                self.pod_resources_socket,
+                lambda server: pr_grpc.add_PodResourcesListerServicer_to_server(
+                    _PodResources(self), server
+                ),
+            )
 
     def _start_registration(self) -> None:
-        self.kubelet_socket.unlink(missing_ok=True)
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        pb_grpc.add_RegistrationServicer_to_server(_Registration(self), server)
-        server.add_insecure_port(f"unix://{self.kubelet_socket}")
-        server.start()
-        self._server = server
+        self._server = _serve(
+            self.kubelet_socket,
+            lambda server: pb_grpc.add_RegistrationServicer_to_server(_Registration(self), server),
+        )
 
     def _stop_registration(self) -> None:
         server, self._server = self._server, None
