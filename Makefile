@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PROTOS := proto/devplugin/api/deviceplugin_v1beta1.proto proto/devplugin/api/podresources_v1.proto
 
-.PHONY: install test demo bench proto lint chart-schema image clean
+.PHONY: install test test-quick demo bench proto lint chart-schema image clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "devplugin needs Python >= 3.11")'
@@ -16,8 +16,13 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The whole suite, slow simulations included (what CI runs).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# Everything but the tests marked slow: the edit-run loop.
+test-quick: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
 
 demo: $(STAMP)
 	$(BIN)/devplugin demo
@@ -37,6 +42,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check devplugin tests bench scripts
 	$(BIN)/python scripts/chart_schema.py --check
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache
 
 VERSION ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 image:

@@ -36,12 +36,12 @@ from devplugin.allocator import validate as validate_request
 from devplugin.api import deviceplugin_v1beta1_pb2 as pb
 from devplugin.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from devplugin.config import Config, override
-from devplugin.daemon import Daemon
-from devplugin.discovery.fake_nvml import FakeNvml
 from devplugin.logs import setup_logging
 from devplugin.model import DeviceKind
-from devplugin.sim.layouts import LAYOUTS
-from devplugin.sim.node import build_node
+from devplugin.runtime import Daemon, build
+from devplugin.testing.fake_nvml import FakeNvml
+from devplugin.testing.layouts import LAYOUTS
+from devplugin.testing.node import build_node
 
 GOALS_MS = {"hgx-h100": 2.0, "64-gpu": 20.0}
 EXHAUSTIVE_LIMIT = 50_000  # subsets per quality check
@@ -160,7 +160,7 @@ def bench_node(name: str, iterations: int, warmup: int, base: Path) -> list[Row]
             "metrics.addresses": ["127.0.0.1:0"],
         },
     )
-    daemon = Daemon(config, FakeNvml.from_file(node.fixture))
+    daemon = build(config, FakeNvml.from_file(node.fixture))
     daemon.start()
     floor = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     pb_grpc.add_DevicePluginServicer_to_server(FloorServicer(), floor)

@@ -20,6 +20,7 @@ import grpc
 
 from devplugin.coordination import Coordinator
 from devplugin.kubelet import PodResourcesClient
+from devplugin.ledger import Holdings, Ledger
 from devplugin.metrics import Metrics
 from devplugin.model import DeviceKind
 from devplugin.rpc import rpc_failure
@@ -65,11 +66,13 @@ class AlignmentMonitor:
         self,
         client: PodResourcesClient,
         coordinator: Coordinator,
+        ledger: Ledger,
         resource_names: dict[DeviceKind, str],
         *,
         interval: float,
         min_interval: float,
-        listeners: Sequence[Callable[[dict[DeviceKind, set[str]], float], None]] = (),
+        # Told after each answer reached the ledger (the cleanup manager).
+        listeners: Sequence[Callable[[], None]] = (),
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -77,6 +80,7 @@ class AlignmentMonitor:
         self._listeners = list(listeners)
         self._client = client
         self._coordinator = coordinator
+        self._ledger = ledger
         self._kinds = {name: kind for kind, name in resource_names.items()}
         self._interval = interval
         self._min_interval = min_interval
@@ -98,11 +102,17 @@ class AlignmentMonitor:
         self._thread = threading.Thread(target=self._run, name="alignment", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def signal_stop(self) -> None:
         self._stop.set()
         self._wake.set()
+
+    def join(self, timeout: float) -> None:
         if self._thread is not None:
-            self._thread.join(timeout=10)
+            self._thread.join(timeout)
+
+    def stop(self) -> None:
+        self.signal_stop()
+        self.join(10)
 
     def poke(self) -> None:
         """Ask for a poll soon (after an Allocate)."""
@@ -140,19 +150,22 @@ class AlignmentMonitor:
         if self._failing is not None:
             log.info("PodResources List works again")
             self._failing = None
-        held: dict[DeviceKind, set[str]] = {kind: set() for kind in DeviceKind}
         holdings: dict[tuple[str, str, str], dict[DeviceKind, list[str]]] = {}
         for entry in entries:
             kind = self._kinds.get(entry.resource)
             if kind is None:
                 continue
             physical = physical_ids(entry.device_ids)
-            held[kind].update(physical)
             key = (entry.namespace, entry.pod, entry.container)
             holdings.setdefault(key, {k: [] for k in DeviceKind})[kind].extend(physical)
-        self._coordinator.observe_assignments(held, started)
+        self._ledger.observe(
+            Holdings(
+                {key: {k: tuple(v) for k, v in kinds.items()} for key, kinds in holdings.items()}
+            ),
+            started,
+        )
         for listener in self._listeners:
-            listener(held, started)
+            listener()
         topology = self._coordinator.topology
         report: dict[str, ContainerAlignment] = {}
         for (namespace, pod, container), devices in sorted(holdings.items()):

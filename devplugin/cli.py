@@ -14,8 +14,8 @@ from typing import Any
 
 from devplugin.config import Config, ConfigError, load_config, override
 from devplugin.discovery import Discoverer, NvmlGpuSource, Roots, load_pynvml
-from devplugin.discovery.fake_nvml import FakeNvml, FixtureError
 from devplugin.logs import setup_logging
+from devplugin.testing.fake_nvml import FakeNvml, FixtureError
 
 log = logging.getLogger("devplugin")
 
@@ -108,7 +108,7 @@ def _scan(config: Config) -> Any:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from devplugin.daemon import Daemon
+    from devplugin.runtime import build
 
     config = resolve_config(args)
     setup_logging(config.logging.format, config.logging.level)
@@ -121,7 +121,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    daemon = Daemon(config, lib)
+    daemon = build(config, lib)
     try:
         daemon.start()
     except (OSError, ValueError, RuntimeError) as exc:
@@ -159,7 +159,7 @@ def cmd_topo(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from devplugin.sim.demo import run_demo
+    from devplugin.testing.demo import run_demo
 
     setup_logging("text", "warning")
     return run_demo()

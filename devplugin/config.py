@@ -173,6 +173,9 @@ class PodResourcesConfig:
     # The kubelet records an allocation just after Allocate returns; a device
     # allocated this recently counts as taken until a poll has seen it.
     bookkeeping_grace_seconds: float = _checked(5.0, _positive)
+    # However long PodResources stays unreachable, an allocation not seen by
+    # any poll stops counting as taken after this long (bounds the ledger).
+    unconfirmed_max_age_seconds: float = _checked(300.0, _positive)
 
 
 @dataclass(frozen=True)
@@ -188,6 +191,13 @@ class HealthConfig:
     xid_good_checks: int = _checked(30, _at_least_one)
     # Application-caused XIDs that say nothing about the GPU's health.
     xid_ignore: tuple[int, ...] = _checked((13, 31, 43, 45, 68, 109), _xids)
+    # One hardware read (an NVML call, a sysfs file) that has not returned
+    # after this long is abandoned and its device reported Unhealthy.
+    read_timeout_seconds: float = _checked(5.0, _positive)
+    # /healthz fails when no check has read every device within this long (a
+    # wedged read, or a stalled check loop), so the liveness probe restarts
+    # the daemon; the devices that could be checked keep being served.
+    stale_after_seconds: float = _checked(60.0, _positive)
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,9 @@ not defined (it walks a Go map), and the requests carry no pod identity. So:
   pair (0 when no partner followed) and assumes it again; with no history it
   assumes as many as requested (one HCA per GPU). When the assumption holds,
   the pair reaches the best worst level any choice of both sets could.
-* Which devices of the other kind are free is known from the kubelet's
-  PodResources API (polled in the background by the alignment monitor) plus
-  the allocations made since the last poll.
+* Which devices of the other kind are free is read from the holdings
+  ledger (the kubelet's PodResources answers plus the allocations made since
+  the last poll); the coordinator never calls out.
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from devplugin.allocator import Allocator, Choice, Request, Role
+from devplugin.ledger import Ledger
 from devplugin.model import DeviceKind
-from devplugin.recent import BOOKKEEPING_GRACE, RecentAllocations
 from devplugin.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -53,24 +53,25 @@ class Coordinator:
 
     def __init__(
         self,
+        ledger: Ledger,
         *,
         pairing_window: float = 2.0,
-        bookkeeping_grace: float = BOOKKEEPING_GRACE,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self._ledger = ledger
         self._window = pairing_window
         self._clock = clock
         self._lock = threading.Lock()
         self._topology = Topology((), ())
         self._allocator = Allocator(self._topology)
         self._healthy: dict[DeviceKind, frozenset[str]] = {k: frozenset() for k in DeviceKind}
-        self._held: dict[DeviceKind, frozenset[str]] = {k: frozenset() for k in DeviceKind}
-        self._recent = RecentAllocations(bookkeeping_grace)
         self._pending: _Given | None = None
         # (kind, count) of a first resource -> partner count that followed.
         self._shapes: dict[tuple[DeviceKind, int], int] = {}
-        # Free sets, recomputed only after something they depend on changed.
+        # Free sets, recomputed only after something they depend on changed
+        # (health here, or the ledger's version).
         self._free_cache: dict[DeviceKind, frozenset[str]] = {}
+        self._ledger_version = -1
 
     # -- inputs ----------------------------------------------------------------
     @property
@@ -91,23 +92,11 @@ class Coordinator:
             self._healthy[kind] = frozenset(ids)
             self._free_cache.clear()
 
-    def observe_assignments(
-        self, held: Mapping[DeviceKind, Iterable[str]], polled_at: float
-    ) -> None:
-        """What PodResources said every container holds, as of `polled_at`."""
-        with self._lock:
-            self._free_cache.clear()
-            for kind in DeviceKind:
-                self._held[kind] = frozenset(held.get(kind, ()))
-            self._recent.confirm(held, polled_at)
-
     def allocated(self, kind: DeviceKind, ids: Sequence[str]) -> None:
-        """An Allocate succeeded: the devices are taken, and pairing advances."""
+        """An Allocate succeeded (the ledger has it): pairing advances."""
         now = self._clock()
         given = _Given(kind, frozenset(ids), now)
         with self._lock:
-            self._free_cache.clear()
-            self._recent.add(kind, ids, now)
             pending = self._pending
             if (
                 pending is not None
@@ -130,11 +119,14 @@ class Coordinator:
             return self._free_locked(kind)
 
     def _free_locked(self, kind: DeviceKind) -> frozenset[str]:
+        version = self._ledger.version
+        if version != self._ledger_version:
+            self._free_cache.clear()
+            self._ledger_version = version
         cached = self._free_cache.get(kind)
         if cached is not None:
             return cached
-        taken = set(self._held[kind]) | self._recent.ids(kind)
-        free = self._healthy[kind] - taken
+        free = self._healthy[kind] - self._ledger.taken(kind)
         self._free_cache[kind] = free
         return free
 

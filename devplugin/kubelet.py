@@ -117,10 +117,16 @@ class Registrar:
         self._thread = threading.Thread(target=self._run, name="registrar", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def signal_stop(self) -> None:
         self._stop.set()
+
+    def join(self, timeout: float) -> None:
         if self._thread is not None:
-            self._thread.join(timeout=self._timeout + 5.0)
+            self._thread.join(timeout)
+
+    def stop(self) -> None:
+        self.signal_stop()
+        self.join(self._timeout + 5.0)
 
     def _run(self) -> None:
         log.info("registrar started (kubelet socket %s)", self._kubelet_socket)
@@ -168,6 +174,7 @@ class Registrar:
         servicer = entry.server.servicer
         name = servicer.resource.name
         entry.attempted_with = kubelet
+        servicer.expect_kubelet()
         try:
             register(
                 self._kubelet_socket,

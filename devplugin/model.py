@@ -186,6 +186,9 @@ class HcaInfo:
     umads: tuple[CharDevice, ...]
     issms: tuple[CharDevice, ...]
     rdma_cm: CharDevice
+    # Set when the HCA's attributes could not be read this check (a read that
+    # did not return in time): the HCA stays listed, Unhealthy, with this reason.
+    error: str | None = None
 
     @property
     def device_id(self) -> str:
@@ -220,6 +223,10 @@ class NvmlStatus:
     driver_version: str | None = None
     cuda_driver_version: int | None = None
     error: str | None = None
+    # Counts successful nvmlInit calls of the source: a new value means NVML
+    # (re)started, so anything registered with the old session (event sets)
+    # must be registered again.
+    session: int = 0
 
     @property
     def ok(self) -> bool:

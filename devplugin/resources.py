@@ -19,7 +19,7 @@ HCA resource (default `rdma/hca`)
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -35,6 +35,10 @@ from devplugin.model import (
 )
 
 GPU_VISIBLE_ENV = "NVIDIA_VISIBLE_DEVICES"
+
+# The topology-aware choice of physical devices: (candidates, must include,
+# count) -> ids. Resources call it from `choose`.
+Pick = Callable[[frozenset[str], frozenset[str], int], Sequence[str]]
 ACTIVE_STATE = 4  # "4: ACTIVE"
 LINK_UP_PHYS_STATE = 5  # "5: LinkUp"
 
@@ -105,15 +109,32 @@ class Resource(Protocol):
         """What the kubelet sees for a judged physical state (replicas, if shared)."""
         ...
 
+    @property
+    def reuse_proves_release(self) -> bool:
+        """Whether an Allocate of a device proves its previous holder released
+        it (true unless several containers may share the device)."""
+        ...
+
     def physical(self, ids: Sequence[str]) -> list[str]:
         """The physical devices behind served ids."""
         ...
 
+    def validate(self, state: ResourceState, ids: Sequence[str]) -> None:
+        """Refuse a malformed request (unknown or duplicate ids) before any side
+        effect; health is checked by `allocate`."""
+        ...
+
     def allocate(self, state: ResourceState, ids: Sequence[str]) -> ContainerAllocation: ...
 
+    def choose(
+        self, available: Sequence[str], must: Sequence[str], size: int, pick: Pick
+    ) -> list[str]:
+        """The served ids to prefer for one container."""
+        ...
 
-def check_request(state: ResourceState, ids: Sequence[str]) -> None:
-    """Reject empty, duplicate, unknown and unhealthy ids, naming them all."""
+
+def check_ids(state: ResourceState, ids: Sequence[str]) -> None:
+    """Reject empty, duplicate and unknown ids, naming them all."""
     if not ids:
         raise Refused("no device ids in the container request", invalid_argument=True)
     seen: set[str] = set()
@@ -131,6 +152,12 @@ def check_request(state: ResourceState, ids: Sequence[str]) -> None:
         problems.append(f"duplicate device ids: {', '.join(duplicates)}")
     if problems:
         raise Refused("; ".join(problems), invalid_argument=True)
+
+
+def check_request(state: ResourceState, ids: Sequence[str]) -> None:
+    """Reject empty, duplicate, unknown and unhealthy ids, naming them all."""
+    check_ids(state, ids)
+    known = {device.id: device for device in state.devices}
     unhealthy = [
         f"{device_id} ({known[device_id].reason or 'unhealthy'})"
         for device_id in dict.fromkeys(ids)
@@ -172,6 +199,7 @@ class GpuResource:
     name: str = "nvidia.com/gpu"
     kind: DeviceKind = DeviceKind.GPU
     capabilities: Capabilities = Capabilities(preferred_allocation=True)
+    reuse_proves_release: bool = True
 
     def state(self, inventory: Inventory) -> ResourceState:
         devices = tuple(
@@ -198,6 +226,14 @@ class GpuResource:
     def physical(self, ids: Sequence[str]) -> list[str]:
         return list(ids)
 
+    def validate(self, state: ResourceState, ids: Sequence[str]) -> None:
+        check_ids(state, ids)
+
+    def choose(
+        self, available: Sequence[str], must: Sequence[str], size: int, pick: Pick
+    ) -> list[str]:
+        return list(pick(frozenset(available), frozenset(must), size))
+
     def allocate(self, state: ResourceState, ids: Sequence[str]) -> ContainerAllocation:
         check_request(state, ids)
         return _merge(state, ids, {GPU_VISIBLE_ENV: ",".join(ids)})
@@ -210,6 +246,8 @@ def _gpu_allocation(gpu: GpuInfo) -> ContainerAllocation:
 
 def hca_health(hca: HcaInfo) -> tuple[Health, str]:
     """Healthy when every port is ACTIVE/LinkUp and every device node exists."""
+    if hca.error:
+        return Health.UNHEALTHY, hca.error
     problems: list[str] = []
     if not hca.ports:
         problems.append("no ports")
@@ -234,6 +272,7 @@ class HcaResource:
     env_var: str = "NCCL_IB_HCA"
     kind: DeviceKind = DeviceKind.HCA
     capabilities: Capabilities = Capabilities(preferred_allocation=True)
+    reuse_proves_release: bool = True
 
     def state(self, inventory: Inventory) -> ResourceState:
         devices: list[PluginDevice] = []
@@ -262,6 +301,14 @@ class HcaResource:
 
     def physical(self, ids: Sequence[str]) -> list[str]:
         return list(ids)
+
+    def validate(self, state: ResourceState, ids: Sequence[str]) -> None:
+        check_ids(state, ids)
+
+    def choose(
+        self, available: Sequence[str], must: Sequence[str], size: int, pick: Pick
+    ) -> list[str]:
+        return list(pick(frozenset(available), frozenset(must), size))
 
     def allocate(self, state: ResourceState, ids: Sequence[str]) -> ContainerAllocation:
         check_request(state, ids)

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, Protocol
 
 import grpc
 
@@ -26,7 +26,6 @@ from devplugin.resources import (
     ResourceState,
     merge_allocations,
 )
-from devplugin.sharing import SharedResource
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +75,69 @@ def to_proto_allocation(allocation: ContainerAllocation) -> pb.ContainerAllocate
     return response
 
 
+class AllocationHooks(Protocol):
+    """What a resource does around an allocation besides building the response.
+
+    Every method takes the physical device ids of one container. The
+    servicer calls them only after the whole request was validated.
+    """
+
+    def prepare(self, physical: Sequence[str]) -> str | None:
+        """Make the devices clean (wait for, or run, a cleanup owed); an error
+        text when they cannot be made clean."""
+        ...
+
+    def extra(self, physical: Sequence[str]) -> ContainerAllocation | None:
+        """More for the same container (attach mode: the nearest HCAs)."""
+        ...
+
+    def init(self, physical: Sequence[str]) -> str | None:
+        """The init hook when it runs in Allocate; an error text on failure."""
+        ...
+
+    def pre_start(self, physical: Sequence[str]) -> str | None:
+        """The init hook when it runs in PreStartContainer."""
+        ...
+
+    def allocated(self, physical: Sequence[str]) -> None:
+        """The Allocate succeeded: record who holds what."""
+        ...
+
+
+class NoHooks:
+    """A resource with nothing to do around allocations."""
+
+    def prepare(self, physical: Sequence[str]) -> str | None:
+        return None
+
+    def extra(self, physical: Sequence[str]) -> ContainerAllocation | None:
+        return None
+
+    def init(self, physical: Sequence[str]) -> str | None:
+        return None
+
+    def pre_start(self, physical: Sequence[str]) -> str | None:
+        return None
+
+    def allocated(self, physical: Sequence[str]) -> None:
+        return None
+
+
+NO_HOOKS = NoHooks()
+# ListAndWatch streams besides the kubelet's one may hold this many workers;
+# more are refused, so streams can never starve Allocate of threads.
+MAX_EXTRA_STREAMS = 4
+# After a registration, the next stream opened within this long is the kubelet's.
+KUBELET_STREAM_WINDOW = 10.0
+WORKERS = 16
+
+
+class _Stream:
+    def __init__(self, kubelet: bool) -> None:
+        self.kubelet = kubelet
+        self.ended = False
+
+
 class DevicePluginServicer(pb_grpc.DevicePluginServicer):
     """Serves one resource from the latest `ResourceState` it was given.
 
@@ -89,27 +151,23 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         initial: ResourceState,
         *,
         coordinator: Coordinator | None = None,
-        on_allocate: Callable[[Sequence[str]], None] | None = None,
-        attach: Callable[[Sequence[str]], ContainerAllocation | None] | None = None,
-        prepare: Callable[[Sequence[str]], str | None] | None = None,
-        init: Callable[[Sequence[str]], str | None] | None = None,
-        pre_start: Callable[[Sequence[str]], str | None] | None = None,
+        hooks: AllocationHooks = NO_HOOKS,
         metrics: Metrics | None = None,
+        max_extra_streams: int = MAX_EXTRA_STREAMS,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.resource = resource
         self._metrics = metrics
         self._coordinator = coordinator
-        self._on_allocate = on_allocate
-        self._attach = attach
-        # Hooks that return an error text, or None when the devices are ready:
-        # make previously used devices clean, then initialise them.
-        self._prepare = prepare
-        self._init = init
-        self._pre_start = pre_start
+        self._hooks = hooks
+        self._max_extra = max_extra_streams
+        self._clock = clock
         self._cond = threading.Condition()
         self._state = initial
         self._version = 0
         self._closed = False
+        self._streams: list[_Stream] = []
+        self._kubelet_until = float("-inf")
 
     @property
     def state(self) -> ResourceState:
@@ -136,6 +194,15 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         with self._cond:
             self._closed = False
 
+    def expect_kubelet(self) -> None:
+        """A registration is under way: the next stream is the kubelet's."""
+        with self._cond:
+            self._kubelet_until = self._clock() + KUBELET_STREAM_WINDOW
+
+    def open_streams(self) -> int:
+        with self._cond:
+            return len(self._streams)
+
     def options(self) -> pb.DevicePluginOptions:
         caps = self.resource.capabilities
         return pb.DevicePluginOptions(
@@ -149,38 +216,70 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
     ) -> pb.DevicePluginOptions:
         return self.options()
 
+    def _admit_stream(self) -> _Stream | None:
+        with self._cond:
+            kubelet = self._clock() <= self._kubelet_until
+            if kubelet:
+                self._kubelet_until = float("-inf")
+                # One kubelet stream at a time: a newer registration's replaces it.
+                for other in self._streams:
+                    if other.kubelet:
+                        other.ended = True
+                self._cond.notify_all()
+            elif sum(not other.kubelet for other in self._streams) >= self._max_extra:
+                return None
+            stream = _Stream(kubelet)
+            self._streams.append(stream)
+            return stream
+
     def ListAndWatch(
         self, request: pb.Empty, context: grpc.ServicerContext
     ) -> Iterator[pb.ListAndWatchResponse]:
-        ended = threading.Event()
+        stream = self._admit_stream()
+        if stream is None:
+            log.warning(
+                "%s: refused a ListAndWatch stream: %d others already open",
+                self.resource.name,
+                self._max_extra,
+            )
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.resource.name}: too many ListAndWatch streams",
+            )
 
         def on_end() -> None:
-            ended.set()
             with self._cond:
+                stream.ended = True
                 self._cond.notify_all()
 
         context.add_callback(on_end)
-        log.info("%s: kubelet opened ListAndWatch", self.resource.name)
+        log.info(
+            "%s: %s opened ListAndWatch",
+            self.resource.name,
+            "kubelet" if stream.kubelet else "a client",
+        )
         sent = -1
-        while True:
+        try:
+            while True:
+                with self._cond:
+
+                    def ready(last: int = sent) -> bool:
+                        return self._version != last or self._closed or stream.ended
+
+                    self._cond.wait_for(ready)
+                    if self._closed or stream.ended:
+                        break
+                    state, sent = self._state, self._version
+                log.info(
+                    "%s: sending %d devices (%d healthy)",
+                    self.resource.name,
+                    len(state.devices),
+                    sum(1 for device in state.devices if device.health.value == "Healthy"),
+                )
+                yield to_proto_devices(state)
+        finally:
             with self._cond:
-
-                def ready(last: int = sent) -> bool:
-                    return self._version != last or self._closed or ended.is_set()
-
-                self._cond.wait_for(ready, timeout=5.0)
-                if self._closed or ended.is_set():
-                    break
-                if self._version == sent:
-                    continue
-                state, sent = self._state, self._version
-            log.info(
-                "%s: sending %d devices (%d healthy)",
-                self.resource.name,
-                len(state.devices),
-                sum(1 for device in state.devices if device.health.value == "Healthy"),
-            )
-            yield to_proto_devices(state)
+                self._streams.remove(stream)
         log.info("%s: ListAndWatch stream ended", self.resource.name)
 
     def Allocate(
@@ -198,37 +297,42 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
     def _allocate(
         self, request: pb.AllocateRequest, context: grpc.ServicerContext
     ) -> pb.AllocateResponse:
-        response = pb.AllocateResponse()
         if not request.container_requests:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no container requests")
-        given: list[list[str]] = []
-        for index, container in enumerate(request.container_requests):
-            ids = list(container.devices_ids)
-            physical = self.resource.physical(ids)
-            given.append(physical)
-            if self._prepare is not None and ids:
-                problem = self._prepare(physical)
-                if problem is not None:
-                    self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, index, ids, problem)
+        resource, hooks = self.resource, self._hooks
+        requested = [list(container.devices_ids) for container in request.container_requests]
+        # Validate everything before any side effect (cleanups, hooks, records).
+        state = self.state
+        for index, ids in enumerate(requested):
             try:
-                allocation = self.resource.allocate(self.state, ids)
+                resource.validate(state, ids)
             except Refused as exc:
                 self._refuse(context, status_of(exc), index, ids, exc.reason)
-            if self._attach is not None:
-                extra = self._attach(physical)
-                if extra is not None:
-                    allocation = merge_allocations(allocation, extra)
-            if self._init is not None:
-                problem = self._init(physical)
-                if problem is not None:
-                    self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, index, ids, problem)
-            log.info("%s: allocated %s", self.resource.name, ",".join(ids))
+        response = pb.AllocateResponse()
+        given: list[list[str]] = []
+        for index, ids in enumerate(requested):
+            physical = resource.physical(ids)
+            given.append(physical)
+            problem = hooks.prepare(physical)
+            if problem is not None:
+                self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, index, ids, problem)
+            try:
+                # The state again: preparing may have cleaned a device inline.
+                allocation = resource.allocate(self.state, ids)
+            except Refused as exc:
+                self._refuse(context, status_of(exc), index, ids, exc.reason)
+            extra = hooks.extra(physical)
+            if extra is not None:
+                allocation = merge_allocations(allocation, extra)
+            problem = hooks.init(physical)
+            if problem is not None:
+                self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, index, ids, problem)
+            log.info("%s: allocated %s", resource.name, ",".join(ids))
             if self._metrics is not None:
-                self._metrics.allocations.labels(self.resource.name, "ok").inc()
+                self._metrics.allocations.labels(resource.name, "ok").inc()
             response.container_responses.append(to_proto_allocation(allocation))
-        if self._on_allocate is not None:
-            for physical in given:
-                self._on_allocate(physical)
+        for physical in given:
+            hooks.allocated(physical)
         return response
 
     def _refuse(
@@ -268,13 +372,22 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
                 f"{self.resource.name} does not offer preferred allocations",
             )
         response = pb.PreferredAllocationResponse()
+        kind = self.resource.kind
+        roles: list[Role] = []
+
+        def pick(candidates: frozenset[str], must: frozenset[str], count: int) -> Sequence[str]:
+            choice, role = coordinator.preferred(kind, candidates, must, count)
+            roles.append(role)
+            return choice.ids
+
         for container in request.container_requests:
+            roles.clear()
             try:
-                ids, role, detail = self._choose(
-                    coordinator,
+                ids = self.resource.choose(
                     list(container.available_deviceIDs),
                     list(container.must_include_deviceIDs),
                     container.allocation_size,
+                    pick,
                 )
             except Refused as exc:
                 if self._metrics is not None:
@@ -287,49 +400,22 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
                     exc.reason,
                 )
                 context.abort(status_of(exc), f"{self.resource.name}: {exc.reason}")
+            role = roles[-1] if roles else Role.FIRST
             if log.isEnabledFor(logging.DEBUG):
-                log.debug(
-                    "%s: preferred %s (%s, %s)",
-                    self.resource.name,
-                    ",".join(ids),
-                    role.value,
-                    detail,
-                )
+                log.debug("%s: preferred %s (%s)", self.resource.name, ",".join(ids), role.value)
             if self._metrics is not None:
                 self._metrics.preferred.labels(self.resource.name, role.value, "ok").inc()
             response.container_responses.add(deviceIDs=ids)
         return response
 
-    def _choose(
-        self, coordinator: Coordinator, available: list[str], must: list[str], size: int
-    ) -> tuple[list[str], Role, object]:
-        """Device ids for one container request, with the role and score."""
-        kind = self.resource.kind
-        resource = self.resource
-        if not isinstance(resource, SharedResource):
-            choice, role = coordinator.preferred(kind, available, must, size)
-            return list(choice.ids), role, choice.score
-        roles: list[Role] = []
-
-        def pick(physical: frozenset[str], required: frozenset[str], count: int) -> list[str]:
-            choice, role = coordinator.preferred(kind, physical, required, count)
-            roles.append(role)
-            return list(choice.ids)
-
-        replicas = resource.choose(available, must, size, pick)
-        return replicas, roles[-1] if roles else Role.FIRST, f"{resource.policy} replicas"
-
     def PreStartContainer(
         self, request: pb.PreStartContainerRequest, context: grpc.ServicerContext
     ) -> pb.PreStartContainerResponse:
         ids = list(request.devices_ids)
-        if self._pre_start is not None:
-            problem = self._pre_start(self.resource.physical(ids))
-            if problem is not None:
-                log.warning("%s: PreStartContainer %s failed: %s", self.resource.name, ids, problem)
-                context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION, f"{self.resource.name}: {problem}"
-                )
+        problem = self._hooks.pre_start(self.resource.physical(ids))
+        if problem is not None:
+            log.warning("%s: PreStartContainer %s failed: %s", self.resource.name, ids, problem)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.resource.name}: {problem}")
         return pb.PreStartContainerResponse()
 
 
@@ -353,7 +439,9 @@ class SocketIdentity:
 class PluginServer:
     """A grpc.Server bound to one socket; restartable after the socket is wiped."""
 
-    def __init__(self, servicer: DevicePluginServicer, socket_path: Path, workers: int = 8) -> None:
+    def __init__(
+        self, servicer: DevicePluginServicer, socket_path: Path, workers: int = WORKERS
+    ) -> None:
         check_socket_path(socket_path)
         self.servicer = servicer
         self.socket_path = socket_path

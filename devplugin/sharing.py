@@ -16,21 +16,21 @@ device is released when no container holds any of its replicas.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from devplugin.model import DeviceKind, Inventory, Refused
 from devplugin.resources import (
     Capabilities,
     ContainerAllocation,
+    Pick,
     Resource,
     ResourceState,
+    check_ids,
     check_request,
 )
 
 SEPARATOR = "::"
-
-Pick = Callable[[frozenset[str], frozenset[str], int], Sequence[str]]
 
 
 def replica_id(physical: str, index: int) -> str:
@@ -69,6 +69,12 @@ class SharedResource:
     def kind(self) -> DeviceKind:
         return self.inner.kind
 
+    @property
+    def reuse_proves_release(self) -> bool:
+        # Another replica of a device being allocated says nothing about
+        # whether the device's other holders are done with it.
+        return False
+
     def state(self, inventory: Inventory) -> ResourceState:
         return self.inner.state(inventory)
 
@@ -83,8 +89,8 @@ class SharedResource:
     def physical(self, ids: Sequence[str]) -> list[str]:
         return physical_ids(ids)
 
-    def allocate(self, state: ResourceState, ids: Sequence[str]) -> ContainerAllocation:
-        check_request(state, ids)
+    def validate(self, state: ResourceState, ids: Sequence[str]) -> None:
+        check_ids(state, ids)
         physical = physical_ids(ids)
         if self.refuse_multiple and len(physical) < len(ids):
             shared = sorted({p for p in physical if sum(physical_of(i) == p for i in ids) > 1})
@@ -93,8 +99,12 @@ class SharedResource:
                 "this node gives at most one replica per device to a container",
                 invalid_argument=True,
             )
+
+    def allocate(self, state: ResourceState, ids: Sequence[str]) -> ContainerAllocation:
+        self.validate(state, ids)
+        check_request(state, ids)
         assert state.backing is not None
-        return self.inner.allocate(state.backing, physical)
+        return self.inner.allocate(state.backing, physical_ids(ids))
 
     def choose(
         self, available: Sequence[str], must: Sequence[str], size: int, pick: Pick

@@ -49,7 +49,7 @@ class StatusServer:
             server = ThreadingHTTPServer((host, port), handler)
             server.daemon_threads = True
             thread = threading.Thread(
-                target=server.serve_forever, kwargs={"poll_interval": 0.2},
+                target=server.serve_forever, kwargs={"poll_interval": 0.05},
                 name=f"http-{port}", daemon=True,
             )  # fmt: skip
             thread.start()

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 
 from devplugin.config import Config, override
-from devplugin.daemon import Daemon
-from devplugin.discovery.fake_nvml import FakeNvml
-from devplugin.sim.kubelet import KubeletSimulator
-from devplugin.sim.node import BuiltNode, NodeSpec, build_node
+from devplugin.runtime import Daemon, build
+from devplugin.testing.fake_nvml import FakeNvml
+from devplugin.testing.kubelet import KubeletSimulator
+from devplugin.testing.node import BuiltNode, NodeSpec, build_node
 
 GPU = "nvidia.com/gpu"
 HCA = "rdma/hca"
@@ -82,7 +82,7 @@ def start_cluster(tmp_path: Path, sock_dir: Path) -> Iterator[Callable[..., Clus
             kubelet.start()
         lib = FakeNvml.from_file(node.fixture)
         lib.init_error = nvml_init_error
-        daemon = Daemon(
+        daemon = build(
             fast_config(node, plugin_dir, pod_resources, **config),
             lib,
             hotplug_monitor=hotplug_monitor,

@@ -21,9 +21,9 @@ from devplugin.allocator import (
     validate,
 )
 from devplugin.model import DeviceKind, Refused
-from devplugin.sim.layouts import LAYOUTS
-from devplugin.sim.node import devices_from_spec
-from devplugin.sim.random_topology import random_spec
+from devplugin.testing.layouts import LAYOUTS
+from devplugin.testing.node import devices_from_spec
+from devplugin.testing.random_topology import random_spec
 from devplugin.topology import Level, Topology
 
 GPU, HCA = DeviceKind.GPU, DeviceKind.HCA

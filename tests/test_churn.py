@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from devplugin.sim.churn import ChurnOutcome, run_churn
-from devplugin.sim.layouts import LAYOUTS
+from devplugin.testing.churn import ChurnOutcome, run_churn
+from devplugin.testing.layouts import LAYOUTS
 
 SEEDS = range(4)
 CHURN_LAYOUTS = ["16-gpu", "dgx-a100", "hgx-h100", "pcie-server"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", CHURN_LAYOUTS)
 def test_churn_beats_first_fit_on_every_seed(
     layout: str, capsys: pytest.CaptureFixture[str]

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from devplugin.cli import main
-from devplugin.sim.demo import run_demo
-from devplugin.sim.kubelet import KubeletSimulator
-from devplugin.sim.node import BuiltNode, build_node, hgx_node
+from devplugin.testing.demo import run_demo
+from devplugin.testing.kubelet import KubeletSimulator
+from devplugin.testing.node import BuiltNode, build_node, hgx_node
 from tests.conftest import GPU, HCA
 
 

@@ -9,7 +9,10 @@ from typing import Any
 
 import pytest
 
-from devplugin.discovery.fake_nvml import (
+from devplugin.discovery.nvml import NvmlGpuSource
+from devplugin.discovery.sysfs import read_pci_functions
+from devplugin.model import PciAddress
+from devplugin.testing.fake_nvml import (
     NVML_ERROR_DRIVER_NOT_LOADED,
     NVML_NVLINK_DEVICE_TYPE_SWITCH,
     FakeNvml,
@@ -17,10 +20,7 @@ from devplugin.discovery.fake_nvml import (
     load_fixture,
     parse_fixture,
 )
-from devplugin.discovery.nvml import NvmlGpuSource
-from devplugin.discovery.sysfs import read_pci_functions
-from devplugin.model import PciAddress
-from devplugin.sim.node import Gpu, NodeSpec, RootComplex, Switch, build_node
+from devplugin.testing.node import Gpu, NodeSpec, RootComplex, Switch, build_node
 
 
 def fixture(**overrides: Any) -> dict[str, Any]:

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from devplugin.discovery import Discoverer, NvmlGpuSource, Roots
-from devplugin.discovery.fake_nvml import FakeNvml
 from devplugin.discovery.sysfs import read_hcas, read_pci_functions
 from devplugin.model import Inventory, PciAddress
-from devplugin.sim.node import (
+from devplugin.testing.fake_nvml import FakeNvml
+from devplugin.testing.node import (
     DOWN,
     BuiltNode,
     Gpu,

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from devplugin.discovery.fake_nvml import nvmlEventTypeDoubleBitEccError
-from devplugin.sim.kubelet import ContainerRequest
-from devplugin.sim.node import hgx_node
+from devplugin.testing.fake_nvml import nvmlEventTypeDoubleBitEccError
+from devplugin.testing.kubelet import ContainerRequest
+from devplugin.testing.node import hgx_node
 from tests.conftest import GPU, HCA, Cluster
 
 Start = Callable[..., Cluster]
@@ -68,7 +68,7 @@ def test_missing_device_node_is_unhealthy_with_a_log_line_naming_it(
 ) -> None:
     cluster = start_cluster(hgx_node())
     hca = cluster.node.hcas[4]
-    with caplog.at_level(logging.WARNING, logger="devplugin.daemon"):
+    with caplog.at_level(logging.WARNING, logger="devplugin.pipeline"):
         (cluster.node.dev_root / "infiniband" / "umad4").unlink()
         assert becomes(cluster, HCA, hca.device_id, "Unhealthy", within=2.0)
     assert any(

@@ -13,8 +13,8 @@ from typing import Any
 import grpc
 import pytest
 
-from devplugin.sim.kubelet import AdmissionError, ContainerRequest
-from devplugin.sim.node import hgx_node
+from devplugin.testing.kubelet import AdmissionError, ContainerRequest
+from devplugin.testing.node import hgx_node
 from tests.conftest import GPU, HCA, Cluster
 from tests.waiting import wait_until
 

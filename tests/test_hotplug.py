@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from devplugin.sim.node import hgx_node, replug, unplug_hca
+from devplugin.testing.node import hgx_node, replug, unplug_hca
 from tests.conftest import HCA, Cluster
 from tests.waiting import wait_until
 

@@ -1,72 +1,20 @@
-"""Dependencies point one way: data <- discovery/policy <- serving <- entry points."""
+"""Dependencies point one way; the contract itself lives in pyproject.toml.
+
+`make lint` runs `lint-imports`; running it here too keeps `make test` honest
+on its own. The contract is exhaustive, so a new module that is not placed in
+a layer fails as surely as an upward import.
+"""
 
 from __future__ import annotations
 
 import ast
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
-import pytest
-
-PACKAGE = Path(__file__).resolve().parent.parent / "devplugin"
-
-# module (relative to the package) -> prefixes it must not import.
-FORBIDDEN = {
-    "model.py": ("devplugin.", "grpc"),
-    "topology.py": (
-        "devplugin.discovery",
-        "devplugin.server",
-        "devplugin.kubelet",
-        "devplugin.daemon",
-        "devplugin.cli",
-        "devplugin.api",
-        "grpc",
-    ),
-    "resources.py": (
-        "devplugin.discovery",
-        "devplugin.server",
-        "devplugin.kubelet",
-        "devplugin.daemon",
-        "devplugin.cli",
-        "devplugin.api",
-        "grpc",
-    ),
-    "config.py": ("devplugin.", "grpc"),
-    "discovery/sysfs.py": (
-        "devplugin.server",
-        "devplugin.kubelet",
-        "devplugin.daemon",
-        "devplugin.cli",
-        "devplugin.api",
-        "grpc",
-        "pynvml",
-    ),
-    "discovery/fake_nvml.py": (
-        "devplugin.server",
-        "devplugin.daemon",
-        "devplugin.cli",
-        "grpc",
-        "pynvml",
-    ),
-    "server.py": ("devplugin.daemon", "devplugin.cli", "devplugin.kubelet", "devplugin.discovery"),
-    "kubelet.py": ("devplugin.daemon", "devplugin.cli", "devplugin.discovery"),
-    "daemon.py": ("devplugin.cli",),
-    "allocator.py": ("grpc", "devplugin.api", "devplugin.server", "devplugin.kubelet",
-                     "devplugin.daemon", "devplugin.cli", "devplugin.discovery",
-                     "devplugin.coordination"),
-    "coordination.py": ("grpc", "devplugin.api", "devplugin.server", "devplugin.daemon",
-                        "devplugin.cli"),
-    "sharing.py": ("grpc", "devplugin.api", "devplugin.server", "devplugin.daemon",
-                   "devplugin.cli"),
-    "lifecycle/health.py": ("grpc", "devplugin.api", "devplugin.server", "devplugin.daemon",
-                            "devplugin.discovery", "devplugin.cli"),
-    "lifecycle/hooks.py": ("devplugin.", "grpc"),
-    "lifecycle/checkpoint.py": ("grpc", "devplugin.server", "devplugin.daemon", "devplugin.cli"),
-    "lifecycle/cleanup.py": ("grpc", "devplugin.server", "devplugin.daemon", "devplugin.cli",
-                             "devplugin.api"),
-    "lifecycle/xid.py": ("grpc", "devplugin.server", "devplugin.daemon", "pynvml"),
-    "metrics.py": ("grpc", "devplugin.server", "devplugin.daemon", "devplugin.cli"),
-    "recent.py": ("grpc", "devplugin.server", "devplugin.daemon", "devplugin.cli"),
-}  # fmt: skip
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "devplugin"
 
 
 def imports_of(path: Path) -> set[str]:
@@ -80,16 +28,36 @@ def imports_of(path: Path) -> set[str]:
     return found
 
 
-@pytest.mark.parametrize("module", sorted(FORBIDDEN))
-def test_layering(module: str) -> None:
-    imported = imports_of(PACKAGE / module)
-    bad = sorted(
-        name
-        for name in imported
-        for prefix in FORBIDDEN[module]
-        if name == prefix.rstrip(".") or name.startswith(prefix)
+def lint_imports(cwd: Path) -> subprocess.CompletedProcess[str]:
+    tool = shutil.which("lint-imports", path=str(Path(sys.executable).parent))
+    assert tool is not None, "import-linter is a dev dependency"
+    return subprocess.run(
+        [tool, "--no-cache"], cwd=cwd, capture_output=True, text=True, timeout=120, check=False
     )
-    assert bad == [], f"{module} imports {bad}"
+
+
+def test_the_layer_contract_is_kept() -> None:
+    result = lint_imports(ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 kept, 0 broken" in result.stdout
+
+
+def test_the_contract_catches_a_production_module_importing_the_testing_package(
+    tmp_path: Path,
+) -> None:
+    copy = tmp_path / "repo"
+    shutil.copytree(PACKAGE, copy / "devplugin", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", copy / "pyproject.toml")
+    with (copy / "devplugin" / "resources.py").open("a") as module:
+        module.write("\nfrom devplugin.testing import node as _node  # noqa: E402\n")
+    result = subprocess.run(
+        [sys.executable, "-c", "import sys; sys.path.insert(0, '.'); "
+         "from importlinter.cli import lint_imports_command; lint_imports_command()",
+         "--no-cache"],
+        cwd=copy, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "devplugin.resources is not allowed to import devplugin.testing" in result.stdout
 
 
 def test_only_the_nvml_module_imports_pynvml() -> None:

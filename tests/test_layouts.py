@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from devplugin.discovery import Discoverer, NvmlGpuSource, Roots
-from devplugin.discovery.fake_nvml import FakeNvml
-from devplugin.sim.layouts import LAYOUTS
-from devplugin.sim.node import build_node, devices_from_spec
+from devplugin.testing.fake_nvml import FakeNvml
+from devplugin.testing.layouts import LAYOUTS
+from devplugin.testing.node import build_node, devices_from_spec
 from devplugin.topology import Topology
 
 

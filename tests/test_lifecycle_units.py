@@ -12,15 +12,25 @@ from pathlib import Path
 
 import pytest
 
-from devplugin.discovery.fake_nvml import FakeNvml, load_fixture
 from devplugin.hooks.gpu_cleanup import clean
 from devplugin.hooks.hca_check import check_ports
+from devplugin.ledger import Holdings, Ledger
 from devplugin.lifecycle.checkpoint import Checkpoint, LifecycleState
 from devplugin.lifecycle.cleanup import CleanupManager
 from devplugin.lifecycle.health import HealthTracker, Recovery
 from devplugin.lifecycle.hooks import HookDevice, HookResult, HookSpec, run_hook
 from devplugin.model import DeviceKind, Health
-from devplugin.sim.node import DOWN, Hca, NodeSpec, Port, RootComplex, Switch, build_node, hgx_node
+from devplugin.testing.fake_nvml import FakeNvml, load_fixture
+from devplugin.testing.node import (
+    DOWN,
+    Hca,
+    NodeSpec,
+    Port,
+    RootComplex,
+    Switch,
+    build_node,
+    hgx_node,
+)
 from tests.waiting import wait_until
 
 GPU, HCA = DeviceKind.GPU, DeviceKind.HCA
@@ -184,28 +194,49 @@ class Runner:
         return HookResult(ok, 0 if ok else 1, "" if ok else "nope", 0.0)
 
 
+class Node:
+    """A cleanup manager and the ledger it reads, fed as the daemon feeds them."""
+
+    def __init__(self, runner: Runner, tmp_path: Path, **kwargs: object) -> None:
+        self.ledger = Ledger(grace=5.0)
+        self.cleanup = CleanupManager(
+            hooks={GPU: HookSpec(("x",), 5)},
+            resource_names={GPU: "nvidia.com/gpu", HCA: "rdma/hca"},
+            describe=lambda kind, ids: [HookDevice(i, "", (), None) for i in ids],
+            checkpoint=Checkpoint(tmp_path / "c.json"),
+            ledger=self.ledger,
+            runner=runner,
+            **kwargs,  # type: ignore[arg-type]
+        )
+
+    def allocated(self, kind: DeviceKind, ids: list[str]) -> None:
+        self.ledger.allocated(kind, ids)
+        self.cleanup.allocated(kind, ids)
+
+    def observe(self, held: dict[DeviceKind, set[str]], polled_at: float) -> None:
+        containers = {
+            ("ns", f"pod-{d}", "c"): {kind: (d,)} for kind, ids in held.items() for d in ids
+        }
+        self.ledger.observe(Holdings(containers), polled_at)
+        self.cleanup.observe()
+
+
 def manager(runner: Runner, tmp_path: Path, **kwargs: object) -> CleanupManager:
-    return CleanupManager(
-        hooks={GPU: HookSpec(("x",), 5)},
-        resource_names={GPU: "nvidia.com/gpu", HCA: "rdma/hca"},
-        describe=lambda kind, ids: [HookDevice(i, "", (), None) for i in ids],
-        checkpoint=Checkpoint(tmp_path / "c.json"),
-        runner=runner,
-        **kwargs,  # type: ignore[arg-type]
-    )
+    return Node(runner, tmp_path, **kwargs).cleanup
 
 
 def test_release_needs_confirmations_then_cleans_once(tmp_path: Path) -> None:
     runner = Runner([True])
-    cleanup = manager(runner, tmp_path, confirmations=2)
+    node = Node(runner, tmp_path, confirmations=2)
+    cleanup = node.cleanup
     cleanup.start()
     try:
-        cleanup.allocated(GPU, ["a", "b"])
+        node.allocated(GPU, ["a", "b"])
         now = time.monotonic() + 10  # polls after the bookkeeping grace
-        cleanup.observe({GPU: {"a", "b"}}, now)
-        cleanup.observe({GPU: {"b"}}, now + 1)
+        node.observe({GPU: {"a", "b"}}, now)
+        node.observe({GPU: {"b"}}, now + 1)
         assert cleanup.verdict(GPU, "a") is None  # one miss is not a release
-        cleanup.observe({GPU: {"b"}}, now + 2)
+        node.observe({GPU: {"b"}}, now + 2)
         assert wait_until(lambda: runner.calls == [["a"]] and cleanup.verdict(GPU, "a") is None)
         assert cleanup.in_use(GPU) == {"b"}
     finally:
@@ -214,12 +245,13 @@ def test_release_needs_confirmations_then_cleans_once(tmp_path: Path) -> None:
 
 def test_a_fresh_allocation_is_not_released_by_a_poll_that_missed_it(tmp_path: Path) -> None:
     runner = Runner([])
-    cleanup = manager(runner, tmp_path, confirmations=1)
+    node = Node(runner, tmp_path, confirmations=1)
+    cleanup = node.cleanup
     cleanup.start()
     try:
-        cleanup.allocated(GPU, ["a"])
+        node.allocated(GPU, ["a"])
         # The kubelet had not recorded it yet when this poll began.
-        cleanup.observe({GPU: set()}, time.monotonic())
+        node.observe({GPU: set()}, time.monotonic())
         assert cleanup.in_use(GPU) == {"a"}
         assert runner.calls == []
     finally:
@@ -228,10 +260,11 @@ def test_a_fresh_allocation_is_not_released_by_a_poll_that_missed_it(tmp_path: P
 
 def test_pending_cleanups_survive_in_the_checkpoint(tmp_path: Path) -> None:
     runner = Runner([False] * 100)
-    cleanup = manager(runner, tmp_path, confirmations=1, retry_initial=60, retry_max=60)
+    node = Node(runner, tmp_path, confirmations=1, retry_initial=60, retry_max=60)
+    cleanup = node.cleanup
     cleanup.start()
-    cleanup.allocated(GPU, ["a"])
-    cleanup.observe({GPU: set()}, time.monotonic() + 10)
+    node.allocated(GPU, ["a"])
+    node.observe({GPU: set()}, time.monotonic() + 10)
     assert wait_until(lambda: len(runner.calls) == 1)
     cleanup.stop()
     verdict = cleanup.verdict(GPU, "a")

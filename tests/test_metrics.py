@@ -13,8 +13,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from devplugin.api import deviceplugin_v1beta1_pb2 as pb
-from devplugin.sim.kubelet import ContainerRequest
-from devplugin.sim.node import hgx_node
+from devplugin.testing.kubelet import ContainerRequest
+from devplugin.testing.node import hgx_node
 from tests.conftest import GPU, HCA, Cluster
 from tests.waiting import wait_until
 

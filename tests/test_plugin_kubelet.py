@@ -9,10 +9,10 @@ import grpc
 import pytest
 
 from devplugin.api import deviceplugin_v1beta1_pb2 as pb
-from devplugin.discovery.fake_nvml import NVML_ERROR_DRIVER_NOT_LOADED
 from devplugin.kubelet import PodResourcesClient
-from devplugin.sim.kubelet import AdmissionError, ContainerRequest
-from devplugin.sim.node import DOWN, Gpu, Hca, NodeSpec, Port, RootComplex, Switch, hgx_node
+from devplugin.testing.fake_nvml import NVML_ERROR_DRIVER_NOT_LOADED
+from devplugin.testing.kubelet import AdmissionError, ContainerRequest
+from devplugin.testing.node import DOWN, Gpu, Hca, NodeSpec, Port, RootComplex, Switch, hgx_node
 from tests.conftest import GPU, HCA, Cluster
 from tests.waiting import wait_until
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import yaml
 
-from devplugin.sim.kubelet import ContainerRequest, KubeletSimulator
-from devplugin.sim.node import build_node, hgx_node
+from devplugin.testing.kubelet import ContainerRequest, KubeletSimulator
+from devplugin.testing.node import build_node, hgx_node
 from tests.conftest import GPU, HCA
 from tests.test_hooks import hook
 from tests.waiting import wait_until

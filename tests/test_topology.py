@@ -8,7 +8,7 @@ import pytest
 
 from devplugin.model import PciAddress, PciFunction, PciPath
 from devplugin.report import topo_matrix, topo_text
-from devplugin.sim.node import build_node
+from devplugin.testing.node import build_node
 from devplugin.topology import Level, Topology, pci_level
 from tests.test_discovery_sysfs import nested_spec, scan
 

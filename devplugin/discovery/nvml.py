@@ -11,8 +11,11 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
+from devplugin.deadline import Deadlines
 from devplugin.model import GpuInfo, NvmlStatus, PciAddress, PciFunction
 
 log = logging.getLogger(__name__)
@@ -20,6 +23,19 @@ log = logging.getLogger(__name__)
 _MIB = 1024 * 1024
 # Used only when the library does not export the constant (old bindings).
 _DEFAULT_MAX_LINKS = 18
+# Seconds one NVML read may take before its GPU is reported as not answering
+# (the daemon passes its configured value).
+READ_TIMEOUT = 5.0
+
+
+@dataclass(frozen=True)
+class _RawGpu:
+    index: int
+    uuid: str
+    name: str
+    address: PciAddress
+    minor: int
+    memory: int
 
 
 def load_pynvml() -> Any:
@@ -44,8 +60,10 @@ class NvmlGpuSource:
     distinct error, not once per scan.
     """
 
-    def __init__(self, lib: Any) -> None:
+    def __init__(self, lib: Any, deadlines: Deadlines | None = None) -> None:
         self._lib = lib
+        self._deadlines = deadlines if deadlines is not None else Deadlines(READ_TIMEOUT)
+        self._session = 0
         self._lock = threading.Lock()
         self._initialised = False
         self._last_error: str | None = None
@@ -66,7 +84,7 @@ class NvmlGpuSource:
         if self._initialised:
             return None
         try:
-            self._lib.nvmlInit()
+            self._deadlines.call("nvml", self._lib.nvmlInit)
         except Exception as exc:  # noqa: BLE001 - NVML bindings raise various types
             message = self._error_text(exc)
             if message != self._last_error:
@@ -78,68 +96,100 @@ class NvmlGpuSource:
                 self._last_error = message
             return NvmlStatus(error=message)
         self._initialised = True
+        self._session += 1
         if self._last_error is not None:
             log.info("NVML initialised after earlier failure")
         self._last_error = None
         return None
 
     def scan(self, pci: Mapping[PciAddress, PciFunction]) -> tuple[tuple[GpuInfo, ...], NvmlStatus]:
+        """Every GPU NVML reports, plus every GPU it reported before and cannot
+        describe now (lost, stuck, or NVML itself failing), those with `error`."""
         with self._lock:
             failure = self._ensure_init()
             if failure is not None:
-                return (), failure
-            lib = self._lib
+                return self._known_only(pci, failure.error or "NVML unavailable"), failure
             try:
-                driver = _text(lib.nvmlSystemGetDriverVersion())
-                cuda = int(lib.nvmlSystemGetCudaDriverVersion())
-                count = int(lib.nvmlDeviceGetCount())
+                driver, cuda, count = self._deadlines.call("nvml", self._system)
             except Exception as exc:  # noqa: BLE001 - NVML bindings raise various types
                 message = self._error_text(exc)
-                log.error("NVML query failed: %s", message)
-                return (), NvmlStatus(error=message)
-            raw: list[tuple[int, Any, str, str, PciAddress, int, int]] = []
+                if message != self._last_error:
+                    log.error("NVML query failed: %s; known GPUs stay listed, Unhealthy", message)
+                    self._last_error = message
+                return self._known_only(pci, message), NvmlStatus(
+                    error=message, session=self._session
+                )
+            if self._last_error is not None:
+                log.info("NVML answers again")
+                self._last_error = None
+            raw: list[_RawGpu] = []
             failed: dict[int, str] = {}
             for index in range(count):
                 try:
-                    handle = lib.nvmlDeviceGetHandleByIndex(index)
-                    uuid = _text(lib.nvmlDeviceGetUUID(handle))
-                    name = _text(lib.nvmlDeviceGetName(handle))
-                    bus_id = PciAddress.parse(_text(lib.nvmlDeviceGetPciInfo(handle).busId))
-                    minor = int(lib.nvmlDeviceGetMinorNumber(handle))
-                    memory = int(lib.nvmlDeviceGetMemoryInfo(handle).total) // _MIB
+                    raw.append(self._deadlines.call(f"gpu{index}", partial(self._read_gpu, index)))
                 except Exception as exc:  # noqa: BLE001 - NVML bindings raise various types
                     failed[index] = self._error_text(exc)
-                    continue
-                raw.append((index, handle, uuid, name, bus_id, minor, memory))
-            for _, handle, uuid, _, _, _, _ in raw:
-                if uuid not in self._peer_addresses:
-                    self._read_links(handle, uuid)
-            index_by_address = {entry[4]: entry[0] for entry in raw}
+            index_by_address = {entry.address: entry.index for entry in raw}
             gpus = [
                 GpuInfo(
-                    index=index,
-                    uuid=uuid,
-                    name=name,
-                    pci_address=address,
-                    minor_number=minor,
-                    memory_total_mib=memory,
-                    nvlink_peers=self._peers(uuid, index, raw, index_by_address),
-                    pci=pci.get(address),
+                    index=entry.index,
+                    uuid=entry.uuid,
+                    name=entry.name,
+                    pci_address=entry.address,
+                    minor_number=entry.minor,
+                    memory_total_mib=entry.memory,
+                    nvlink_peers=self._peers(entry, raw, index_by_address),
+                    pci=pci.get(entry.address),
                 )
-                for index, _, uuid, name, address, minor, memory in raw
+                for entry in raw
             ]
-            seen = {gpu.uuid for gpu in gpus}
             for gpu in gpus:
                 self._known[gpu.index] = gpu
+            seen = {gpu.uuid for gpu in gpus}
             for index, known in sorted(self._known.items()):
-                if known.uuid in seen:
-                    continue
-                reason = failed.get(index, "no longer reported by NVML")
-                gpus.append(
-                    dataclasses.replace(known, error=reason, pci=pci.get(known.pci_address))
-                )
+                if known.uuid not in seen:
+                    reason = failed.get(index, "no longer reported by NVML")
+                    gpus.append(
+                        dataclasses.replace(known, error=reason, pci=pci.get(known.pci_address))
+                    )
             gpus.sort(key=lambda gpu: gpu.index)
-            return tuple(gpus), NvmlStatus(driver_version=driver, cuda_driver_version=cuda)
+            status = NvmlStatus(
+                driver_version=driver, cuda_driver_version=cuda, session=self._session
+            )
+            return tuple(gpus), status
+
+    def _known_only(
+        self, pci: Mapping[PciAddress, PciFunction], reason: str
+    ) -> tuple[GpuInfo, ...]:
+        """The GPUs seen before, all Unhealthy: a failing driver query must not
+        make them vanish (that would drop their latched faults)."""
+        return tuple(
+            dataclasses.replace(known, error=reason, pci=pci.get(known.pci_address))
+            for _, known in sorted(self._known.items())
+        )
+
+    def _system(self) -> tuple[str, int, int]:
+        lib = self._lib
+        driver = _text(lib.nvmlSystemGetDriverVersion())
+        cuda = int(lib.nvmlSystemGetCudaDriverVersion())
+        count = int(lib.nvmlDeviceGetCount())
+        return driver, cuda, count
+
+    def _read_gpu(self, index: int) -> _RawGpu:
+        lib = self._lib
+        handle = lib.nvmlDeviceGetHandleByIndex(index)
+        uuid = _text(lib.nvmlDeviceGetUUID(handle))
+        entry = _RawGpu(
+            index=index,
+            uuid=uuid,
+            name=_text(lib.nvmlDeviceGetName(handle)),
+            address=PciAddress.parse(_text(lib.nvmlDeviceGetPciInfo(handle).busId)),
+            minor=int(lib.nvmlDeviceGetMinorNumber(handle)),
+            memory=int(lib.nvmlDeviceGetMemoryInfo(handle).total) // _MIB,
+        )
+        if uuid not in self._peer_addresses:
+            self._read_links(handle, uuid)
+        return entry
 
     def _read_links(self, handle: Any, uuid: str) -> None:
         lib = self._lib
@@ -171,25 +221,21 @@ class NvmlGpuSource:
         self._switch_links[uuid] = switch_links
 
     def _peers(
-        self,
-        uuid: str,
-        index: int,
-        raw: list[tuple[int, Any, str, str, PciAddress, int, int]],
-        index_by_address: Mapping[PciAddress, int],
+        self, entry: _RawGpu, raw: list[_RawGpu], index_by_address: Mapping[PciAddress, int]
     ) -> tuple[tuple[int, int], ...]:
         counts: dict[int, int] = {}
-        for address_text, links in self._peer_addresses.get(uuid, ()):
+        for address_text, links in self._peer_addresses.get(entry.uuid, ()):
             peer = index_by_address.get(PciAddress.parse(address_text))
-            if peer is not None and peer != index:
+            if peer is not None and peer != entry.index:
                 counts[peer] = counts.get(peer, 0) + links
         # Through NVSwitch every pair of switch-attached GPUs talks at the
         # bandwidth of the thinner side's switch links.
-        own = self._switch_links.get(uuid, 0)
+        own = self._switch_links.get(entry.uuid, 0)
         if own:
-            for peer_index, _, peer_uuid, *_ in raw:
-                peer_links = self._switch_links.get(peer_uuid, 0)
-                if peer_index != index and peer_links:
-                    counts[peer_index] = counts.get(peer_index, 0) + min(own, peer_links)
+            for other in raw:
+                peer_links = self._switch_links.get(other.uuid, 0)
+                if other.index != entry.index and peer_links:
+                    counts[other.index] = counts.get(other.index, 0) + min(own, peer_links)
         return tuple(sorted(counts.items()))
 
     def close(self) -> None:
@@ -197,7 +243,7 @@ class NvmlGpuSource:
             if not self._initialised:
                 return
             try:
-                self._lib.nvmlShutdown()
+                self._deadlines.call("nvml", self._lib.nvmlShutdown)
             except Exception as exc:  # noqa: BLE001 - NVML bindings raise various types
                 log.warning("nvmlShutdown failed: %s", self._error_text(exc))
             self._initialised = False

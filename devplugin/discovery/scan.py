@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
-from devplugin.discovery.nvml import NvmlGpuSource
-from devplugin.discovery.sysfs import gpu_control_nodes, read_hcas, read_pci_functions
-from devplugin.model import Inventory, NvmlStatus, PciAddress, PciFunction
+from devplugin.deadline import Deadlines, Stuck
+from devplugin.discovery.nvml import READ_TIMEOUT, NvmlGpuSource
+from devplugin.discovery.sysfs import (
+    gpu_control_nodes,
+    hca_addresses,
+    list_hcas,
+    read_hca,
+    read_pci_functions,
+)
+from devplugin.model import HcaInfo, Inventory, NvmlStatus, PciAddress, PciFunction
 
 log = logging.getLogger(__name__)
 
@@ -22,19 +32,46 @@ class Roots:
 
 
 class Discoverer:
-    """Produces immutable `Inventory` snapshots; callers diff consecutive ones."""
+    """Produces immutable `Inventory` snapshots; callers diff consecutive ones.
 
-    def __init__(self, roots: Roots, gpus: NvmlGpuSource | None) -> None:
+    Every read that can block runs under `deadlines`, keyed per source: the
+    PCI tree, the RDMA class listing, each HCA, NVML and each GPU. A read that
+    does not return in time leaves its device listed with `error` set (from
+    the last description that was read), so a wedged device is reported
+    Unhealthy while the rest of the node is checked as usual.
+    """
+
+    def __init__(
+        self, roots: Roots, gpus: NvmlGpuSource | None, deadlines: Deadlines | None = None
+    ) -> None:
         self._roots = roots
         self._gpus = gpus
+        self._deadlines = deadlines if deadlines is not None else Deadlines(READ_TIMEOUT)
         self._warned_unplaced: set[str] = set()
         self._pci: dict[PciAddress, PciFunction] | None = None
+        # Last good description of each HCA, by PCI function.
+        self._hcas: dict[PciAddress, HcaInfo] = {}
+        self._last = Inventory()
+
+    @property
+    def last(self) -> Inventory:
+        """The last snapshot taken (an empty one before the first scan)."""
+        return self._last
+
+    @property
+    def deadlines(self) -> Deadlines:
+        return self._deadlines
 
     def scan(self, *, full: bool = True) -> Inventory:
         """A whole snapshot. `full=False` re-reads only what health depends on
         (RDMA ports and device nodes, NVML) and reuses the last PCI tree."""
+        sysfs, dev = self._roots.sysfs, self._roots.dev
         if full or self._pci is None:
-            self._pci = read_pci_functions(self._roots.sysfs)
+            try:
+                self._pci = self._deadlines.call("pci", partial(read_pci_functions, sysfs))
+            except Stuck:
+                if self._pci is None:
+                    self._pci = {}
         pci = self._pci
         if self._gpus is not None:
             gpus, status = self._gpus.scan(pci)
@@ -48,14 +85,47 @@ class Discoverer:
                     gpu.uuid,
                     gpu.pci_address,
                 )
-        return Inventory(
+        try:
+            control = self._deadlines.call("dev", partial(gpu_control_nodes, dev))
+        except Stuck:
+            control = ()
+        self._last = Inventory(
             gpus=gpus,
-            hcas=read_hcas(self._roots.sysfs, self._roots.dev, pci),
-            gpu_control_nodes=gpu_control_nodes(self._roots.dev),
+            hcas=self._scan_hcas(pci),
+            gpu_control_nodes=control,
             nvml=status,
             pci=pci,
         )
+        return self._last
+
+    def _scan_hcas(self, pci: Mapping[PciAddress, PciFunction]) -> tuple[HcaInfo, ...]:
+        sysfs, dev = self._roots.sysfs, self._roots.dev
+        try:
+            names = self._deadlines.call("rdma", partial(list_hcas, sysfs))
+            present = self._deadlines.call("rdma", partial(hca_addresses, sysfs, names))
+        except Stuck as exc:
+            # Without the listing nothing can be told about any HCA.
+            return tuple(
+                dataclasses.replace(hca, error=f"sysfs: {exc}") for hca in self._hcas.values()
+            )
+        hcas: list[HcaInfo] = []
+        for name, address in present:
+            read = partial(read_hca, sysfs, dev, pci, names, name=name, address=address)
+            try:
+                hca = self._deadlines.call(f"hca-{address}", read)
+            except Stuck as exc:
+                known = self._hcas.get(address)
+                if known is None:
+                    continue  # never read: nothing to serve it from
+                hca = dataclasses.replace(known, error=f"sysfs: {exc}")
+            else:
+                self._hcas[address] = hca
+            hcas.append(hca)
+        for address in [a for a in self._hcas if a not in {addr for _, addr in present}]:
+            del self._hcas[address]
+        return tuple(hcas)
 
     def close(self) -> None:
         if self._gpus is not None:
             self._gpus.close()
+        self._deadlines.close()

@@ -212,23 +212,78 @@ def _read_ports(ib_dir: Path) -> tuple[IbPort, ...]:
     return tuple(ports)
 
 
-def read_hcas(
+@dataclass(frozen=True)
+class RdmaNames:
+    """The InfiniBand class entries and which char devices belong to each."""
+
+    names: tuple[str, ...]
+    verbs: Mapping[str, str]
+    mads: Mapping[str, Mapping[str, list[_MadNode]]]
+
+
+def list_hcas(sysfs_root: Path) -> RdmaNames:
+    """Directory listings only: which RDMA devices exist and their node names."""
+    return RdmaNames(
+        names=tuple(_class_entries(sysfs_root / "class" / "infiniband")),
+        verbs=_verbs_by_ibdev(sysfs_root),
+        mads=_mads_by_ibdev(sysfs_root),
+    )
+
+
+def hca_address(sysfs_root: Path, name: str) -> PciAddress | None:
+    """The PCI function behind an RDMA device; None for software devices."""
+    device_link = sysfs_root / "class" / "infiniband" / name / "device"
+    try:
+        return PciAddress.parse(os.path.basename(os.path.realpath(device_link)))
+    except ValueError:
+        return None
+
+
+def read_hca(
     sysfs_root: Path,
     dev_root: Path,
     pci: Mapping[PciAddress, PciFunction],
-) -> tuple[HcaInfo, ...]:
-    """Every PCI-backed entry of class/infiniband, with ports and device nodes."""
-    class_dir = sysfs_root / "class" / "infiniband"
-    verbs = _verbs_by_ibdev(sysfs_root)
-    mads = _mads_by_ibdev(sysfs_root)
-    hcas: list[HcaInfo] = []
+    names: RdmaNames,
+    *,
+    name: str,
+    address: PciAddress,
+) -> HcaInfo:
+    """One HCA's attributes, ports and device nodes (the reads that can block)."""
+    ib_dir = sysfs_root / "class" / "infiniband" / name
+    uverbs_name = names.verbs.get(name)
+    mad = names.mads.get(name, {})
+    try:
+        netdevs = tuple(sorted(os.listdir(ib_dir / "device" / "net")))
+    except OSError:
+        netdevs = ()
+    return HcaInfo(
+        name=name,
+        pci_address=address,
+        pci=pci.get(address),
+        node_guid=read_text(ib_dir / "node_guid"),
+        fw_ver=read_text(ib_dir / "fw_ver"),
+        ports=_read_ports(ib_dir),
+        netdevs=netdevs,
+        uverbs=(
+            _char_device(dev_root, f"infiniband/{uverbs_name}") if uverbs_name is not None else None
+        ),
+        umads=tuple(
+            _char_device(dev_root, f"infiniband/{node.name}") for node in mad.get("umad", [])
+        ),
+        issms=tuple(
+            _char_device(dev_root, f"infiniband/{node.name}") for node in mad.get("issm", [])
+        ),
+        rdma_cm=_char_device(dev_root, "infiniband/rdma_cm"),
+    )
+
+
+def hca_addresses(sysfs_root: Path, names: RdmaNames) -> list[tuple[str, PciAddress]]:
+    """(name, PCI function) of every PCI-backed RDMA device, one name per function."""
+    found: list[tuple[str, PciAddress]] = []
     seen: dict[PciAddress, str] = {}
-    for name in _class_entries(class_dir):
-        ib_dir = class_dir / name
-        device_link = ib_dir / "device"
-        try:
-            address = PciAddress.parse(os.path.basename(os.path.realpath(device_link)))
-        except ValueError:
+    for name in names.names:
+        address = hca_address(sysfs_root, name)
+        if address is None:
             # Software RDMA devices (rxe, siw) have no PCI function: they
             # have no place in the PCIe topology and are not served.
             log.info("RDMA device %s is not backed by a PCI function; not served", name)
@@ -243,35 +298,18 @@ def read_hcas(
             )
             continue
         seen[address] = name
-        uverbs_name = verbs.get(name)
-        mad = mads.get(name, {})
-        try:
-            netdevs = tuple(sorted(os.listdir(device_link / "net")))
-        except OSError:
-            netdevs = ()
-        hcas.append(
-            HcaInfo(
-                name=name,
-                pci_address=address,
-                pci=pci.get(address),
-                node_guid=read_text(ib_dir / "node_guid"),
-                fw_ver=read_text(ib_dir / "fw_ver"),
-                ports=_read_ports(ib_dir),
-                netdevs=netdevs,
-                uverbs=(
-                    _char_device(dev_root, f"infiniband/{uverbs_name}")
-                    if uverbs_name is not None
-                    else None
-                ),
-                umads=tuple(
-                    _char_device(dev_root, f"infiniband/{node.name}")
-                    for node in mad.get("umad", [])
-                ),
-                issms=tuple(
-                    _char_device(dev_root, f"infiniband/{node.name}")
-                    for node in mad.get("issm", [])
-                ),
-                rdma_cm=_char_device(dev_root, "infiniband/rdma_cm"),
-            )
-        )
-    return tuple(hcas)
+        found.append((name, address))
+    return found
+
+
+def read_hcas(
+    sysfs_root: Path,
+    dev_root: Path,
+    pci: Mapping[PciAddress, PciFunction],
+) -> tuple[HcaInfo, ...]:
+    """Every PCI-backed entry of class/infiniband, with ports and device nodes."""
+    names = list_hcas(sysfs_root)
+    return tuple(
+        read_hca(sysfs_root, dev_root, pci, names, name=name, address=address)
+        for name, address in hca_addresses(sysfs_root, names)
+    )

@@ -16,6 +16,7 @@ log = logging.getLogger(__name__)
 
 SUBSYSTEMS = ("pci", "infiniband", "infiniband_verbs", "infiniband_mad")
 ACTIONS = frozenset({"add", "remove", "bind", "unbind"})
+POLL_SECONDS = 0.2
 
 
 def udev_monitor() -> Any | None:
@@ -47,16 +48,23 @@ class HotplugWatcher:
         self._thread = threading.Thread(target=self._run, name="hotplug", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def signal_stop(self) -> None:
         self._stop.set()
+
+    def join(self, timeout: float) -> None:
         if self._thread is not None:
-            self._thread.join(timeout=5)
+            self._thread.join(timeout)
+
+    def stop(self) -> None:
+        self.signal_stop()
+        self.join(5)
 
     def _run(self) -> None:
         log.info("hotplug watcher started")
         while not self._stop.is_set():
             try:
-                device = self._monitor.poll(timeout=0.5)
+                # Not interruptible: the timeout bounds how long a stop waits.
+                device = self._monitor.poll(timeout=POLL_SECONDS)
             except Exception as exc:  # noqa: BLE001
                 log.warning("udev monitor failed (%s); periodic rescans continue", exc)
                 self._stop.wait(5.0)

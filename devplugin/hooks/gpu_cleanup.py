@@ -55,7 +55,7 @@ def clean(lib: Any, uuids: Sequence[str]) -> list[str]:
 def _library() -> Any:
     fixture = os.environ.get("DEVPLUGIN_NVML_FIXTURE")
     if fixture:
-        from devplugin.discovery.fake_nvml import FakeNvml
+        from devplugin.testing.fake_nvml import FakeNvml
 
         return FakeNvml.from_file(Path(fixture))
     from devplugin.discovery.nvml import load_pynvml

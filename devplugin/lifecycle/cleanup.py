@@ -27,11 +27,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 
+from devplugin.ledger import Ledger
 from devplugin.lifecycle.checkpoint import Checkpoint, LifecycleState
-from devplugin.lifecycle.health import Verdict
+from devplugin.lifecycle.health import HealthTracker, Verdict
 from devplugin.lifecycle.hooks import HookDevice, HookResult, HookSpec, run_hook
 from devplugin.model import DeviceKind, Health
-from devplugin.recent import BOOKKEEPING_GRACE, RecentAllocations
 
 log = logging.getLogger(__name__)
 
@@ -55,12 +55,12 @@ class CleanupManager:
         resource_names: Mapping[DeviceKind, str],
         describe: Describe,
         checkpoint: Checkpoint | None,
+        ledger: Ledger,
+        health: HealthTracker | None = None,
         confirmations: int = 2,
         retry_initial: float = 5.0,
         retry_max: float = 300.0,
-        bookkeeping_grace: float = BOOKKEEPING_GRACE,
         on_change: Callable[[], None] = lambda: None,
-        on_cleaned: Callable[[DeviceKind, str], None] = lambda kind, device: None,
         runner: HookRunner = run_hook,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -72,21 +72,27 @@ class CleanupManager:
         self._retry_initial = retry_initial
         self._retry_max = retry_max
         self._on_change = on_change
-        self._on_cleaned = on_cleaned
+        self._ledger = ledger
+        self._health = health
         self._runner = runner
         self._clock = clock
         self._cond = threading.Condition()
         self._assigned: dict[DeviceKind, set[str]] = {kind: set() for kind in DeviceKind}
         self._unverified: set[tuple[DeviceKind, str]] = set()
         self._missing: dict[tuple[DeviceKind, str], int] = {}
-        self._recent = RecentAllocations(bookkeeping_grace)
         self._jobs: dict[tuple[DeviceKind, str], _Job] = {}
         self._stop = False
+        self._loaded = False
         self._thread: threading.Thread | None = None
         self.runs = 0
 
     # -- lifecycle -------------------------------------------------------------
-    def start(self) -> None:
+    def load(self) -> None:
+        """Read the checkpoint (once): devices in use before a restart stay
+        Unhealthy until a poll says where they are; owed cleanups stay owed."""
+        if self._loaded:
+            return
+        self._loaded = True
         if self._checkpoint is not None:
             saved = self._checkpoint.load()
             with self._cond:
@@ -104,33 +110,48 @@ class CleanupManager:
                     sum(len(ids) for ids in saved.assigned.values()),
                     sum(len(ids) for ids in saved.pending.values()),
                 )
+
+    def start(self) -> None:
+        """Start the worker (loading the checkpoint first if nobody did). The
+        runtime starts it after the first scan, so owed cleanups find their
+        devices described instead of being pushed back."""
+        self.load()
         self._thread = threading.Thread(target=self._work, name="cleanup", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def signal_stop(self) -> None:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the worker; by default as long as a running hook may take."""
+        if timeout is None:
+            timeout = max((s.timeout for s in self._hooks.values()), default=0) + 5
         if self._thread is not None:
-            self._thread.join(timeout=max((s.timeout for s in self._hooks.values()), default=0) + 5)
+            self._thread.join(timeout)
+
+    def stop(self) -> None:
+        self.signal_stop()
+        self.join()
 
     # -- inputs ----------------------------------------------------------------
     def allocated(self, kind: DeviceKind, ids: Sequence[str]) -> None:
         with self._cond:
             self._assigned[kind].update(ids)
-            self._recent.add(kind, ids, self._clock())
             for device in ids:
                 self._missing.pop((kind, device), None)
                 self._unverified.discard((kind, device))
             self._save_locked()
 
-    def observe(self, held: Mapping[DeviceKind, set[str]], polled_at: float) -> None:
-        """One PodResources answer: what every container held at `polled_at`."""
+    def observe(self) -> None:
+        """The ledger has a new PodResources answer: count each in-use device
+        it no longer shows as taken; enough misses in a row are a release."""
         changed = False
+        taken = {kind: self._ledger.taken(kind) for kind in DeviceKind}
         with self._cond:
-            self._recent.confirm(held, polled_at)
             for kind in DeviceKind:
-                effective = set(held.get(kind, ())) | self._recent.ids(kind)
+                effective = taken[kind]
                 for device in effective:
                     self._missing.pop((kind, device), None)
                     if (kind, device) in self._unverified:
@@ -220,6 +241,21 @@ class CleanupManager:
                 return Verdict(Health.UNHEALTHY, "in use before restart; awaiting PodResources")
         return None
 
+    def cleans(self, kind: DeviceKind) -> bool:
+        """Whether devices of this kind have a cleanup hook."""
+        return kind in self._hooks
+
+    def verdicts(self) -> dict[tuple[DeviceKind, str], Verdict]:
+        """Every device this manager keeps out of service, and why (one snapshot)."""
+        with self._cond:
+            keys = set(self._jobs) | self._unverified
+        found: dict[tuple[DeviceKind, str], Verdict] = {}
+        for kind, device in keys:
+            verdict = self.verdict(kind, device)
+            if verdict is not None:
+                found[(kind, device)] = verdict
+        return found
+
     def in_use(self, kind: DeviceKind) -> set[str]:
         with self._cond:
             return set(self._assigned[kind])
@@ -300,7 +336,8 @@ class CleanupManager:
                 result.duration,
                 " (inline, before Allocate)" if inline else "",
             )
-            self._on_cleaned(kind, device)
+            if self._health is not None:
+                self._health.cleaned(device)
             self._on_change()
             return None
         log.warning(

@@ -66,9 +66,13 @@ class HealthTracker:
             self._latch(device_id, reason, good_checks or self._good_checks)
 
     def _latch(self, device_id: str, reason: str, needed: int) -> None:
-        self._faults[device_id] = reason
+        required = self._required.get(device_id, 0)
+        # A plain failed check on top of a stronger fault (an XID that needs
+        # 30 good checks) keeps the stronger fault's reason and requirement.
+        if device_id not in self._faults or needed >= required:
+            self._faults[device_id] = reason
         self._streak[device_id] = 0
-        self._required[device_id] = max(needed, self._required.get(device_id, 0))
+        self._required[device_id] = max(needed, required)
 
     def _clear(self, device_id: str) -> None:
         self._faults.pop(device_id, None)
@@ -86,6 +90,11 @@ class HealthTracker:
         with self._lock:
             reason = self._faults.get(device_id)
         return HEALTHY if reason is None else Verdict(Health.UNHEALTHY, reason)
+
+    def verdicts(self) -> dict[str, Verdict]:
+        """Every latched fault, as one snapshot."""
+        with self._lock:
+            return {device: Verdict(Health.UNHEALTHY, r) for device, r in self._faults.items()}
 
     def faulted(self) -> set[str]:
         with self._lock:

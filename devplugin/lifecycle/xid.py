@@ -14,13 +14,17 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from devplugin.lifecycle.health import HealthTracker
+from devplugin.model import Inventory
+
 log = logging.getLogger(__name__)
 
 # Event type bits and the timeout code, as nvml.h defines them.
 XID_CRITICAL = 0x8
 DOUBLE_BIT_ECC = 0x2
 TIMEOUT = 10
-WAIT_MS = 500
+# Event waits are not interruptible; this bounds how long a stop waits.
+WAIT_MS = 250
 
 
 def _text(value: object) -> str:
@@ -30,75 +34,144 @@ def _text(value: object) -> str:
 
 
 class XidWatcher:
-    """One thread waiting on an NVML event set for every GPU."""
+    """One thread waiting on an NVML event set for every reachable GPU.
+
+    The set is (re)registered whenever the GPUs the check loop found, or the
+    NVML session they were found in, change (`track`): a driver that loads
+    after the daemon, a GPU that was unreachable at start and answers later,
+    or a hot-added GPU are all watched from the next check on.
+    """
 
     def __init__(
         self,
         lib: Any,
         *,
         ignore: Iterable[int],
-        on_fault: Callable[[str, str], None],
+        health: HealthTracker,
+        good_checks: int,
+        on_fault: Callable[[], None] = lambda: None,
     ) -> None:
         self._lib = lib
         self._ignore = frozenset(ignore)
+        self._health = health
+        self._good_checks = good_checks
         self._on_fault = on_fault
         self._stop = threading.Event()
+        self._changed = threading.Event()
+        self._settled = threading.Event()
+        self._lock = threading.Lock()
+        self._wanted: tuple[int, frozenset[str]] = (0, frozenset())
+        self._armed: tuple[int, frozenset[str]] | None = None
+        self._event_set: Any | None = None
+        self._initialised = False
         self._thread: threading.Thread | None = None
-        self._ready = threading.Event()
-        self.watched: set[str] = set()
+        self.watched: frozenset[str] = frozenset()
+        self.arms = 0
         self.events_seen = 0
+
+    def track(self, inventory: Inventory) -> None:
+        """The GPUs a check found: re-arm when they or the NVML session changed."""
+        if not inventory.nvml.ok:
+            return  # keep watching what was armed; a blip must not drop the set
+        uuids = frozenset(gpu.uuid for gpu in inventory.gpus if gpu.error is None)
+        wanted = (inventory.nvml.session, uuids)
+        with self._lock:
+            if wanted == self._wanted:
+                return
+            self._wanted = wanted
+            self._settled.clear()
+        self._changed.set()
+
+    def wait_armed(self, timeout: float) -> bool:
+        """Wait until the last tracked GPU set is registered (or failed to be)."""
+        return self._settled.wait(timeout)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="xid", daemon=True)
         self._thread.start()
-        self._ready.wait(5)
+
+    def signal_stop(self) -> None:
+        self._stop.set()
+        self._changed.set()
+
+    def join(self, timeout: float) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        self.signal_stop()
+        self.join(5)
 
-    def _register(self) -> Any | None:
+    def _arm(self, wanted: tuple[int, frozenset[str]]) -> None:
         lib = self._lib
-        try:
-            lib.nvmlInit()
-        except Exception as exc:  # noqa: BLE001 - no NVML, nothing to watch
-            log.info("XID events not watched: NVML unavailable (%s)", exc)
-            return None
+        # Failures are retried when the GPU set or the NVML session changes
+        # (not in a loop); the periodic checks watch the GPUs meanwhile.
+        self._armed = wanted
+        _, uuids = wanted
+        if not uuids:
+            self._free()
+            self.watched = frozenset()
+            return
+        if not self._initialised:
+            try:
+                lib.nvmlInit()
+            except Exception as exc:  # noqa: BLE001 - no NVML, nothing to watch yet
+                log.warning("XID events not watched: NVML unavailable (%s)", exc)
+                return
+            self._initialised = True
         try:
             event_set = lib.nvmlEventSetCreate()
-            count = int(lib.nvmlDeviceGetCount())
         except Exception as exc:  # noqa: BLE001
             log.warning("XID events not watched: %s", exc)
-            lib.nvmlShutdown()
-            return None
+            return
         mask = getattr(lib, "nvmlEventTypeXidCriticalError", XID_CRITICAL) | getattr(
             lib, "nvmlEventTypeDoubleBitEccError", DOUBLE_BIT_ECC
         )
-        for index in range(count):
+        watched: set[str] = set()
+        for uuid in sorted(uuids):
             try:
-                handle = lib.nvmlDeviceGetHandleByIndex(index)
-                uuid = _text(lib.nvmlDeviceGetUUID(handle))
+                handle = lib.nvmlDeviceGetHandleByUUID(uuid)
                 lib.nvmlDeviceRegisterEvents(handle, mask, event_set)
             except Exception as exc:  # noqa: BLE001
-                log.warning("GPU %d: XID events not available (%s); health checks only", index, exc)
+                log.warning("GPU %s: XID events not available (%s); health checks only", uuid, exc)
                 continue
-            self.watched.add(uuid)
-        log.info("watching XID and ECC events on %d GPUs", len(self.watched))
-        return event_set
+            watched.add(uuid)
+        self._free()
+        self._event_set = event_set
+        self.watched = frozenset(watched)
+        self.arms += 1
+        log.info("watching XID and ECC events on %d GPUs", len(watched))
+
+    def _free(self) -> None:
+        if self._event_set is None:
+            return
+        try:
+            self._lib.nvmlEventSetFree(self._event_set)
+        except Exception:
+            log.debug("NVML event set free failed", exc_info=True)
+        self._event_set = None
 
     def _run(self) -> None:
-        event_set = self._register()
-        self._ready.set()
-        if event_set is None:
-            return
+        log.info("XID watcher started")
         lib = self._lib
         timeout_code = getattr(lib, "NVML_ERROR_TIMEOUT", TIMEOUT)
         xid_type = getattr(lib, "nvmlEventTypeXidCriticalError", XID_CRITICAL)
         try:
             while not self._stop.is_set():
+                with self._lock:
+                    wanted = self._wanted
+                    self._changed.clear()
+                if wanted != self._armed:
+                    self._arm(wanted)
+                with self._lock:
+                    if wanted == self._wanted:
+                        self._settled.set()
+                if self._event_set is None:
+                    # Nothing registered: sleep until the GPU set changes.
+                    self._changed.wait()
+                    continue
                 try:
-                    event = lib.nvmlEventSetWait_v2(event_set, WAIT_MS)
+                    event = lib.nvmlEventSetWait_v2(self._event_set, WAIT_MS)
                 except Exception as exc:  # noqa: BLE001
                     if getattr(exc, "value", None) == timeout_code:
                         continue
@@ -107,11 +180,13 @@ class XidWatcher:
                     continue
                 self._handle(event, xid_type)
         finally:
-            try:
-                lib.nvmlEventSetFree(event_set)
-                lib.nvmlShutdown()
-            except Exception:
-                log.debug("NVML event set cleanup failed", exc_info=True)
+            self._free()
+            if self._initialised:
+                try:
+                    lib.nvmlShutdown()
+                except Exception:
+                    log.debug("nvmlShutdown failed", exc_info=True)
+            log.info("XID watcher stopped")
 
     def _handle(self, event: Any, xid_type: int) -> None:
         try:
@@ -134,4 +209,5 @@ class XidWatcher:
         else:
             reason = "double-bit ECC error"
         log.error("GPU %s: %s; marking it Unhealthy", uuid, reason)
-        self._on_fault(uuid, reason)
+        self._health.fault(uuid, reason, self._good_checks)
+        self._on_fault()

@@ -25,7 +25,7 @@ from devplugin.model import (
     PciFunction,
     PciPath,
 )
-from devplugin.sim.sysfs import PciNode, SysfsBuilder
+from devplugin.testing.sysfs import PciNode, SysfsBuilder
 
 NVIDIA = 0x10DE
 MELLANOX = 0x15B3

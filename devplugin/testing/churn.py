@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 from devplugin.alignment import alignment, best_worst_level
 from devplugin.model import DeviceKind
-from devplugin.sim.cluster import GPU, HCA, SimCluster
-from devplugin.sim.kubelet import ContainerRequest, KubeletSimulator
-from devplugin.sim.node import NodeSpec
+from devplugin.testing.cluster import GPU, HCA, SimCluster
+from devplugin.testing.kubelet import ContainerRequest, KubeletSimulator
+from devplugin.testing.node import NodeSpec
 
 # (GPUs, HCAs) per container, with weights: mostly GPUDirect pairs, some
 # shared-NIC shapes, some single-resource pods.

@@ -15,11 +15,11 @@ from pathlib import Path
 
 from devplugin.alignment import alignment
 from devplugin.config import Config, override
-from devplugin.daemon import Daemon
-from devplugin.discovery.fake_nvml import FakeNvml
 from devplugin.report import topo_text
-from devplugin.sim.kubelet import AdmissionError, ContainerRequest, KubeletSimulator, PodResult
-from devplugin.sim.node import build_node, hgx_node
+from devplugin.runtime import build
+from devplugin.testing.fake_nvml import FakeNvml
+from devplugin.testing.kubelet import AdmissionError, ContainerRequest, KubeletSimulator, PodResult
+from devplugin.testing.node import build_node, hgx_node
 from devplugin.topology import Topology
 
 GPU = "nvidia.com/gpu"
@@ -71,7 +71,7 @@ def run_demo(out: Callable[[str], None] = print, workdir: Path | None = None) ->
                 "metrics.addresses": ["127.0.0.1:0"],
             },
         )
-        daemon = Daemon(config, FakeNvml.from_file(node.fixture))
+        daemon = build(config, FakeNvml.from_file(node.fixture))
         try:
             daemon.start()
             out(f"simulated node under {base}")

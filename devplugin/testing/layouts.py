@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from devplugin.sim.node import Gpu, Hca, NodeSpec, RootComplex, Switch, hgx_node
+from devplugin.testing.node import Gpu, Hca, NodeSpec, RootComplex, Switch, hgx_node
 
 
 def _cpus(numa: int, per_node: int = 32) -> str:

@@ -9,10 +9,10 @@ from types import TracebackType
 from typing import Any
 
 from devplugin.config import Config, override
-from devplugin.daemon import Daemon
-from devplugin.discovery.fake_nvml import FakeNvml
-from devplugin.sim.kubelet import KubeletSimulator
-from devplugin.sim.node import BuiltNode, NodeSpec, build_node
+from devplugin.runtime import Daemon, build
+from devplugin.testing.fake_nvml import FakeNvml
+from devplugin.testing.kubelet import KubeletSimulator
+from devplugin.testing.node import BuiltNode, NodeSpec, build_node
 
 GPU = "nvidia.com/gpu"
 HCA = "rdma/hca"
@@ -61,7 +61,7 @@ class SimCluster:
                     **self.settings,
                 },
             )
-            self.daemon = Daemon(config, FakeNvml.from_file(self.node.fixture))
+            self.daemon = build(config, FakeNvml.from_file(self.node.fixture))
             self.daemon.start()
             ready = self.kubelet.wait_for_devices(
                 GPU, len(self.node.gpus), timeout=10

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from devplugin.sim.node import Child, Gpu, Hca, NodeSpec, Port, RootComplex, Switch
+from devplugin.testing.node import Child, Gpu, Hca, NodeSpec, Port, RootComplex, Switch
 
 
 def _children(rng: random.Random, depth: int) -> list[Child]:

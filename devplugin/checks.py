@@ -1,0 +1,151 @@
+"""The check loop: the only place hardware is read while the daemon runs.
+
+A light check (ports, device nodes, NVML per GPU) every `interval`, a full
+rescan of the PCI tree every `rescan` seconds or at once on a hotplug event,
+and a re-judgement without a scan whenever an event changed a verdict.
+Every read runs under the discoverer's deadlines, so a wedged GPU or a
+blocking sysfs file costs one check at most `read_timeout` and leaves that
+device Unhealthy; the rest of the node keeps being checked and served.
+
+Staleness: a check is complete when every read returned. If no check has
+been complete for `stale_after` seconds (a read still wedged, or the loop
+itself stalled), `healthy()` says so and `/healthz` fails, so the kubelet's
+liveness probe restarts the daemon.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from devplugin.discovery import Discoverer
+from devplugin.model import Inventory
+from devplugin.pipeline import Pipeline
+
+log = logging.getLogger(__name__)
+
+
+class Requests:
+    """What events ask of the check loop; created before the parts that ask.
+
+    Setting a flag and an event never blocks, so any thread may call these
+    (an XID watcher, the cleanup worker, the udev watcher, an RPC handler)."""
+
+    def __init__(self) -> None:
+        self.wake = threading.Event()
+        self.full = False
+        self.judge = False
+
+    def rescan(self) -> None:
+        """A full rescan soon (hotplug)."""
+        self.full = True
+        self.wake.set()
+
+    def rejudge(self) -> None:
+        """Re-decide health without scanning (an XID, a cleanup state change)."""
+        self.judge = True
+        self.wake.set()
+
+
+class CheckLoop:
+    def __init__(
+        self,
+        discoverer: Discoverer,
+        pipeline: Pipeline,
+        *,
+        requests: Requests | None = None,
+        interval: float,
+        rescan: float,
+        stale_after: float,
+        on_scan: Callable[[Inventory], None] = lambda inventory: None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._discoverer = discoverer
+        self._pipeline = pipeline
+        self._interval = interval
+        self._rescan = rescan
+        self._stale_after = stale_after
+        self._on_scan = on_scan
+        self._clock = clock
+        self._stop = threading.Event()
+        self.requests = requests if requests is not None else Requests()
+        self._thread: threading.Thread | None = None
+        self._last_complete = clock()
+        self._scan_lock = threading.Lock()
+        self.checks = 0  # completed scans, for observers
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        return self._thread
+
+    # -- one check ---------------------------------------------------------------
+    def check(self, *, full: bool = True) -> Inventory:
+        """Scan with deadlines, hand the snapshot to the pipeline."""
+        with self._scan_lock:
+            inventory = self._discoverer.scan(full=full)
+            if not self._discoverer.deadlines.stuck():
+                self._last_complete = self._clock()
+            self._pipeline.ingest(inventory)
+            self._on_scan(inventory)
+            self.checks += 1
+            return inventory
+
+    def healthy(self) -> tuple[bool, str]:
+        """False once no check has read every device for `stale_after` seconds."""
+        now = self._clock()
+        age = now - self._last_complete
+        if age <= self._stale_after:
+            return True, ""
+        stuck = self._discoverer.deadlines.stuck()
+        if stuck:
+            detail = ", ".join(
+                f"{key} for {now - since:.0f}s" for key, since in sorted(stuck.items())
+            )
+            return False, f"health checks incomplete for {age:.0f}s: no answer from {detail}"
+        return False, f"no health check completed for {age:.0f}s"
+
+    # -- the loop ----------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="checks", daemon=True)
+        self._thread.start()
+
+    def signal_stop(self) -> None:
+        self._stop.set()
+        self.requests.wake.set()
+
+    def join(self, timeout: float) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        log.info(
+            "check loop started (health every %.1fs, full rescan every %.1fs)",
+            self._interval,
+            self._rescan,
+        )
+        next_check = self._clock() + self._interval
+        next_full = self._clock() + self._rescan
+        requests = self.requests
+        while not self._stop.is_set():
+            requests.wake.wait(max(0.0, min(next_check, next_full) - self._clock()))
+            requests.wake.clear()
+            if self._stop.is_set():
+                break
+            full, requests.full = requests.full, False
+            judge, requests.judge = requests.judge, False
+            now = self._clock()
+            try:
+                if full or now >= next_full:
+                    self.check(full=True)
+                    next_full = now + self._rescan
+                    next_check = now + self._interval
+                elif now >= next_check:
+                    self.check(full=False)
+                    next_check = now + self._interval
+                elif judge:
+                    self._pipeline.rejudge()
+            except Exception:
+                log.exception("health check failed; keeping the previous device lists")
+        log.info("check loop stopped")

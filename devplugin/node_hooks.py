@@ -1,0 +1,104 @@
+"""The lifecycle around one resource's allocations (the servicer's AllocationHooks).
+
+Before: a device still owed a cleanup is cleaned (or its running cleanup
+waited for). Then, optionally, attach mode adds the nearest HCAs to a GPU
+container and the init hook runs. After: the allocation is recorded once, in
+the ledger, and the pairing and cleanup bookkeeping advance.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+from devplugin.coordination import Coordinator
+from devplugin.ledger import Ledger
+from devplugin.lifecycle.cleanup import CleanupManager
+from devplugin.lifecycle.devices import describe
+from devplugin.lifecycle.hooks import HookDevice, HookResult, HookSpec
+from devplugin.model import Refused
+from devplugin.pipeline import Pipeline
+from devplugin.resources import ContainerAllocation, HcaResource, Resource
+
+log = logging.getLogger(__name__)
+
+HookRunner = Callable[[HookSpec, str, str, Sequence[HookDevice]], HookResult]
+
+
+class ResourceHooks:
+    def __init__(
+        self,
+        resource: Resource,
+        *,
+        pipeline: Pipeline,
+        ledger: Ledger,
+        coordinator: Coordinator,
+        cleanup: CleanupManager,
+        runner: HookRunner,
+        init: HookSpec | None = None,
+        attach: HcaResource | None = None,
+        poke: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._resource = resource
+        self._kind = resource.kind
+        self._pipeline = pipeline
+        self._ledger = ledger
+        self._coordinator = coordinator
+        self._cleanup = cleanup
+        self._runner = runner
+        self._init = init
+        self._pre_start = resource.capabilities.pre_start
+        self._attach = attach
+        self._poke = poke
+
+    def prepare(self, physical: Sequence[str]) -> str | None:
+        if not self._cleanup.cleans(self._kind):
+            return None
+        error = self._cleanup.prepare(
+            self._kind, physical, reuse_proves_release=self._resource.reuse_proves_release
+        )
+        # A device cleaned inline is Healthy again: judge before validating.
+        self._pipeline.rejudge()
+        return error
+
+    def extra(self, physical: Sequence[str]) -> ContainerAllocation | None:
+        """Attach mode: the nearest healthy HCAs' nodes and variable for these GPUs."""
+        if self._attach is None:
+            return None
+        state = self._pipeline.hca_state()
+        hcas = self._coordinator.nearest(physical)
+        if state is None or not hcas:
+            return None
+        try:
+            return self._attach.allocate(state, hcas)
+        except Refused as exc:
+            log.warning("attach: cannot add HCAs %s: %s", ",".join(hcas), exc.reason)
+            return None
+
+    def init(self, physical: Sequence[str]) -> str | None:
+        return None if self._pre_start else self._run_init(physical)
+
+    def pre_start(self, physical: Sequence[str]) -> str | None:
+        return self._run_init(physical) if self._pre_start else None
+
+    def _run_init(self, physical: Sequence[str]) -> str | None:
+        spec = self._init
+        if spec is None:
+            return None
+        name = self._resource.name
+        devices = describe(self._pipeline.inventory, self._kind, physical)
+        if devices is None:
+            return "unknown device ids"
+        result = self._runner(spec, "init", name, devices)
+        if result.ok:
+            log.info("%s: init hook for %s took %.2fs", name, ",".join(physical), result.duration)
+            return None
+        message = result.describe("init", spec.timeout)
+        log.warning("%s: %s for %s", name, message, ",".join(physical))
+        return message
+
+    def allocated(self, physical: Sequence[str]) -> None:
+        self._ledger.allocated(self._kind, physical)
+        self._coordinator.allocated(self._kind, physical)
+        self._cleanup.allocated(self._kind, physical)
+        self._poke()

@@ -1,0 +1,173 @@
+"""Scan, judge, serve: from a node snapshot to what each server lists.
+
+`ingest` takes a whole `Inventory` from the check loop (which read the
+hardware, with deadlines, before calling it): it rebuilds the topology when
+the device set changed, records each device's health on the hardware in the
+health tracker, and judges. `rejudge` judges again without a scan (an XID
+arrived, a cleanup changed state). Judging is the pure `judge.judge` under
+one short lock that no hardware read ever holds; the result is published to
+each resource's sink (its servicer) and to the coordinator. RPC handlers
+read the published states and never wait for a scan.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+
+from devplugin.coordination import Coordinator
+from devplugin.judge import Verdicts, judge, transitions
+from devplugin.lifecycle.cleanup import CleanupManager
+from devplugin.lifecycle.health import HealthTracker
+from devplugin.metrics import Metrics
+from devplugin.model import DeviceKind, Health, Inventory
+from devplugin.resources import HcaResource, Resource, ResourceState
+from devplugin.topology import Topology
+
+log = logging.getLogger(__name__)
+
+# Receives a resource's served state; returns whether its device list changed.
+Sink = Callable[[ResourceState], bool]
+
+
+def topology_key(inventory: Inventory) -> Hashable:
+    """What the topology depends on (not health): rebuild only when it changes."""
+    return (
+        tuple(
+            (g.uuid, g.pci.path if g.pci else None, g.numa_node, g.nvlink_peers, g.index)
+            for g in inventory.gpus
+        ),
+        tuple((h.device_id, h.pci.path if h.pci else None, h.numa_node) for h in inventory.hcas),
+    )
+
+
+@dataclass
+class _Published:
+    inventory: Inventory
+    live: dict[DeviceKind, ResourceState]
+    served: dict[DeviceKind, ResourceState]
+    # Attach mode's view of the HCAs: judged when rdma/hca is served, else live.
+    hcas: ResourceState | None
+
+
+class Pipeline:
+    def __init__(
+        self,
+        resources: Sequence[Resource],
+        *,
+        health: HealthTracker,
+        cleanup: CleanupManager,
+        coordinator: Coordinator,
+        metrics: Metrics,
+        after_cleanup: bool,
+        hca_view: HcaResource | None = None,
+    ) -> None:
+        self._resources = list(resources)
+        self._health = health
+        self._cleanup = cleanup
+        self._coordinator = coordinator
+        self._metrics = metrics
+        self._after_cleanup = after_cleanup
+        # HCA device nodes for attach mode when rdma/hca itself is not served.
+        served_kinds = {resource.kind for resource in self._resources}
+        self._hca_view = hca_view if DeviceKind.HCA not in served_kinds else None
+        self._sinks: dict[DeviceKind, Sink] = {}
+        self._lock = threading.Lock()
+        self._topology_key: Hashable = None
+        # Replaced whole under the lock; readers take the reference without it.
+        self._current = _Published(Inventory(), {}, {}, None)
+        self.scans = 0
+
+    # -- reads (any thread, never blocking on a scan) --------------------------
+    @property
+    def inventory(self) -> Inventory:
+        return self._current.inventory
+
+    def served(self, kind: DeviceKind) -> ResourceState | None:
+        return self._current.served.get(kind)
+
+    def hca_state(self) -> ResourceState | None:
+        return self._current.hcas
+
+    def resource(self, kind: DeviceKind) -> Resource:
+        return next(r for r in self._resources if r.kind is kind)
+
+    def connect(self, kind: DeviceKind, sink: Sink) -> None:
+        self._sinks[kind] = sink
+
+    # -- writes ----------------------------------------------------------------
+    def ingest(self, inventory: Inventory) -> None:
+        """A new scan: topology (when the device set changed), health, judge."""
+        key = topology_key(inventory)
+        if key != self._topology_key:
+            if self._topology_key is not None:
+                log.info("device set changed; topology rebuilt")
+            self._coordinator.set_topology(Topology.from_inventory(inventory))
+            self._topology_key = key
+        live = {resource.kind: resource.state(inventory) for resource in self._resources}
+        present: list[str] = []
+        for state in live.values():
+            for device in state.devices:
+                present.append(device.id)
+                self._health.observe(device.id, device.health is Health.HEALTHY, device.reason)
+        self._health.forget(present)
+        hcas = self._hca_view.state(inventory) if self._hca_view is not None else None
+        with self._lock:
+            current = self._current
+            self._current = _Published(inventory, live, current.served, hcas)
+            self._judge_locked()
+            self.scans += 1
+
+    def rejudge(self) -> None:
+        """Judge again from the last scan (an event changed a verdict)."""
+        with self._lock:
+            self._judge_locked()
+
+    def _judge_locked(self) -> None:
+        current = self._current
+        verdicts = Verdicts(
+            faults=self._health.verdicts(),
+            cleanup=self._cleanup.verdicts(),
+            in_use={kind: self._cleanup.in_use(kind) for kind in current.live},
+            after_cleanup=self._after_cleanup,
+        )
+        judgement = judge(current.live, verdicts)
+        for kind, state in judgement.served.items():
+            resource = self.resource(kind)
+            for before, after in transitions(current.served.get(kind), state):
+                _log_transition(resource.name, before is None, after.health, after.id, after.reason)
+            self._coordinator.set_healthy(kind, state.healthy_ids())
+            served = resource.serve(state)
+            self._metrics.set_devices(resource.name, (d.health for d in served.devices))
+            sink = self._sinks.get(kind)
+            if sink is not None and sink(served):
+                log.info("%s: device list changed", resource.name)
+        hcas = judgement.served.get(DeviceKind.HCA, current.hcas)
+        if DeviceKind.HCA not in judgement.served and hcas is not None:
+            self._coordinator.set_healthy(DeviceKind.HCA, hcas.healthy_ids())
+        self._current = _Published(current.inventory, current.live, dict(judgement.served), hcas)
+        for kind, device in judgement.cleanups:
+            self._cleanup.request_cleanup(kind, device)
+
+
+def _log_transition(name: str, new: bool, health: Health, device: str, reason: str) -> None:
+    if health is Health.HEALTHY:
+        if not new:
+            log.info("%s: %s is Healthy again", name, device)
+    else:
+        log.warning("%s: %s is Unhealthy: %s", name, device, reason)
+
+
+def log_inventory(inventory: Inventory) -> None:
+    """One line for NVML and one per HCA, at start."""
+    if inventory.nvml.ok:
+        log.info("NVML driver %s: %d GPUs", inventory.nvml.driver_version, len(inventory.gpus))
+    for hca in inventory.hcas:
+        log.info(
+            "HCA %s at %s (NUMA %s), ports %s",
+            hca.name, hca.pci_address,
+            hca.numa_node if hca.numa_node is not None else "unknown",
+            ", ".join(f"{port.number}:{port.state}" for port in hca.ports) or "none",
+        )  # fmt: skip

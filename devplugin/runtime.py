@@ -1,0 +1,393 @@
+"""The composition root (`build`) and the supervisor of one node's daemon.
+
+`build` wires the parts and returns a `Daemon`; no part reaches back into
+it. Data flows one way: the check loop reads the hardware (with deadlines)
+and hands each snapshot to the pipeline, which judges and publishes to each
+resource's servicer; servicers answer RPCs from what was published, call
+their `AllocationHooks` around an Allocate, and the hooks record holdings in
+the ledger that the coordinator and the cleanup manager read.
+
+`Daemon` starts the parts in dependency order and stops them by signalling
+every one first, then joining each: no stop waits out another's interval.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from devplugin.alignment import AlignmentMonitor
+from devplugin.checks import CheckLoop, Requests
+from devplugin.config import Config, HooksConfig
+from devplugin.coordination import Coordinator
+from devplugin.deadline import Deadlines
+from devplugin.discovery import Discoverer, NvmlGpuSource, Roots
+from devplugin.discovery.udev import HotplugWatcher, udev_monitor
+from devplugin.kubelet import PodResourcesClient, Registrar
+from devplugin.ledger import Ledger
+from devplugin.lifecycle.checkpoint import Checkpoint
+from devplugin.lifecycle.cleanup import CleanupManager
+from devplugin.lifecycle.devices import describe
+from devplugin.lifecycle.health import HealthTracker, Recovery
+from devplugin.lifecycle.hooks import HookSpec, run_hook
+from devplugin.lifecycle.xid import XidWatcher
+from devplugin.metrics import Metrics
+from devplugin.model import DeviceKind, Inventory
+from devplugin.node_hooks import ResourceHooks
+from devplugin.pipeline import Pipeline, log_inventory
+from devplugin.resources import Capabilities, GpuResource, HcaResource, Resource, ResourceState
+from devplugin.server import DevicePluginServicer, PluginServer, socket_name
+from devplugin.sharing import SharedResource
+from devplugin.status import StatusServer
+
+log = logging.getLogger(__name__)
+
+SWITCH_INTERVAL = 0.0005
+# How long start waits for the XID watcher to register the first GPU set.
+XID_ARM_WAIT = 5.0
+
+
+def _hooks_config(config: Config, kind: DeviceKind) -> HooksConfig:
+    return config.resources.gpu.hooks if kind is DeviceKind.GPU else config.resources.hca.hooks
+
+
+def build_resources(config: Config) -> list[Resource]:
+    def caps(hooks: HooksConfig) -> Capabilities:
+        return Capabilities(
+            preferred_allocation=config.allocation.preferred,
+            pre_start=bool(hooks.init) and hooks.init_phase == "pre_start",
+        )
+
+    resources: list[Resource] = []
+    gpu, hca = config.resources.gpu, config.resources.hca
+    sharing = config.sharing
+    if gpu.enabled:
+        gpu_resource: Resource = GpuResource(name=gpu.name, capabilities=caps(gpu.hooks))
+        if sharing.gpu.replicas > 1:
+            gpu_resource = SharedResource(
+                gpu_resource,
+                sharing.gpu.replicas,
+                policy=sharing.gpu.policy,
+                refuse_multiple=sharing.gpu.refuse_multiple_per_gpu,
+                renamed=sharing.gpu.resource_name,
+            )
+        resources.append(gpu_resource)
+    if hca.enabled:
+        hca_resource: Resource = HcaResource(
+            name=hca.name, env_var=hca.env_var, capabilities=caps(hca.hooks)
+        )
+        if sharing.hca.units > 1:
+            hca_resource = SharedResource(
+                hca_resource, sharing.hca.units, policy=sharing.hca.policy
+            )
+        resources.append(hca_resource)
+    return resources
+
+
+@dataclass
+class ResourceRecord:
+    """Everything that belongs to one served resource."""
+
+    resource: Resource
+    hooks: ResourceHooks
+    servicer: DevicePluginServicer
+    server: PluginServer
+
+
+class Daemon:
+    """Starts, supervises and stops the parts `build` wired for one node."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        discoverer: Discoverer,
+        pipeline: Pipeline,
+        checks: CheckLoop,
+        records: list[ResourceRecord],
+        registrar: Registrar,
+        coordinator: Coordinator,
+        ledger: Ledger,
+        cleanup: CleanupManager,
+        monitor: AlignmentMonitor,
+        metrics: Metrics,
+        xid: XidWatcher | None,
+        hotplug_monitor: Any | None,
+    ) -> None:
+        self.config = config
+        self.discoverer = discoverer
+        self.pipeline = pipeline
+        self.check_loop = checks
+        self.records = records
+        self.registrar = registrar
+        self.coordinator = coordinator
+        self.ledger = ledger
+        self.cleanup = cleanup
+        self.monitor = monitor
+        self.metrics = metrics
+        self.xid = xid
+        self._hotplug_monitor = hotplug_monitor
+        self.hotplug: HotplugWatcher | None = None
+        self.status: StatusServer | None = None
+        self._started = False
+
+    # -- views for operators and tests -------------------------------------------
+    @property
+    def inventory(self) -> Inventory:
+        return self.pipeline.inventory
+
+    @property
+    def checks(self) -> int:
+        """Completed scans."""
+        return self.check_loop.checks
+
+    @property
+    def servers(self) -> list[PluginServer]:
+        return [record.server for record in self.records]
+
+    def servicer(self, resource_name: str) -> DevicePluginServicer:
+        for record in self.records:
+            if record.resource.name == resource_name:
+                return record.servicer
+        raise KeyError(resource_name)
+
+    def rescan(self) -> Inventory:
+        return self.check_loop.check(full=True)
+
+    def judge(self) -> None:
+        self.pipeline.rejudge()
+
+    # -- lifecycle -------------------------------------------------------------
+    def start(self) -> None:
+        """Scan, serve, then register: the kubelet dials back inside Register."""
+        config = self.config
+        log.info(
+            "devplugin starting: resources %s, plugin dir %s, sysfs %s, dev %s",
+            ", ".join(record.resource.name for record in self.records),
+            config.paths.device_plugin_dir, config.paths.sysfs_root, config.paths.dev_root,
+        )  # fmt: skip
+        # RPC handlers share the interpreter with the check loop; a short GIL
+        # switch interval keeps a scan from delaying a kubelet call by more
+        # than half a millisecond (the default slice is 5 ms).
+        sys.setswitchinterval(SWITCH_INTERVAL)
+        # The checkpoint first, so devices in use before a restart are judged
+        # Unhealthy by the very first scan.
+        self.cleanup.load()
+        if self.xid is not None:
+            self.xid.start()
+        log_inventory(self.check_loop.check(full=True))
+        if self.xid is not None and not self.xid.wait_armed(XID_ARM_WAIT):
+            log.warning("XID watcher not armed after %.0fs; continuing", XID_ARM_WAIT)
+        # After the first scan: owed cleanups find their devices described.
+        self.cleanup.start()
+        try:
+            for record in self.records:
+                record.server.start()
+        except Exception:
+            self.stop()
+            raise
+        self.registrar.start()
+        if config.metrics.enabled:
+            self.status = StatusServer(
+                list(config.metrics.addresses),
+                self.metrics.registry,
+                healthy=self.healthy,
+                ready=self.ready,
+            )
+            self.status.start()
+        self.monitor.start()
+        monitor = self._hotplug_monitor
+        if monitor is None and config.hotplug.udev:
+            monitor = udev_monitor()
+        if monitor is not None:
+            self.hotplug = HotplugWatcher(monitor, lambda what: self.check_loop.requests.rescan())
+            self.hotplug.start()
+        self.check_loop.start()
+        self._started = True
+
+    def healthy(self) -> tuple[bool, str]:
+        """/healthz: gRPC servers and loops alive, and health checks not stale."""
+        down = [r.resource.name for r in self.records if not r.server.running]
+        if down:
+            return False, f"gRPC server not running: {', '.join(down)}"
+        for thread in (self.check_loop.thread, self.registrar.thread):
+            if thread is not None and not thread.is_alive():
+                return False, f"{thread.name} loop has stopped"
+        return self.check_loop.healthy()
+
+    def ready(self) -> tuple[bool, str]:
+        """/readyz: every resource is registered with the current kubelet."""
+        if not self._started:
+            return False, "not started"
+        missing = [name for name, ok in self.registrar.registered().items() if not ok]
+        if missing:
+            return False, f"not registered with the kubelet: {', '.join(missing)}"
+        return True, ""
+
+    def stop(self) -> None:
+        """Stop serving and remove our sockets. Safe to call more than once.
+
+        Every part is told to stop before any is waited for, so the waits
+        overlap instead of adding up."""
+        loops: list[Any] = [self.check_loop, self.registrar, self.monitor, self.cleanup]
+        if self.hotplug is not None:
+            loops.append(self.hotplug)
+        if self.xid is not None:
+            loops.append(self.xid)
+        for loop in loops:
+            loop.signal_stop()
+        for record in self.records:
+            record.servicer.close_streams()
+        if self.status is not None:
+            self.status.stop()
+            self.status = None
+        for record in self.records:
+            record.server.stop(grace=0.2)
+        for loop in loops:
+            if loop is not self.cleanup:
+                loop.join(timeout=10)
+        self.cleanup.join()
+        self.discoverer.close()
+        if self._started:
+            log.info("devplugin stopped; sockets removed")
+        self._started = False
+
+
+def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None = None) -> Daemon:
+    """Wire one node's daemon from its configuration (nothing starts here)."""
+    paths, health_config = config.paths, config.health
+    deadlines = Deadlines(health_config.read_timeout_seconds)
+    gpu_lib = nvml_lib if config.resources.gpu.enabled else None
+    discoverer = Discoverer(
+        Roots(Path(paths.sysfs_root), Path(paths.dev_root)),
+        NvmlGpuSource(gpu_lib, deadlines) if gpu_lib is not None else None,
+        deadlines,
+    )
+    resources = build_resources(config)
+    names = {resource.kind: resource.name for resource in resources}
+    ledger = Ledger(
+        grace=config.pod_resources.bookkeeping_grace_seconds,
+        max_age=config.pod_resources.unconfirmed_max_age_seconds,
+    )
+    coordinator = Coordinator(ledger, pairing_window=config.allocation.pairing_window_seconds)
+    metrics = Metrics()
+    runner = metrics.timed_hooks(run_hook)
+    health = HealthTracker(Recovery(health_config.recovery), health_config.good_checks)
+    hook_specs: dict[DeviceKind, HooksConfig] = {
+        resource.kind: _hooks_config(config, resource.kind) for resource in resources
+    }
+    lifecycle = config.lifecycle
+    requests = Requests()
+    cleanup = CleanupManager(
+        hooks={
+            kind: HookSpec(hooks.cleanup, hooks.timeout_seconds)
+            for kind, hooks in hook_specs.items()
+            if hooks.cleanup
+        },
+        resource_names=names,
+        describe=lambda kind, ids: describe(discoverer.last, kind, ids),
+        checkpoint=Checkpoint(Path(lifecycle.checkpoint_file)),
+        ledger=ledger,
+        health=health,
+        confirmations=lifecycle.release_confirmations,
+        retry_initial=lifecycle.cleanup_retry_initial_seconds,
+        retry_max=lifecycle.cleanup_retry_max_seconds,
+        on_change=requests.rejudge,
+        runner=runner,
+    )
+    hca_view = HcaResource(name=config.resources.hca.name, env_var=config.resources.hca.env_var)
+    pipeline = Pipeline(
+        resources,
+        health=health,
+        cleanup=cleanup,
+        coordinator=coordinator,
+        metrics=metrics,
+        after_cleanup=health_config.recovery == "after_cleanup",
+        hca_view=hca_view,
+    )
+    xid = (
+        XidWatcher(
+            gpu_lib,
+            ignore=health_config.xid_ignore,
+            health=health,
+            good_checks=health_config.xid_good_checks,
+            on_fault=requests.rejudge,
+        )
+        if gpu_lib is not None
+        else None
+    )
+    checks = CheckLoop(
+        discoverer,
+        pipeline,
+        interval=health_config.interval_seconds,
+        rescan=config.discovery.rescan_interval_seconds,
+        stale_after=health_config.stale_after_seconds,
+        requests=requests,
+        on_scan=xid.track if xid is not None else lambda inventory: None,
+    )
+    monitor = AlignmentMonitor(
+        PodResourcesClient(Path(paths.pod_resources_socket)),
+        coordinator,
+        ledger,
+        names,
+        interval=config.pod_resources.poll_interval_seconds,
+        min_interval=config.pod_resources.min_interval_seconds,
+        listeners=[cleanup.observe],
+        metrics=metrics,
+    )
+    plugin_dir = Path(paths.device_plugin_dir)
+    records: list[ResourceRecord] = []
+    for resource in resources:
+        hooks_config = hook_specs[resource.kind]
+        hooks = ResourceHooks(
+            resource,
+            pipeline=pipeline,
+            ledger=ledger,
+            coordinator=coordinator,
+            cleanup=cleanup,
+            runner=runner,
+            init=HookSpec(hooks_config.init, hooks_config.timeout_seconds)
+            if hooks_config.init
+            else None,
+            attach=hca_view
+            if config.allocation.attach_hcas and resource.kind is DeviceKind.GPU
+            else None,
+            poke=monitor.poke,
+        )
+        servicer = DevicePluginServicer(
+            resource,
+            ResourceState(devices=(), allocations={}),
+            coordinator=coordinator,
+            hooks=hooks,
+            metrics=metrics,
+        )
+        pipeline.connect(resource.kind, servicer.update)
+        server = PluginServer(servicer, plugin_dir / socket_name(resource.name))
+        records.append(ResourceRecord(resource, hooks, servicer, server))
+    registrar = Registrar(
+        [record.server for record in records],
+        plugin_dir,
+        interval=config.kubelet.watch_interval_seconds,
+        register_timeout=config.kubelet.register_timeout_seconds,
+        backoff_initial=config.kubelet.register_backoff_initial_seconds,
+        backoff_max=config.kubelet.register_backoff_max_seconds,
+        on_register=lambda name: metrics.registrations.labels(name).inc(),
+    )
+    return Daemon(
+        config,
+        discoverer=discoverer,
+        pipeline=pipeline,
+        checks=checks,
+        records=records,
+        registrar=registrar,
+        coordinator=coordinator,
+        ledger=ledger,
+        cleanup=cleanup,
+        monitor=monitor,
+        metrics=metrics,
+        xid=xid,
+        hotplug_monitor=hotplug_monitor,
+    )
