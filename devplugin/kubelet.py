@@ -60,6 +60,7 @@ class _Registration:
     next_attempt: float = 0.0
     backoff: float = 0.0
     failures: int = 0
+    attempts: int = 0
 
 
 class Registrar:
@@ -108,6 +109,11 @@ class Registrar:
                 )
                 for entry in self._entries
             }
+
+    def attempts(self) -> dict[str, int]:
+        """Resource name -> Register calls made so far."""
+        with self._lock:
+            return {e.server.servicer.resource.name: e.attempts for e in self._entries}
 
     @property
     def thread(self) -> threading.Thread | None:
@@ -174,6 +180,8 @@ class Registrar:
         servicer = entry.server.servicer
         name = servicer.resource.name
         entry.attempted_with = kubelet
+        with self._lock:
+            entry.attempts += 1
         servicer.expect_kubelet()
         try:
             register(

@@ -7,7 +7,10 @@ with pyudev's `Monitor.poll(timeout)` interface can be handed in instead.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import select
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -43,28 +46,50 @@ class HotplugWatcher:
         self._on_event = on_event
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # A pipe that wakes the select below at once when asked to stop.
+        self._wake_r, self._wake_w = os.pipe()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="hotplug", daemon=True)
         self._thread.start()
 
     def signal_stop(self) -> None:
+        if self._stop.is_set():
+            return
         self._stop.set()
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
 
     def join(self, timeout: float) -> None:
         if self._thread is not None:
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                return
+        if self._wake_w >= 0:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._wake_r = self._wake_w = -1
 
     def stop(self) -> None:
         self.signal_stop()
         self.join(5)
 
+    def _poll(self) -> Any:
+        """The next event, or None; returns early when stopped."""
+        fileno = getattr(self._monitor, "fileno", None)
+        if fileno is None:
+            # Not interruptible: the timeout bounds how long a stop waits.
+            return self._monitor.poll(timeout=POLL_SECONDS)
+        readable, _, _ = select.select([fileno(), self._wake_r], [], [])
+        if self._wake_r in readable:
+            return None
+        return self._monitor.poll(timeout=0)
+
     def _run(self) -> None:
         log.info("hotplug watcher started")
         while not self._stop.is_set():
             try:
-                # Not interruptible: the timeout bounds how long a stop waits.
-                device = self._monitor.poll(timeout=POLL_SECONDS)
+                device = self._poll()
             except Exception as exc:  # noqa: BLE001
                 log.warning("udev monitor failed (%s); periodic rescans continue", exc)
                 self._stop.wait(5.0)

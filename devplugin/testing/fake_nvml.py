@@ -303,6 +303,11 @@ class FakeNvml:
         self.compute_mode: dict[int, int] = {}
         self.clock_resets: list[int] = []
         self.events_unsupported: set[int] = set()
+        # Fault injection: calls about a GPU in `wedged` block until its
+        # event is set (a GPU that stopped answering); `system_error` makes
+        # the driver-level queries fail (a blip in the driver).
+        self.wedged: dict[int, threading.Event] = {}
+        self.system_error: int | None = None
         self._event_sets: list[_EventSet] = []
         # Per GPU: the remote bus id of each NVLink, in link order.
         self._links: list[list[str]] = []
@@ -342,7 +347,19 @@ class FakeNvml:
         if self._init_count <= 0:
             raise NVMLError(NVML_ERROR_UNINITIALIZED)
 
+    def wedge(self, index: int) -> threading.Event:
+        """Make every call about GPU `index` block until the returned event is set."""
+        gate = threading.Event()
+        self.wedged[index] = gate
+        return gate
+
+    def _block_if_wedged(self, index: object) -> None:
+        gate = self.wedged.get(index) if isinstance(index, int) else None
+        if gate is not None:
+            gate.wait()  # outside the lock: only this GPU's callers block
+
     def _gpu(self, handle: Any) -> tuple[int, FixtureGpu]:
+        self._block_if_wedged(getattr(handle, "index", None))
         with self._lock:
             self._require_init()
             if not isinstance(handle, _Handle) or not 0 <= handle.index < len(self._fixture.gpus):
@@ -355,6 +372,8 @@ class FakeNvml:
     def nvmlSystemGetDriverVersion(self) -> str:
         with self._lock:
             self._require_init()
+            if self.system_error is not None:
+                raise NVMLError(self.system_error)
             return self._fixture.driver_version
 
     def nvmlSystemGetCudaDriverVersion(self) -> int:
@@ -368,6 +387,7 @@ class FakeNvml:
             return len(self._fixture.gpus)
 
     def nvmlDeviceGetHandleByIndex(self, index: int) -> _Handle:
+        self._block_if_wedged(index)
         with self._lock:
             self._require_init()
             if not 0 <= index < len(self._fixture.gpus):

@@ -265,6 +265,14 @@ class KubeletSimulator:
                 ),
             )
 
+    def stop_pod_resources(self) -> None:
+        """Only the PodResources API goes away (its socket too)."""
+        pr_server, self._pr_server = self._pr_server, None
+        if pr_server is not None:
+            pr_server.stop(0).wait(5)
+        if self.pod_resources_socket is not None:
+            self.pod_resources_socket.unlink(missing_ok=True)
+
     def _start_registration(self) -> None:
         self._server = _serve(
             self.kubelet_socket,
@@ -285,11 +293,7 @@ class KubeletSimulator:
         """The kubelet goes away: its sockets disappear, plugins' streams end."""
         self._stop_registration()
         self.kubelet_socket.unlink(missing_ok=True)
-        pr_server, self._pr_server = self._pr_server, None
-        if pr_server is not None:
-            pr_server.stop(0).wait(5)
-        if self.pod_resources_socket is not None:
-            self.pod_resources_socket.unlink(missing_ok=True)
+        self.stop_pod_resources()
 
     def restart(self) -> float:
         """Restart as the kubelet does: wipe the plugin directory, new kubelet.sock.

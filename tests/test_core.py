@@ -1,0 +1,297 @@
+"""Nothing stalls allocation: fault injection against a real daemon over real gRPC.
+
+A wedged GPU (an NVML call that never returns) and a blocking sysfs read
+(a FIFO where a port's state file should be) each leave every other device
+allocatable within 100 ms while the stuck device goes Unhealthy and /healthz
+fails after the staleness bound; NVML that becomes ready after start still
+gets its XID events watched; a blip in a system-level NVML call keeps every
+GPU listed and a latched fault latched; extra ListAndWatch streams cannot
+starve Allocate; PodResources being down cannot grow the holdings ledger.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from devplugin.api import deviceplugin_v1beta1_pb2 as pb
+from devplugin.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
+from devplugin.model import DeviceKind
+from devplugin.server import MAX_EXTRA_STREAMS, socket_name
+from devplugin.testing.fake_nvml import NVML_ERROR_DRIVER_NOT_LOADED, NVML_ERROR_UNKNOWN
+from devplugin.testing.kubelet import ContainerRequest
+from devplugin.testing.node import hgx_node
+from tests.conftest import GPU, HCA, Cluster
+from tests.waiting import wait_until
+
+Start = Callable[..., Cluster]
+# What the kubelet would give up after is far longer; this is the promise.
+ANSWER_WITHIN = 0.1
+
+FAST_FAULTS = {
+    "health.read_timeout_seconds": 0.2,
+    "health.stale_after_seconds": 1.0,
+}
+
+
+def with_hooks() -> dict[str, object]:
+    """Cleanup hooks on both resources, so Allocate takes the prepare path too
+    (a quick one: an inline cleanup must fit in the deadline as well)."""
+    true = shutil.which("true")
+    assert true is not None
+    return {"resources.gpu.hooks.cleanup": [true], "resources.hca.hooks.cleanup": [true]}
+
+
+def health(cluster: Cluster, resource: str, device: str) -> str | None:
+    record = cluster.kubelet.devices(resource).get(device)
+    return record.health if record is not None else None
+
+
+def probe(cluster: Cluster, path: str) -> tuple[int, str]:
+    assert cluster.daemon.status is not None
+    host, port = cluster.daemon.status.bound[0]
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}{path}", timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def allocate_quickly(cluster: Cluster, resource: str, ids: list[str]) -> pb.AllocateResponse:
+    """One Allocate straight to the plugin, with the promised deadline."""
+    request = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)])
+    response: pb.AllocateResponse = cluster.kubelet.stub(resource).Allocate(
+        request, timeout=ANSWER_WITHIN
+    )
+    return response
+
+
+def every_other_device_answers(cluster: Cluster, stuck: str) -> None:
+    """Each healthy device no pod holds is allocated straight away."""
+    held = cluster.kubelet.allocated()
+    for resource in (GPU, HCA):
+        for device, record in cluster.kubelet.devices(resource).items():
+            if device == stuck or device in held.get(resource, set()):
+                continue
+            assert record.health == "Healthy", (device, record)
+            response = allocate_quickly(cluster, resource, [device])
+            assert len(response.container_responses) == 1
+
+
+def test_a_wedged_gpu_leaves_every_other_device_allocatable(start_cluster: Start) -> None:
+    cluster = start_cluster(hgx_node(), **FAST_FAULTS, **with_hooks())
+    wedged = cluster.node.gpus[3].uuid
+    gate = cluster.nvml.wedge(3)
+    try:
+        assert cluster.kubelet.wait_for(lambda: health(cluster, GPU, wedged) == "Unhealthy", 5)
+        reason = cluster.daemon.servicer(GPU).state.device(wedged)
+        assert reason is not None
+        assert "no answer within 0.2s" in reason.reason
+        # Checks go on without the wedged GPU; a pod is admitted from the
+        # healthy GPUs, and every other device answers Allocate in time.
+        checks = cluster.daemon.checks
+        assert wait_until(lambda: cluster.daemon.checks >= checks + 3)
+        pod = cluster.kubelet.admit("trainer", [ContainerRequest("main", {GPU: 4, HCA: 2})])
+        assert wedged not in pod.container("main").devices[GPU]
+        every_other_device_answers(cluster, wedged)
+        # The liveness probe fails once no check has read every device in time.
+        assert wait_until(lambda: probe(cluster, "/healthz")[0] == 503, timeout=5)
+        _code, body = probe(cluster, "/healthz")
+        assert "gpu3" in body, body
+        assert "no answer" in body, body
+    finally:
+        gate.set()
+    assert cluster.kubelet.wait_for(lambda: health(cluster, GPU, wedged) == "Healthy", 5)
+    assert wait_until(lambda: probe(cluster, "/healthz")[0] == 200, timeout=5)
+
+
+@pytest.fixture
+def fifo_in_place() -> Iterator[Callable[[Path], threading.Event]]:
+    """Replace a sysfs file with a FIFO: reads block until the event is set."""
+    opened: list[tuple[Path, str, threading.Event]] = []
+
+    def install(path: Path) -> threading.Event:
+        content = path.read_text()
+        path.unlink()
+        os.mkfifo(path)
+        release = threading.Event()
+        opened.append((path, content, release))
+        return release
+
+    yield install
+    for path, content, release in opened:
+        release.set()
+        restore(path, content)
+
+
+def restore(path: Path, content: str) -> None:
+    """Answer the blocked reader, then put the regular file back."""
+    if not path.exists() or path.is_file():
+        return
+    replacement = path.with_name(path.name + ".new")
+    replacement.write_text(content)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:
+        fd = -1  # no reader waiting right now
+    if fd >= 0:
+        os.write(fd, content.encode())
+        os.close(fd)
+    os.replace(replacement, path)
+
+
+def test_a_blocking_sysfs_read_leaves_every_other_device_allocatable(
+    start_cluster: Start, fifo_in_place: Callable[[Path], threading.Event]
+) -> None:
+    cluster = start_cluster(hgx_node(), **FAST_FAULTS, **with_hooks())
+    hca = cluster.node.hcas[5]
+    state = hca.directory / "infiniband" / hca.name / "ports" / "1" / "state"
+    content = state.read_text()
+    fifo_in_place(state)
+    assert cluster.kubelet.wait_for(lambda: health(cluster, HCA, hca.device_id) == "Unhealthy", 5)
+    served = cluster.daemon.servicer(HCA).state.device(hca.device_id)
+    assert served is not None
+    assert served.reason.startswith("sysfs: no answer within")
+    checks = cluster.daemon.checks
+    assert wait_until(lambda: cluster.daemon.checks >= checks + 3)
+    every_other_device_answers(cluster, hca.device_id)
+    assert wait_until(lambda: probe(cluster, "/healthz")[0] == 503, timeout=5)
+    assert f"hca-{hca.device_id}" in probe(cluster, "/healthz")[1]
+    restore(state, content)
+    assert cluster.kubelet.wait_for(lambda: health(cluster, HCA, hca.device_id) == "Healthy", 5)
+    assert wait_until(lambda: probe(cluster, "/healthz")[0] == 200, timeout=5)
+
+
+def test_nvml_ready_only_after_start_still_gets_xid_events_watched(start_cluster: Start) -> None:
+    cluster = start_cluster(hgx_node(), nvml_init_error=NVML_ERROR_DRIVER_NOT_LOADED, wait=False)
+    assert cluster.kubelet.wait_for_devices(HCA, len(cluster.node.hcas), timeout=10)
+    assert cluster.kubelet.devices(GPU) == {}
+    xid = cluster.daemon.xid
+    assert xid is not None
+    assert xid.watched == frozenset()
+    cluster.nvml.init_error = None  # the driver container finished loading
+    assert cluster.kubelet.wait_for_devices(GPU, len(cluster.node.gpus), timeout=10)
+    every = frozenset(gpu.uuid for gpu in cluster.node.gpus)
+    assert wait_until(lambda: xid.watched == every)
+    assert cluster.nvml.inject_xid(2, 79) == 1
+    uuid = cluster.node.gpus[2].uuid
+    assert cluster.kubelet.wait_for(lambda: health(cluster, GPU, uuid) == "Unhealthy", 5)
+    served = cluster.daemon.servicer(GPU).state.device(uuid)
+    assert served is not None
+    assert served.reason == "XID 79"
+
+
+def test_an_nvml_system_blip_keeps_gpus_listed_and_the_fault_latched(
+    start_cluster: Start,
+) -> None:
+    cluster = start_cluster(hgx_node())
+    faulted = cluster.node.gpus[1].uuid
+    assert cluster.nvml.inject_xid(1, 79) == 1
+    assert cluster.kubelet.wait_for(lambda: health(cluster, GPU, faulted) == "Unhealthy", 5)
+    cluster.nvml.system_error = NVML_ERROR_UNKNOWN
+    every = {gpu.uuid for gpu in cluster.node.gpus}
+    assert cluster.kubelet.wait_for(
+        lambda: all(health(cluster, GPU, uuid) == "Unhealthy" for uuid in every), 5
+    )
+    # Still listed, every one of them, while NVML cannot be asked.
+    assert set(cluster.kubelet.devices(GPU)) == every
+    checks = cluster.daemon.checks
+    assert wait_until(lambda: cluster.daemon.checks >= checks + 3)
+    assert set(cluster.kubelet.devices(GPU)) == every
+    cluster.nvml.system_error = None
+    others = every - {faulted}
+    assert cluster.kubelet.wait_for(
+        lambda: all(health(cluster, GPU, uuid) == "Healthy" for uuid in others), 5
+    )
+    checks = cluster.daemon.checks
+    assert wait_until(lambda: cluster.daemon.checks >= checks + 3)
+    # The XID needs 30 good checks; the blip neither cleared nor replaced it.
+    assert health(cluster, GPU, faulted) == "Unhealthy"
+    served = cluster.daemon.servicer(GPU).state.device(faulted)
+    assert served is not None
+    assert served.reason == "XID 79"
+
+
+def test_fifty_extra_list_and_watch_streams_cannot_starve_allocate(
+    start_cluster: Start,
+) -> None:
+    cluster = start_cluster(hgx_node())
+    servicer = cluster.daemon.servicer(GPU)
+    channel = grpc.insecure_channel(f"unix://{cluster.plugin_dir / socket_name(GPU)}")
+    stub = pb_grpc.DevicePluginStub(channel)
+    streams = [stub.ListAndWatch(pb.Empty()) for _ in range(50)]
+    try:
+        refused = 0
+        for stream in streams[MAX_EXTRA_STREAMS:]:
+            with pytest.raises(grpc.RpcError) as failure:
+                next(stream)
+            assert failure.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            refused += 1
+        assert refused == 50 - MAX_EXTRA_STREAMS
+        for stream in streams[:MAX_EXTRA_STREAMS]:
+            assert len(next(stream).devices) == len(cluster.node.gpus)
+        assert servicer.open_streams() == 1 + MAX_EXTRA_STREAMS
+        uuid = cluster.node.gpus[0].uuid
+        assert len(allocate_quickly(cluster, GPU, [uuid]).container_responses) == 1
+        # The kubelet's own stream is still served: a change reaches it.
+        cluster.nvml.lost.add(5)
+        lost = cluster.node.gpus[5].uuid
+        assert cluster.kubelet.wait_for(lambda: health(cluster, GPU, lost) == "Unhealthy", 5)
+    finally:
+        for stream in streams:
+            stream.cancel()
+        channel.close()
+    assert wait_until(lambda: servicer.open_streams() == 1)
+
+
+def test_allocates_with_pod_resources_down_keep_the_ledger_bounded(start_cluster: Start) -> None:
+    cluster = start_cluster(hgx_node())
+    cluster.kubelet.stop_pod_resources()
+    monitor = cluster.daemon.monitor
+    polls = monitor.polls
+    assert wait_until(lambda: monitor.polls > polls)  # polls are failing now
+    devices = [gpu.uuid for gpu in cluster.node.gpus]
+    stub = cluster.kubelet.stub(GPU)
+    for round_ in range(100):
+        for uuid in devices:
+            request = pb.AllocateRequest(
+                container_requests=[pb.ContainerAllocateRequest(devices_ids=[uuid])]
+            )
+            stub.Allocate(request, timeout=5)
+        # One entry per physical device, however many Allocates.
+        assert len(cluster.daemon.ledger) <= len(devices), round_
+    assert len(cluster.daemon.ledger) == len(devices)
+
+
+def test_allocate_validates_the_whole_request_before_any_side_effect(
+    start_cluster: Start, tmp_path: Path
+) -> None:
+    log = tmp_path / "init.log"
+    helper = str(Path(__file__).with_name("hook_helper.py"))
+    cluster = start_cluster(
+        hgx_node(), **{"resources.gpu.hooks.init": [sys.executable, helper, str(log), "ok"]}
+    )
+    good = cluster.node.gpus[0].uuid
+    request = pb.AllocateRequest(
+        container_requests=[
+            pb.ContainerAllocateRequest(devices_ids=[good]),
+            pb.ContainerAllocateRequest(devices_ids=["GPU-not-here"]),
+        ]
+    )
+    with pytest.raises(grpc.RpcError) as failure:
+        cluster.kubelet.stub(GPU).Allocate(request, timeout=5)
+    assert failure.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "GPU-not-here" in (failure.value.details() or "")
+    # Nothing happened for the first, valid container: no hook, no record.
+    assert not log.exists()
+    assert len(cluster.daemon.ledger) == 0
+    assert cluster.daemon.cleanup.in_use(DeviceKind.GPU) == set()
