@@ -16,13 +16,13 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# The whole suite, slow simulations included (what CI runs).
+# The whole suite, slow simulations included (what CI runs), on two workers.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2
 
 # Everything but the tests marked slow: the edit-run loop.
 test-quick: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n 2 -m "not slow"
 
 demo: $(STAMP)
 	$(BIN)/devplugin demo

@@ -1,4 +1,4 @@
-"""`make bench`: GetPreferredAllocation end to end over gRPC, against a floor.
+"""`make bench`: GetPreferredAllocation and Allocate end to end over gRPC, against a floor.
 
 For each node (8-GPU/8-HCA HGX-like, 64-GPU/16-HCA PCIe) and each request
 size, the daemon's real GetPreferredAllocation is called through a real
@@ -7,6 +7,12 @@ random states (all free, and partly used), so no two consecutive calls see
 the same input. The floor is a servicer that does nothing but return a
 response of the same size over the same gRPC path; our p50 is printed as a
 ratio to the floor's p50 (what the daemon adds to Python gRPC itself).
+
+Allocate is measured the same way for a few sizes (the same device ids
+each time, as a kubelet re-admitting a container would), against a floor
+that returns a response of the same shape. Then, with PodResources gone,
+a run of Allocates shows the holdings ledger stays bounded and latency
+does not drift, and the daemon's shutdown time is printed.
 
 Quality: the answer is compared with an exhaustive search of the same
 objective wherever that is affordable (every size on 8 GPUs, sizes 1-3 on
@@ -48,7 +54,21 @@ EXHAUSTIVE_LIMIT = 50_000  # subsets per quality check
 
 
 class FloorServicer(pb_grpc.DevicePluginServicer):
-    """Returns `allocation_size` of the listed ids: the gRPC path and nothing else."""
+    """Returns `allocation_size` of the listed ids, or an Allocate response of
+    the usual shape: the gRPC path and nothing else."""
+
+    def Allocate(
+        self, request: pb.AllocateRequest, context: grpc.ServicerContext
+    ) -> pb.AllocateResponse:
+        response = pb.AllocateResponse()
+        for container in request.container_requests:
+            ids = list(container.devices_ids)
+            entry = response.container_responses.add()
+            entry.envs["NVIDIA_VISIBLE_DEVICES"] = ",".join(ids)
+            for index in range(len(ids) + 3):
+                path = f"/dev/nvidia{index}"
+                entry.devices.add(container_path=path, host_path=path, permissions="rw")
+        return response
 
     def GetPreferredAllocation(
         self, request: pb.PreferredAllocationRequest, context: grpc.ServicerContext
@@ -146,7 +166,23 @@ def quality(daemon: Daemon, kind: DeviceKind, available: list[str], answer: list
     return "optimal" if ours == best else "WORSE"
 
 
-def bench_node(name: str, iterations: int, warmup: int, base: Path) -> list[Row]:
+def allocate_request(ids: Sequence[str]) -> pb.AllocateRequest:
+    return pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)])
+
+
+def allocate_sizes(count: int) -> list[int]:
+    return sorted({1, 2, count // 2, count} - {0})
+
+
+@dataclass
+class NodeResult:
+    preferred: list[Row]
+    allocate: list[Row]
+    drift: str
+    shutdown_ms: float
+
+
+def bench_node(name: str, iterations: int, warmup: int, base: Path) -> NodeResult:
     node = build_node(LAYOUTS[name](), base / name)
     config = override(
         Config(),
@@ -167,38 +203,93 @@ def bench_node(name: str, iterations: int, warmup: int, base: Path) -> list[Row]
     floor.add_insecure_port(f"unix://{base}/{name}-floor.sock")
     floor.start()
     rows: list[Row] = []
+    allocate_rows: list[Row] = []
+    drift = ""
     rng = random.Random(name)
     try:
         sockets = {
             DeviceKind.GPU: f"{base}/{name}-dp/devplugin-nvidia.com-gpu.sock",
             DeviceKind.HCA: f"{base}/{name}-dp/devplugin-rdma-hca.sock",
         }
-        for kind, socket in sockets.items():
-            ids = daemon.coordinator.topology.ids(kind)
-            with (
-                grpc.insecure_channel(f"unix://{socket}") as ours_channel,
-                grpc.insecure_channel(f"unix://{base}/{name}-floor.sock") as floor_channel,
-            ):
-                ours = pb_grpc.DevicePluginStub(ours_channel)
-                bare = pb_grpc.DevicePluginStub(floor_channel)
-                for size in range(1, len(ids) + 1):
-                    requests = [request_for(s, size) for s in states(ids, size, rng)]
-                    ours_calls = [partial(ours.GetPreferredAllocation, r) for r in requests]
-                    bare_calls = [partial(bare.GetPreferredAllocation, r) for r in requests]
-                    ours_ms, floor_ms = measure_pair(ours_calls, bare_calls, iterations, warmup)
-                    answer = ours.GetPreferredAllocation(requests[0])
-                    verdict = quality(
-                        daemon, kind, list(requests[0].container_requests[0].available_deviceIDs),
-                        list(answer.container_responses[0].deviceIDs),
-                    )  # fmt: skip
-                    rows.append(
-                        Row(name, kind.value, size, statistics.median(ours_ms),
-                            percentile(ours_ms, 0.99), statistics.median(floor_ms), verdict)
-                    )  # fmt: skip
+        with grpc.insecure_channel(f"unix://{base}/{name}-floor.sock") as floor_channel:
+            bare = pb_grpc.DevicePluginStub(floor_channel)
+            # Every GetPreferredAllocation first: Allocates would change what is
+            # free and make the next requests second ones of a pair.
+            for kind, socket in sockets.items():
+                ids = daemon.coordinator.topology.ids(kind)
+                with grpc.insecure_channel(f"unix://{socket}") as ours_channel:
+                    ours = pb_grpc.DevicePluginStub(ours_channel)
+                    for size in range(1, len(ids) + 1):
+                        requests = [request_for(s, size) for s in states(ids, size, rng)]
+                        ours_calls = [partial(ours.GetPreferredAllocation, r) for r in requests]
+                        bare_calls = [partial(bare.GetPreferredAllocation, r) for r in requests]
+                        ours_ms, floor_ms = measure_pair(ours_calls, bare_calls, iterations, warmup)
+                        answer = ours.GetPreferredAllocation(requests[0])
+                        verdict = quality(
+                            daemon, kind,
+                            list(requests[0].container_requests[0].available_deviceIDs),
+                            list(answer.container_responses[0].deviceIDs),
+                        )  # fmt: skip
+                        rows.append(
+                            Row(name, kind.value, size, statistics.median(ours_ms),
+                                percentile(ours_ms, 0.99), statistics.median(floor_ms), verdict)
+                        )  # fmt: skip
+            for kind, socket in sockets.items():
+                ids = daemon.coordinator.topology.ids(kind)
+                with grpc.insecure_channel(f"unix://{socket}") as ours_channel:
+                    ours = pb_grpc.DevicePluginStub(ours_channel)
+                    for size in allocate_sizes(len(ids)):
+                        sets = [rng.sample(ids, size) for _ in range(8)]
+                        ours_allocs: list[Callable[[], object]] = [
+                            partial(ours.Allocate, allocate_request(s)) for s in sets
+                        ]
+                        bare_allocs: list[Callable[[], object]] = [
+                            partial(bare.Allocate, allocate_request(s)) for s in sets
+                        ]
+                        ours_ms, floor_ms = measure_pair(
+                            ours_allocs, bare_allocs, iterations, warmup
+                        )
+                        allocate_rows.append(
+                            Row(name, kind.value, size, statistics.median(ours_ms),
+                                percentile(ours_ms, 0.99), statistics.median(floor_ms), "-")
+                        )  # fmt: skip
+        drift = allocate_drift(daemon, sockets[DeviceKind.GPU], iterations * 10)
     finally:
         floor.stop(0)
+        started = time.perf_counter()
         daemon.stop()
-    return rows
+        shutdown_ms = (time.perf_counter() - started) * 1000.0
+    return NodeResult(rows, allocate_rows, drift, shutdown_ms)
+
+
+def allocate_drift(daemon: Daemon, socket: str, count: int) -> str:
+    """Allocates with PodResources unreachable: ledger size and latency, start vs end."""
+    gpus = daemon.coordinator.topology.ids(DeviceKind.GPU)
+    physical = len(gpus) + len(daemon.coordinator.topology.ids(DeviceKind.HCA))
+    daemon.monitor.stop()  # as if PodResources were unreachable from now on
+    with grpc.insecure_channel(f"unix://{socket}") as channel:
+        stub = pb_grpc.DevicePluginStub(channel)
+        samples: list[float] = []
+        for index in range(count):
+            request = allocate_request([gpus[index % len(gpus)]])
+            started = time.perf_counter()
+            stub.Allocate(request)
+            samples.append((time.perf_counter() - started) * 1000.0)
+    window = max(1, count // 10)
+    first, last = statistics.median(samples[:window]), statistics.median(samples[-window:])
+    ledger = getattr(daemon, "ledger", None)
+    size = f"ledger {len(ledger)} entries (bound {physical})" if ledger is not None else "-"
+    return (
+        f"{count} Allocates, PodResources down: p50 first {window} {first:.3f} ms, "
+        f"last {window} {last:.3f} ms ({last / first:.2f}x); {size}"
+    )
+
+
+def print_row(row: Row) -> None:
+    print(
+        f"{row.node:9} {row.kind:4} {row.size:>4} {row.p50:7.3f} {row.p99:7.3f} "
+        f"{row.floor_p50:7.3f} {row.ratio:5.2f}  {row.quality}"
+    )
 
 
 def main() -> int:
@@ -215,15 +306,14 @@ def main() -> int:
         print("GetPreferredAllocation end to end over gRPC (ms); floor = do-nothing servicer")
         print(f"{'node':9} {'kind':4} {'size':>4} {'p50':>7} {'p99':>7} {'floor':>7} "
               f"{'ratio':>5}  quality")  # fmt: skip
+        results: dict[str, NodeResult] = {}
         for name, goal in GOALS_MS.items():
             if args.node and name not in args.node:
                 continue
-            rows = bench_node(name, iterations, warmup, base)
+            result = results[name] = bench_node(name, iterations, warmup, base)
+            rows = result.preferred
             for row in rows:
-                print(
-                    f"{row.node:9} {row.kind:4} {row.size:>4} {row.p50:7.3f} {row.p99:7.3f} "
-                    f"{row.floor_p50:7.3f} {row.ratio:5.2f}  {row.quality}"
-                )
+                print_row(row)
             worst_p99 = max(row.p99 for row in rows)
             ratio = statistics.median(row.ratio for row in rows)
             meets = worst_p99 < goal
@@ -236,6 +326,19 @@ def main() -> int:
             )
             failed |= any(row.quality == "WORSE" for row in rows)
             failed |= not meets and not args.quick
+        print()
+        print("Allocate end to end over gRPC (ms); floor = servicer returning the same shape")
+        for name, result in results.items():
+            for row in result.allocate:
+                print_row(row)
+            ratio = statistics.median(row.ratio for row in result.allocate)
+            print(
+                f"== {name}: worst p99 {max(r.p99 for r in result.allocate):.3f} ms; "
+                f"median p50/floor ratio {ratio:.2f}"
+            )
+        print()
+        for name, result in results.items():
+            print(f"{name}: {result.drift}; shutdown {result.shutdown_ms:.0f} ms")
     finally:
         shutil.rmtree(base, ignore_errors=True)
     return 1 if failed else 0

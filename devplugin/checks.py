@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 
 from devplugin.discovery import Discoverer
+from devplugin.metrics import Metrics
 from devplugin.model import Inventory
 from devplugin.pipeline import Pipeline
 
@@ -60,6 +61,7 @@ class CheckLoop:
         rescan: float,
         stale_after: float,
         on_scan: Callable[[Inventory], None] = lambda inventory: None,
+        metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._discoverer = discoverer
@@ -68,6 +70,7 @@ class CheckLoop:
         self._rescan = rescan
         self._stale_after = stale_after
         self._on_scan = on_scan
+        self._metrics = metrics
         self._clock = clock
         self._stop = threading.Event()
         self.requests = requests if requests is not None else Requests()
@@ -85,8 +88,13 @@ class CheckLoop:
         """Scan with deadlines, hand the snapshot to the pipeline."""
         with self._scan_lock:
             inventory = self._discoverer.scan(full=full)
-            if not self._discoverer.deadlines.stuck():
-                self._last_complete = self._clock()
+            stuck = self._discoverer.deadlines.stuck()
+            now = self._clock()
+            if not stuck:
+                self._last_complete = now
+            if self._metrics is not None:
+                self._metrics.stuck_reads.set(len(stuck))
+                self._metrics.check_age.set(now - self._last_complete)
             self._pipeline.ingest(inventory)
             self._on_scan(inventory)
             self.checks += 1

@@ -104,7 +104,7 @@ class Deadlines:
             return {
                 key: worker.busy_since
                 for key, worker in self._workers.items()
-                if worker.busy_since is not None and now - worker.busy_since > self.timeout
+                if worker.busy_since is not None and now - worker.busy_since >= self.timeout
             }
 
     def close(self) -> None:

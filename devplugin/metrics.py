@@ -78,6 +78,16 @@ class Metrics:
             "devplugin_registrations", "Successful registrations with the kubelet",
             ["resource"], registry=registry,
         )  # fmt: skip
+        self.stuck_reads = Gauge(
+            "devplugin_stuck_reads",
+            "Hardware reads (per GPU, per HCA, NVML, PCI tree) past their deadline",
+            registry=registry,
+        )
+        self.check_age = Gauge(
+            "devplugin_check_age_seconds",
+            "Seconds since the last check that read every device in time",
+            registry=registry,
+        )
 
     def set_devices(self, resource: str, healths: Iterable[Health]) -> None:
         counts = Tally(health.value for health in healths)

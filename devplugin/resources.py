@@ -192,14 +192,34 @@ def _node(char: CharDevice) -> DeviceNode:
     return DeviceNode(container_path=char.path, host_path=char.path)
 
 
+class Exclusive:
+    """What every resource whose served ids are its physical devices shares:
+    one container per device, so an Allocate proves the last holder left."""
+
+    reuse_proves_release = True
+
+    def serve(self, state: ResourceState) -> ResourceState:
+        return state
+
+    def physical(self, ids: Sequence[str]) -> list[str]:
+        return list(ids)
+
+    def validate(self, state: ResourceState, ids: Sequence[str]) -> None:
+        check_ids(state, ids)
+
+    def choose(
+        self, available: Sequence[str], must: Sequence[str], size: int, pick: Pick
+    ) -> list[str]:
+        return list(pick(frozenset(available), frozenset(must), size))
+
+
 @dataclass(frozen=True)
-class GpuResource:
+class GpuResource(Exclusive):
     """GPUs found through NVML, one device per GPU, id = UUID."""
 
     name: str = "nvidia.com/gpu"
     kind: DeviceKind = DeviceKind.GPU
     capabilities: Capabilities = Capabilities(preferred_allocation=True)
-    reuse_proves_release: bool = True
 
     def state(self, inventory: Inventory) -> ResourceState:
         devices = tuple(
@@ -219,20 +239,6 @@ class GpuResource:
             shared_nodes=shared,
             names={gpu.uuid: gpu.uuid for gpu in inventory.gpus},
         )
-
-    def serve(self, state: ResourceState) -> ResourceState:
-        return state
-
-    def physical(self, ids: Sequence[str]) -> list[str]:
-        return list(ids)
-
-    def validate(self, state: ResourceState, ids: Sequence[str]) -> None:
-        check_ids(state, ids)
-
-    def choose(
-        self, available: Sequence[str], must: Sequence[str], size: int, pick: Pick
-    ) -> list[str]:
-        return list(pick(frozenset(available), frozenset(must), size))
 
     def allocate(self, state: ResourceState, ids: Sequence[str]) -> ContainerAllocation:
         check_request(state, ids)
@@ -265,14 +271,13 @@ def hca_health(hca: HcaInfo) -> tuple[Health, str]:
 
 
 @dataclass(frozen=True)
-class HcaResource:
+class HcaResource(Exclusive):
     """RDMA HCAs from sysfs, one device per PCI function, id = PCI address."""
 
     name: str = "rdma/hca"
     env_var: str = "NCCL_IB_HCA"
     kind: DeviceKind = DeviceKind.HCA
     capabilities: Capabilities = Capabilities(preferred_allocation=True)
-    reuse_proves_release: bool = True
 
     def state(self, inventory: Inventory) -> ResourceState:
         devices: list[PluginDevice] = []
@@ -295,20 +300,6 @@ class HcaResource:
             shared_nodes=tuple(rdma_cm),
             names={hca.device_id: hca.name for hca in inventory.hcas},
         )
-
-    def serve(self, state: ResourceState) -> ResourceState:
-        return state
-
-    def physical(self, ids: Sequence[str]) -> list[str]:
-        return list(ids)
-
-    def validate(self, state: ResourceState, ids: Sequence[str]) -> None:
-        check_ids(state, ids)
-
-    def choose(
-        self, available: Sequence[str], must: Sequence[str], size: int, pick: Pick
-    ) -> list[str]:
-        return list(pick(frozenset(available), frozenset(must), size))
 
     def allocate(self, state: ResourceState, ids: Sequence[str]) -> ContainerAllocation:
         check_request(state, ids)

@@ -327,6 +327,7 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
         stale_after=health_config.stale_after_seconds,
         requests=requests,
         on_scan=xid.track if xid is not None else lambda inventory: None,
+        metrics=metrics,
     )
     monitor = AlignmentMonitor(
         PodResourcesClient(Path(paths.pod_resources_socket)),

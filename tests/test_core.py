@@ -108,10 +108,12 @@ def test_a_wedged_gpu_leaves_every_other_device_allocatable(start_cluster: Start
         _code, body = probe(cluster, "/healthz")
         assert "gpu3" in body, body
         assert "no answer" in body, body
+        assert "devplugin_stuck_reads 1.0" in probe(cluster, "/metrics")[1]
     finally:
         gate.set()
     assert cluster.kubelet.wait_for(lambda: health(cluster, GPU, wedged) == "Healthy", 5)
     assert wait_until(lambda: probe(cluster, "/healthz")[0] == 200, timeout=5)
+    assert wait_until(lambda: "devplugin_stuck_reads 0.0" in probe(cluster, "/metrics")[1])
 
 
 @pytest.fixture
