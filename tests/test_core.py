@@ -25,11 +25,12 @@ import pytest
 
 from devplugin.api import deviceplugin_v1beta1_pb2 as pb
 from devplugin.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
+from devplugin.lifecycle.checkpoint import Checkpoint, LifecycleState
 from devplugin.model import DeviceKind
 from devplugin.server import MAX_EXTRA_STREAMS, socket_name
 from devplugin.testing.fake_nvml import NVML_ERROR_DRIVER_NOT_LOADED, NVML_ERROR_UNKNOWN
 from devplugin.testing.kubelet import ContainerRequest
-from devplugin.testing.node import hgx_node
+from devplugin.testing.node import build_node, hgx_node
 from tests.conftest import GPU, HCA, Cluster
 from tests.waiting import wait_until
 
@@ -297,3 +298,28 @@ def test_allocate_validates_the_whole_request_before_any_side_effect(
     assert not log.exists()
     assert len(cluster.daemon.ledger) == 0
     assert cluster.daemon.cleanup.in_use(DeviceKind.GPU) == set()
+
+
+def test_a_cleanup_owed_at_start_runs_at_once_not_after_a_retry_delay(
+    start_cluster: Start, tmp_path: Path
+) -> None:
+    # A restart with a cleanup owed in the checkpoint: the worker must find
+    # the device described (first scan done) instead of deferring the job.
+    owed = build_node(hgx_node(), tmp_path / "probe").gpus[2].uuid
+    checkpoint = tmp_path / "owed.json"
+    state = LifecycleState()
+    state.pending[DeviceKind.GPU].add(owed)
+    Checkpoint(checkpoint).save(state)
+    log = tmp_path / "cleanup.log"
+    helper = str(Path(__file__).with_name("hook_helper.py"))
+    cluster = start_cluster(
+        hgx_node(),
+        **{
+            "lifecycle.checkpoint_file": str(checkpoint),
+            "lifecycle.cleanup_retry_initial_seconds": 60.0,
+            "resources.gpu.hooks.cleanup": [sys.executable, helper, str(log), "ok"],
+        },
+    )
+    assert wait_until(lambda: log.exists() and owed in log.read_text(), timeout=10)
+    assert cluster.kubelet.wait_for(lambda: health(cluster, GPU, owed) == "Healthy", 5)
+    assert cluster.daemon.cleanup.pending() == {}

@@ -64,6 +64,7 @@ def test_both_resources_offer_preferred_allocation(start_cluster: Start) -> None
 SHAPES = [(1, 1), (2, 2), (2, 1), (1, 2), (4, 4), (4, 2), (3, 1), (8, 8)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["dgx-a100", "hgx-h100", "pcie-server", "asymmetric", "16-gpu"])
 @pytest.mark.parametrize("order", [(GPU, HCA), (HCA, GPU)], ids=["gpu-first", "hca-first"])
 def test_both_call_orders_reach_the_joint_optimum(
