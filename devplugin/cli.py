@@ -15,7 +15,6 @@ from typing import Any
 from devplugin.config import Config, ConfigError, load_config, override
 from devplugin.discovery import Discoverer, NvmlGpuSource, Roots, load_pynvml
 from devplugin.logs import setup_logging
-from devplugin.testing.fake_nvml import FakeNvml, FixtureError
 
 log = logging.getLogger("devplugin")
 
@@ -84,6 +83,9 @@ def nvml_library(config: Config) -> Any | None:
     if not config.resources.gpu.enabled:
         return None
     if config.nvml.fixture is not None:
+        # The fake is a testing tool: imported only when a fixture is asked for.
+        from devplugin.testing.fake_nvml import FakeNvml, FixtureError
+
         try:
             return FakeNvml.from_file(Path(config.nvml.fixture))
         except FixtureError as exc:
