@@ -19,12 +19,13 @@ Names and labels (all prefixed `devplugin_`):
 
 from __future__ import annotations
 
+import threading
 from collections import Counter as Tally
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from devplugin.lifecycle.hooks import HookDevice, HookResult, HookSpec
+from devplugin.lifecycle.hooks import HookDevice, HookResult, HookRunner, HookSpec, Tracker
 from devplugin.model import Health
 from devplugin.topology import Level
 
@@ -78,6 +79,16 @@ class Metrics:
             "devplugin_registrations", "Successful registrations with the kubelet",
             ["resource"], registry=registry,
         )  # fmt: skip
+        self.checkpoint_failures = Counter(
+            "devplugin_checkpoint_write_failures",
+            "Lifecycle checkpoint writes that failed (read-only or full disk)",
+            registry=registry,
+        )
+        self.checkpoint_ok = Gauge(
+            "devplugin_checkpoint_ok", "1 when the last checkpoint write succeeded",
+            registry=registry,
+        )  # fmt: skip
+        self.checkpoint_ok.set(1)
         self.stuck_reads = Gauge(
             "devplugin_stuck_reads",
             "Hardware reads (per GPU, per HCA, NVML, PCI tree) past their deadline",
@@ -89,6 +100,11 @@ class Metrics:
             registry=registry,
         )
 
+    def checkpoint_written(self, ok: bool) -> None:
+        self.checkpoint_ok.set(1 if ok else 0)
+        if not ok:
+            self.checkpoint_failures.inc()
+
     def set_devices(self, resource: str, healths: Iterable[Health]) -> None:
         counts = Tally(health.value for health in healths)
         for health in Health:
@@ -99,17 +115,23 @@ class Metrics:
         for level in Level:
             self.containers_by_alignment.labels(level.name).set(counts.get(level.name, 0))
 
-    def timed_hooks(
-        self,
-        runner: Callable[[HookSpec, str, str, Sequence[HookDevice]], HookResult],
-    ) -> Callable[[HookSpec, str, str, Sequence[HookDevice]], HookResult]:
+    def timed_hooks(self, runner: HookRunner) -> HookRunner:
         """Wrap a hook runner so every run is counted and timed."""
 
         def run(
-            spec: HookSpec, phase: str, resource: str, devices: Sequence[HookDevice]
+            spec: HookSpec,
+            phase: str,
+            resource: str,
+            devices: Sequence[HookDevice],
+            *,
+            track: Tracker | None = None,
+            cancel: threading.Event | None = None,
         ) -> HookResult:
-            result = runner(spec, phase, resource, devices)
-            outcome = "ok" if result.ok else "timeout" if result.timed_out else "failed"
+            result = runner(spec, phase, resource, devices, track=track, cancel=cancel)
+            outcome = (
+                "ok" if result.ok else "timeout" if result.timed_out
+                else "stopped" if result.cancelled else "failed"
+            )  # fmt: skip
             self.hook_runs.labels(resource, phase, outcome).inc()
             self.hook_seconds.labels(resource, phase).observe(result.duration)
             return result

@@ -15,14 +15,12 @@ from devplugin.coordination import Coordinator
 from devplugin.ledger import Ledger
 from devplugin.lifecycle.cleanup import CleanupManager
 from devplugin.lifecycle.devices import describe
-from devplugin.lifecycle.hooks import HookDevice, HookResult, HookSpec
+from devplugin.lifecycle.hooks import HookRunner, HookSpec
 from devplugin.model import Refused
 from devplugin.pipeline import Pipeline
 from devplugin.resources import ContainerAllocation, HcaResource, Resource
 
 log = logging.getLogger(__name__)
-
-HookRunner = Callable[[HookSpec, str, str, Sequence[HookDevice]], HookResult]
 
 
 class ResourceHooks:
@@ -89,7 +87,10 @@ class ResourceHooks:
         devices = describe(self._pipeline.inventory, self._kind, physical)
         if devices is None:
             return "unknown device ids"
-        result = self._runner(spec, "init", name, devices)
+        result = self._runner(
+            spec, "init", name, devices,
+            track=self._cleanup.tracker(self._kind, physical), cancel=self._cleanup.cancel,
+        )  # fmt: skip
         if result.ok:
             log.info("%s: init hook for %s took %.2fs", name, ",".join(physical), result.duration)
             return None

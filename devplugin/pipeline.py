@@ -108,7 +108,8 @@ class Pipeline:
             self._topology_key = key
         live = {resource.kind: resource.state(inventory) for resource in self._resources}
         present: list[str] = []
-        for state in live.values():
+        for kind, state in live.items():
+            self._cleanup.present(kind, [device.id for device in state.devices])
             for device in state.devices:
                 present.append(device.id)
                 self._health.observe(device.id, device.health is Health.HEALTHY, device.reason)

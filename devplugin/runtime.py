@@ -225,6 +225,9 @@ class Daemon:
         missing = [name for name, ok in self.registrar.registered().items() if not ok]
         if missing:
             return False, f"not registered with the kubelet: {', '.join(missing)}"
+        error = self.cleanup.checkpoint_error()
+        if error is not None:
+            return False, f"checkpoint not written: {error}"
         return True, ""
 
     def stop(self) -> None:
@@ -296,6 +299,7 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
         retry_initial=lifecycle.cleanup_retry_initial_seconds,
         retry_max=lifecycle.cleanup_retry_max_seconds,
         on_change=requests.rejudge,
+        on_save=metrics.checkpoint_written,
         runner=runner,
     )
     hca_view = HcaResource(name=config.resources.hca.name, env_var=config.resources.hca.env_var)

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from devplugin.config import Config, override
+from devplugin.lifecycle.checkpoint import Checkpoint, LifecycleState
 from devplugin.runtime import Daemon, build
 from devplugin.testing.fake_nvml import FakeNvml
 from devplugin.testing.kubelet import KubeletSimulator
@@ -80,10 +81,15 @@ def start_cluster(tmp_path: Path, sock_dir: Path) -> Iterator[Callable[..., Clus
         kubelet = KubeletSimulator(plugin_dir, pod_resources, seed=1)
         if start_kubelet:
             kubelet.start()
+        # A node whose lifecycle state is known (nothing in use, nothing owed);
+        # without a checkpoint every idle device would be cleaned first.
+        settings = fast_config(node, plugin_dir, pod_resources, **config)
+        if not Path(settings.lifecycle.checkpoint_file).exists():
+            Checkpoint(Path(settings.lifecycle.checkpoint_file)).save(LifecycleState())
         lib = FakeNvml.from_file(node.fixture)
         lib.init_error = nvml_init_error
         daemon = build(
-            fast_config(node, plugin_dir, pod_resources, **config),
+            settings,
             lib,
             hotplug_monitor=hotplug_monitor,
         )

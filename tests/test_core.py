@@ -233,15 +233,15 @@ def test_fifty_extra_list_and_watch_streams_cannot_starve_allocate(
     stub = pb_grpc.DevicePluginStub(channel)
     streams = [stub.ListAndWatch(pb.Empty()) for _ in range(50)]
     try:
-        refused = 0
-        for stream in streams[MAX_EXTRA_STREAMS:]:
-            with pytest.raises(grpc.RpcError) as failure:
-                next(stream)
-            assert failure.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
-            refused += 1
-        assert refused == 50 - MAX_EXTRA_STREAMS
-        for stream in streams[:MAX_EXTRA_STREAMS]:
-            assert len(next(stream).devices) == len(cluster.node.gpus)
+        # The server takes them in whatever order; exactly the bound is served.
+        outcomes: list[object] = []
+        for stream in streams:
+            try:
+                outcomes.append(len(next(stream).devices))
+            except grpc.RpcError as failure:
+                outcomes.append(failure.code())
+        assert outcomes.count(len(cluster.node.gpus)) == MAX_EXTRA_STREAMS
+        assert outcomes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 50 - MAX_EXTRA_STREAMS
         assert servicer.open_streams() == 1 + MAX_EXTRA_STREAMS
         uuid = cluster.node.gpus[0].uuid
         assert len(allocate_quickly(cluster, GPU, [uuid]).container_responses) == 1

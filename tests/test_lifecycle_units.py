@@ -187,7 +187,9 @@ class Runner:
         self.results = results
         self.calls: list[list[str]] = []
 
-    def __call__(self, spec: HookSpec, phase: str, resource: str, devices: object) -> HookResult:
+    def __call__(
+        self, spec: HookSpec, phase: str, resource: str, devices: object, **_: object
+    ) -> HookResult:
         assert isinstance(devices, list)
         self.calls.append([d.id for d in devices])
         ok = self.results.pop(0) if self.results else True

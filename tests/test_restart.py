@@ -12,6 +12,7 @@ from pathlib import Path
 
 import yaml
 
+from devplugin.lifecycle.checkpoint import Checkpoint, LifecycleState
 from devplugin.testing.kubelet import ContainerRequest, KubeletSimulator
 from devplugin.testing.node import build_node, hgx_node
 from tests.conftest import GPU, HCA
@@ -71,6 +72,7 @@ def test_sigkill_then_restart_cleans_only_what_was_released(tmp_path: Path, sock
             }
         )
     )
+    Checkpoint(checkpoint).save(LifecycleState())  # a node known clean
     kubelet = KubeletSimulator(sock_dir / "dp", sock_dir / "pr" / "kubelet.sock")
     kubelet.start()
     first = spawn(config)

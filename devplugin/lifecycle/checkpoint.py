@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,9 @@ from devplugin.model import DeviceKind
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
+# A checkpoint for a few hundred devices is a few kB; anything far larger is
+# not ours and is not read into memory.
+MAX_SIZE = 4 * 1024 * 1024
 
 
 @dataclass
@@ -29,12 +33,22 @@ class LifecycleState:
     pending: dict[DeviceKind, set[str]] = field(
         default_factory=lambda: {kind: set() for kind in DeviceKind}
     )
+    # Hooks running when the state was written: (kind, device) -> (process
+    # group, leader start time). A crash leaves them to be killed at restart.
+    running: dict[tuple[DeviceKind, str], tuple[int, int | None]] = field(default_factory=dict)
+    # False when there was no readable checkpoint (first start, deleted,
+    # damaged): nothing is known about which devices are clean.
+    trusted: bool = True
 
     def to_json(self) -> dict[str, object]:
         return {
             "version": FORMAT_VERSION,
             "assigned": {kind.value: sorted(ids) for kind, ids in self.assigned.items()},
             "pending_cleanup": {kind.value: sorted(ids) for kind, ids in self.pending.items()},
+            "running_hooks": [
+                {"kind": kind.value, "device": device, "pgid": pgid, "start_ticks": ticks}
+                for (kind, device), (pgid, ticks) in sorted(self.running.items())
+            ],
         }
 
     @classmethod
@@ -51,7 +65,35 @@ class LifecycleState:
                 if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
                     raise ValueError(f"{key}.{kind.value} must be a list of ids")
                 target[kind] = set(ids)
+        running = data.get("running_hooks", [])
+        if not isinstance(running, list):
+            raise ValueError("running_hooks must be a list")
+        for entry in running:
+            if not isinstance(entry, dict):
+                raise ValueError("running_hooks entries must be mappings")
+            kind_name: object = entry.get("kind")
+            device: object = entry.get("device")
+            pgid: object = entry.get("pgid")
+            ticks: object = entry.get("start_ticks")
+            kinds = {k.value: k for k in DeviceKind}
+            if not isinstance(kind_name, str) or kind_name not in kinds:
+                raise ValueError("running_hooks entry without a known kind")
+            if not isinstance(device, str):
+                raise ValueError("running_hooks entry without a device")
+            if not isinstance(pgid, int) or not _is_pid(pgid):
+                raise ValueError("running_hooks entry with a bad process group")
+            if ticks is not None and not (isinstance(ticks, int) and _is_int(ticks)):
+                raise ValueError("running_hooks entry with a bad start time")
+            state.running[(kinds[kind_name], device)] = (pgid, ticks)
         return state
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_pid(value: int) -> bool:
+    return _is_int(value) and 1 < value < 1 << 22
 
 
 class Checkpoint:
@@ -59,22 +101,59 @@ class Checkpoint:
         self.path = path
 
     def load(self) -> LifecycleState:
-        """The saved state; empty when there is none. A corrupt file is kept
-        aside (for an operator to read) and reported, never trusted."""
+        """The saved state. Anything but a regular file we can read and parse
+        (missing, empty, truncated, NUL-filled, wrong shape, not UTF-8, too
+        deeply nested, a directory, a symlink of any kind) gives an untrusted
+        empty state; a damaged one is moved aside for an operator to read."""
         try:
-            text = self.path.read_text(encoding="utf-8")
+            info = os.lstat(self.path)
         except FileNotFoundError:
-            return LifecycleState()
+            log.warning(
+                "no checkpoint at %s (first start, or it was deleted): every device "
+                "not in use is cleaned before it is offered",
+                self.path,
+            )
+            return LifecycleState(trusted=False)
         except OSError as exc:
-            log.error("cannot read checkpoint %s: %s; starting without it", self.path, exc)
-            return LifecycleState()
+            return self._damaged(f"cannot stat it: {exc.strerror or exc}", move=False)
+        if not stat.S_ISREG(info.st_mode):
+            kind = "a symlink" if stat.S_ISLNK(info.st_mode) else "not a regular file"
+            return self._damaged(f"it is {kind}")
+        if info.st_size > MAX_SIZE:
+            return self._damaged(f"it is {info.st_size} bytes (at most {MAX_SIZE})")
         try:
-            return LifecycleState.from_json(json.loads(text))
-        except (ValueError, json.JSONDecodeError) as exc:
-            aside = self.path.with_suffix(self.path.suffix + ".corrupt")
-            log.error("checkpoint %s is unreadable (%s); moved to %s", self.path, exc, aside)
-            os.replace(self.path, aside)
-            return LifecycleState()
+            with open(self.path, "rb") as handle:
+                raw = handle.read(MAX_SIZE + 1)
+        except OSError as exc:
+            return self._damaged(f"cannot read it: {exc.strerror or exc}", move=False)
+        try:
+            return LifecycleState.from_json(json.loads(raw.decode("utf-8")))
+        except (ValueError, RecursionError) as exc:
+            # UnicodeDecodeError and JSONDecodeError are ValueErrors.
+            return self._damaged(str(exc)[:200] or type(exc).__name__)
+
+    def _damaged(self, reason: str, *, move: bool = True) -> LifecycleState:
+        aside = self._aside() if move else None
+        if aside is not None:
+            try:
+                os.replace(self.path, aside)
+            except OSError as exc:
+                aside = None
+                reason += f"; could not move it aside: {exc.strerror or exc}"
+        log.error(
+            "checkpoint %s is unusable (%s)%s; every device not in use is cleaned "
+            "before it is offered",
+            self.path, reason, f"; moved to {aside}" if aside is not None else "",
+        )  # fmt: skip
+        return LifecycleState(trusted=False)
+
+    def _aside(self) -> Path:
+        aside = self.path.with_name(self.path.name + ".corrupt")
+        number = 1
+        while os.path.lexists(aside):
+            aside = self.path.with_name(f"{self.path.name}.corrupt-{number}")
+            number += 1
+        return aside
 
     def save(self, state: LifecycleState) -> None:
         """Write a temporary file, fsync it, rename it over the old one, fsync

@@ -30,13 +30,24 @@ from functools import partial
 from devplugin.ledger import Ledger
 from devplugin.lifecycle.checkpoint import Checkpoint, LifecycleState
 from devplugin.lifecycle.health import HealthTracker, Verdict
-from devplugin.lifecycle.hooks import HookDevice, HookResult, HookSpec, run_hook
+from devplugin.lifecycle.hooks import (
+    HookDevice,
+    HookRunner,
+    HookSpec,
+    Started,
+    Tracker,
+    kill_group,
+    process_start_ticks,
+    run_hook,
+)
 from devplugin.model import DeviceKind, Health
 
 log = logging.getLogger(__name__)
 
+# How long stop waits for the worker once its running hook was killed.
+STOP_WAIT = 5.0
+
 Describe = Callable[[DeviceKind, Sequence[str]], list[HookDevice] | None]
-HookRunner = Callable[[HookSpec, str, str, Sequence[HookDevice]], HookResult]
 
 
 @dataclass
@@ -61,6 +72,7 @@ class CleanupManager:
         retry_initial: float = 5.0,
         retry_max: float = 300.0,
         on_change: Callable[[], None] = lambda: None,
+        on_save: Callable[[bool], None] = lambda ok: None,
         runner: HookRunner = run_hook,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -84,32 +96,93 @@ class CleanupManager:
         self._stop = False
         self._loaded = False
         self._thread: threading.Thread | None = None
+        self._on_save = on_save
+        # Set at stop: running hooks are killed, their devices stay owed.
+        self._cancel = threading.Event()
+        # No trustworthy checkpoint: every device seen is adopted as possibly
+        # dirty (in use until PodResources says otherwise, then cleaned).
+        self._untrusted = False
+        self._adopted: set[tuple[DeviceKind, str]] = set()
+        # Hooks running now, and hooks a previous daemon left running.
+        self._running: dict[tuple[DeviceKind, str], tuple[int, int | None]] = {}
+        self._leftovers: dict[tuple[DeviceKind, str], tuple[int, int | None]] = {}
+        # Devices whose last change is not in the checkpoint (a write failed).
+        self._unsaved: set[tuple[DeviceKind, str]] = set()
+        self._save_error: str | None = None
         self.runs = 0
 
     # -- lifecycle -------------------------------------------------------------
     def load(self) -> None:
         """Read the checkpoint (once): devices in use before a restart stay
-        Unhealthy until a poll says where they are; owed cleanups stay owed."""
+        Unhealthy until a poll says where they are; owed cleanups stay owed;
+        hooks a killed daemon left running are killed (and waited for) first."""
         if self._loaded:
             return
         self._loaded = True
-        if self._checkpoint is not None:
-            saved = self._checkpoint.load()
-            with self._cond:
-                for kind in DeviceKind:
-                    self._assigned[kind] = set(saved.assigned[kind])
-                    for device in saved.assigned[kind]:
-                        if kind in self._hooks:
-                            self._unverified.add((kind, device))
-                    for device in saved.pending[kind]:
-                        if kind in self._hooks:
-                            self._jobs[(kind, device)] = _Job()
-            if any(saved.assigned.values()) or any(saved.pending.values()):
-                log.info(
-                    "checkpoint: %d devices were in use, %d cleanups owed",
-                    sum(len(ids) for ids in saved.assigned.values()),
-                    sum(len(ids) for ids in saved.pending.values()),
-                )
+        if self._checkpoint is None:
+            return
+        saved = self._checkpoint.load()
+        with self._cond:
+            self._untrusted = not saved.trusted
+            for kind in DeviceKind:
+                self._assigned[kind] = set(saved.assigned[kind])
+                for device in saved.assigned[kind]:
+                    if kind in self._hooks:
+                        self._unverified.add((kind, device))
+                for device in saved.pending[kind]:
+                    if kind in self._hooks:
+                        self._jobs[(kind, device)] = _Job()
+            for (kind, device), process in saved.running.items():
+                self._leftovers[(kind, device)] = process
+                # Whatever the hook was doing, the device's state is unknown.
+                if kind in self._hooks:
+                    self._jobs.setdefault((kind, device), _Job())
+        if any(saved.assigned.values()) or any(saved.pending.values()):
+            log.info(
+                "checkpoint: %d devices were in use, %d cleanups owed",
+                sum(len(ids) for ids in saved.assigned.values()),
+                sum(len(ids) for ids in saved.pending.values()),
+            )
+        for key in list(self._leftovers):
+            self._end_leftover(key)
+
+    def _end_leftover(self, key: tuple[DeviceKind, str]) -> bool:
+        """Kill a hook a previous daemon left running; whether none is left."""
+        with self._cond:
+            process = self._leftovers.get(key)
+        if process is None:
+            return True
+        pgid, ticks = process
+        alive = ticks is None or process_start_ticks(pgid) == ticks
+        if alive:
+            log.warning(
+                "%s: a hook for %s from before the restart is still running "
+                "(process group %d); killing it",
+                self._names.get(key[0], key[0].value), key[1], pgid,
+            )  # fmt: skip
+            if not kill_group(pgid):
+                return False
+        with self._cond:
+            self._leftovers.pop(key, None)
+            self._save_locked({key})
+        return True
+
+    def present(self, kind: DeviceKind, ids: Sequence[str]) -> None:
+        """The devices a scan found. Without a trustworthy checkpoint, each one
+        seen for the first time is treated as in use by an unknown container:
+        Unhealthy until PodResources says, then kept (held) or cleaned."""
+        if not self._untrusted or kind not in self._hooks:
+            return
+        with self._cond:
+            new = [d for d in ids if (kind, d) not in self._adopted]
+            for device in new:
+                self._adopted.add((kind, device))
+                if device in self._assigned[kind] or (kind, device) in self._jobs:
+                    continue
+                self._assigned[kind].add(device)
+                self._unverified.add((kind, device))
+            if new:
+                self._save_locked({(kind, d) for d in new})
 
     def start(self) -> None:
         """Start the worker (loading the checkpoint first if nobody did). The
@@ -120,16 +193,39 @@ class CleanupManager:
         self._thread.start()
 
     def signal_stop(self) -> None:
+        """Stop the worker and kill every running hook (their devices stay owed)."""
+        self._cancel.set()
         with self._cond:
             self._stop = True
             self._cond.notify_all()
 
-    def join(self, timeout: float | None = None) -> None:
-        """Wait for the worker; by default as long as a running hook may take."""
-        if timeout is None:
-            timeout = max((s.timeout for s in self._hooks.values()), default=0) + 5
+    def join(self, timeout: float = STOP_WAIT) -> None:
         if self._thread is not None:
             self._thread.join(timeout)
+
+    def checkpoint_error(self) -> str | None:
+        """Why the last checkpoint write failed; None once one succeeded."""
+        with self._cond:
+            return self._save_error
+
+    def tracker(self, kind: DeviceKind, ids: Sequence[str]) -> Tracker:
+        """Records a hook's process group in the checkpoint while it runs."""
+        keys = {(kind, device) for device in ids}
+
+        def track(started: Started | None) -> None:
+            with self._cond:
+                for key in keys:
+                    if started is None:
+                        self._running.pop(key, None)
+                    else:
+                        self._running[key] = (started.pgid, started.start_ticks)
+                self._save_locked(keys)
+
+        return track
+
+    @property
+    def cancel(self) -> threading.Event:
+        return self._cancel
 
     def stop(self) -> None:
         self.signal_stop()
@@ -142,12 +238,13 @@ class CleanupManager:
             for device in ids:
                 self._missing.pop((kind, device), None)
                 self._unverified.discard((kind, device))
-            self._save_locked()
+            self._save_locked({(kind, device) for device in ids})
 
     def observe(self) -> None:
         """The ledger has a new PodResources answer: count each in-use device
         it no longer shows as taken; enough misses in a row are a release."""
         changed = False
+        touched: set[tuple[DeviceKind, str]] = set()
         taken = {kind: self._ledger.taken(kind) for kind in DeviceKind}
         with self._cond:
             for kind in DeviceKind:
@@ -167,11 +264,13 @@ class CleanupManager:
                     self._assigned[kind].discard(device)
                     self._unverified.discard(key)
                     changed = True
+                    touched.add(key)
                     if kind in self._hooks and key not in self._jobs:
                         log.info("%s: %s released; cleanup scheduled", self._names[kind], device)
                         self._jobs[key] = _Job()
-            if changed:
-                self._save_locked()
+            if changed or self._save_error is not None:
+                # A failed write is retried at every poll until one succeeds.
+                changed |= self._save_locked(touched)
                 self._cond.notify_all()
         if changed:
             self._on_change()
@@ -185,7 +284,7 @@ class CleanupManager:
             if key in self._jobs or device in self._assigned[kind]:
                 return
             self._jobs[key] = _Job()
-            self._save_locked()
+            self._save_locked({key})
             self._cond.notify_all()
         self._on_change()
 
@@ -226,7 +325,10 @@ class CleanupManager:
     # -- queries -----------------------------------------------------------------
     def verdict(self, kind: DeviceKind, device: str) -> Verdict | None:
         with self._cond:
-            job = self._jobs.get((kind, device))
+            key = (kind, device)
+            job = self._jobs.get(key)
+            if key in self._leftovers:
+                return Verdict(Health.UNHEALTHY, "a hook from before the restart is still running")
             if job is not None:
                 if job.running:
                     return Verdict(Health.UNHEALTHY, "cleanup running")
@@ -237,8 +339,17 @@ class CleanupManager:
                         f"({job.last_error})",
                     )
                 return Verdict(Health.UNHEALTHY, "cleanup pending")
-            if (kind, device) in self._unverified:
+            if key in self._unverified:
+                if (kind, device) in self._adopted:
+                    return Verdict(
+                        Health.UNHEALTHY, "no trustworthy checkpoint; awaiting PodResources"
+                    )
                 return Verdict(Health.UNHEALTHY, "in use before restart; awaiting PodResources")
+            if key in self._unsaved and device not in self._assigned[kind]:
+                return Verdict(
+                    Health.UNHEALTHY,
+                    f"release not recorded: checkpoint write failed ({self._save_error})",
+                )
         return None
 
     def cleans(self, kind: DeviceKind) -> bool:
@@ -248,7 +359,9 @@ class CleanupManager:
     def verdicts(self) -> dict[tuple[DeviceKind, str], Verdict]:
         """Every device this manager keeps out of service, and why (one snapshot)."""
         with self._cond:
-            keys = set(self._jobs) | self._unverified
+            keys = (
+                set(self._jobs) | self._unverified | self._unsaved | set(self._leftovers)
+            )  # fmt: skip
         found: dict[tuple[DeviceKind, str], Verdict] = {}
         for kind, device in keys:
             verdict = self.verdict(kind, device)
@@ -306,14 +419,30 @@ class CleanupManager:
         """Run one cleanup attempt for a job already marked running."""
         name = self._names[kind]
         devices = self._describe(kind, [device])
+        if not self._end_leftover((kind, device)):
+            with self._cond:
+                job.running = False
+                job.next_at = self._clock() + self._retry_initial
+                self._cond.notify_all()
+            return f"a hook on {device} from before the restart could not be killed"
         if devices is None:
             with self._cond:
                 job.running = False
                 job.next_at = self._clock() + self._retry_initial
                 self._cond.notify_all()
             return f"{device} is not present; cannot clean it"
-        result = self._runner(spec, "cleanup", name, devices)
+        result = self._runner(
+            spec, "cleanup", name, devices,
+            track=self.tracker(kind, [device]), cancel=self._cancel,
+        )  # fmt: skip
         self.runs += 1
+        if result.cancelled:
+            with self._cond:
+                job.running = False
+                self._save_locked({(kind, device)})
+                self._cond.notify_all()
+            log.info("%s: cleanup of %s stopped for shutdown; still owed", name, device)
+            return f"{device}: {result.describe('cleanup', spec.timeout)}"
         with self._cond:
             job.running = False
             if result.ok:
@@ -321,12 +450,14 @@ class CleanupManager:
                 self._assigned[kind].discard(device)
                 self._missing.pop((kind, device), None)
                 self._unverified.discard((kind, device))
+                # Clean now, whatever the checkpoint says about it.
+                self._unsaved.discard((kind, device))
             else:
                 job.attempts += 1
                 delay = min(self._retry_max, self._retry_initial * 2 ** (job.attempts - 1))
                 job.next_at = self._clock() + delay
                 job.last_error = result.describe("cleanup", spec.timeout)
-            self._save_locked()
+            self._save_locked({(kind, device)} if not result.ok else set())
             self._cond.notify_all()
         if result.ok:
             log.info(
@@ -350,15 +481,31 @@ class CleanupManager:
         self._on_change()
         return f"{device}: {job.last_error}"
 
-    def _save_locked(self) -> None:
+    def _save_locked(self, changed: set[tuple[DeviceKind, str]] | None = None) -> bool:
+        """Write the state; on failure remember which devices changed unrecorded
+        (an idle one is not offered until a write succeeds or it is cleaned).
+        Returns whether the write-failure state changed."""
         if self._checkpoint is None:
-            return
+            return False
         state = LifecycleState()
         for kind in DeviceKind:
             state.assigned[kind] = set(self._assigned[kind])
         for kind, device in self._jobs:
             state.pending[kind].add(device)
+        state.running = {**self._leftovers, **self._running}
+        before = self._save_error
         try:
             self._checkpoint.save(state)
         except OSError as exc:
-            log.error("cannot write checkpoint %s: %s", self._checkpoint.path, exc)
+            self._unsaved |= changed or set()
+            self._save_error = f"{self._checkpoint.path}: {exc.strerror or exc}"
+            if before is None:
+                log.error("cannot write checkpoint %s", self._save_error)
+            self._on_save(False)
+            return before is None
+        self._unsaved.clear()
+        self._save_error = None
+        if before is not None:
+            log.info("checkpoint %s written again", self._checkpoint.path)
+        self._on_save(True)
+        return before is not None

@@ -25,13 +25,19 @@ import logging
 import os
 import signal
 import subprocess
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Protocol
 
 log = logging.getLogger(__name__)
 
 STDERR_TAIL = 2000
+# How often a running hook is checked for its timeout and for cancellation.
+POLL = 0.05
 
 
 @dataclass(frozen=True)
@@ -70,9 +76,13 @@ class HookResult:
     stderr_tail: str
     duration: float
     timed_out: bool = False
+    # Stopped because the daemon is shutting down; says nothing of the device.
+    cancelled: bool = False
 
     def describe(self, phase: str, timeout: float) -> str:
-        if self.timed_out:
+        if self.cancelled:
+            detail = f"{phase} hook stopped: the daemon is shutting down"
+        elif self.timed_out:
             detail = f"{phase} hook timed out after {timeout:g}s and was killed"
         elif self.exit_code is None:
             detail = f"{phase} hook could not be started"
@@ -103,19 +113,154 @@ def hook_environment(
     return env
 
 
+@dataclass(frozen=True)
+class Started:
+    """A hook process as it can be found again after a crash."""
+
+    pgid: int
+    # The kernel's start time of the leader (/proc/<pid>/stat field 22), so a
+    # recycled pid is never mistaken for the hook.
+    start_ticks: int | None
+
+
+# Called with the hook's process group as soon as it exists, and with None
+# when nothing of it runs any more.
+Tracker = Callable[[Started | None], None]
+
+
+class HookRunner(Protocol):
+    """How hooks are run (`run_hook`, or a wrapper that counts runs)."""
+
+    def __call__(
+        self,
+        spec: HookSpec,
+        phase: str,
+        resource: str,
+        devices: Sequence[HookDevice],
+        *,
+        track: Tracker | None = None,
+        cancel: threading.Event | None = None,
+    ) -> HookResult: ...
+
+
+def process_start_ticks(pid: int, proc: Path = Path("/proc")) -> int | None:
+    """The start time of a process in clock ticks since boot; None if gone."""
+    try:
+        stat = (proc / str(pid) / "stat").read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return None
+    # The command name is in parentheses and may itself hold spaces or ')'.
+    fields = stat.rpartition(")")[2].split()
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def group_alive(pgid: int, proc: Path = Path("/proc")) -> bool:
+    """Whether any process of the group still runs (zombies do not count:
+    a parent that is not us may take its time to reap them)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        entries = [entry for entry in os.listdir(proc) if entry.isdigit()]
+    except OSError:
+        return True
+    for entry in entries:
+        try:
+            stat = (proc / entry / "stat").read_text(encoding="ascii", errors="replace")
+        except OSError:
+            continue
+        fields = stat.rpartition(")")[2].split()
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+            return True
+    return False
+
+
+def _reap(pgid: int) -> None:
+    """Collect members of the group that are our children (as PID 1 in a
+    container, orphaned grandchildren are), so they do not linger as zombies."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-pgid, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def kill_group(pgid: int, *, wait: float = 5.0) -> bool:
+    """SIGKILL a process group and wait until none of it is left; whether it is gone.
+    The group's leader, if it is our child, must have been reaped already."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+    deadline = time.monotonic() + wait
+    while True:
+        _reap(pgid)
+        if not group_alive(pgid):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+
+
+class _Tail:
+    """The last `limit` bytes written to a pipe, read on a thread of its own."""
+
+    def __init__(self, stream: IO[bytes], limit: int) -> None:
+        self._stream = stream
+        self._limit = limit
+        self._chunks: deque[bytes] = deque()
+        self._size = 0
+        self._thread = threading.Thread(target=self._read, name="hook-stderr", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        fd = self._stream.fileno()
+        with contextlib.suppress(OSError, ValueError):
+            while chunk := os.read(fd, 65536):
+                self._chunks.append(chunk)
+                self._size += len(chunk)
+                while self._size - len(self._chunks[0]) >= self._limit:
+                    self._size -= len(self._chunks.popleft())
+
+    def text(self, wait: float) -> str:
+        self._thread.join(wait)
+        data = b"".join(list(self._chunks))[-self._limit :]
+        return data.decode("utf-8", errors="replace")
+
+
+def _feed(stream: IO[bytes], payload: bytes) -> None:
+    # A hook that never reads stdin must not block us: write from a thread.
+    with contextlib.suppress(OSError, ValueError):
+        stream.write(payload)
+    with contextlib.suppress(OSError, ValueError):
+        stream.close()
+
+
 def run_hook(
     spec: HookSpec,
     phase: str,
     resource: str,
     devices: Sequence[HookDevice],
+    *,
     base_env: Mapping[str, str] | None = None,
+    track: Tracker | None = None,
+    cancel: threading.Event | None = None,
 ) -> HookResult:
-    """Run one hook to completion or its timeout; never raises for hook failures."""
+    """Run one hook to completion, its timeout, or `cancel`; never raises for
+    hook failures. Success is the hook's own exit status; whatever it leaves
+    running in its process group is killed when it exits, and only the last
+    STDERR_TAIL characters of its stderr are kept, however much it writes."""
     base = base_env if base_env is not None else {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
     env = hook_environment(phase, resource, devices, base)
     payload = json.dumps(
         {"hook": phase, "resource": resource, "devices": [d.as_json() for d in devices]}
-    )
+    ).encode()
     started = time.monotonic()
     try:
         process = subprocess.Popen(
@@ -128,30 +273,36 @@ def run_hook(
         )
     except OSError as exc:
         return HookResult(False, None, f"{spec.argv[0]}: {exc.strerror or exc}", 0.0)
-    try:
-        _, stderr = process.communicate(payload.encode(), timeout=spec.timeout)
-    except subprocess.TimeoutExpired:
-        _kill_group(process)
-        try:
-            _, stderr = process.communicate(timeout=5)
-        except subprocess.TimeoutExpired:
-            # A descendant left the group and holds the pipe: stop reading.
-            process.kill()
-            stderr = b""
-        return HookResult(
-            False, process.returncode, _tail(stderr), time.monotonic() - started, timed_out=True
-        )
+    assert process.stdin is not None
+    assert process.stderr is not None
+    if track is not None:
+        track(Started(process.pid, process_start_ticks(process.pid)))
+    threading.Thread(target=_feed, args=(process.stdin, payload), daemon=True).start()
+    tail = _Tail(process.stderr, STDERR_TAIL * 4)
+    timed_out = cancelled = False
+    deadline = started + spec.timeout
+    while process.poll() is None:
+        now = time.monotonic()
+        if now >= deadline:
+            timed_out = True
+            break
+        if cancel is not None and cancel.is_set():
+            cancelled = True
+            break
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=min(POLL, deadline - now))
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    # The hook itself is done (or out of time): nothing of its group may stay.
+    kill_group(process.pid)
+    if track is not None:
+        track(None)
+    text = tail.text(wait=0.5)[-STDERR_TAIL:]
     duration = time.monotonic() - started
-    return HookResult(process.returncode == 0, process.returncode, _tail(stderr), duration)
-
-
-def _kill_group(process: subprocess.Popen[bytes]) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-
-
-def _tail(data: bytes | None) -> str:
-    if not data:
-        return ""
-    text = data.decode("utf-8", errors="replace")
-    return text[-STDERR_TAIL:]
+    if timed_out or cancelled:
+        return HookResult(
+            False, process.returncode, text, duration, timed_out=timed_out, cancelled=cancelled
+        )
+    return HookResult(process.returncode == 0, process.returncode, text, duration)
