@@ -12,7 +12,14 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from devplugin.config import Config, ConfigError, load_config, override
+from devplugin.config import (
+    Config,
+    ConfigError,
+    check_hooks,
+    check_roots,
+    load_config,
+    override,
+)
 from devplugin.discovery import Discoverer, NvmlGpuSource, Roots, load_pynvml
 from devplugin.logs import setup_logging
 
@@ -61,7 +68,7 @@ def resolve_config(args: argparse.Namespace) -> Config:
     """The file's configuration with command-line flags applied on top."""
     try:
         config = load_config(args.config)
-        return override(
+        config = override(
             config,
             **{
                 "paths.sysfs_root": getattr(args, "sysfs_root", None),
@@ -74,8 +81,12 @@ def resolve_config(args: argparse.Namespace) -> Config:
                 "logging.format": getattr(args, "log_format", None),
             },
         )
+        check_roots(config)
+        if args.command == "run":
+            check_hooks(config)
     except ConfigError as exc:
         raise UsageError(f"config error: {exc}") from exc
+    return config
 
 
 def nvml_library(config: Config) -> Any | None:

@@ -10,7 +10,9 @@ and an optional `check` in its metadata validates the value.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import shutil
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -401,6 +403,40 @@ def validate(config: Config) -> None:
         )
 
 
+def _program_problem(program: str) -> str | None:
+    if "/" in program:
+        if not os.path.exists(program):
+            return f"{program} does not exist"
+        if os.path.isdir(program) or not os.access(program, os.X_OK):
+            return f"{program} is not executable"
+        return None
+    if shutil.which(program) is None:
+        return f"{program} not found on PATH ({os.environ.get('PATH', '')})"
+    return None
+
+
+def check_hooks(config: Config) -> None:
+    """Every configured hook can be started on this machine. `devplugin run`
+    checks before starting, so a hook that can never run is a configuration
+    error, not a device advertised Healthy that then fails every Allocate."""
+    for name, resource in (("gpu", config.resources.gpu), ("hca", config.resources.hca)):
+        if not resource.enabled:
+            continue
+        for phase in ("init", "cleanup"):
+            argv = getattr(resource.hooks, phase)
+            problem = _program_problem(argv[0]) if argv else None
+            if problem:
+                raise ConfigError(f"resources.{name}.hooks.{phase}", problem)
+
+
+def check_roots(config: Config) -> None:
+    """The sysfs and /dev roots exist (a typo would look like an empty node)."""
+    for field_name in ("sysfs_root", "dev_root"):
+        root = getattr(config.paths, field_name)
+        if not os.path.isdir(root):
+            raise ConfigError(f"paths.{field_name}", f"{root} is not a directory")
+
+
 def load_config(path: Path | None) -> Config:
     """Read and validate a config file; None means all defaults."""
     if path is None:
@@ -409,6 +445,8 @@ def load_config(path: Path | None) -> Config:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError("", f"{path}: cannot read: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError("", f"{path}: not UTF-8 (byte {exc.start})") from exc
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -210,10 +210,12 @@ def load_fixture(path: Path) -> Fixture:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise FixtureError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise FixtureError(f"{path}: not UTF-8 (byte {exc.start})") from exc
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise FixtureError(f"{path}: not valid JSON: {exc}") from exc
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise FixtureError(f"{path}: not valid JSON: {str(exc)[:200]}") from exc
     return parse_fixture(data, str(path))
 
 
