@@ -55,7 +55,7 @@ import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from devplugin.model import DeviceKind, Refused
+from devplugin.model import DeviceKind, Refused, shown_ids
 from devplugin.topology import DOMAIN_DEPTH, Level, Topology
 
 SUPPORT_LEVELS = (Level.PIX, Level.PXB, Level.PHB, Level.NODE)
@@ -150,7 +150,7 @@ def validate(topology: Topology, request: Request) -> frozenset[str]:
     unknown = sorted(request.must_include - topology.id_set(request.kind))
     if unknown:
         raise Refused(
-            f"unknown must-include device ids: {', '.join(unknown)}", invalid_argument=True
+            f"unknown must-include device ids: {shown_ids(unknown)}", invalid_argument=True
         )
     if len(request.must_include) > request.size:
         raise Refused(
@@ -162,7 +162,7 @@ def validate(topology: Topology, request: Request) -> frozenset[str]:
     missing = sorted(request.must_include - candidates)
     if missing:
         raise Refused(
-            f"must-include device ids not available: {', '.join(missing)}",
+            f"must-include device ids not available: {shown_ids(missing)}",
             invalid_argument=False,
         )
     if request.size > len(candidates):

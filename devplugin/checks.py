@@ -90,7 +90,7 @@ class CheckLoop:
             inventory = self._discoverer.scan(full=full)
             stuck = self._discoverer.deadlines.stuck()
             now = self._clock()
-            if not stuck:
+            if not stuck and not self._discoverer.incomplete:
                 self._last_complete = now
             if self._metrics is not None:
                 self._metrics.stuck_reads.set(len(stuck))
@@ -112,6 +112,12 @@ class CheckLoop:
                 f"{key} for {now - since:.0f}s" for key, since in sorted(stuck.items())
             )
             return False, f"health checks incomplete for {age:.0f}s: no answer from {detail}"
+        unread = self._discoverer.incomplete
+        if unread:
+            return False, (
+                f"health checks incomplete for {age:.0f}s: out of file descriptors "
+                f"reading {', '.join(unread[:5])}"
+            )
         return False, f"no health check completed for {age:.0f}s"
 
     # -- the loop ----------------------------------------------------------------

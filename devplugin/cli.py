@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -188,6 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"devplugin: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    except BrokenPipeError:
+        # The reader went away (`devplugin discover --json | head`): not an
+        # error of ours. Point stdout at /dev/null so the exit flush is quiet.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

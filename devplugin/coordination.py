@@ -142,8 +142,10 @@ class Coordinator:
         must = frozenset(must_include)
         with self._lock:
             healthy = self._healthy[kind]
-            # Unhealthy devices are never offered, whatever the kubelet lists.
-            candidates = frozenset(available).union(must) & healthy
+            # Unhealthy devices are never offered, whatever the kubelet lists;
+            # a must-include id the kubelet did not list as available is
+            # refused (FAILED_PRECONDITION), not quietly added.
+            candidates = frozenset(available) & healthy
             other = kind.other
             other_free = self._free_locked(other)
             pending = self._pending

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 _BDF = re.compile(
@@ -258,4 +258,39 @@ class PluginDevice:
 
 def _leading_int(text: str) -> int | None:
     head = text.split(":", 1)[0].strip()
-    return int(head) if head.isdigit() else None
+    return ascii_int(head)
+
+
+def ascii_int(text: str, limit: int = 1 << 31) -> int | None:
+    """A plain decimal number below `limit`, or None. `int()` alone also takes
+    other scripts' digits, and `isdigit()` says yes to '²' that int() refuses."""
+    if not text or not text.isascii() or not text.isdigit() or len(text) > 12:
+        return None
+    value = int(text)
+    return value if value < limit else None
+
+
+# What one id may add to an error detail or a log line, and how many ids.
+ID_SHOWN = 80
+IDS_SHOWN = 5
+
+
+def shown(text: str, limit: int = ID_SHOWN) -> str:
+    """`text` made safe for one log line or status detail: control and other
+    non-printable characters escaped, cut to `limit` characters."""
+    if len(text) > limit:
+        return _escape(text[:limit]) + f"...({len(text)} chars)"
+    return _escape(text)
+
+
+def _escape(text: str) -> str:
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def shown_ids(ids: Iterable[str], limit: int = IDS_SHOWN) -> str:
+    """A bounded list: the first `limit` ids (each bounded) and how many more."""
+    items = list(ids)
+    head = ", ".join(shown(i) for i in items[:limit])
+    return head + (f" and {len(items) - limit} more" if len(items) > limit else "")

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from devplugin.model import (
+    IDS_SHOWN,
     CharDevice,
     DeviceKind,
     GpuInfo,
@@ -32,6 +33,8 @@ from devplugin.model import (
     Inventory,
     PluginDevice,
     Refused,
+    shown,
+    shown_ids,
 )
 
 GPU_VISIBLE_ENV = "NVIDIA_VISIBLE_DEVICES"
@@ -147,9 +150,9 @@ def check_ids(state: ResourceState, ids: Sequence[str]) -> None:
     unknown = [device_id for device_id in dict.fromkeys(ids) if device_id not in known]
     problems: list[str] = []
     if unknown:
-        problems.append(f"unknown device ids: {', '.join(unknown)}")
+        problems.append(f"unknown device ids: {shown_ids(unknown)}")
     if duplicates:
-        problems.append(f"duplicate device ids: {', '.join(duplicates)}")
+        problems.append(f"duplicate device ids: {shown_ids(duplicates)}")
     if problems:
         raise Refused("; ".join(problems), invalid_argument=True)
 
@@ -164,7 +167,9 @@ def check_request(state: ResourceState, ids: Sequence[str]) -> None:
         if known[device_id].health is not Health.HEALTHY
     ]
     if unhealthy:
-        raise Refused(f"unhealthy device ids: {', '.join(unhealthy)}", invalid_argument=False)
+        listed = ", ".join(shown(entry, 200) for entry in unhealthy[:IDS_SHOWN])
+        more = f" and {len(unhealthy) - IDS_SHOWN} more" if len(unhealthy) > IDS_SHOWN else ""
+        raise Refused(f"unhealthy device ids: {listed}{more}", invalid_argument=False)
 
 
 def merge_allocations(

@@ -19,7 +19,7 @@ from devplugin.api import deviceplugin_v1beta1_pb2 as pb
 from devplugin.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from devplugin.coordination import Coordinator
 from devplugin.metrics import Metrics
-from devplugin.model import Refused
+from devplugin.model import Refused, shown, shown_ids
 from devplugin.resources import (
     ContainerAllocation,
     Resource,
@@ -29,6 +29,9 @@ from devplugin.resources import (
 
 log = logging.getLogger(__name__)
 
+# A status detail travels in gRPC metadata (8 KiB by default): stay well inside.
+MAX_DETAIL = 2000
+SOCKET_MODE = 0o600
 # The kernel limit for sun_path, including the terminating NUL.
 MAX_SOCKET_PATH = 107
 
@@ -343,12 +346,15 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         ids: Sequence[str],
         reason: str,
     ) -> NoReturn:
+        # Both the log line and the status detail are bounded and escaped,
+        # whatever the request holds (10k ids, a 1 MiB id, a newline).
         log.warning(
-            "%s: refused Allocate of container %d %s: %s", self.resource.name, index, ids, reason
-        )
+            "%s: refused Allocate of container %d [%s]: %s",
+            self.resource.name, index, shown_ids(ids), shown(reason, MAX_DETAIL),
+        )  # fmt: skip
         if self._metrics is not None:
             self._metrics.allocations.labels(self.resource.name, "refused").inc()
-        context.abort(code, f"{self.resource.name}: {reason}")
+        context.abort(code, f"{self.resource.name}: {shown(reason, MAX_DETAIL)}")
 
     def GetPreferredAllocation(
         self, request: pb.PreferredAllocationRequest, context: grpc.ServicerContext
@@ -397,9 +403,11 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
                     self.resource.name,
                     container.allocation_size,
                     len(container.available_deviceIDs),
-                    exc.reason,
+                    shown(exc.reason, MAX_DETAIL),
                 )
-                context.abort(status_of(exc), f"{self.resource.name}: {exc.reason}")
+                context.abort(
+                    status_of(exc), f"{self.resource.name}: {shown(exc.reason, MAX_DETAIL)}"
+                )
             role = roles[-1] if roles else Role.FIRST
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("%s: preferred %s (%s)", self.resource.name, ",".join(ids), role.value)
@@ -414,8 +422,14 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         ids = list(request.devices_ids)
         problem = self._hooks.pre_start(self.resource.physical(ids))
         if problem is not None:
-            log.warning("%s: PreStartContainer %s failed: %s", self.resource.name, ids, problem)
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.resource.name}: {problem}")
+            log.warning(
+                "%s: PreStartContainer [%s] failed: %s",
+                self.resource.name, shown_ids(ids), shown(problem, MAX_DETAIL),
+            )  # fmt: skip
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{self.resource.name}: {shown(problem, MAX_DETAIL)}",
+            )
         return pb.PreStartContainerResponse()
 
 
@@ -469,6 +483,9 @@ class PluginServer:
         pb_grpc.add_DevicePluginServicer_to_server(self.servicer, server)
         server.add_insecure_port(f"unix://{self.socket_path}")
         server.start()
+        # gRPC creates the socket under the process umask (0777 under 000):
+        # only root, which the kubelet runs as, may connect.
+        os.chmod(self.socket_path, SOCKET_MODE)
         self._server = server
         self._identity = SocketIdentity.of(self.socket_path)
         log.info("%s: serving on %s", self.servicer.resource.name, self.socket_path)

@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from devplugin.model import DeviceKind, Inventory, Refused
+from devplugin.model import DeviceKind, Inventory, Refused, shown_ids
 from devplugin.resources import (
     Capabilities,
     ContainerAllocation,
@@ -95,7 +95,7 @@ class SharedResource:
         if self.refuse_multiple and len(physical) < len(ids):
             shared = sorted({p for p in physical if sum(physical_of(i) == p for i in ids) > 1})
             raise Refused(
-                f"several replicas of one device requested ({', '.join(shared)}); "
+                f"several replicas of one device requested ({shown_ids(shared)}); "
                 "this node gives at most one replica per device to a container",
                 invalid_argument=True,
             )
@@ -113,6 +113,12 @@ class SharedResource:
         (the topology-aware allocator)."""
         if size < 1:
             raise Refused(f"allocation size must be at least 1, got {size}", invalid_argument=True)
+        missing = [device_id for device_id in must if device_id not in set(available)]
+        if missing:
+            raise Refused(
+                f"must-include device ids not available: {shown_ids(missing)}",
+                invalid_argument=False,
+            )
         free: dict[str, list[str]] = {}
         for device_id in dict.fromkeys([*must, *available]):
             free.setdefault(physical_of(device_id), []).append(device_id)

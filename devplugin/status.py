@@ -10,6 +10,7 @@ import logging
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
@@ -18,6 +19,40 @@ from devplugin.config import parse_address
 log = logging.getLogger(__name__)
 
 Probe = Callable[[], tuple[bool, str]]
+
+# A scrape or probe takes milliseconds. Half-open or idle connections must not
+# pile up (one thread and one descriptor each): each is closed after
+# CONNECTION_TIMEOUT seconds of silence, and past MAX_CONNECTIONS at once new
+# ones are closed straight away.
+MAX_CONNECTIONS = 32
+CONNECTION_TIMEOUT = 5.0
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    block_on_close = False
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.refused = 0
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class StatusServer:
@@ -33,7 +68,7 @@ class StatusServer:
         self._registry = registry
         self._healthy = healthy
         self._ready = ready
-        self._servers: list[ThreadingHTTPServer] = []
+        self._servers: list[_Server] = []
         self._threads: list[threading.Thread] = []
 
     @property
@@ -46,8 +81,13 @@ class StatusServer:
     def start(self) -> None:
         handler = self._handler()
         for host, port in self._addresses:
-            server = ThreadingHTTPServer((host, port), handler)
-            server.daemon_threads = True
+            try:
+                server = _Server((host, port), handler)
+            except OSError as exc:
+                self.stop()
+                raise OSError(
+                    exc.errno, f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+                ) from exc
             thread = threading.Thread(
                 target=server.serve_forever, kwargs={"poll_interval": 0.05},
                 name=f"http-{port}", daemon=True,
@@ -69,6 +109,8 @@ class StatusServer:
         registry, healthy, ready = self._registry, self._healthy, self._ready
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = CONNECTION_TIMEOUT
+
             def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":

@@ -12,6 +12,7 @@ from pathlib import Path
 from devplugin.deadline import Deadlines, Stuck
 from devplugin.discovery.nvml import READ_TIMEOUT, NvmlGpuSource
 from devplugin.discovery.sysfs import (
+    DescriptorsExhausted,
     gpu_control_nodes,
     hca_addresses,
     list_hcas,
@@ -52,6 +53,7 @@ class Discoverer:
         # Last good description of each HCA, by PCI function.
         self._hcas: dict[PciAddress, HcaInfo] = {}
         self._last = Inventory()
+        self._incomplete: list[str] = []
 
     @property
     def last(self) -> Inventory:
@@ -66,10 +68,12 @@ class Discoverer:
         """A whole snapshot. `full=False` re-reads only what health depends on
         (RDMA ports and device nodes, NVML) and reuses the last PCI tree."""
         sysfs, dev = self._roots.sysfs, self._roots.dev
+        self._incomplete = []
         if full or self._pci is None:
             try:
                 self._pci = self._deadlines.call("pci", partial(read_pci_functions, sysfs))
-            except Stuck:
+            except (Stuck, DescriptorsExhausted) as exc:
+                self._note(exc, "the PCI tree")
                 if self._pci is None:
                     self._pci = {}
         pci = self._pci
@@ -103,6 +107,10 @@ class Discoverer:
         try:
             names = self._deadlines.call("rdma", partial(list_hcas, sysfs))
             present = self._deadlines.call("rdma", partial(hca_addresses, sysfs, names))
+        except DescriptorsExhausted as exc:
+            # Nothing was learnt: keep every HCA as last read, not Unhealthy.
+            self._note(exc, "the RDMA devices")
+            return tuple(self._hcas.values())
         except Stuck as exc:
             # Without the listing nothing can be told about any HCA.
             return tuple(
@@ -113,6 +121,12 @@ class Discoverer:
             read = partial(read_hca, sysfs, dev, pci, names, name=name, address=address)
             try:
                 hca = self._deadlines.call(f"hca-{address}", read)
+            except DescriptorsExhausted as exc:
+                self._note(exc, name)
+                known = self._hcas.get(address)
+                if known is None:
+                    continue
+                hca = known
             except Stuck as exc:
                 known = self._hcas.get(address)
                 if known is None:
@@ -124,6 +138,17 @@ class Discoverer:
         for address in [a for a in self._hcas if a not in {addr for _, addr in present}]:
             del self._hcas[address]
         return tuple(hcas)
+
+    @property
+    def incomplete(self) -> list[str]:
+        """What the last scan could not read for want of file descriptors."""
+        return list(self._incomplete)
+
+    def _note(self, exc: Exception, what: str) -> None:
+        if isinstance(exc, DescriptorsExhausted):
+            if not self._incomplete:
+                log.error("out of file descriptors reading %s; keeping what was known", what)
+            self._incomplete.append(what)
 
     def close(self) -> None:
         if self._gpus is not None:

@@ -7,6 +7,7 @@ paths (/dev/...), whatever root the presence check used.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -15,13 +16,31 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from devplugin.model import CharDevice, HcaInfo, IbPort, PciAddress, PciFunction, PciPath
+from devplugin.model import (
+    CharDevice,
+    HcaInfo,
+    IbPort,
+    PciAddress,
+    PciFunction,
+    PciPath,
+    ascii_int,
+)
 
 log = logging.getLogger(__name__)
 
 HOST_DEV = "/dev"
 _HOST_BRIDGE = re.compile(r"^pci[0-9a-f]{4,8}:[0-9a-f]{2}$")
 _GPU_CONTROL_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")
+
+
+class DescriptorsExhausted(OSError):
+    """The process (or the system) is out of file descriptors: nothing was
+    learnt about the device, which is not the same as the device being bad."""
+
+
+def _raise_if_exhausted(exc: OSError) -> None:
+    if exc.errno in (errno.EMFILE, errno.ENFILE):
+        raise DescriptorsExhausted(exc.errno, exc.strerror) from exc
 
 
 def read_text(path: Path) -> str | None:
@@ -32,7 +51,8 @@ def read_text(path: Path) -> str | None:
     """
     try:
         return path.read_text(encoding="utf-8", errors="replace").strip()
-    except OSError:
+    except OSError as exc:
+        _raise_if_exhausted(exc)
         return None
 
 
@@ -46,16 +66,26 @@ def _read_hex(path: Path) -> int | None:
         return None
 
 
+# Linux supports at most 2^10 NUMA nodes; anything beyond is not a node.
+MAX_NUMA_NODE = 1 << 10
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str, *args: object) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(message, *args)
+
+
 def _read_numa(path: Path) -> int | None:
     text = read_text(path)
-    if text is None:
+    if text is None or text == "-1":
+        # The kernel writes -1 when firmware gave no proximity information.
         return None
-    try:
-        node = int(text)
-    except ValueError:
-        return None
-    # The kernel writes -1 when firmware gave no proximity information.
-    return node if node >= 0 else None
+    node = ascii_int(text, MAX_NUMA_NODE)
+    if node is None:
+        _warn_once(str(path), "%s holds %r, not a NUMA node; treated as unknown", path, text[:40])
+    return node
 
 
 def pci_path_of(sysfs_root: Path, device_dir: Path) -> PciPath | None:
@@ -97,6 +127,7 @@ def read_pci_functions(sysfs_root: Path) -> dict[PciAddress, PciFunction]:
     try:
         entries = sorted(os.listdir(devices_dir))
     except OSError as exc:
+        _raise_if_exhausted(exc)
         log.warning("cannot list PCI devices under %s: %s", devices_dir, exc)
         return functions
     for entry in entries:
@@ -150,12 +181,13 @@ class _MadNode:
 def _class_entries(class_dir: Path) -> list[str]:
     try:
         return sorted(os.listdir(class_dir), key=_natural_key)
-    except OSError:
+    except OSError as exc:
+        _raise_if_exhausted(exc)
         return []
 
 
 def _natural_key(name: str) -> tuple[str, int]:
-    match = re.match(r"^(.*?)(\d+)$", name)
+    match = re.match(r"^(.*?)([0-9]+)$", name)
     if match is None:
         return (name, -1)
     return (match.group(1), int(match.group(2)))
@@ -183,9 +215,13 @@ def _mads_by_ibdev(sysfs_root: Path) -> dict[str, dict[str, list[_MadNode]]]:
             continue
         ibdev = read_text(class_dir / entry / "ibdev")
         port_text = read_text(class_dir / entry / "port")
-        if not ibdev or port_text is None or not port_text.isdigit():
+        port = ascii_int(port_text) if port_text is not None else None
+        if not ibdev or port is None:
+            if port_text is not None and port is None:
+                _warn_once(str(class_dir / entry), "%s: port %r is not a number; ignored",
+                           class_dir / entry, port_text[:40])  # fmt: skip
             continue
-        found[ibdev][kind].append(_MadNode(entry, int(port_text)))
+        found[ibdev][kind].append(_MadNode(entry, port))
     for kinds in found.values():
         for nodes in kinds.values():
             nodes.sort(key=lambda node: node.port)
@@ -196,12 +232,15 @@ def _read_ports(ib_dir: Path) -> tuple[IbPort, ...]:
     ports_dir = ib_dir / "ports"
     ports: list[IbPort] = []
     for entry in _class_entries(ports_dir):
-        if not entry.isdigit():
+        number = ascii_int(entry)
+        if number is None:
+            _warn_once(str(ports_dir / entry), "%s is not a port number; ignored",
+                       ports_dir / entry)  # fmt: skip
             continue
         port_dir = ports_dir / entry
         ports.append(
             IbPort(
-                number=int(entry),
+                number=number,
                 state=read_text(port_dir / "state") or "",
                 phys_state=read_text(port_dir / "phys_state") or "",
                 link_layer=read_text(port_dir / "link_layer") or "",
@@ -254,7 +293,8 @@ def read_hca(
     mad = names.mads.get(name, {})
     try:
         netdevs = tuple(sorted(os.listdir(ib_dir / "device" / "net")))
-    except OSError:
+    except OSError as exc:
+        _raise_if_exhausted(exc)
         netdevs = ()
     return HcaInfo(
         name=name,
