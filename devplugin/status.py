@@ -31,6 +31,9 @@ CONNECTION_TIMEOUT = 5.0
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     block_on_close = False
+    # The default backlog of 5 drops SYNs under a burst: clients (and the
+    # kubelet's probe) then wait out TCP's one-second retransmission.
+    request_queue_size = 128
 
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
         super().__init__(address, handler)
