@@ -49,5 +49,6 @@ image:
 	@docker info >/dev/null 2>&1 || { echo "make image: no Docker engine reachable (docker info failed)" >&2; exit 1; }
 	docker build --build-arg VERSION=$(VERSION) -t devplugin:$(VERSION) .
 
+# Every environment and cache the targets and the tests create.
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-helm .pytest_cache .mypy_cache .ruff_cache .import_linter_cache

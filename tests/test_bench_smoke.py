@@ -19,7 +19,9 @@ def test_bench_quick_run_reports_optimal_answers() -> None:
     rows = [line for line in preferred.splitlines() if line.startswith("hgx-h100")]
     assert len(rows) == 16  # every size of both resources
     assert all(line.rstrip().endswith("optimal") for line in rows)
-    assert any(line.startswith("== hgx-h100: worst p99") for line in preferred.splitlines())
+    assert any(
+        line.startswith("== hgx-h100: median p50/floor ratio") for line in preferred.splitlines()
+    )
     # Allocate: sizes 1, 2, 4, 8 of both resources, each with a floor ratio.
     assert len([line for line in allocate.splitlines() if line.startswith("hgx-h100")]) == 8
     # With PodResources gone the ledger holds one entry per device at most.
