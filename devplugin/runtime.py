@@ -14,7 +14,9 @@ every one first, then joining each: no stop waits out another's interval.
 from __future__ import annotations
 
 import logging
+import os
 import sys
+from functools import partial
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -277,7 +279,14 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
     )
     coordinator = Coordinator(ledger, pairing_window=config.allocation.pairing_window_seconds)
     metrics = Metrics()
-    runner = metrics.timed_hooks(run_hook)
+    # Hooks see the roots the daemon reads (in the chart, /host/sys and
+    # /host/dev), so the example hooks check the same devices it does.
+    hook_env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "DEVPLUGIN_SYSFS_ROOT": paths.sysfs_root,
+        "DEVPLUGIN_DEV_ROOT": paths.dev_root,
+    }
+    runner = metrics.timed_hooks(partial(run_hook, base_env=hook_env))
     health = HealthTracker(Recovery(health_config.recovery), health_config.good_checks)
     hook_specs: dict[DeviceKind, HooksConfig] = {
         resource.kind: _hooks_config(config, resource.kind) for resource in resources

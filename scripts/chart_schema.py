@@ -54,6 +54,8 @@ def values_schema() -> dict[str, Any]:
                     },
                     required=["repository"],
                 ),
+                # Set by a parent chart when this one is a subchart.
+                "global": ANY_OBJECT,
                 "imagePullSecrets": {"type": "array", "items": ANY_OBJECT},
                 "nameOverride": STRING,
                 "fullnameOverride": STRING,

@@ -148,6 +148,10 @@ def test_every_switch_passes_the_schema(case: str) -> None:
     jsonschema.validate(merged(CASES[case]), SCHEMA)
 
 
+def test_the_schema_accepts_global_values_set_by_a_parent_chart() -> None:
+    jsonschema.validate(merged({"global": {"imageRegistry": "registry.example.com"}}), SCHEMA)
+
+
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_values_fail_the_schema(case: str) -> None:
     values, _ = BAD[case]
@@ -264,6 +268,9 @@ def test_default_install_renders_a_least_privilege_daemonset(
     keys = {term["matchExpressions"][0]["key"] for term in terms["nodeSelectorTerms"]}
     assert "feature.node.kubernetes.io/pci-0302_10de.present" in keys
     assert "feature.node.kubernetes.io/pci-0207_15b3.present" in keys
+    # The vendor-only labels NVIDIA's chart and the GPU Operator use.
+    assert "feature.node.kubernetes.io/pci-10de.present" in keys
+    assert "feature.node.kubernetes.io/pci-15b3.present" in keys
     assert "hostNetwork" not in spec
     main = container(objs)
     security = main["securityContext"]

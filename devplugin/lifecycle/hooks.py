@@ -8,6 +8,8 @@ stdin.
 Environment:
     DEVPLUGIN_HOOK            init | cleanup
     DEVPLUGIN_RESOURCE        the resource name (nvidia.com/gpu)
+    DEVPLUGIN_SYSFS_ROOT      the sysfs root the daemon reads (/sys, or /host/sys)
+    DEVPLUGIN_DEV_ROOT        the /dev root the daemon reads
     DEVPLUGIN_DEVICE_IDS      the device ids, comma-separated
     DEVPLUGIN_DEVICE_COUNT    how many
     DEVPLUGIN_DEVICE_<i>_ID, _PCI, _NODES (comma-separated), _NUMA ("" if

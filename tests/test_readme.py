@@ -1,0 +1,82 @@
+"""Every example in the README works as written."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from devplugin.config import parse_config
+from devplugin.testing.fake_nvml import FakeNvml, parse_fixture
+from devplugin.testing.kubelet import ContainerRequest
+from devplugin.testing.node import hgx_node
+from tests.conftest import GPU, HCA, Cluster
+from tests.waiting import wait_until
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+FENCE = re.compile(r"^( *)```(\w*)\n(.*?)^\1```", re.MULTILINE | re.DOTALL)
+
+
+def blocks(language: str) -> list[str]:
+    found = []
+    for indent, lang, body in FENCE.findall(README.read_text()):
+        if lang == language:
+            found.append("\n".join(line[len(indent) :] for line in body.splitlines()))
+    return found
+
+
+def yaml_documents() -> list[Any]:
+    return [yaml.safe_load(block) for block in blocks("yaml")]
+
+
+def test_the_readme_has_the_examples_this_file_checks() -> None:
+    kinds = [doc.get("kind") if isinstance(doc, dict) else None for doc in yaml_documents()]
+    assert "Pod" in kinds
+    assert len(blocks("json")) == 1
+    assert any(isinstance(d, dict) and d.get("version") == "v1" for d in yaml_documents())
+
+
+def test_every_config_example_loads() -> None:
+    configs = [d for d in yaml_documents() if isinstance(d, dict) and "kind" not in d]
+    assert configs
+    for document in configs:
+        # Fragments (a `resources:` section alone) are completed with the version.
+        parse_config({"version": "v1", **document})
+
+
+def test_the_nvml_fixture_example_is_accepted() -> None:
+    (example,) = blocks("json")
+    fixture = parse_fixture(json.loads(example), "README")
+    lib = FakeNvml(fixture)
+    lib.nvmlInit()
+    assert lib.nvmlDeviceGetCount() == len(fixture.gpus) >= 2
+
+
+def test_the_pod_example_asks_for_both_resources() -> None:
+    (pod,) = [d for d in yaml_documents() if isinstance(d, dict) and d.get("kind") == "Pod"]
+    limits = pod["spec"]["containers"][0]["resources"]["limits"]
+    assert limits[GPU] == limits[HCA] == 4
+
+
+@pytest.mark.parametrize("hook", ["devplugin.hooks.hca_check"])
+def test_the_example_hca_hook_checks_the_daemons_sysfs_root(
+    start_cluster: Any, tmp_path: Path, hook: str
+) -> None:
+    cluster: Cluster = start_cluster(
+        hgx_node(), **{"resources.hca.hooks.cleanup": [sys.executable, "-m", hook]}
+    )
+    kubelet = cluster.kubelet
+    pod = kubelet.admit("p", [ContainerRequest("c", {HCA: 1})])
+    (hca,) = pod.container("c").devices[HCA]
+    kubelet.remove("p")
+    # The hook reads the simulated node's ports (all ACTIVE) through
+    # DEVPLUGIN_SYSFS_ROOT; with /sys it would find no such HCA and fail.
+    assert wait_until(lambda: cluster.daemon.cleanup.runs >= 1, timeout=15)
+    assert kubelet.wait_for(lambda: kubelet.devices(HCA)[hca].health == "Healthy", 15)
+    assert cluster.daemon.cleanup.pending() == {}
+    assert any(healths.get(hca) == "Unhealthy" for _, healths in kubelet.history(HCA))
