@@ -16,8 +16,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from functools import partial
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
