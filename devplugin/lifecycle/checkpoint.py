@@ -108,11 +108,7 @@ class Checkpoint:
         try:
             info = os.lstat(self.path)
         except FileNotFoundError:
-            log.warning(
-                "no checkpoint at %s (first start, or it was deleted): every device "
-                "not in use is cleaned before it is offered",
-                self.path,
-            )
+            log.info("no checkpoint at %s (first start, or it was deleted)", self.path)
             return LifecycleState(trusted=False)
         except OSError as exc:
             return self._damaged(f"cannot stat it: {exc.strerror or exc}", move=False)
@@ -141,8 +137,7 @@ class Checkpoint:
                 aside = None
                 reason += f"; could not move it aside: {exc.strerror or exc}"
         log.error(
-            "checkpoint %s is unusable (%s)%s; every device not in use is cleaned "
-            "before it is offered",
+            "checkpoint %s is unusable (%s)%s",
             self.path, reason, f"; moved to {aside}" if aside is not None else "",
         )  # fmt: skip
         return LifecycleState(trusted=False)

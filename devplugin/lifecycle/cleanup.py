@@ -122,6 +122,12 @@ class CleanupManager:
         if self._checkpoint is None:
             return
         saved = self._checkpoint.load()
+        if not saved.trusted and self._hooks:
+            log.warning(
+                "lifecycle state unknown: every %s device not held by a running container "
+                "is cleaned before it is offered",
+                " and ".join(self._names[kind] for kind in self._hooks),
+            )
         with self._cond:
             self._untrusted = not saved.trusted
             for kind in DeviceKind:
