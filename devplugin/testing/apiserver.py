@@ -1,0 +1,480 @@
+"""An imitation of the Kubernetes API server, over real HTTP, for the tests.
+
+It keeps objects in memory and speaks the API's wire format where a client
+can tell: lists carry `metadata.resourceVersion`; `?watch=1` streams one JSON
+event per line (ADDED / MODIFIED / DELETED, and ERROR with a 410 Status when
+the requested resourceVersion was compacted away); writes with a stale
+`metadata.resourceVersion` get 409 Conflict; a `/status` subresource writes
+only `status`; `fieldSelector=spec.nodeName=X` and `metadata.name=X` filter.
+
+Served resources: pods (namespaced), events (namespaced), nodes (cluster),
+and `nodedevices.devplugin.io/v1alpha1` (cluster, with status).
+
+Fault injection for the clients' error paths: `delay` (seconds added to
+every request), `fail_next(n, code)` (the next n requests answer `code`),
+`cut_watches()` (every open watch ends), `compact()` (older versions are
+Gone), and stopping the server altogether.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+import time
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+Obj = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Kind:
+    api: str  # "api/v1" or "apis/<group>/<version>"
+    plural: str
+    kind: str
+    namespaced: bool
+    status: bool = False
+
+    @property
+    def api_version(self) -> str:
+        return self.api.split("/", 1)[1]
+
+
+KINDS = {
+    ("api/v1", "pods"): Kind("api/v1", "pods", "Pod", True, status=True),
+    ("api/v1", "events"): Kind("api/v1", "events", "Event", True),
+    ("api/v1", "nodes"): Kind("api/v1", "nodes", "Node", False, status=True),
+    ("apis/devplugin.io/v1alpha1", "nodedevices"): Kind(
+        "apis/devplugin.io/v1alpha1", "nodedevices", "NodeDevices", False, status=True
+    ),
+}
+
+
+@dataclass
+class _Event:
+    version: int
+    type: str
+    kind: Kind
+    obj: Obj
+
+
+class ApiError(Exception):
+    def __init__(self, code: int, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.reason = reason
+
+
+def status_body(code: int, reason: str, message: str) -> Obj:
+    return {
+        "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+        "message": message, "reason": reason, "code": code,
+    }  # fmt: skip
+
+
+class ApiServerImitation:
+    """Thread-safe; `start()` binds 127.0.0.1 on a free port (see `url`)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._objects: dict[tuple[Kind, str, str], Obj] = {}
+        self._events: list[_Event] = []
+        self._version = 100
+        self._compacted = 0
+        self._cut = 0
+        self._failures: list[int] = []
+        self.delay = 0.0
+        self.requests: list[tuple[str, str]] = []
+        self._server: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle ---------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        assert self._server is not None
+        host, port = self._server.server_address[:2]
+        return f"http://{host!s}:{port}"
+
+    def start(self, port: int = 0) -> None:
+        server = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
+        server.daemon_threads = True
+        self._server = server
+        self._thread = threading.Thread(
+            target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.cut_watches()
+        server, self._server = self._server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+
+    def kubeconfig(self) -> Obj:
+        """A kubeconfig (as data) pointing at this server."""
+        return {
+            "apiVersion": "v1", "kind": "Config", "current-context": "imitation",
+            "clusters": [{"name": "imitation", "cluster": {"server": self.url}}],
+            "users": [{"name": "devplugin", "user": {"token": "imitation"}}],
+            "contexts": [{"name": "imitation",
+                          "context": {"cluster": "imitation", "user": "devplugin"}}],
+        }  # fmt: skip
+
+    # -- fault injection ---------------------------------------------------------
+    def fail_next(self, count: int, code: int = 500) -> None:
+        with self._cond:
+            self._failures.extend([code] * count)
+
+    def cut_watches(self) -> None:
+        with self._cond:
+            self._cut += 1
+            self._cond.notify_all()
+
+    def compact(self) -> int:
+        """Forget every event so far: a watch from an older version is Gone."""
+        with self._cond:
+            self._compacted = self._version
+            self._events.clear()
+            self._cond.notify_all()
+            return self._compacted
+
+    # -- direct access (the test's side, no HTTP) --------------------------------------
+    def put(self, plural: str, obj: Obj) -> Obj:
+        """Create or replace an object as a controller would (bumps its version)."""
+        kind = self._kind_by_plural(plural)
+        meta = obj.setdefault("metadata", {})
+        with self._cond:
+            key = (kind, meta.get("namespace", "") if kind.namespaced else "", meta["name"])
+            kind_event = "MODIFIED" if key in self._objects else "ADDED"
+            if kind_event == "ADDED":
+                meta.setdefault("uid", f"uid-{self._version + 1}")
+                meta.setdefault("creationTimestamp", _now())
+            return self._store_locked(kind, key, obj, kind_event)
+
+    def get(self, plural: str, name: str, namespace: str = "") -> Obj | None:
+        kind = self._kind_by_plural(plural)
+        with self._cond:
+            found = self._objects.get((kind, namespace if kind.namespaced else "", name))
+            return copy.deepcopy(found) if found is not None else None
+
+    def remove(self, plural: str, name: str, namespace: str = "") -> None:
+        kind = self._kind_by_plural(plural)
+        with self._cond:
+            key = (kind, namespace if kind.namespaced else "", name)
+            obj = self._objects.pop(key, None)
+            if obj is not None:
+                self._version += 1
+                obj["metadata"]["resourceVersion"] = str(self._version)
+                self._events.append(_Event(self._version, "DELETED", kind, copy.deepcopy(obj)))
+                self._cond.notify_all()
+
+    def items(self, plural: str) -> list[Obj]:
+        kind = self._kind_by_plural(plural)
+        with self._cond:
+            return [copy.deepcopy(o) for (k, _, _), o in self._objects.items() if k is kind]
+
+    def inject_raw_event(self, plural: str, event_type: str, obj: Obj) -> None:
+        """A watch event carrying whatever `obj` is (bad objects, for the clients)."""
+        kind = self._kind_by_plural(plural)
+        with self._cond:
+            self._version += 1
+            self._events.append(_Event(self._version, event_type, kind, obj))
+            self._cond.notify_all()
+
+    def _kind_by_plural(self, plural: str) -> Kind:
+        for kind in KINDS.values():
+            if kind.plural == plural:
+                return kind
+        raise KeyError(plural)
+
+    def _store_locked(self, kind: Kind, key: tuple[Kind, str, str], obj: Obj, event: str) -> Obj:
+        self._version += 1
+        stored = copy.deepcopy(obj)
+        stored["apiVersion"] = kind.api_version
+        stored["kind"] = kind.kind
+        stored["metadata"]["resourceVersion"] = str(self._version)
+        self._objects[key] = stored
+        self._events.append(_Event(self._version, event, kind, copy.deepcopy(stored)))
+        self._cond.notify_all()
+        return copy.deepcopy(stored)
+
+    # -- HTTP ----------------------------------------------------------------------
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        imitation = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:
+                imitation._serve(self, "GET")
+
+            def do_POST(self) -> None:
+                imitation._serve(self, "POST")
+
+            def do_PUT(self) -> None:
+                imitation._serve(self, "PUT")
+
+            def do_PATCH(self) -> None:
+                imitation._serve(self, "PATCH")
+
+            def do_DELETE(self) -> None:
+                imitation._serve(self, "DELETE")
+
+            def log_message(self, format: str, *args: object) -> None:
+                return
+
+        return Handler
+
+    def _serve(self, handler: BaseHTTPRequestHandler, method: str) -> None:
+        parts = urlsplit(handler.path)
+        query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+        length = int(handler.headers.get("Content-Length") or 0)
+        body = handler.rfile.read(length) if length else b""
+        with self._cond:
+            self.requests.append((method, handler.path))
+            failure = self._failures.pop(0) if self._failures else None
+        if self.delay:
+            time.sleep(self.delay)
+        if failure is not None:
+            _send(handler, failure, status_body(failure, "InternalError", "injected failure"))
+            return
+        try:
+            route = self._route(parts.path)
+            if method == "GET" and query.get("watch") in ("1", "true"):
+                self._watch(handler, route, query)
+                return
+            code, answer = self._answer(method, route, query, body, handler.headers)
+        except ApiError as exc:
+            _send(handler, exc.code, status_body(exc.code, exc.reason, str(exc)))
+            return
+        _send(handler, code, answer)
+
+    def _route(self, path: str) -> tuple[Kind, str, str | None, bool]:
+        """(kind, namespace, name, status subresource) for a path."""
+        segments = [s for s in path.split("/") if s]
+        prefix = "/".join(segments[:2]) if segments[:1] == ["api"] else "/".join(segments[:3])
+        rest = segments[2:] if segments[:1] == ["api"] else segments[3:]
+        namespace = ""
+        if rest[:1] == ["namespaces"] and len(rest) >= 3:
+            namespace, rest = rest[1], rest[2:]
+        if not rest or (prefix, rest[0]) not in KINDS:
+            raise ApiError(404, "NotFound", f"the server could not find {path}")
+        kind = KINDS[(prefix, rest[0])]
+        name = rest[1] if len(rest) > 1 else None
+        status = len(rest) > 2 and rest[2] == "status"
+        if len(rest) > 2 and not (status and kind.status):
+            raise ApiError(404, "NotFound", f"the server could not find {path}")
+        return kind, namespace, name, status
+
+    def _matches(self, obj: Obj, kind: Kind, namespace: str, query: dict[str, str]) -> bool:
+        meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
+        assert isinstance(meta, dict)
+        if kind.namespaced and namespace and meta.get("namespace") != namespace:
+            return False
+        for term in filter(None, query.get("fieldSelector", "").split(",")):
+            field, _, value = term.partition("=")
+            value = value.lstrip("=")
+            node: Any = obj
+            for part in field.split("."):
+                node = node.get(part) if isinstance(node, dict) else None
+            if (node or "") != value:
+                return False
+        return True
+
+    def _answer(
+        self, method: str, route: tuple[Kind, str, str | None, bool], query: dict[str, str],
+        body: bytes, headers: Any,
+    ) -> tuple[int, Obj]:  # fmt: skip
+        kind, namespace, name, status = route
+        with self._cond:
+            if method == "GET" and name is None:
+                items = [
+                    copy.deepcopy(o) for (k, _, _), o in sorted(
+                        self._objects.items(), key=lambda item: item[0][1:]
+                    )
+                    if k is kind and self._matches(o, kind, namespace, query)
+                ]  # fmt: skip
+                return 200, {
+                    "kind": f"{kind.kind}List", "apiVersion": kind.api_version,
+                    "metadata": {"resourceVersion": str(self._version)}, "items": items,
+                }  # fmt: skip
+            key = (kind, namespace, name or "")
+            if method == "GET":
+                return 200, copy.deepcopy(self._existing(key))
+            if method == "DELETE":
+                existing = self._existing(key)
+                self._objects.pop(key)
+                self._version += 1
+                existing["metadata"]["resourceVersion"] = str(self._version)
+                self._events.append(_Event(self._version, "DELETED", kind, existing))
+                self._cond.notify_all()
+                return 200, status_body(200, "", "deleted") | {"status": "Success"}
+            obj = self._decode(body)
+            if method == "PATCH":
+                if "merge-patch" not in headers.get("Content-Type", ""):
+                    raise ApiError(415, "UnsupportedMediaType", "only merge patches")
+                merged = _merge_patch(copy.deepcopy(self._existing(key)), obj)
+                return 200, self._store_locked(kind, key, merged, "MODIFIED")
+            meta = obj.setdefault("metadata", {})
+            if method == "POST":
+                if name is not None:
+                    raise ApiError(405, "MethodNotAllowed", "POST to a collection only")
+                if kind.namespaced:
+                    meta.setdefault("namespace", namespace)
+                if "generateName" in meta and "name" not in meta:
+                    meta["name"] = f"{meta['generateName']}{self._version + 1:x}"
+                key = (kind, namespace, str(meta.get("name", "")))
+                if not key[2]:
+                    raise ApiError(422, "Invalid", "metadata.name: Required value")
+                if key in self._objects:
+                    raise ApiError(409, "AlreadyExists", f'{kind.plural} "{key[2]}" already exists')
+                meta["uid"] = f"uid-{self._version + 1}"
+                meta["creationTimestamp"] = _now()
+                meta.pop("resourceVersion", None)
+                if kind.status:
+                    obj.pop("status", None)  # set through the subresource only
+                return 201, self._store_locked(kind, key, obj, "ADDED")
+            # PUT: replace (the whole object, or only its status)
+            existing = self._existing(key)
+            wanted = meta.get("resourceVersion")
+            if wanted and wanted != existing["metadata"]["resourceVersion"]:
+                raise ApiError(
+                    409, "Conflict", f'Operation cannot be fulfilled on {kind.plural} "{name}": '
+                    "the object has been modified; please apply your changes to the latest "
+                    "version and try again",
+                )  # fmt: skip
+            if status:
+                replaced = copy.deepcopy(existing)
+                replaced["status"] = obj.get("status")
+            else:
+                replaced = obj
+                replaced["metadata"] = {**existing["metadata"], **meta}
+                if kind.status:
+                    replaced["status"] = existing.get("status")
+            return 200, self._store_locked(kind, key, replaced, "MODIFIED")
+
+    def _news(self, cut: int, since: int) -> bool:
+        """Something for a watch at `since`: an event, a cut, or a compaction."""
+        return (
+            self._cut != cut
+            or any(e.version > since for e in self._events)
+            or since < self._compacted
+        )
+
+    def _existing(self, key: tuple[Kind, str, str]) -> Obj:
+        found = self._objects.get(key)
+        if found is None:
+            raise ApiError(404, "NotFound", f'{key[0].plural} "{key[2]}" not found')
+        return found
+
+    @staticmethod
+    def _decode(body: bytes) -> Obj:
+        try:
+            obj = json.loads(body or b"{}")
+        except ValueError as exc:
+            raise ApiError(400, "BadRequest", f"cannot decode the body: {exc}") from exc
+        if not isinstance(obj, dict):
+            raise ApiError(400, "BadRequest", "the body is not an object")
+        return obj
+
+    def _watch(
+        self, handler: BaseHTTPRequestHandler, route: tuple[Kind, str, str | None, bool],
+        query: dict[str, str],
+    ) -> None:  # fmt: skip
+        kind, namespace, _, _ = route
+        timeout = float(query.get("timeoutSeconds") or 300)
+        deadline = time.monotonic() + timeout
+        handler.send_response(200)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Transfer-Encoding", "chunked")
+        handler.end_headers()
+        with self._cond:
+            cut = self._cut
+            since = int(query.get("resourceVersion") or self._version)
+            gone = since < self._compacted
+        if gone:
+            _chunk(
+                handler,
+                {
+                    "type": "ERROR",
+                    "object": status_body(
+                        410, "Expired", f"too old resource version: {since} ({self._compacted})"
+                    ),
+                },
+            )
+            _chunk_end(handler)
+            return
+        try:
+            while True:
+                with self._cond:
+                    pending = [
+                        e for e in self._events
+                        if e.version > since and e.kind is kind
+                        and self._matches(e.obj, kind, namespace, query)
+                    ]  # fmt: skip
+                    if not pending:
+                        self._cond.wait_for(
+                            lambda after=since: (  # type: ignore[misc]
+                                self._cut != cut
+                                or any(e.version > after for e in self._events)
+                                or after < self._compacted
+                            ),
+                            timeout=max(0.0, deadline - time.monotonic()),
+                        )
+                    ended = (
+                        self._cut != cut
+                        or time.monotonic() >= deadline
+                        or (since < self._compacted)
+                    )
+                    if not pending:
+                        since = max([since, *(e.version for e in self._events)])
+                if pending:
+                    for event in pending:
+                        _chunk(handler, {"type": event.type, "object": event.obj})
+                        since = event.version
+                    continue
+                if ended:
+                    break
+            _chunk_end(handler)
+        except (BrokenPipeError, ConnectionResetError):
+            return
+
+
+def _merge_patch(target: Any, patch: Any) -> Any:
+    if not isinstance(patch, dict):
+        return patch
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = _merge_patch(result.get(key), value)
+    return result
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _send(handler: BaseHTTPRequestHandler, code: int, body: Obj) -> None:
+    data = json.dumps(body).encode()
+    handler.send_response(code)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
+def _chunk(handler: BaseHTTPRequestHandler, event: Obj) -> None:
+    data = json.dumps(event).encode() + b"\n"
+    handler.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+    handler.wfile.flush()
+
+
+def _chunk_end(handler: BaseHTTPRequestHandler) -> None:
+    handler.wfile.write(b"0\r\n\r\n")
+    handler.wfile.flush()

@@ -1,0 +1,137 @@
+"""The API server imitation speaks the wire format a maintained client expects.
+
+Driven with lightkube (the client the daemon will use) over real HTTP:
+list with a field selector and its resourceVersion, watch from a version,
+410 Gone after compaction, conflicts on stale writes, the status
+subresource, and the injected faults the daemon's error paths need.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import httpx2
+import pytest
+from lightkube import ApiError, Client, KubeConfig
+from lightkube.generic_resource import create_global_resource, create_namespaced_resource
+
+from devplugin.testing.apiserver import ApiServerImitation
+from tests.waiting import wait_until
+
+RawPod = create_namespaced_resource("", "v1", "Pod", "pods")
+NodeDevices = create_global_resource("devplugin.io", "v1alpha1", "NodeDevices", "nodedevices")
+
+
+def pod(name: str, node: str, namespace: str = "default") -> dict[str, object]:
+    return {
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"nodeName": node, "containers": [{"name": "main", "image": "x"}]},
+    }
+
+
+@pytest.fixture
+def api() -> Iterator[ApiServerImitation]:
+    server = ApiServerImitation()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def client(api: ApiServerImitation) -> Client:
+    config = KubeConfig.from_dict(api.kubeconfig())
+    return Client(config=config, field_manager="devplugin", timeout=httpx2.Timeout(5.0))
+
+
+def test_list_filters_by_node_and_carries_a_resource_version(
+    api: ApiServerImitation, client: Client
+) -> None:
+    api.put("pods", pod("a", "node-1"))
+    api.put("pods", pod("b", "node-2", namespace="team"))
+    api.put("pods", pod("c", "node-1", namespace="team"))
+    listed = client.list(RawPod, namespace="*", fields={"spec.nodeName": "node-1"})
+    names = sorted(p.metadata.name for p in listed)
+    assert names == ["a", "c"]
+    assert int(listed.resourceVersion) >= 103
+
+
+def test_watch_from_a_version_sees_what_came_after(api: ApiServerImitation, client: Client) -> None:
+    api.put("pods", pod("before", "node-1"))
+    listed = client.list(RawPod, namespace="*", fields={"spec.nodeName": "node-1"})
+    list(listed)
+    version = listed.resourceVersion
+    seen: list[tuple[str, str]] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        for kind, obj in client.watch(
+            RawPod, namespace="*", fields={"spec.nodeName": "node-1"}, resource_version=version
+        ):
+            seen.append((kind, obj.metadata.name))
+            if len(seen) == 3:
+                done.set()
+                return
+
+    threading.Thread(target=watch, daemon=True).start()
+    api.put("pods", pod("other-node", "node-2"))
+    api.put("pods", pod("new", "node-1"))
+    api.put("pods", {**pod("new", "node-1"), "status": {"phase": "Running"}})
+    api.remove("pods", "new", "default")
+    assert done.wait(5)
+    assert seen == [("ADDED", "new"), ("MODIFIED", "new"), ("DELETED", "new")]
+
+
+def test_a_watch_from_a_compacted_version_is_gone(api: ApiServerImitation, client: Client) -> None:
+    api.put("pods", pod("a", "node-1"))
+    api.compact()
+    with pytest.raises(ApiError) as failure:
+        next(iter(client.watch(RawPod, namespace="*", resource_version="100")))
+    assert failure.value.status.code == 410
+
+
+def test_writes_with_a_stale_version_conflict_and_status_is_a_subresource(
+    api: ApiServerImitation, client: Client
+) -> None:
+    created = client.create(
+        NodeDevices(metadata={"name": "node-1"}, spec={"x": 1}, status={"devices": []})
+    )
+    assert created.metadata.resourceVersion
+    assert created.status is None  # a create does not set status (a subresource)
+    fresh = client.get(NodeDevices, "node-1").to_dict()
+    fresh["status"] = {"devices": [{"id": "GPU-1"}]}
+    fresh["spec"] = {"x": 2}
+    updated = client.replace(NodeDevices.Status.from_dict(fresh), "node-1")
+    assert updated.status == {"devices": [{"id": "GPU-1"}]}
+    assert updated["spec"] == {"x": 1}
+    fresh["status"] = {"devices": []}
+    with pytest.raises(ApiError) as failure:
+        # `fresh` still carries the version before the last write.
+        client.replace(NodeDevices.Status.from_dict(fresh), "node-1")
+    assert failure.value.status.code == 409
+    with pytest.raises(ApiError) as exists:
+        client.create(NodeDevices(metadata={"name": "node-1"}))
+    assert exists.value.status.code == 409
+
+
+def test_injected_failures_cuts_and_delays(api: ApiServerImitation, client: Client) -> None:
+    api.fail_next(1, 500)
+    with pytest.raises(ApiError) as failure:
+        client.get(NodeDevices, "missing")
+    assert failure.value.status.code == 500
+    with pytest.raises(ApiError) as missing:
+        client.get(NodeDevices, "missing")
+    assert missing.value.status.code == 404
+    ended = threading.Event()
+
+    def watch() -> None:
+        for _ in client.watch(RawPod, namespace="*"):
+            pass
+        ended.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    assert wait_until(lambda: any("watch" in path for _, path in api.requests))
+    api.cut_watches()
+    # lightkube re-opens a watch the server ended cleanly: a new request arrives.
+    count = sum("watch" in path for _, path in api.requests)
+    assert wait_until(lambda: sum("watch" in path for _, path in api.requests) > count)
