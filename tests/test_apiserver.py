@@ -14,12 +14,12 @@ from collections.abc import Iterator
 import httpx2
 import pytest
 from lightkube import ApiError, Client, KubeConfig
-from lightkube.generic_resource import create_global_resource, create_namespaced_resource
+from lightkube.generic_resource import create_global_resource
 
+from devplugin.cluster.pods import RawPod
 from devplugin.testing.apiserver import ApiServerImitation
 from tests.waiting import wait_until
 
-RawPod = create_namespaced_resource("", "v1", "Pod", "pods")
 NodeDevices = create_global_resource("devplugin.io", "v1alpha1", "NodeDevices", "nodedevices")
 
 

@@ -23,6 +23,7 @@ import json
 import threading
 import time
 from dataclasses import dataclass
+from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -149,8 +150,12 @@ class ApiServerImitation:
         meta = obj.setdefault("metadata", {})
         with self._cond:
             key = (kind, meta.get("namespace", "") if kind.namespaced else "", meta["name"])
-            kind_event = "MODIFIED" if key in self._objects else "ADDED"
-            if kind_event == "ADDED":
+            existing = self._objects.get(key)
+            kind_event = "MODIFIED" if existing is not None else "ADDED"
+            if existing is not None:
+                for field in ("uid", "creationTimestamp"):
+                    meta.setdefault(field, existing["metadata"].get(field))
+            else:
                 meta.setdefault("uid", f"uid-{self._version + 1}")
                 meta.setdefault("creationTimestamp", _now())
             return self._store_locked(kind, key, obj, kind_event)
@@ -409,35 +414,29 @@ class ApiServerImitation:
             _chunk_end(handler)
             return
         try:
+            # `scanned`: the newest event looked at (of any kind), so events
+            # this watch does not want are passed over once, not waited on.
+            scanned = since
             while True:
                 with self._cond:
+                    fresh = [e for e in self._events if e.version > scanned]
                     pending = [
-                        e for e in self._events
-                        if e.version > since and e.kind is kind
-                        and self._matches(e.obj, kind, namespace, query)
+                        e for e in fresh
+                        if e.kind is kind and self._matches(e.obj, kind, namespace, query)
                     ]  # fmt: skip
-                    if not pending:
+                    scanned = max([scanned, *(e.version for e in fresh)])
+                    if not fresh:
                         self._cond.wait_for(
-                            lambda after=since: (  # type: ignore[misc]
-                                self._cut != cut
-                                or any(e.version > after for e in self._events)
-                                or after < self._compacted
-                            ),
+                            partial(self._news, cut, scanned),
                             timeout=max(0.0, deadline - time.monotonic()),
                         )
                     ended = (
-                        self._cut != cut
-                        or time.monotonic() >= deadline
-                        or (since < self._compacted)
+                        self._cut != cut or time.monotonic() >= deadline or since < self._compacted
                     )
-                    if not pending:
-                        since = max([since, *(e.version for e in self._events)])
-                if pending:
-                    for event in pending:
-                        _chunk(handler, {"type": event.type, "object": event.obj})
-                        since = event.version
-                    continue
-                if ended:
+                for event in pending:
+                    _chunk(handler, {"type": event.type, "object": event.obj})
+                    since = event.version
+                if ended and not pending:
                     break
             _chunk_end(handler)
         except (BrokenPipeError, ConnectionResetError):

@@ -1,0 +1,1 @@
+"""Kubernetes-facing parts: what the daemon learns from the API server."""

@@ -1,0 +1,260 @@
+"""This node's pods, from the API server: list, then watch, kept in memory.
+
+One loop owns the connection: it lists the pods bound to this node
+(`fieldSelector=spec.nodeName=<node>`), watches from the list's
+resourceVersion, re-lists when the server says the version is Gone (410),
+and backs off (wakeably) on any other error. Readers (RPC handlers) only
+read the last snapshot or wait on it for a bounded time; they never touch
+the network. A pod whose shape is not understood is skipped with one log
+line; the others keep flowing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from lightkube import ApiError, Client
+from lightkube.generic_resource import create_namespaced_resource
+
+log = logging.getLogger(__name__)
+
+# Pods as plain dicts: the shape is checked here, so one odd pod cannot stop
+# the decoding of a whole list or watch.
+RawPod = create_namespaced_resource("", "v1", "Pod", "pods")
+TERMINAL = frozenset({"Succeeded", "Failed"})
+
+
+@dataclass(frozen=True)
+class ContainerInfo:
+    name: str
+    # Extended resources (and anything else) the container asks for, as counts.
+    requests: Mapping[str, int]
+    # Restartable init containers (sidecars) run for the pod's whole life.
+    sidecar: bool = False
+
+
+@dataclass(frozen=True)
+class PodInfo:
+    uid: str
+    namespace: str
+    name: str
+    node: str
+    phase: str
+    created: str
+    deleting: bool
+    init_containers: tuple[ContainerInfo, ...]
+    containers: tuple[ContainerInfo, ...]
+
+    @property
+    def terminal(self) -> bool:
+        return self.phase in TERMINAL
+
+
+def _count(value: object) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        return int(value)
+    raise ValueError(f"not a device count: {value!r}")
+
+
+def _container(entry: object, *, init: bool) -> ContainerInfo:
+    if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+        raise ValueError("a container without a name")
+    resources = entry.get("resources") or {}
+    if not isinstance(resources, dict):
+        raise ValueError(f"container {entry['name']}: resources is not an object")
+    counts: dict[str, int] = {}
+    # Extended resources must have requests equal to limits; either may be set.
+    for section in ("limits", "requests"):
+        values = resources.get(section) or {}
+        if not isinstance(values, dict):
+            raise ValueError(f"container {entry['name']}: {section} is not an object")
+        for name, value in values.items():
+            if "/" in str(name):
+                counts[str(name)] = _count(value)
+    sidecar = init and entry.get("restartPolicy") == "Always"
+    return ContainerInfo(entry["name"], MappingProxyType(counts), sidecar)
+
+
+def parse_pod(obj: Mapping[str, Any]) -> PodInfo:
+    """The fields the daemon uses; ValueError when the object is not a pod it understands."""
+    meta, spec = obj.get("metadata"), obj.get("spec")
+    status = obj.get("status") or {}
+    if not isinstance(meta, dict) or not isinstance(spec, dict) or not isinstance(status, dict):
+        raise ValueError("metadata, spec and status must be objects")
+    for field in ("uid", "namespace", "name"):
+        if not isinstance(meta.get(field), str) or not meta[field]:
+            raise ValueError(f"metadata.{field} missing")
+    init = spec.get("initContainers") or []
+    main = spec.get("containers") or []
+    if not isinstance(init, list) or not isinstance(main, list):
+        raise ValueError("spec.containers and spec.initContainers must be lists")
+    return PodInfo(
+        uid=meta["uid"],
+        namespace=meta["namespace"],
+        name=meta["name"],
+        node=str(spec.get("nodeName") or ""),
+        phase=str(status.get("phase") or "Pending"),
+        created=str(meta.get("creationTimestamp") or ""),
+        deleting=bool(meta.get("deletionTimestamp")),
+        init_containers=tuple(_container(c, init=True) for c in init),
+        containers=tuple(_container(c, init=False) for c in main),
+    )
+
+
+class PodCache:
+    """Owns `client`: closing it is how a stop ends a watch blocked on the network."""
+
+    def __init__(
+        self,
+        client: Client,
+        node: str,
+        *,
+        backoff_initial: float = 0.2,
+        backoff_max: float = 10.0,
+        server_timeout: int = 60,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._client = client
+        self._node = node
+        self._backoff_initial = backoff_initial
+        self._backoff_max = backoff_max
+        self._server_timeout = server_timeout
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._pods: Mapping[str, PodInfo] = MappingProxyType({})
+        self._version: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._skipped: set[str] = set()
+        self.synced = threading.Event()
+        self.relists = 0
+        self.errors = 0
+
+    # -- reads ---------------------------------------------------------------------
+    def pods(self) -> Mapping[str, PodInfo]:
+        """uid -> pod, as of the last event (an immutable snapshot)."""
+        return self._pods
+
+    def wait_for(self, predicate: Callable[[Mapping[str, PodInfo]], bool], timeout: float) -> bool:
+        """Wait at most `timeout` seconds for the cache to satisfy `predicate`."""
+        deadline = self._clock() + timeout
+        with self._cond:
+            while not predicate(self._pods):
+                left = deadline - self._clock()
+                if left <= 0 or self._stop.is_set():
+                    return False
+                self._cond.wait(left)
+            return True
+
+    # -- the loop --------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="pods", daemon=True)
+        self._thread.start()
+
+    def signal_stop(self) -> None:
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        try:
+            self._client.close()
+        except Exception:
+            log.debug("closing the API client failed", exc_info=True)
+
+    def join(self, timeout: float) -> None:
+        # A watch blocked on the network ends at its server timeout; the
+        # thread is a daemon, so a stop never waits for it beyond `timeout`.
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        log.info("pod cache started (pods on node %s)", self._node)
+        backoff = 0.0
+        while not self._stop.is_set():
+            try:
+                if self._version is None:
+                    self._list()
+                backoff = 0.0
+                self._watch()
+            except ApiError as exc:
+                if exc.status.code == 410:
+                    log.info("pod watch: resourceVersion %s is gone; listing again", self._version)
+                    self._version = None
+                    continue
+                backoff = self._fail(f"API error {exc.status.code}: {exc.status.message}", backoff)
+            except Exception as exc:  # noqa: BLE001 - network, decoding: all mean retry
+                if self._stop.is_set():
+                    break
+                backoff = self._fail(f"{type(exc).__name__}: {exc}", backoff)
+        log.info("pod cache stopped")
+
+    def _fail(self, message: str, backoff: float) -> float:
+        self.errors += 1
+        backoff = min(self._backoff_max, max(self._backoff_initial, backoff * 2))
+        log.warning("pod cache: %s; listing again in %.1fs", message[:300], backoff)
+        self._version = None  # after an error, start from a fresh list
+        self._stop.wait(backoff)
+        return backoff
+
+    def _list(self) -> None:
+        listed = self._client.list(RawPod, namespace="*", fields={"spec.nodeName": self._node})
+        pods: dict[str, PodInfo] = {}
+        for obj in listed:
+            parsed = self._parse(_as_dict(obj))
+            if parsed is not None:
+                pods[parsed.uid] = parsed
+        self._version = listed.resourceVersion
+        self.relists += 1
+        self._publish(pods)
+        self.synced.set()
+
+    def _watch(self) -> None:
+        stream = self._client.watch(
+            RawPod, namespace="*", fields={"spec.nodeName": self._node},
+            resource_version=self._version, server_timeout=self._server_timeout,
+        )  # fmt: skip
+        for kind, obj in stream:
+            if self._stop.is_set():
+                return
+            data = _as_dict(obj)
+            meta = data.get("metadata")
+            if isinstance(meta, dict) and meta.get("resourceVersion"):
+                self._version = str(meta["resourceVersion"])
+            parsed = self._parse(data)
+            if parsed is None:
+                continue
+            pods = dict(self._pods)
+            if kind == "DELETED":
+                pods.pop(parsed.uid, None)
+            else:
+                pods[parsed.uid] = parsed
+            self._publish(pods)
+
+    def _parse(self, data: Mapping[str, Any]) -> PodInfo | None:
+        try:
+            return parse_pod(data)
+        except ValueError as exc:
+            found = data.get("metadata")
+            meta: Mapping[str, Any] = found if isinstance(found, dict) else {}
+            name = f"{meta.get('namespace', '?')}/{meta.get('name', '?')}"
+            if name not in self._skipped:
+                self._skipped.add(name)
+                log.warning("pod %s skipped: %s", name[:200], str(exc)[:200])
+            return None
+
+    def _publish(self, pods: dict[str, PodInfo]) -> None:
+        with self._cond:
+            self._pods = MappingProxyType(pods)
+            self._cond.notify_all()
+
+
+def _as_dict(obj: Any) -> dict[str, Any]:
+    data = obj.to_dict()
+    return data if isinstance(data, dict) else {}
