@@ -14,6 +14,7 @@ import pytest
 from devplugin.config import Config, override
 from devplugin.lifecycle.checkpoint import Checkpoint, LifecycleState
 from devplugin.runtime import Daemon, build
+from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.fake_nvml import FakeNvml
 from devplugin.testing.kubelet import KubeletSimulator
 from devplugin.testing.node import BuiltNode, NodeSpec, build_node
@@ -105,3 +106,12 @@ def start_cluster(tmp_path: Path, sock_dir: Path) -> Iterator[Callable[..., Clus
     for daemon, kubelet in started:
         daemon.stop()
         kubelet.stop()
+
+
+@pytest.fixture
+def api() -> Iterator[ApiServerImitation]:
+    """The Kubernetes API server imitation, serving on a free local port."""
+    server = ApiServerImitation()
+    server.start()
+    yield server
+    server.stop()

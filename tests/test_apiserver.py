@@ -9,7 +9,6 @@ subresource, and the injected faults the daemon's error paths need.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 
 import httpx2
 import pytest
@@ -28,14 +27,6 @@ def pod(name: str, node: str, namespace: str = "default") -> dict[str, object]:
         "metadata": {"name": name, "namespace": namespace},
         "spec": {"nodeName": node, "containers": [{"name": "main", "image": "x"}]},
     }
-
-
-@pytest.fixture
-def api() -> Iterator[ApiServerImitation]:
-    server = ApiServerImitation()
-    server.start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture

@@ -30,7 +30,7 @@ from devplugin.testing.node import BuiltNode, build_node, hgx_node
 from tests.conftest import GPU, HCA, Cluster, fast_config
 from tests.test_core import probe
 from tests.test_hooks import hook
-from tests.test_restart import cleanup_runs
+from tests.test_restart import cleanup_runs, spawn
 from tests.waiting import wait_until
 
 Start = Callable[..., Cluster]
@@ -200,14 +200,6 @@ def daemon_config(node: BuiltNode, sock_dir: Path, path: Path, **hooks: object) 
     }
     path.write_text(yaml.safe_dump(config))
     return path
-
-
-def spawn(config: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "devplugin", "run", "--config", str(config)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
-    )  # fmt: skip
 
 
 def hook_pids(log: Path) -> list[int]:

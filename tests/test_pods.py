@@ -28,14 +28,6 @@ def pod(name: str, node: str = NODE, *, gpus: int = 0, hcas: int = 0, **extra: o
     }
 
 
-@pytest.fixture
-def api() -> Iterator[ApiServerImitation]:
-    server = ApiServerImitation()
-    server.start()
-    yield server
-    server.stop()
-
-
 def cache_for(api: ApiServerImitation, **options: float) -> PodCache:
     client = Client(config=KubeConfig.from_dict(api.kubeconfig()), timeout=httpx2.Timeout(5.0))
     return PodCache(client, NODE, server_timeout=2, **options)  # type: ignore[arg-type]
