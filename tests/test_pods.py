@@ -9,7 +9,8 @@ import httpx2
 import pytest
 from lightkube import Client, KubeConfig
 
-from devplugin.cluster.pods import PodCache, parse_pod
+from devplugin.cluster.pods import PodCache
+from devplugin.podinfo import parse_pod
 from devplugin.testing.apiserver import ApiServerImitation
 from tests.waiting import wait_until
 

@@ -1,0 +1,99 @@
+"""Which container the kubelet is admitting, from this node's pods.
+
+The kubelet asks for one resource of one container at a time and never says
+which. It admits pods one by one and, within a pod, containers in order:
+init containers first, then app containers, each getting every resource it
+asks for before the next. So for a request of `size` devices of a resource,
+the container being admitted is, in some pod bound here and not finished,
+the first container (in that order) that asks for the resource and does not
+hold any of it yet, provided it asks for exactly `size`. Pods are looked at
+oldest first.
+
+When every such candidate asks for the same number of the other resource,
+that number is the partner count to plan for (`Outcome.EXACT`); when they
+disagree the answer is `AMBIGUOUS`; with none, `NO_POD`. Pure: the caller
+passes the pods (its cache) and who holds what (the ledger).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Set
+from dataclasses import dataclass
+
+from devplugin.podinfo import ContainerInfo, PodInfo
+
+# (namespace, pod, container)
+ContainerKey = tuple[str, str, str]
+
+
+class Outcome(enum.Enum):
+    EXACT = "exact"
+    NO_POD = "fallback-no-pod"
+    AMBIGUOUS = "fallback-ambiguous"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    pod: PodInfo
+    container: ContainerInfo
+    init: bool
+    # How many devices of the other resource the same container asks for.
+    partners: int
+
+
+@dataclass(frozen=True)
+class Admission:
+    outcome: Outcome
+    candidates: tuple[Candidate, ...]
+
+    @property
+    def partners(self) -> int | None:
+        """The other resource's count to plan for; None unless EXACT."""
+        if self.outcome is not Outcome.EXACT:
+            return None
+        return self.candidates[0].partners
+
+
+def admission_order(pod: PodInfo) -> list[tuple[ContainerInfo, bool]]:
+    return [(c, True) for c in pod.init_containers] + [(c, False) for c in pod.containers]
+
+
+def next_for(pod: PodInfo, resource: str, held: Set[ContainerKey]) -> ContainerInfo | None:
+    """The pod's next container to get `resource`, or None if none still needs it."""
+    for container, _ in admission_order(pod):
+        if container.requests.get(resource, 0) <= 0:
+            continue
+        if (pod.namespace, pod.name, container.name) in held:
+            continue
+        return container
+    return None
+
+
+def admitting(
+    pods: Iterable[PodInfo],
+    *,
+    resource: str,
+    other: str,
+    size: int,
+    held: Set[ContainerKey],
+) -> Admission:
+    """Who is being admitted for `size` devices of `resource`; see the module doc.
+
+    `held`: the containers that already hold devices of `resource`."""
+    ordered = sorted(
+        (p for p in pods if not p.terminal and not p.deleting),
+        key=lambda p: (p.created, p.namespace, p.name),
+    )
+    candidates: list[Candidate] = []
+    for pod in ordered:
+        container = next_for(pod, resource, held)
+        if container is None or container.requests.get(resource, 0) != size:
+            continue
+        init = any(c is container for c in pod.init_containers)
+        candidates.append(Candidate(pod, container, init, container.requests.get(other, 0)))
+    if not candidates:
+        return Admission(Outcome.NO_POD, ())
+    if len({c.partners for c in candidates}) > 1:
+        return Admission(Outcome.AMBIGUOUS, tuple(candidates))
+    return Admission(Outcome.EXACT, tuple(candidates))

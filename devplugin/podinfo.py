@@ -1,0 +1,92 @@
+"""A pod as the daemon needs it: who it is, where it runs, what each container asks for.
+
+Pure data and a parser from the API's JSON; no client, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+TERMINAL = frozenset({"Succeeded", "Failed"})
+
+
+@dataclass(frozen=True)
+class ContainerInfo:
+    name: str
+    # Extended resources (and anything else) the container asks for, as counts.
+    requests: Mapping[str, int]
+    # Restartable init containers (sidecars) run for the pod's whole life.
+    sidecar: bool = False
+
+
+@dataclass(frozen=True)
+class PodInfo:
+    uid: str
+    namespace: str
+    name: str
+    node: str
+    phase: str
+    created: str
+    deleting: bool
+    init_containers: tuple[ContainerInfo, ...]
+    containers: tuple[ContainerInfo, ...]
+
+    @property
+    def terminal(self) -> bool:
+        return self.phase in TERMINAL
+
+
+def _count(value: object) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        return int(value)
+    raise ValueError(f"not a device count: {value!r}")
+
+
+def _container(entry: object, *, init: bool) -> ContainerInfo:
+    if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+        raise ValueError("a container without a name")
+    resources = entry.get("resources") or {}
+    if not isinstance(resources, dict):
+        raise ValueError(f"container {entry['name']}: resources is not an object")
+    counts: dict[str, int] = {}
+    # Extended resources must have requests equal to limits; either may be set.
+    for section in ("limits", "requests"):
+        values = resources.get(section) or {}
+        if not isinstance(values, dict):
+            raise ValueError(f"container {entry['name']}: {section} is not an object")
+        for name, value in values.items():
+            if "/" in str(name):
+                counts[str(name)] = _count(value)
+    sidecar = init and entry.get("restartPolicy") == "Always"
+    return ContainerInfo(entry["name"], MappingProxyType(counts), sidecar)
+
+
+def parse_pod(obj: Mapping[str, Any]) -> PodInfo:
+    """The fields the daemon uses; ValueError when the object is not a pod it understands."""
+    meta, spec = obj.get("metadata"), obj.get("spec")
+    status = obj.get("status") or {}
+    if not isinstance(meta, dict) or not isinstance(spec, dict) or not isinstance(status, dict):
+        raise ValueError("metadata, spec and status must be objects")
+    for field in ("uid", "namespace", "name"):
+        if not isinstance(meta.get(field), str) or not meta[field]:
+            raise ValueError(f"metadata.{field} missing")
+    init = spec.get("initContainers") or []
+    main = spec.get("containers") or []
+    if not isinstance(init, list) or not isinstance(main, list):
+        raise ValueError("spec.containers and spec.initContainers must be lists")
+    return PodInfo(
+        uid=meta["uid"],
+        namespace=meta["namespace"],
+        name=meta["name"],
+        node=str(spec.get("nodeName") or ""),
+        phase=str(status.get("phase") or "Pending"),
+        created=str(meta.get("creationTimestamp") or ""),
+        deleting=bool(meta.get("deletionTimestamp")),
+        init_containers=tuple(_container(c, init=True) for c in init),
+        containers=tuple(_container(c, init=False) for c in main),
+    )
