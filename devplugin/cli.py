@@ -17,6 +17,7 @@ from devplugin.config import (
     Config,
     ConfigError,
     check_hooks,
+    check_kubernetes,
     check_roots,
     load_config,
     override,
@@ -52,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--device-plugin-dir", help="kubelet device-plugin directory")
     run.add_argument("--pod-resources-socket", help="kubelet PodResources socket")
     run.add_argument("--checkpoint-file", help="lifecycle checkpoint (in-use devices, cleanups)")
+    run.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster service account)")
+    run.add_argument("--node-name", help="this node's name (default: $NODE_NAME)")
     run.add_argument(
         "--metrics-address", action="append", metavar="HOST:PORT",
         help="serve /metrics, /healthz, /readyz here (repeatable; replaces the config's list)",
@@ -80,11 +83,14 @@ def resolve_config(args: argparse.Namespace) -> Config:
                 "lifecycle.checkpoint_file": getattr(args, "checkpoint_file", None),
                 "metrics.addresses": getattr(args, "metrics_address", None),
                 "logging.format": getattr(args, "log_format", None),
+                "kubernetes.kubeconfig": getattr(args, "kubeconfig", None),
+                "kubernetes.node_name": getattr(args, "node_name", None),
             },
         )
         check_roots(config)
         if args.command == "run":
             check_hooks(config)
+            check_kubernetes(config)
     except ConfigError as exc:
         raise UsageError(f"config error: {exc}") from exc
     return config

@@ -203,6 +203,21 @@ class HealthConfig:
 
 
 @dataclass(frozen=True)
+class KubernetesConfig:
+    # Talk to the API server (the pod cache). Off, the daemon works from the
+    # kubelet alone, as before.
+    enabled: bool = False
+    # A kubeconfig file; empty means the pod's service account (in-cluster).
+    kubeconfig: str = ""
+    # This node's name; empty means the NODE_NAME environment variable.
+    node_name: str = ""
+    # Every API request gives up after this long (RPCs never wait on it).
+    request_timeout_seconds: float = _checked(5.0, _positive)
+    # How long GetPreferredAllocation may wait for a pod to reach the cache.
+    pod_wait_seconds: float = _checked(0.1, _positive)
+
+
+@dataclass(frozen=True)
 class HotplugConfig:
     # Watch udev for PCI and InfiniBand add/remove events (falls back to the
     # periodic rescan where udev is not available).
@@ -268,6 +283,7 @@ class Config:
     pod_resources: PodResourcesConfig = field(default_factory=PodResourcesConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     hotplug: HotplugConfig = field(default_factory=HotplugConfig)
+    kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
     lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)
     sharing: SharingConfig = field(default_factory=SharingConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
@@ -427,6 +443,25 @@ def check_hooks(config: Config) -> None:
             problem = _program_problem(argv[0]) if argv else None
             if problem:
                 raise ConfigError(f"resources.{name}.hooks.{phase}", problem)
+
+
+def node_name(config: Config) -> str:
+    """The node this daemon runs on: the config (or --node-name), else NODE_NAME."""
+    return config.kubernetes.node_name or os.environ.get("NODE_NAME", "")
+
+
+def check_kubernetes(config: Config) -> None:
+    """With API access on, the daemon must know its node and, when given, the
+    kubeconfig must exist (the service account is checked when connecting)."""
+    kube = config.kubernetes
+    if not kube.enabled:
+        return
+    if not node_name(config):
+        raise ConfigError(
+            "kubernetes.node_name", "required when kubernetes.enabled (or set NODE_NAME)"
+        )
+    if kube.kubeconfig and not os.path.isfile(kube.kubeconfig):
+        raise ConfigError("kubernetes.kubeconfig", f"{kube.kubeconfig} is not a file")
 
 
 def check_roots(config: Config) -> None:

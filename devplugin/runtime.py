@@ -23,7 +23,9 @@ from typing import Any
 
 from devplugin.alignment import AlignmentMonitor
 from devplugin.checks import CheckLoop, Requests
-from devplugin.config import Config, HooksConfig
+from devplugin.cluster.client import make_client
+from devplugin.cluster.pods import PodCache
+from devplugin.config import Config, HooksConfig, node_name
 from devplugin.coordination import Coordinator
 from devplugin.deadline import Deadlines
 from devplugin.discovery import Discoverer, NvmlGpuSource, Roots
@@ -118,6 +120,7 @@ class Daemon:
         metrics: Metrics,
         xid: XidWatcher | None,
         hotplug_monitor: Any | None,
+        pods: PodCache | None = None,
     ) -> None:
         self.config = config
         self.discoverer = discoverer
@@ -131,6 +134,7 @@ class Daemon:
         self.monitor = monitor
         self.metrics = metrics
         self.xid = xid
+        self.pods = pods
         self._hotplug_monitor = hotplug_monitor
         self.hotplug: HotplugWatcher | None = None
         self.status: StatusServer | None = None
@@ -201,6 +205,8 @@ class Daemon:
             )
             self.status.start()
         self.monitor.start()
+        if self.pods is not None:
+            self.pods.start()
         monitor = self._hotplug_monitor
         if monitor is None and config.hotplug.udev:
             monitor = udev_monitor()
@@ -242,6 +248,8 @@ class Daemon:
             loops.append(self.hotplug)
         if self.xid is not None:
             loops.append(self.xid)
+        if self.pods is not None:
+            loops.append(self.pods)
         for loop in loops:
             loop.signal_stop()
         for record in self.records:
@@ -253,7 +261,8 @@ class Daemon:
             record.server.stop(grace=0.2)
         for loop in loops:
             if loop is not self.cleanup:
-                loop.join(timeout=10)
+                # A watch blocked on the network ends by itself: never wait on it long.
+                loop.join(timeout=0.5 if loop is self.pods else 10)
         self.cleanup.join()
         self.discoverer.close()
         if self._started:
@@ -390,6 +399,11 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
         backoff_max=config.kubelet.register_backoff_max_seconds,
         on_register=lambda name: metrics.registrations.labels(name).inc(),
     )
+    pods: PodCache | None = None
+    if config.kubernetes.enabled:
+        client = make_client(config.kubernetes)
+        if client is not None:
+            pods = PodCache(client, node_name(config))
     return Daemon(
         config,
         discoverer=discoverer,
@@ -404,4 +418,5 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
         metrics=metrics,
         xid=xid,
         hotplug_monitor=hotplug_monitor,
+        pods=pods,
     )
