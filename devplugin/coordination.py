@@ -136,8 +136,11 @@ class Coordinator:
         available: Iterable[str],
         must_include: Iterable[str],
         size: int,
+        *,
+        partners: int | None = None,
     ) -> tuple[Choice, Role]:
-        """The choice for one container request (raises Refused)."""
+        """The choice for one container request (raises Refused). `partners`:
+        the other resource's count when known (from the pod), for a first one."""
         now = self._clock()
         must = frozenset(must_include)
         with self._lock:
@@ -155,10 +158,22 @@ class Coordinator:
                 other_free = other_free - pending.ids
             else:
                 role, partner = Role.FIRST, other_free
-                expected = self._shapes.get((kind, size), size)
+                expected = (
+                    partners if partners is not None else self._shapes.get((kind, size), size)
+                )
             allocator = self._allocator
         request = Request(kind, candidates, size, must, role, partner, other_free, expected)
         return allocator.choose(request), role
+
+    def pending_partner(self, kind: DeviceKind) -> bool:
+        """Whether a request for `kind` now would be a pair's second one."""
+        now = self._clock()
+        with self._lock:
+            pending = self._pending
+            return (
+                pending is not None and pending.kind is kind.other
+                and now - pending.at <= self._window
+            )  # fmt: skip
 
     def expected_partners(self, kind: DeviceKind, size: int) -> int:
         """How many devices of the other kind a first request is assumed to get."""

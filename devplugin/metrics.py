@@ -89,6 +89,12 @@ class Metrics:
             registry=registry,
         )  # fmt: skip
         self.checkpoint_ok.set(1)
+        self.pod_aware = Counter(
+            "devplugin_pod_aware_choices",
+            "First-resource choices by how the container's whole request was known "
+            "(exact / fallback-no-pod / fallback-ambiguous)",
+            ["resource", "outcome"], registry=registry,
+        )  # fmt: skip
         self.stuck_reads = Gauge(
             "devplugin_stuck_reads",
             "Hardware reads (per GPU, per HCA, NVML, PCI tree) past their deadline",

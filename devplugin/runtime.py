@@ -23,6 +23,7 @@ from typing import Any
 
 from devplugin.alignment import AlignmentMonitor
 from devplugin.checks import CheckLoop, Requests
+from devplugin.cluster.awareness import PodAwareness
 from devplugin.cluster.client import make_client
 from devplugin.cluster.pods import PodCache
 from devplugin.config import Config, HooksConfig, node_name
@@ -361,6 +362,15 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
         listeners=[cleanup.observe],
         metrics=metrics,
     )
+    pods: PodCache | None = None
+    awareness: PodAwareness | None = None
+    if config.kubernetes.enabled:
+        client = make_client(config.kubernetes)
+        if client is not None:
+            pods = PodCache(client, node_name(config))
+            awareness = PodAwareness(
+                pods, ledger, names, wait=config.kubernetes.pod_wait_seconds, metrics=metrics
+            )
     plugin_dir = Path(paths.device_plugin_dir)
     records: list[ResourceRecord] = []
     for resource in resources:
@@ -385,6 +395,7 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
             ResourceState(devices=(), allocations={}),
             coordinator=coordinator,
             hooks=hooks,
+            partners=awareness,
             metrics=metrics,
         )
         pipeline.connect(resource.kind, servicer.update)
@@ -399,11 +410,6 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
         backoff_max=config.kubelet.register_backoff_max_seconds,
         on_register=lambda name: metrics.registrations.labels(name).inc(),
     )
-    pods: PodCache | None = None
-    if config.kubernetes.enabled:
-        client = make_client(config.kubernetes)
-        if client is not None:
-            pods = PodCache(client, node_name(config))
     return Daemon(
         config,
         discoverer=discoverer,

@@ -19,7 +19,7 @@ from devplugin.api import deviceplugin_v1beta1_pb2 as pb
 from devplugin.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from devplugin.coordination import Coordinator
 from devplugin.metrics import Metrics
-from devplugin.model import Refused, shown, shown_ids
+from devplugin.model import DeviceKind, Refused, shown, shown_ids
 from devplugin.resources import (
     ContainerAllocation,
     Resource,
@@ -107,6 +107,13 @@ class AllocationHooks(Protocol):
         ...
 
 
+class PartnerOracle(Protocol):
+    """Who is asking: the other resource's count for the container being
+    admitted, when it can be known (the pod cache), else None."""
+
+    def partners(self, kind: DeviceKind, size: int) -> int | None: ...
+
+
 class NoHooks:
     """A resource with nothing to do around allocations."""
 
@@ -155,6 +162,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         *,
         coordinator: Coordinator | None = None,
         hooks: AllocationHooks = NO_HOOKS,
+        partners: PartnerOracle | None = None,
         metrics: Metrics | None = None,
         max_extra_streams: int = MAX_EXTRA_STREAMS,
         clock: Callable[[], float] = time.monotonic,
@@ -163,6 +171,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         self._metrics = metrics
         self._coordinator = coordinator
         self._hooks = hooks
+        self._oracle = partners
         self._max_extra = max_extra_streams
         self._clock = clock
         self._cond = threading.Condition()
@@ -380,14 +389,22 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         response = pb.PreferredAllocationResponse()
         kind = self.resource.kind
         roles: list[Role] = []
+        known: list[int | None] = [None]
 
         def pick(candidates: frozenset[str], must: frozenset[str], count: int) -> Sequence[str]:
-            choice, role = coordinator.preferred(kind, candidates, must, count)
+            choice, role = coordinator.preferred(kind, candidates, must, count, partners=known[0])
             roles.append(role)
             return choice.ids
 
         for container in request.container_requests:
             roles.clear()
+            # Ask who is being admitted only for a pair's first resource (the
+            # oracle reads a cache; it may wait briefly for a pod to arrive).
+            known[0] = (
+                self._oracle.partners(kind, container.allocation_size)
+                if self._oracle is not None and not coordinator.pending_partner(kind)
+                else None
+            )
             try:
                 ids = self.resource.choose(
                     list(container.available_deviceIDs),

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from devplugin.config import Config, override
 from devplugin.lifecycle.checkpoint import Checkpoint, LifecycleState
@@ -72,6 +73,7 @@ def start_cluster(tmp_path: Path, sock_dir: Path) -> Iterator[Callable[..., Clus
         hotplug_monitor: Any | None = None,
         start_kubelet: bool = True,
         wait: bool = True,
+        api: ApiServerImitation | None = None,
         **config: Any,
     ) -> Cluster:
         # Several clusters may run in one test, each in its own directories.
@@ -79,7 +81,14 @@ def start_cluster(tmp_path: Path, sock_dir: Path) -> Iterator[Callable[..., Clus
         node = build_node(spec, tmp_path / f"node{tag}")
         plugin_dir = sock_dir / f"dp{tag}"
         pod_resources = sock_dir / f"pr{tag}" / "kubelet.sock"
-        kubelet = KubeletSimulator(plugin_dir, pod_resources, seed=1)
+        kubelet = KubeletSimulator(plugin_dir, pod_resources, seed=1, api=api)
+        if api is not None:
+            kubeconfig = tmp_path / f"kubeconfig{tag}"
+            kubeconfig.write_text(yaml.safe_dump(api.kubeconfig()))
+            config = {
+                "kubernetes.enabled": True, "kubernetes.kubeconfig": str(kubeconfig),
+                "kubernetes.node_name": kubelet.node_name, **config,
+            }  # fmt: skip
         if start_kubelet:
             kubelet.start()
         # A node whose lifecycle state is known (nothing in use, nothing owed);

@@ -35,6 +35,7 @@ from devplugin.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from devplugin.api import podresources_v1_pb2 as pr
 from devplugin.api import podresources_v1_pb2_grpc as pr_grpc
 from devplugin.rpc import rpc_failure
+from devplugin.testing.apiserver import ApiServerImitation
 
 log = logging.getLogger(__name__)
 
@@ -234,6 +235,8 @@ class KubeletSimulator:
         *,
         seed: int = 0,
         options_timeout: float = 5.0,
+        api: ApiServerImitation | None = None,
+        node_name: str = "node-1",
     ) -> None:
         self.plugin_dir = plugin_dir
         self.kubelet_socket = plugin_dir / "kubelet.sock"
@@ -251,6 +254,10 @@ class KubeletSimulator:
         self.preferred_calls: list[PreferredCall] = []
         self.pod_resources_calls = 0
         self.restarts = 0
+        # Where pods are created before admission (as the scheduler binds them).
+        self.api = api
+        self.node_name = node_name
+        self._created = 0
 
     # -- lifecycle -----------------------------------------------------------
     def start(self) -> None:
@@ -420,6 +427,10 @@ class KubeletSimulator:
             if key in self._pods:
                 raise AdmissionError(f"pod {namespace}/{pod} already exists")
             self._pods[key] = {}
+            self._created += 1
+            created = self._created
+        if self.api is not None:
+            self.api.put("pods", self._pod_object(namespace, pod, containers, created))
         results: list[ContainerResult] = []
         try:
             for container in containers:
@@ -537,6 +548,25 @@ class KubeletSimulator:
         with self._cond:
             self._pods.pop((namespace, pod), None)
             self._cond.notify_all()
+        if self.api is not None:
+            self.api.remove("pods", pod, namespace)
+
+    def _pod_object(
+        self, namespace: str, pod: str, containers: Sequence[ContainerRequest], created: int
+    ) -> dict[str, object]:
+        # Creation times one second apart keep admission order = creation order.
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(1_700_000_000 + created))
+        return {
+            "metadata": {"name": pod, "namespace": namespace, "creationTimestamp": stamp},
+            "spec": {
+                "nodeName": self.node_name,
+                "containers": [
+                    {"name": c.name, "image": "sim",
+                     "resources": {"limits": {k: v for k, v in c.requests.items() if v}}}
+                    for c in containers
+                ],
+            },
+        }  # fmt: skip
 
     def _pod_proto(
         self, key: tuple[str, str], containers: dict[str, dict[str, tuple[str, ...]]]
