@@ -388,23 +388,16 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
             )
         response = pb.PreferredAllocationResponse()
         kind = self.resource.kind
-        roles: list[Role] = []
-        known: list[int | None] = [None]
-
-        def pick(candidates: frozenset[str], must: frozenset[str], count: int) -> Sequence[str]:
-            choice, role = coordinator.preferred(kind, candidates, must, count, partners=known[0])
-            roles.append(role)
-            return choice.ids
-
         for container in request.container_requests:
-            roles.clear()
             # Ask who is being admitted only for a pair's first resource (the
             # oracle reads a cache; it may wait briefly for a pod to arrive).
-            known[0] = (
+            partners = (
                 self._oracle.partners(kind, container.allocation_size)
                 if self._oracle is not None and not coordinator.pending_partner(kind)
                 else None
             )
+            roles: list[Role] = []
+            pick = _Picker(coordinator, kind, partners, roles)
             try:
                 ids = self.resource.choose(
                     list(container.available_deviceIDs),
@@ -448,6 +441,24 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
                 f"{self.resource.name}: {shown(problem, MAX_DETAIL)}",
             )
         return pb.PreStartContainerResponse()
+
+
+@dataclass
+class _Picker:
+    """The allocator's choice of physical devices for one container request,
+    remembering the pairing role it was chosen in."""
+
+    coordinator: Coordinator
+    kind: DeviceKind
+    partners: int | None
+    roles: list[Role]
+
+    def __call__(self, candidates: frozenset[str], must: frozenset[str], count: int) -> list[str]:
+        choice, role = self.coordinator.preferred(
+            self.kind, candidates, must, count, partners=self.partners
+        )
+        self.roles.append(role)
+        return list(choice.ids)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import yaml
 
 from devplugin.cli import main
 from devplugin.lifecycle.checkpoint import Checkpoint, LifecycleState
@@ -30,7 +29,7 @@ from devplugin.testing.node import BuiltNode, build_node, hgx_node
 from tests.conftest import GPU, HCA, Cluster, fast_config
 from tests.test_core import probe
 from tests.test_hooks import hook
-from tests.test_restart import cleanup_runs, spawn
+from tests.test_restart import cleanup_runs, daemon_config, spawn
 from tests.waiting import wait_until
 
 Start = Callable[..., Cluster]
@@ -182,24 +181,11 @@ def test_a_failed_checkpoint_write_shows_in_readyz_and_keeps_the_released_device
 # -- hooks across a SIGKILL and a SIGTERM ---------------------------------------------
 
 
-def daemon_config(node: BuiltNode, sock_dir: Path, path: Path, **hooks: object) -> Path:
-    config = {
-        "version": "v1",
-        "paths": {
-            "sysfs_root": str(node.sysfs_root),
-            "dev_root": str(node.dev_root),
-            "device_plugin_dir": str(sock_dir / "dp"),
-            "pod_resources_socket": str(sock_dir / "pr" / "kubelet.sock"),
-        },
-        "nvml": {"fixture": str(node.fixture)},
-        "resources": {"gpu": {"hooks": hooks}},
-        "health": {"interval_seconds": 0.2},
-        "pod_resources": {"poll_interval_seconds": 0.3, "min_interval_seconds": 0.05},
-        "lifecycle": {"checkpoint_file": str(path.parent / "checkpoint.json")},
-        "metrics": {"addresses": ["127.0.0.1:0"]},
-    }
-    path.write_text(yaml.safe_dump(config))
-    return path
+def gpu_hooks_config(node: BuiltNode, sock_dir: Path, path: Path, **hooks: object) -> Path:
+    return daemon_config(
+        node, sock_dir, path, checkpoint=path.parent / "checkpoint.json",
+        resources={"gpu": {"hooks": hooks}},
+    )  # fmt: skip
 
 
 def hook_pids(log: Path) -> list[int]:
@@ -229,7 +215,7 @@ def test_sigkill_during_a_hanging_cleanup_never_runs_two_at_once(
 ) -> None:
     node = build_node(hgx_node(), tmp_path / "node")
     log, go = tmp_path / "cleanup.log", tmp_path / "go"
-    config = daemon_config(
+    config = gpu_hooks_config(
         node, sock_dir, tmp_path / "devplugin.yaml", cleanup=hook(log, f"wait:{go}")
     )
     owed = node.gpus[1].uuid
@@ -277,7 +263,7 @@ def test_sigterm_during_a_long_hook_stops_it_quickly_and_the_cleanup_stays_owed(
 ) -> None:
     node = build_node(hgx_node(), tmp_path / "node")
     log = tmp_path / "cleanup.log"
-    config = daemon_config(
+    config = gpu_hooks_config(
         node, sock_dir, tmp_path / "devplugin.yaml", cleanup=hook(log, "hang"), timeout_seconds=60
     )
     owed = node.gpus[4].uuid
@@ -356,7 +342,7 @@ def test_a_hook_that_cannot_run_is_a_configuration_error(
     (tmp_path / "plain-file").write_text("#!/bin/sh\n")  # mode 0644: not executable
     argv = [arg.replace("{tmp}", str(tmp_path)) for arg in argv]
     node = build_node(hgx_node(), tmp_path / "node")
-    config = daemon_config(node, tmp_path, tmp_path / "devplugin.yaml", init=argv)
+    config = gpu_hooks_config(node, tmp_path, tmp_path / "devplugin.yaml", init=argv)
     assert main(["run", "--config", str(config)]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1

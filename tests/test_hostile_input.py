@@ -73,24 +73,27 @@ def test_allocate_with_hostile_ids_gets_a_bounded_escaped_refusal(
     still_serving(cluster)
 
 
+def refused_preference(cluster: Cluster, available: list[str], must: str) -> None:
+    """GetPreferredAllocation naming a must-include id not in `available`."""
+    request = pb.PreferredAllocationRequest(
+        container_requests=[
+            pb.ContainerPreferredAllocationRequest(
+                available_deviceIDs=available, must_include_deviceIDs=[must], allocation_size=2
+            )
+        ]
+    )
+    with pytest.raises(grpc.RpcError) as failure:
+        cluster.kubelet.stub(GPU).GetPreferredAllocation(request, timeout=5)
+    assert failure.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert "not available" in (failure.value.details() or "")
+
+
 def test_a_must_include_id_that_is_not_available_is_a_failed_precondition(
     start_cluster: Start,
 ) -> None:
     cluster = start_cluster(hgx_node())
     uuids = [gpu.uuid for gpu in cluster.node.gpus]
-    request = pb.PreferredAllocationRequest(
-        container_requests=[
-            pb.ContainerPreferredAllocationRequest(
-                available_deviceIDs=uuids[:4], must_include_deviceIDs=[uuids[6]],
-                allocation_size=2,
-            )
-        ]
-    )  # fmt: skip
-    for resource in (GPU,):
-        with pytest.raises(grpc.RpcError) as failure:
-            cluster.kubelet.stub(resource).GetPreferredAllocation(request, timeout=5)
-        assert failure.value.code() is grpc.StatusCode.FAILED_PRECONDITION
-        assert "not available" in (failure.value.details() or "")
+    refused_preference(cluster, uuids[:4], uuids[6])
     still_serving(cluster)
 
 
@@ -99,17 +102,7 @@ def test_a_must_include_replica_that_is_not_available_is_a_failed_precondition(
 ) -> None:
     cluster = start_cluster(hgx_node(), **{"sharing.gpu.replicas": 2})
     replicas = sorted(cluster.kubelet.devices(GPU))
-    request = pb.PreferredAllocationRequest(
-        container_requests=[
-            pb.ContainerPreferredAllocationRequest(
-                available_deviceIDs=replicas[:4], must_include_deviceIDs=[replicas[9]],
-                allocation_size=2,
-            )
-        ]
-    )  # fmt: skip
-    with pytest.raises(grpc.RpcError) as failure:
-        cluster.kubelet.stub(GPU).GetPreferredAllocation(request, timeout=5)
-    assert failure.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    refused_preference(cluster, replicas[:4], replicas[9])
 
 
 def odd_sysfs(cluster: Cluster, index: int) -> Path:

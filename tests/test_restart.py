@@ -14,7 +14,7 @@ import yaml
 
 from devplugin.lifecycle.checkpoint import Checkpoint, LifecycleState
 from devplugin.testing.kubelet import ContainerRequest, KubeletSimulator
-from devplugin.testing.node import build_node, hgx_node
+from devplugin.testing.node import BuiltNode, build_node, hgx_node
 from tests.conftest import GPU, HCA
 from tests.test_hooks import hook
 from tests.waiting import wait_until
@@ -45,33 +45,41 @@ def spawn(config: Path) -> subprocess.Popen[str]:
     )  # fmt: skip
 
 
+def daemon_config(
+    node: BuiltNode, sock_dir: Path, path: Path, *, checkpoint: Path,
+    resources: dict[str, object],
+) -> Path:  # fmt: skip
+    """A config file for a daemon run as a subprocess against a simulated node."""
+    config = {
+        "version": "v1",
+        "paths": {
+            "sysfs_root": str(node.sysfs_root),
+            "dev_root": str(node.dev_root),
+            "device_plugin_dir": str(sock_dir / "dp"),
+            "pod_resources_socket": str(sock_dir / "pr" / "kubelet.sock"),
+        },
+        "nvml": {"fixture": str(node.fixture)},
+        "resources": resources,
+        "health": {"interval_seconds": 0.2},
+        "pod_resources": {"poll_interval_seconds": 0.3, "min_interval_seconds": 0.05},
+        "lifecycle": {"checkpoint_file": str(checkpoint)},
+        "metrics": {"addresses": ["127.0.0.1:0"]},
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
 def test_sigkill_then_restart_cleans_only_what_was_released(tmp_path: Path, sock_dir: Path) -> None:
     node = build_node(hgx_node(), tmp_path / "node")
     log = tmp_path / "cleanup.log"
     checkpoint = tmp_path / "state" / "checkpoint.json"
-    config = tmp_path / "devplugin.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "version": "v1",
-                "paths": {
-                    "sysfs_root": str(node.sysfs_root),
-                    "dev_root": str(node.dev_root),
-                    "device_plugin_dir": str(sock_dir / "dp"),
-                    "pod_resources_socket": str(sock_dir / "pr" / "kubelet.sock"),
-                },
-                "nvml": {"fixture": str(node.fixture)},
-                "resources": {
-                    "gpu": {"hooks": {"cleanup": hook(log, "ok")}},
-                    "hca": {"hooks": {"cleanup": hook(log, "ok")}},
-                },
-                "health": {"interval_seconds": 0.2},
-                "pod_resources": {"poll_interval_seconds": 0.3, "min_interval_seconds": 0.05},
-                "lifecycle": {"checkpoint_file": str(checkpoint)},
-                "metrics": {"addresses": ["127.0.0.1:0"]},
-            }
-        )
-    )
+    config = daemon_config(
+        node, sock_dir, tmp_path / "devplugin.yaml", checkpoint=checkpoint,
+        resources={
+            "gpu": {"hooks": {"cleanup": hook(log, "ok")}},
+            "hca": {"hooks": {"cleanup": hook(log, "ok")}},
+        },
+    )  # fmt: skip
     Checkpoint(checkpoint).save(LifecycleState())  # a node known clean
     kubelet = KubeletSimulator(sock_dir / "dp", sock_dir / "pr" / "kubelet.sock")
     kubelet.start()

@@ -135,7 +135,8 @@ class Discoverer:
             else:
                 self._hcas[address] = hca
             hcas.append(hca)
-        for address in [a for a in self._hcas if a not in {addr for _, addr in present}]:
+        still_there = {address for _, address in present}
+        for address in [a for a in self._hcas if a not in still_there]:
             del self._hcas[address]
         return tuple(hcas)
 
