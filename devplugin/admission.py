@@ -7,7 +7,7 @@ asks for before the next. So for a request of `size` devices of a resource,
 the container being admitted is, in some pod bound here and not finished,
 the first container (in that order) that asks for the resource and does not
 hold any of it yet, provided it asks for exactly `size`. Pods are looked at
-oldest first.
+oldest first; a pod with a started container is past admission.
 
 When every such candidate asks for the same number of the other resource,
 that number is the partner count to plan for (`Outcome.EXACT`); when they
@@ -60,14 +60,19 @@ def admission_order(pod: PodInfo) -> list[tuple[ContainerInfo, bool]]:
 
 
 def next_for(pod: PodInfo, resource: str, held: Set[ContainerKey]) -> ContainerInfo | None:
-    """The pod's next container to get `resource`, or None if none still needs it."""
-    for container, _ in admission_order(pod):
-        if container.requests.get(resource, 0) <= 0:
-            continue
-        if (pod.namespace, pod.name, container.name) in held:
-            continue
-        return container
-    return None
+    """The pod's next container to get `resource`, or None if none still needs it.
+
+    Containers get their devices in admission order, so every container
+    before the last one known to hold `resource` has been served too (a
+    finished init container is not listed by PodResources, yet its devices
+    were allocated before the app containers')."""
+    wanting = [c for c, _ in admission_order(pod) if c.requests.get(resource, 0) > 0]
+    last_held = max(
+        (i for i, c in enumerate(wanting) if (pod.namespace, pod.name, c.name) in held),
+        default=-1,
+    )
+    rest = wanting[last_held + 1 :]
+    return rest[0] if rest else None
 
 
 def admitting(
@@ -82,7 +87,7 @@ def admitting(
 
     `held`: the containers that already hold devices of `resource`."""
     ordered = sorted(
-        (p for p in pods if not p.terminal and not p.deleting),
+        (p for p in pods if not p.terminal and not p.deleting and not p.started),
         key=lambda p: (p.created, p.namespace, p.name),
     )
     candidates: list[Candidate] = []

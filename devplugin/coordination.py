@@ -20,6 +20,11 @@ not defined (it walks a Go map), and the requests carry no pod identity. So:
   pair (0 when no partner followed) and assumes it again; with no history it
   assumes as many as requested (one HCA per GPU). When the assumption holds,
   the pair reaches the best worst level any choice of both sets could.
+* When the pod cache names the container being admitted (`Known`), that
+  beats the clock: a request known to be a container's first resource is
+  planned for its exact partner count even if an unrelated allocation of
+  the other kind (a single-resource container) was made a moment ago, and
+  its Allocate starts a new pair instead of completing that one.
 * Which devices of the other kind are free is read from the holdings
   ledger (the kubelet's PodResources answers plus the allocations made since
   the last poll); the coordinator never calls out.
@@ -39,6 +44,16 @@ from devplugin.model import DeviceKind
 from devplugin.topology import Topology
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Known:
+    """What the pod cache says about the container a request is for."""
+
+    # How many devices of the other resource the same container asks for.
+    partners: int
+    # The container already got the other resource (this request completes it).
+    second: bool = False
 
 
 @dataclass(frozen=True)
@@ -66,6 +81,9 @@ class Coordinator:
         self._allocator = Allocator(self._topology)
         self._healthy: dict[DeviceKind, frozenset[str]] = {k: frozenset() for k in DeviceKind}
         self._pending: _Given | None = None
+        # A request known to be a container's first resource was answered:
+        # the next Allocate of that kind starts a new pair.
+        self._starting: DeviceKind | None = None
         # (kind, count) of a first resource -> partner count that followed.
         self._shapes: dict[tuple[DeviceKind, int], int] = {}
         # Free sets, recomputed only after something they depend on changed
@@ -98,6 +116,12 @@ class Coordinator:
         given = _Given(kind, frozenset(ids), now)
         with self._lock:
             pending = self._pending
+            if self._starting is kind:
+                self._starting = None
+                if pending is not None and pending.kind is not kind:
+                    self._shapes[(pending.kind, len(pending.ids))] = 0
+                self._pending = given
+                return
             if (
                 pending is not None
                 and pending.kind is not kind
@@ -137,10 +161,10 @@ class Coordinator:
         must_include: Iterable[str],
         size: int,
         *,
-        partners: int | None = None,
+        known: Known | None = None,
     ) -> tuple[Choice, Role]:
-        """The choice for one container request (raises Refused). `partners`:
-        the other resource's count when known (from the pod), for a first one."""
+        """The choice for one container request (raises Refused). `known`: what
+        the pod cache says about the container, when it can tell."""
         now = self._clock()
         must = frozenset(must_include)
         with self._lock:
@@ -153,27 +177,23 @@ class Coordinator:
             other_free = self._free_locked(other)
             pending = self._pending
             expected: int | None = None
-            if pending is not None and pending.kind is other and now - pending.at <= self._window:
+            paired = (
+                pending is not None and pending.kind is other and now - pending.at <= self._window
+            )
+            if known is not None and not known.second:
+                paired = False
+                self._starting = kind
+            if paired and pending is not None:
                 role, partner = Role.SECOND, pending.ids
                 other_free = other_free - pending.ids
             else:
                 role, partner = Role.FIRST, other_free
                 expected = (
-                    partners if partners is not None else self._shapes.get((kind, size), size)
+                    known.partners if known is not None else self._shapes.get((kind, size), size)
                 )
             allocator = self._allocator
         request = Request(kind, candidates, size, must, role, partner, other_free, expected)
         return allocator.choose(request), role
-
-    def pending_partner(self, kind: DeviceKind) -> bool:
-        """Whether a request for `kind` now would be a pair's second one."""
-        now = self._clock()
-        with self._lock:
-            pending = self._pending
-            return (
-                pending is not None and pending.kind is kind.other
-                and now - pending.at <= self._window
-            )  # fmt: skip
 
     def expected_partners(self, kind: DeviceKind, size: int) -> int:
         """How many devices of the other kind a first request is assumed to get."""

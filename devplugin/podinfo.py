@@ -33,6 +33,9 @@ class PodInfo:
     deleting: bool
     init_containers: tuple[ContainerInfo, ...]
     containers: tuple[ContainerInfo, ...]
+    # The kubelet allocates every container's devices when it admits a pod,
+    # before starting any: a pod with a started container is past admission.
+    started: bool = False
 
     @property
     def terminal(self) -> bool:
@@ -66,6 +69,20 @@ def _container(entry: object, *, init: bool) -> ContainerInfo:
     return ContainerInfo(entry["name"], MappingProxyType(counts), sidecar)
 
 
+def _started(status: Mapping[str, Any]) -> bool:
+    if status.get("phase") == "Running":
+        return True
+    for field in ("initContainerStatuses", "containerStatuses"):
+        entries = status.get(field)
+        if not isinstance(entries, list):
+            continue
+        for entry in entries:
+            state = entry.get("state") if isinstance(entry, dict) else None
+            if isinstance(state, dict) and ("running" in state or "terminated" in state):
+                return True
+    return False
+
+
 def parse_pod(obj: Mapping[str, Any]) -> PodInfo:
     """The fields the daemon uses; ValueError when the object is not a pod it understands."""
     meta, spec = obj.get("metadata"), obj.get("spec")
@@ -89,4 +106,5 @@ def parse_pod(obj: Mapping[str, Any]) -> PodInfo:
         deleting=bool(meta.get("deletionTimestamp")),
         init_containers=tuple(_container(c, init=True) for c in init),
         containers=tuple(_container(c, init=False) for c in main),
+        started=_started(status),
     )

@@ -303,6 +303,17 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
     }
     lifecycle = config.lifecycle
     requests = Requests()
+    pods: PodCache | None = None
+    if config.kubernetes.enabled:
+        client = make_client(config.kubernetes)
+        if client is not None:
+            pods = PodCache(client, node_name(config))
+    awareness: PodAwareness | None = None
+    if pods is not None:
+        awareness = PodAwareness(
+            pods, ledger, names, wait=config.kubernetes.pod_wait_seconds, metrics=metrics,
+            pair_seconds=config.allocation.pairing_window_seconds,
+        )  # fmt: skip
     cleanup = CleanupManager(
         hooks={
             kind: HookSpec(hooks.cleanup, hooks.timeout_seconds)
@@ -320,7 +331,10 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
         on_change=requests.rejudge,
         on_save=metrics.checkpoint_written,
         runner=runner,
+        witness=awareness,
     )
+    if pods is not None:
+        pods.listen(cleanup.reconsider)
     hca_view = HcaResource(name=config.resources.hca.name, env_var=config.resources.hca.env_var)
     pipeline = Pipeline(
         resources,
@@ -362,15 +376,6 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
         listeners=[cleanup.observe],
         metrics=metrics,
     )
-    pods: PodCache | None = None
-    awareness: PodAwareness | None = None
-    if config.kubernetes.enabled:
-        client = make_client(config.kubernetes)
-        if client is not None:
-            pods = PodCache(client, node_name(config))
-            awareness = PodAwareness(
-                pods, ledger, names, wait=config.kubernetes.pod_wait_seconds, metrics=metrics
-            )
     plugin_dir = Path(paths.device_plugin_dir)
     records: list[ResourceRecord] = []
     for resource in resources:

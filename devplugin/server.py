@@ -17,7 +17,7 @@ import grpc
 from devplugin.allocator import Role
 from devplugin.api import deviceplugin_v1beta1_pb2 as pb
 from devplugin.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
-from devplugin.coordination import Coordinator
+from devplugin.coordination import Coordinator, Known
 from devplugin.metrics import Metrics
 from devplugin.model import DeviceKind, Refused, shown, shown_ids
 from devplugin.resources import (
@@ -108,10 +108,11 @@ class AllocationHooks(Protocol):
 
 
 class PartnerOracle(Protocol):
-    """Who is asking: the other resource's count for the container being
-    admitted, when it can be known (the pod cache), else None."""
+    """Who is asking: what is known of the container being admitted (its
+    other resource's count, and whether it already got it) from the pod
+    cache, else None."""
 
-    def partners(self, kind: DeviceKind, size: int) -> int | None: ...
+    def identify(self, kind: DeviceKind, size: int) -> Known | None: ...
 
 
 class NoHooks:
@@ -389,15 +390,15 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         response = pb.PreferredAllocationResponse()
         kind = self.resource.kind
         for container in request.container_requests:
-            # Ask who is being admitted only for a pair's first resource (the
-            # oracle reads a cache; it may wait briefly for a pod to arrive).
-            partners = (
-                self._oracle.partners(kind, container.allocation_size)
-                if self._oracle is not None and not coordinator.pending_partner(kind)
+            # Who is being admitted (the oracle reads a cache; it may wait
+            # briefly for a pod to arrive).
+            known = (
+                self._oracle.identify(kind, container.allocation_size)
+                if self._oracle is not None
                 else None
             )
             roles: list[Role] = []
-            pick = _Picker(coordinator, kind, partners, roles)
+            pick = _Picker(coordinator, kind, known, roles)
             try:
                 ids = self.resource.choose(
                     list(container.available_deviceIDs),
@@ -450,12 +451,12 @@ class _Picker:
 
     coordinator: Coordinator
     kind: DeviceKind
-    partners: int | None
+    known: Known | None
     roles: list[Role]
 
     def __call__(self, candidates: frozenset[str], must: frozenset[str], count: int) -> list[str]:
         choice, role = self.coordinator.preferred(
-            self.kind, candidates, must, count, partners=self.partners
+            self.kind, candidates, must, count, known=self.known
         )
         self.roles.append(role)
         return list(choice.ids)

@@ -20,9 +20,10 @@ def c(name: str, gpus: int = 0, hcas: int = 0, *, sidecar: bool = False) -> Cont
 def p(
     name: str, *containers: ContainerInfo, init: tuple[ContainerInfo, ...] = (),
     created: str = "2026-12-03T00:00:00Z", phase: str = "Pending", deleting: bool = False,
+    started: bool = False,
 ) -> PodInfo:  # fmt: skip
     return PodInfo(f"uid-{name}", "default", name, "node-1", phase, created, deleting,
-                   init, containers)  # fmt: skip
+                   init, containers, started)  # fmt: skip
 
 
 def ask(pods: list[PodInfo], resource: str, size: int, held: set[tuple[str, str, str]] = set()):  # noqa: B006
@@ -94,3 +95,42 @@ def test_pods_are_considered_oldest_first() -> None:
     pods = [p("new", c("m", gpus=1, hcas=1), created="2026-12-03T00:00:05Z"),
             p("old", c("m", gpus=1, hcas=1), created="2026-12-03T00:00:01Z")]  # fmt: skip
     assert [x.pod.name for x in ask(pods, GPU, 1).candidates] == ["old", "new"]
+
+
+def test_a_finished_init_container_counts_as_served_once_a_later_container_holds() -> None:
+    # PodResources never lists a finished (non-restartable) init container,
+    # but an app container holding the resource proves it was served.
+    pod = p("a", c("app1", gpus=2, hcas=1), c("app2", gpus=1, hcas=1),
+            init=(c("prep", gpus=1),))  # fmt: skip
+    result = ask([pod], GPU, 1, {("default", "a", "app1")})
+    assert [x.container.name for x in result.candidates] == ["app2"]
+    assert result.partners == 1
+
+
+def test_a_started_pod_is_past_admission() -> None:
+    waiting = p("waiting", c("m", gpus=2, hcas=1), created="2026-12-03T00:00:02Z")
+    running = p("running", c("m", gpus=2, hcas=2), started=True)
+    result = ask([running, waiting], GPU, 2)
+    assert result.outcome is Outcome.EXACT
+    assert [x.pod.name for x in result.candidates] == ["waiting"]
+
+
+@pytest.mark.parametrize(
+    ("status", "started"),
+    [
+        ({"phase": "Pending"}, False),
+        ({"phase": "Running"}, True),
+        ({"phase": "Pending", "initContainerStatuses": [{"state": {"running": {}}}]}, True),
+        ({"phase": "Pending", "containerStatuses": [{"state": {"waiting": {}}}]}, False),
+        ({"phase": "Pending", "containerStatuses": "junk"}, False),
+        ({"phase": "Pending", "initContainerStatuses": [{"state": {"terminated": {}}}]}, True),
+    ],
+)
+def test_started_is_read_from_phase_and_container_states(
+    status: dict[str, object], started: bool
+) -> None:
+    from devplugin.podinfo import parse_pod
+
+    obj = {"metadata": {"uid": "u", "namespace": "n", "name": "x"},
+           "spec": {"containers": []}, "status": status}  # fmt: skip
+    assert parse_pod(obj).started is started

@@ -7,20 +7,46 @@ made here: the container just answered for is claimed at once, because the
 kubelet only records its allocation after Allocate returns and the next
 container's request may come before the next poll. Claims end when a poll
 shows the container holding, or after `claim_seconds`.
+
+The kubelet gives one container all its resources before the next, so once
+a container's first resource is answered, a request for its other resource
+with the expected count (within `pair_seconds`) is that container's second
+(`Known(second=True)`), answered without another look at the pods.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 from devplugin.admission import Admission, ContainerKey, Outcome, admitting
 from devplugin.cluster.pods import PodCache
+from devplugin.coordination import Known
 from devplugin.ledger import Ledger
+from devplugin.lifecycle.cleanup import Owner
 from devplugin.metrics import Metrics
 from devplugin.model import DeviceKind
 from devplugin.podinfo import PodInfo
+
+
+@dataclass(frozen=True)
+class _Expected:
+    kind: DeviceKind
+    size: int
+    first_size: int
+    at: float
+    owner: Owner
+
+
+@dataclass(frozen=True)
+class _Answered:
+    """The container a request of `size` was last identified as."""
+
+    size: int
+    owner: Owner
+    at: float
 
 
 class PodAwareness:
@@ -33,6 +59,7 @@ class PodAwareness:
         wait: float,
         metrics: Metrics | None = None,
         claim_seconds: float = 10.0,
+        pair_seconds: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._cache = cache
@@ -44,11 +71,28 @@ class PodAwareness:
         self._clock = clock
         self._lock = threading.Lock()
         self._claims: dict[tuple[DeviceKind, ContainerKey], float] = {}
+        self._pair_seconds = pair_seconds
+        self._expected: _Expected | None = None
+        self._answered: dict[DeviceKind, _Answered] = {}
 
-    def partners(self, kind: DeviceKind, size: int) -> int | None:
+    def identify(self, kind: DeviceKind, size: int) -> Known | None:
         resource, other = self._names.get(kind), self._names.get(kind.other)
         if resource is None or other is None:
             return None
+        now = self._clock()
+        with self._lock:
+            expected, self._expected = self._expected, None
+        if (
+            expected is not None
+            and expected.kind is kind
+            and expected.size == size
+            and now - expected.at <= self._pair_seconds
+        ):
+            if self._metrics is not None:
+                self._metrics.pod_aware.labels(resource, Outcome.EXACT.value).inc()
+            with self._lock:
+                self._answered[kind] = _Answered(size, expected.owner, now)
+            return Known(expected.first_size, second=True)
         held = self._held(kind)
 
         def ask(pods: Mapping[str, PodInfo]) -> Admission:
@@ -65,13 +109,52 @@ class PodAwareness:
             return None
         first = answer.candidates[0]
         key = (first.pod.namespace, first.pod.name, first.container.name)
+        partners = first.partners
+        owner = (first.pod.namespace, first.pod.name, first.pod.uid)
         now = self._clock()
         with self._lock:
+            self._answered[kind] = _Answered(size, owner, now)
             # The kubelet gives this container all its resources before the
             # next one: it counts as holding both from now on.
             self._claims[(kind, key)] = now
             self._claims[(kind.other, key)] = now
-        return answer.partners
+            if partners > 0:
+                self._expected = _Expected(kind.other, partners, size, now, owner)
+        return Known(partners)
+
+    # -- the pod witness (for releases) ----------------------------------------
+    def uid_of(self, namespace: str, pod: str) -> str | None:
+        return self._cache.uid_of(namespace, pod)
+
+    def ended(self, owner: Owner) -> bool | None:
+        return self._cache.ended(owner)
+
+    def owner_of(self, kind: DeviceKind, ids: Sequence[str]) -> Owner | None:
+        """The pod an Allocate is for: the container its preference was asked
+        for, or (no preference asked) the one admission candidate of that size."""
+        now = self._clock()
+        with self._lock:
+            answered = self._answered.pop(kind, None)
+        if (
+            answered is not None
+            and answered.size == len(ids)
+            and now - answered.at <= self._claim_seconds
+        ):
+            return answered.owner
+        resource, other = self._names.get(kind), self._names.get(kind.other)
+        if resource is None or other is None:
+            return None
+        answer = admitting(
+            self._cache.pods().values(), resource=resource, other=other,
+            size=len(ids), held=self._held(kind),
+        )  # fmt: skip
+        if answer.outcome is not Outcome.EXACT or len(answer.candidates) != 1:
+            return None
+        (only,) = answer.candidates
+        key = (only.pod.namespace, only.pod.name, only.container.name)
+        with self._lock:
+            self._claims[(kind, key)] = now
+        return (only.pod.namespace, only.pod.name, only.pod.uid)
 
     def _held(self, kind: DeviceKind) -> frozenset[ContainerKey]:
         holdings = self._ledger.holdings()

@@ -55,6 +55,10 @@ class PodCache:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._skipped: set[str] = set()
+        self._listeners: list[Callable[[], None]] = []
+        # True from a successful list until the next error: only then does
+        # the absence of a pod mean it is gone.
+        self._current = False
         self.synced = threading.Event()
         self.relists = 0
         self.errors = 0
@@ -74,6 +78,31 @@ class PodCache:
                     return False
                 self._cond.wait(left)
             return True
+
+    @property
+    def current(self) -> bool:
+        return self._current
+
+    def uid_of(self, namespace: str, pod: str) -> str | None:
+        for info in self._pods.values():
+            if info.namespace == namespace and info.name == pod:
+                return info.uid
+        return None
+
+    def ended(self, owner: tuple[str, str, str | None]) -> bool | None:
+        """Whether the pod is gone (or replaced by a namesake) or finished; None
+        while the cache is not in sync with the API server."""
+        if not self._current:
+            return None
+        namespace, name, uid = owner
+        for info in self._pods.values():
+            if info.namespace == namespace and info.name == name and uid in (None, info.uid):
+                return info.terminal
+        return True
+
+    def listen(self, listener: Callable[[], None]) -> None:
+        """Call `listener` (on the cache's thread) after every change."""
+        self._listeners.append(listener)
 
     # -- the loop --------------------------------------------------------------------
     def start(self) -> None:
@@ -118,6 +147,7 @@ class PodCache:
 
     def _fail(self, message: str, backoff: float) -> float:
         self.errors += 1
+        self._current = False
         backoff = min(self._backoff_max, max(self._backoff_initial, backoff * 2))
         log.warning("pod cache: %s; listing again in %.1fs", message[:300], backoff)
         self._version = None  # after an error, start from a fresh list
@@ -133,6 +163,7 @@ class PodCache:
                 pods[parsed.uid] = parsed
         self._version = listed.resourceVersion
         self.relists += 1
+        self._current = True
         self._publish(pods)
         self.synced.set()
 
@@ -174,6 +205,11 @@ class PodCache:
         with self._cond:
             self._pods = MappingProxyType(pods)
             self._cond.notify_all()
+        for listener in self._listeners:
+            try:
+                listener()
+            except Exception:
+                log.exception("a pod cache listener failed")
 
 
 def _as_dict(obj: Any) -> dict[str, Any]:

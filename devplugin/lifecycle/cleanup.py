@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Protocol
 
 from devplugin.ledger import Ledger
 from devplugin.lifecycle.checkpoint import Checkpoint, LifecycleState
@@ -48,6 +49,22 @@ log = logging.getLogger(__name__)
 STOP_WAIT = 5.0
 
 Describe = Callable[[DeviceKind, Sequence[str]], list[HookDevice] | None]
+
+# (namespace, pod, pod uid when known)
+Owner = tuple[str, str, str | None]
+
+
+class PodWitness(Protocol):
+    """What the cluster says about a pod (the pod watch); never blocks."""
+
+    def uid_of(self, namespace: str, pod: str) -> str | None:
+        """The uid of the pod of that name on this node now, if known."""
+
+    def ended(self, owner: Owner) -> bool | None:
+        """Whether the pod is gone or finished; None when the watch cannot tell."""
+
+    def owner_of(self, kind: DeviceKind, ids: Sequence[str]) -> Owner | None:
+        """The pod an Allocate of these devices was for, when it can be told."""
 
 
 @dataclass
@@ -75,6 +92,7 @@ class CleanupManager:
         on_save: Callable[[bool], None] = lambda ok: None,
         runner: HookRunner = run_hook,
         clock: Callable[[], float] = time.monotonic,
+        witness: PodWitness | None = None,
     ) -> None:
         self._hooks = dict(hooks)
         self._names = dict(resource_names)
@@ -109,6 +127,13 @@ class CleanupManager:
         # Devices whose last change is not in the checkpoint (a write failed).
         self._unsaved: set[tuple[DeviceKind, str]] = set()
         self._save_error: str | None = None
+        # With the pod watch, PodResources no longer showing a device is not
+        # enough: its pod must also be gone or finished (PodResources can
+        # answer empty for a while; a finished init container's devices
+        # belong to the pod until it ends, as the kubelet keeps them).
+        self._witness = witness
+        self._owners: dict[tuple[DeviceKind, str], Owner] = {}
+        self._held_back: set[tuple[DeviceKind, str]] = set()
         self.runs = 0
 
     # -- lifecycle -------------------------------------------------------------
@@ -239,36 +264,63 @@ class CleanupManager:
 
     # -- inputs ----------------------------------------------------------------
     def allocated(self, kind: DeviceKind, ids: Sequence[str]) -> None:
+        owner = self._witness.owner_of(kind, ids) if self._witness is not None else None
         with self._cond:
             self._assigned[kind].update(ids)
             for device in ids:
                 self._missing.pop((kind, device), None)
                 self._unverified.discard((kind, device))
+                # A new holder: the pod being admitted when the pod cache
+                # can tell, else PodResources will say.
+                if owner is not None:
+                    self._owners[(kind, device)] = owner
+                else:
+                    self._owners.pop((kind, device), None)
+                self._held_back.discard((kind, device))
             self._save_locked({(kind, device) for device in ids})
 
     def observe(self) -> None:
         """The ledger has a new PodResources answer: count each in-use device
-        it no longer shows as taken; enough misses in a row are a release."""
+        it no longer shows as taken; enough misses in a row are a release
+        (with the pod watch, once the holder's pod has also ended)."""
+        self._settle(count=True)
+
+    def reconsider(self) -> None:
+        """The pod watch changed: devices held back only because their pod was
+        still running may be released now."""
+        if self._witness is not None:
+            self._settle(count=False)
+
+    def _settle(self, *, count: bool) -> None:
         changed = False
         touched: set[tuple[DeviceKind, str]] = set()
         taken = {kind: self._ledger.taken(kind) for kind in DeviceKind}
+        owners = self._holders() if count else {}
         with self._cond:
+            self._owners.update(owners)
             for kind in DeviceKind:
                 effective = taken[kind]
-                for device in effective:
-                    self._missing.pop((kind, device), None)
-                    if (kind, device) in self._unverified:
-                        self._unverified.discard((kind, device))
-                        changed = True
-                self._assigned[kind] |= effective
+                if count:
+                    for device in effective:
+                        self._missing.pop((kind, device), None)
+                        self._held_back.discard((kind, device))
+                        if (kind, device) in self._unverified:
+                            self._unverified.discard((kind, device))
+                            changed = True
+                    self._assigned[kind] |= effective
                 for device in sorted(self._assigned[kind] - effective):
                     key = (kind, device)
-                    self._missing[key] = self._missing.get(key, 0) + 1
-                    if self._missing[key] < self._confirmations:
+                    if count:
+                        self._missing[key] = self._missing.get(key, 0) + 1
+                    if self._missing.get(key, 0) < self._confirmations:
+                        continue
+                    if not self._pod_ended_locked(key):
                         continue
                     del self._missing[key]
                     self._assigned[kind].discard(device)
                     self._unverified.discard(key)
+                    self._owners.pop(key, None)
+                    self._held_back.discard(key)
                     changed = True
                     touched.add(key)
                     if kind in self._hooks and key not in self._jobs:
@@ -280,6 +332,38 @@ class CleanupManager:
                 self._cond.notify_all()
         if changed:
             self._on_change()
+
+    def _holders(self) -> dict[tuple[DeviceKind, str], Owner]:
+        """Who holds each device per the last PodResources answer (pods named
+        with the uid the watch knows now, so a namesake later is told apart)."""
+        if self._witness is None:
+            return {}
+        found: dict[tuple[DeviceKind, str], Owner] = {}
+        uids: dict[tuple[str, str], str | None] = {}
+        for (namespace, pod, _), kinds in self._ledger.holdings().containers.items():
+            if (namespace, pod) not in uids:
+                uids[(namespace, pod)] = self._witness.uid_of(namespace, pod)
+            for kind, devices in kinds.items():
+                for device in devices:
+                    found[(kind, device)] = (namespace, pod, uids[(namespace, pod)])
+        return found
+
+    def _pod_ended_locked(self, key: tuple[DeviceKind, str]) -> bool:
+        """Whether a device PodResources no longer shows may be released."""
+        owner = self._owners.get(key)
+        if self._witness is None or owner is None:
+            return True  # no pod watch, or never seen held: PodResources decides
+        ended = self._witness.ended(owner)
+        if ended:
+            return True
+        if key not in self._held_back:
+            self._held_back.add(key)
+            log.info(
+                "%s: %s not listed by PodResources, but pod %s/%s %s; not released",
+                self._names.get(key[0], key[0].value), key[1], owner[0], owner[1],
+                "is still running" if ended is False else "cannot be checked (pod watch down)",
+            )  # fmt: skip
+        return False
 
     def request_cleanup(self, kind: DeviceKind, device: str) -> None:
         """Schedule a cleanup for an idle device (after_cleanup recovery)."""
@@ -456,6 +540,7 @@ class CleanupManager:
                 self._assigned[kind].discard(device)
                 self._missing.pop((kind, device), None)
                 self._unverified.discard((kind, device))
+                self._owners.pop((kind, device), None)
                 # Clean now, whatever the checkpoint says about it.
                 self._unsaved.discard((kind, device))
             else:

@@ -130,6 +130,10 @@ class ApiServerImitation:
         with self._cond:
             self._failures.extend([code] * count)
 
+    def clear_failures(self) -> None:
+        with self._cond:
+            self._failures.clear()
+
     def cut_watches(self) -> None:
         with self._cond:
             self._cut += 1
@@ -176,6 +180,17 @@ class ApiServerImitation:
                 obj["metadata"]["resourceVersion"] = str(self._version)
                 self._events.append(_Event(self._version, "DELETED", kind, copy.deepcopy(obj)))
                 self._cond.notify_all()
+
+    def set_status(self, plural: str, name: str, namespace: str, status: Obj) -> None:
+        """Replace an object's status as its controller would (no-op if absent)."""
+        kind = self._kind_by_plural(plural)
+        with self._cond:
+            key = (kind, namespace if kind.namespaced else "", name)
+            existing = self._objects.get(key)
+            if existing is not None:
+                updated = copy.deepcopy(existing)
+                updated["status"] = copy.deepcopy(status)
+                self._store_locked(kind, key, updated, "MODIFIED")
 
     def items(self, plural: str) -> list[Obj]:
         kind = self._kind_by_plural(plural)

@@ -7,9 +7,12 @@ It behaves like the kubelet's device manager where a device plugin can tell:
   GetDevicePluginOptions, then opens ListAndWatch;
 * when a ListAndWatch stream ends it marks that plugin's devices Unhealthy
   and does not reconnect (only a new Register brings it back);
-* admits pods container by container, resource by resource (in random order
-  unless told), asking GetPreferredAllocation when offered, then Allocate,
-  then PreStartContainer when required;
+* admits pods container by container (init containers first), resource by
+  resource (in random order unless told), asking GetPreferredAllocation when
+  offered, then Allocate, then PreStartContainer when required; devices of a
+  finished (non-restartable) init container are reused first by the pod's
+  later containers and stay the pod's until it ends, and PodResources lists
+  app containers and sidecars only;
 * on restart, removes every socket in the plugin directory and creates a new
   `kubelet.sock`, keeping its record of which container holds which device;
 * serves `v1.PodResourcesLister` on its own socket.
@@ -83,6 +86,9 @@ class PreferredCall:
 class ContainerRequest:
     name: str
     requests: Mapping[str, int]
+    # An init container; `sidecar` makes it restartable (runs the pod's life).
+    init: bool = False
+    sidecar: bool = False
 
 
 @dataclass
@@ -182,7 +188,11 @@ class _PodResources(pr_grpc.PodResourcesListerServicer):
     ) -> pr.ListPodResourcesResponse:
         with self.sim._cond:
             self.sim.pod_resources_calls += 1
-            pods = [self.sim._pod_proto(key, pod) for key, pod in self.sim._pods.items()]
+            pods = [
+                self.sim._pod_proto(key, pod)
+                for key, pod in self.sim._pods.items()
+                if not self.sim.blank_pod_resources
+            ]
         return pr.ListPodResourcesResponse(pod_resources=pods)
 
     def Get(
@@ -253,6 +263,10 @@ class KubeletSimulator:
         self.registrations: list[RegistrationRecord] = []
         self.preferred_calls: list[PreferredCall] = []
         self.pod_resources_calls = 0
+        # While set, PodResources List answers with no pods (a kubelet blip).
+        self.blank_pod_resources = False
+        # (namespace, pod, container) of non-restartable init containers.
+        self._init_only: set[tuple[str, str, str]] = set()
         self.restarts = 0
         # Where pods are created before admission (as the scheduler binds them).
         self.api = api
@@ -432,14 +446,20 @@ class KubeletSimulator:
         if self.api is not None:
             self.api.put("pods", self._pod_object(namespace, pod, containers, created))
         results: list[ContainerResult] = []
+        ordered = [c for c in containers if c.init] + [c for c in containers if not c.init]
+        # resource -> devices of finished init containers, reused first.
+        reusable: dict[str, list[str]] = {}
         try:
-            for container in containers:
-                results.append(self._admit_container(key, container, order))
+            for container in ordered:
+                results.append(self._admit_container(key, container, order, reusable))
         except Exception:
             with self._cond:
                 del self._pods[key]
                 self._cond.notify_all()
             raise
+        if self.api is not None:
+            # What the kubelet's status manager reports once containers run.
+            self.api.set_status("pods", pod, namespace, {"phase": "Running"})
         return PodResult(namespace, pod, results)
 
     def _admit_container(
@@ -447,6 +467,7 @@ class KubeletSimulator:
         key: tuple[str, str],
         container: ContainerRequest,
         order: Sequence[str] | None,
+        reusable: dict[str, list[str]],
     ) -> ContainerResult:
         resources = [name for name, count in container.requests.items() if count > 0]
         if order is not None:
@@ -457,17 +478,26 @@ class KubeletSimulator:
             # The kubelet walks a Go map: no order can be relied upon.
             self._rng.shuffle(resources)
         result = ContainerResult(container.name, order=tuple(resources))
+        if container.init and not container.sidecar:
+            with self._cond:
+                self._init_only.add((*key, container.name))
         for resource in resources:
-            ids, response = self._allocate(resource, container.requests[resource])
+            ids, response = self._allocate(
+                resource, container.requests[resource], reusable.get(resource, [])
+            )
             result.devices[resource] = ids
             result.responses[resource] = response
+            if container.init and not container.sidecar:
+                reusable[resource] = sorted(set(reusable.get(resource, [])) | set(ids))
+            else:
+                reusable[resource] = [d for d in reusable.get(resource, []) if d not in ids]
             with self._cond:
                 self._pods[key].setdefault(container.name, {})[resource] = ids
                 self._cond.notify_all()
         return result
 
     def _allocate(
-        self, resource: str, count: int
+        self, resource: str, count: int, reusable: Sequence[str] = ()
     ) -> tuple[tuple[str, ...], pb.ContainerAllocateResponse]:
         with self._cond:
             endpoint = self._endpoints.get(resource)
@@ -481,14 +511,29 @@ class KubeletSimulator:
             )
             options = endpoint.options
             stub = endpoint.stub
+        reuse = sorted(reusable)
+        if len(reuse) >= count:
+            # All from the pod's finished init containers: no preference asked.
+            chosen = reuse[:count]
+            return tuple(chosen), self._allocate_call(resource, stub, options, chosen)
+        available = sorted(set(available) | set(reuse))
         if len(available) < count:
             raise AdmissionError(f"{resource}: requested {count}, only {len(available)} available")
-        chosen: list[str] = []
+        chosen = list(reuse)
         if options.get_preferred_allocation_available:
-            chosen = self._preferred(resource, stub, available, count)
+            chosen = self._preferred(resource, stub, available, count, reuse) or chosen
         if len(chosen) < count:
             chosen.extend(device for device in available if device not in chosen)
             chosen = chosen[:count]
+        return tuple(chosen), self._allocate_call(resource, stub, options, chosen)
+
+    def _allocate_call(
+        self,
+        resource: str,
+        stub: pb_grpc.DevicePluginStub,
+        options: pb.DevicePluginOptions,
+        chosen: list[str],
+    ) -> pb.ContainerAllocateResponse:
         try:
             response = stub.Allocate(
                 pb.AllocateRequest(
@@ -511,15 +556,22 @@ class KubeletSimulator:
                 raise AdmissionError(
                     f"{resource}: PreStartContainer failed: {details}", code
                 ) from exc
-        return tuple(chosen), response.container_responses[0]
+        return response.container_responses[0]
 
     def _preferred(
-        self, resource: str, stub: pb_grpc.DevicePluginStub, available: list[str], count: int
+        self,
+        resource: str,
+        stub: pb_grpc.DevicePluginStub,
+        available: list[str],
+        count: int,
+        must: Sequence[str] = (),
     ) -> list[str]:
         request = pb.PreferredAllocationRequest(
             container_requests=[
                 pb.ContainerPreferredAllocationRequest(
-                    available_deviceIDs=available, must_include_deviceIDs=[], allocation_size=count
+                    available_deviceIDs=available,
+                    must_include_deviceIDs=list(must),
+                    allocation_size=count,
                 )
             ]
         )
@@ -529,7 +581,7 @@ class KubeletSimulator:
             details = rpc_failure(exc)[1]
             with self._cond:
                 self.preferred_calls.append(
-                    PreferredCall(resource, tuple(available), (), count, None, details)
+                    PreferredCall(resource, tuple(available), tuple(must), count, None, details)
                 )
             return []
         answer = (
@@ -537,19 +589,32 @@ class KubeletSimulator:
         )
         with self._cond:
             self.preferred_calls.append(
-                PreferredCall(resource, tuple(available), (), count, tuple(answer), None)
+                PreferredCall(resource, tuple(available), tuple(must), count, tuple(answer), None)
             )
         # The kubelet ignores a preference naming devices it cannot give.
         if len(set(answer)) != len(answer) or not set(answer) <= set(available):
+            return []
+        if not set(must) <= set(answer):
             return []
         return answer[:count]
 
     def remove(self, pod: str, namespace: str = "default") -> None:
         with self._cond:
             self._pods.pop((namespace, pod), None)
+            self._init_only = {k for k in self._init_only if k[:2] != (namespace, pod)}
             self._cond.notify_all()
         if self.api is not None:
             self.api.remove("pods", pod, namespace)
+
+    def finish(self, pod: str, namespace: str = "default", phase: str = "Succeeded") -> None:
+        """Every container exited: the pod is terminal (in the API) and its
+        devices are free, but the pod object stays until someone deletes it."""
+        with self._cond:
+            self._pods.pop((namespace, pod), None)
+            self._init_only = {k for k in self._init_only if k[:2] != (namespace, pod)}
+            self._cond.notify_all()
+        if self.api is not None:
+            self.api.set_status("pods", pod, namespace, {"phase": phase})
 
     def _pod_object(
         self, namespace: str, pod: str, containers: Sequence[ContainerRequest], created: int
@@ -560,13 +625,11 @@ class KubeletSimulator:
             "metadata": {"name": pod, "namespace": namespace, "creationTimestamp": stamp},
             "spec": {
                 "nodeName": self.node_name,
-                "containers": [
-                    {"name": c.name, "image": "sim",
-                     "resources": {"limits": {k: v for k, v in c.requests.items() if v}}}
-                    for c in containers
-                ],
+                "initContainers": [_container_spec(c) for c in containers if c.init],
+                "containers": [_container_spec(c) for c in containers if not c.init],
             },
-        }  # fmt: skip
+            "status": {"phase": "Pending"},
+        }
 
     def _pod_proto(
         self, key: tuple[str, str], containers: dict[str, dict[str, tuple[str, ...]]]
@@ -574,6 +637,8 @@ class KubeletSimulator:
         namespace, name = key
         proto = pr.PodResources(name=name, namespace=namespace)
         for container, resources in containers.items():
+            if (namespace, name, container) in self._init_only:
+                continue  # the kubelet lists app containers and sidecars only
             entry = proto.containers.add(name=container)
             for resource, ids in resources.items():
                 endpoint = self._endpoints.get(resource)
@@ -586,3 +651,14 @@ class KubeletSimulator:
                 for node in sorted(nodes):
                     devices.topology.nodes.add(ID=node)
         return proto
+
+
+def _container_spec(container: ContainerRequest) -> dict[str, object]:
+    spec: dict[str, object] = {
+        "name": container.name,
+        "image": "sim",
+        "resources": {"limits": {k: v for k, v in container.requests.items() if v}},
+    }
+    if container.sidecar:
+        spec["restartPolicy"] = "Always"
+    return spec
