@@ -73,11 +73,16 @@ class AlignmentMonitor:
         min_interval: float,
         # Told after each answer reached the ledger (the cleanup manager).
         listeners: Sequence[Callable[[], None]] = (),
+        # Told of each container that newly holds devices (pod events); not
+        # for those already holding at the first answer after a start.
+        on_new: Sequence[Callable[[ContainerAlignment], None]] = (),
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._metrics = metrics
         self._listeners = list(listeners)
+        self._on_new = list(on_new)
+        self._answered = False
         self._client = client
         self._coordinator = coordinator
         self._ledger = ledger
@@ -178,6 +183,15 @@ class AlignmentMonitor:
             report[entry_report.name] = entry_report
         with self._lock:
             previous, self._report = self._report, report
+        first, self._answered = not self._answered, True
+        if not first:
+            for name, item in report.items():
+                old = previous.get(name)
+                if (item.gpus or item.hcas) and (
+                    old is None or (old.gpus, old.hcas) != (item.gpus, item.hcas)
+                ):
+                    for notify in self._on_new:
+                        notify(item)
         if self._metrics is not None:
             self._metrics.set_alignment(item.worst for item in report.values() if item.worst)
         for name, item in report.items():

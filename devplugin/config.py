@@ -215,6 +215,15 @@ class KubernetesConfig:
     request_timeout_seconds: float = _checked(5.0, _positive)
     # How long GetPreferredAllocation may wait for a pod to reach the cache.
     pod_wait_seconds: float = _checked(0.1, _positive)
+    # An Event on each pod saying what its containers got and how aligned.
+    events: bool = True
+    # Publish this node's NodeDevices record (devices, health, holders).
+    node_devices: bool = True
+    # At most one record write per this many seconds (changes are batched).
+    record_min_interval_seconds: float = _checked(1.0, _positive)
+    # Read the record back this often even without a change (a deleted
+    # record is recreated).
+    record_resync_seconds: float = _checked(30.0, _positive)
 
 
 @dataclass(frozen=True)

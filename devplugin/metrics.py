@@ -15,6 +15,10 @@ Names and labels (all prefixed `devplugin_`):
     hook_runs_total{resource, phase, result}         counter  (ok | failed | timeout)
     hook_duration_seconds{resource, phase}           histogram
     registrations_total{resource}                    counter  (first and re-registrations)
+    pod_aware_choices_total{resource, outcome}       counter  (exact | fallback-no-pod |
+                                                     fallback-ambiguous)
+    node_devices_writes_total{result}                counter  (ok | conflict | error)
+    pod_events_total{result}                         counter  (ok | failed | dropped)
 """
 
 from __future__ import annotations
@@ -94,6 +98,14 @@ class Metrics:
             "First-resource choices by how the container's whole request was known "
             "(exact / fallback-no-pod / fallback-ambiguous)",
             ["resource", "outcome"], registry=registry,
+        )  # fmt: skip
+        self.record_writes = Counter(
+            "devplugin_node_devices_writes", "NodeDevices record writes (ok / conflict / error)",
+            ["result"], registry=registry,
+        )  # fmt: skip
+        self.pod_events = Counter(
+            "devplugin_pod_events", "Events posted on pods (ok / failed / dropped)",
+            ["result"], registry=registry,
         )  # fmt: skip
         self.stuck_reads = Gauge(
             "devplugin_stuck_reads",

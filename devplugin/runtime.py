@@ -21,11 +21,16 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from lightkube import Client
+
 from devplugin.alignment import AlignmentMonitor
 from devplugin.checks import CheckLoop, Requests
 from devplugin.cluster.awareness import PodAwareness
 from devplugin.cluster.client import make_client
+from devplugin.cluster.events import EventRecorder
 from devplugin.cluster.pods import PodCache
+from devplugin.cluster.publisher import RecordPublisher
+from devplugin.cluster.record import Registration, build_status
 from devplugin.config import Config, HooksConfig, node_name
 from devplugin.coordination import Coordinator
 from devplugin.deadline import Deadlines
@@ -122,6 +127,8 @@ class Daemon:
         xid: XidWatcher | None,
         hotplug_monitor: Any | None,
         pods: PodCache | None = None,
+        cluster_loops: list[Any] | None = None,
+        writer: Client | None = None,
     ) -> None:
         self.config = config
         self.discoverer = discoverer
@@ -136,6 +143,9 @@ class Daemon:
         self.metrics = metrics
         self.xid = xid
         self.pods = pods
+        # The NodeDevices publisher and the event recorder, when on.
+        self.cluster_loops = list(cluster_loops or [])
+        self._writer = writer
         self._hotplug_monitor = hotplug_monitor
         self.hotplug: HotplugWatcher | None = None
         self.status: StatusServer | None = None
@@ -208,6 +218,8 @@ class Daemon:
         self.monitor.start()
         if self.pods is not None:
             self.pods.start()
+        for loop in self.cluster_loops:
+            loop.start()
         monitor = self._hotplug_monitor
         if monitor is None and config.hotplug.udev:
             monitor = udev_monitor()
@@ -251,6 +263,7 @@ class Daemon:
             loops.append(self.xid)
         if self.pods is not None:
             loops.append(self.pods)
+        loops.extend(self.cluster_loops)
         for loop in loops:
             loop.signal_stop()
         for record in self.records:
@@ -262,9 +275,16 @@ class Daemon:
             record.server.stop(grace=0.2)
         for loop in loops:
             if loop is not self.cleanup:
-                # A watch blocked on the network ends by itself: never wait on it long.
-                loop.join(timeout=0.5 if loop is self.pods else 10)
+                # A watch blocked on the network ends by itself, and a write
+                # gives up at its request timeout: never wait on them long.
+                network = loop is self.pods or loop in self.cluster_loops
+                loop.join(timeout=0.5 if network else 10)
         self.cleanup.join()
+        if self._writer is not None:
+            try:
+                self._writer.close()
+            except Exception:
+                log.debug("closing the API writer failed", exc_info=True)
         self.discoverer.close()
         if self._started:
             log.info("devplugin stopped; sockets removed")
@@ -304,10 +324,14 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
     lifecycle = config.lifecycle
     requests = Requests()
     pods: PodCache | None = None
+    writer: Client | None = None
     if config.kubernetes.enabled:
         client = make_client(config.kubernetes)
         if client is not None:
             pods = PodCache(client, node_name(config))
+            # Writes (the record, events) on their own connection: the pod
+            # watch's is closed to end it at stop.
+            writer = make_client(config.kubernetes)
     awareness: PodAwareness | None = None
     if pods is not None:
         awareness = PodAwareness(
@@ -366,6 +390,9 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
         on_scan=xid.track if xid is not None else lambda inventory: None,
         metrics=metrics,
     )
+    events: EventRecorder | None = None
+    if writer is not None and pods is not None and config.kubernetes.events:
+        events = EventRecorder(writer, node_name(config), pods.uid_of, metrics=metrics)
     monitor = AlignmentMonitor(
         PodResourcesClient(Path(paths.pod_resources_socket)),
         coordinator,
@@ -374,6 +401,7 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
         interval=config.pod_resources.poll_interval_seconds,
         min_interval=config.pod_resources.min_interval_seconds,
         listeners=[cleanup.observe],
+        on_new=[events.record] if events is not None else [],
         metrics=metrics,
     )
     plugin_dir = Path(paths.device_plugin_dir)
@@ -415,6 +443,16 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
         backoff_max=config.kubelet.register_backoff_max_seconds,
         on_register=lambda name: metrics.registrations.labels(name).inc(),
     )
+    publisher: RecordPublisher | None = None
+    if writer is not None and config.kubernetes.node_devices:
+        publisher = RecordPublisher(
+            writer,
+            node_name(config),
+            partial(_record_status, pipeline, records, monitor, registrar),
+            min_interval=config.kubernetes.record_min_interval_seconds,
+            resync=config.kubernetes.record_resync_seconds,
+            metrics=metrics,
+        )
     return Daemon(
         config,
         discoverer=discoverer,
@@ -430,4 +468,27 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
         xid=xid,
         hotplug_monitor=hotplug_monitor,
         pods=pods,
+        cluster_loops=[loop for loop in (events, publisher) if loop is not None],
+        writer=writer,
     )
+
+
+def _record_status(
+    pipeline: Pipeline,
+    records: list[ResourceRecord],
+    monitor: AlignmentMonitor,
+    registrar: Registrar,
+) -> dict[str, Any]:
+    """The NodeDevices status from the last judged state (no I/O)."""
+    registered = registrar.registered()
+    missing = sorted(name for name, ok in registered.items() if not ok)
+    registration = Registration(
+        registered=bool(registered) and not missing,
+        message=(
+            f"not registered: {', '.join(missing)}"
+            if missing
+            else f"registered: {', '.join(sorted(registered))}"
+        ),
+    )
+    states = {record.resource.kind: record.servicer.state for record in records}
+    return build_status(pipeline.inventory, states, monitor.report().values(), registration)

@@ -94,6 +94,8 @@ def values_schema() -> dict[str, Any]:
                     }
                 ),
                 "probes": obj({"liveness": PROBE, "readiness": PROBE}),
+                "serviceAccount": obj({"create": BOOL, "name": STRING, "annotations": ANY_OBJECT}),
+                "rbac": obj({"create": BOOL}),
                 "config": json_schema(),
             }
         ),

@@ -81,6 +81,11 @@ CASES: dict[str, dict[str, Any]] = {
         "resources": {"requests": {"cpu": "10m"}},
         "priorityClassName": "gpu-infra-critical",
     },
+    "own-service-account": {
+        "serviceAccount": {"create": False, "name": "gpu-agents"},
+        "rbac": {"create": False},
+        "config": {"kubernetes": {"enabled": False}},
+    },
     "placement": {
         "nodeSelector": {"gpu.example.com/pool": "training"},
         "affinity": {"podAntiAffinity": {}},
@@ -258,7 +263,10 @@ def test_default_install_renders_a_least_privilege_daemonset(
     installs: dict[str, dict[str, Any]],
 ) -> None:
     objs = objects(installs, "defaults")
-    assert set(objs) == {"ConfigMap", "DaemonSet"}
+    assert set(objs) == {
+        "ConfigMap", "DaemonSet", "ServiceAccount", "ClusterRole", "ClusterRoleBinding",
+        "CustomResourceDefinition",
+    }  # fmt: skip
     daemonset = objs["DaemonSet"]
     spec = daemonset["spec"]["template"]["spec"]
     assert daemonset["spec"]["updateStrategy"]["type"] == "RollingUpdate"
@@ -394,3 +402,53 @@ def test_service_monitor_without_service_fails_clearly(helm_python: str) -> None
     entry = results["monitor-only"]
     assert not entry["ok"]
     assert "metrics.serviceMonitor.enabled needs metrics.service.enabled" in entry["error"]
+
+
+def test_the_daemon_gets_api_access_with_the_least_rights_that_work(
+    installs: dict[str, dict[str, Any]],
+) -> None:
+    objs = objects(installs, "defaults")
+    account = objs["ServiceAccount"]["metadata"]["name"]
+    spec = objs["DaemonSet"]["spec"]["template"]["spec"]
+    assert spec["serviceAccountName"] == account
+    env = {e["name"]: e for e in container(objs)["env"]}
+    assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    rules = {
+        (group, resource): sorted(rule["verbs"])
+        for rule in objs["ClusterRole"]["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+    }
+    assert rules == {
+        ("", "pods"): ["get", "list", "watch"],
+        ("", "nodes"): ["get"],
+        ("", "events"): ["create", "patch"],
+        ("devplugin.io", "nodedevices"): sorted(
+            ["get", "list", "watch", "create", "update", "patch"]
+        ),
+        ("devplugin.io", "nodedevices/status"): sorted(
+            ["get", "list", "watch", "create", "update", "patch"]
+        ),
+    }
+    binding = objs["ClusterRoleBinding"]
+    assert binding["roleRef"]["name"] == objs["ClusterRole"]["metadata"]["name"]
+    assert binding["subjects"] == [
+        {
+            "kind": "ServiceAccount",
+            "name": account,
+            "namespace": objs["ServiceAccount"]["metadata"]["namespace"],
+        }
+    ]
+    crd = objs["CustomResourceDefinition"]
+    assert crd["metadata"]["name"] == "nodedevices.devplugin.io"
+    shipped = yaml.safe_load((CHART / "crds" / "nodedevices.yaml").read_text())
+    assert crd["spec"] == shipped["spec"]
+    config = yaml.safe_load(objs["ConfigMap"]["data"]["config.yaml"])
+    assert config["kubernetes"]["enabled"] is True
+
+
+def test_an_existing_service_account_without_rbac(installs: dict[str, dict[str, Any]]) -> None:
+    objs = objects(installs, "own-service-account")
+    assert "ServiceAccount" not in objs
+    assert "ClusterRole" not in objs
+    assert objs["DaemonSet"]["spec"]["template"]["spec"]["serviceAccountName"] == "gpu-agents"

@@ -40,6 +40,9 @@ RESOURCES: dict[str, list[tuple[str, str, bool]]] = {
         ("clusterrolebindings", "ClusterRoleBinding", False),
     ],
     "scheduling.k8s.io/v1": [("priorityclasses", "PriorityClass", False)],
+    "apiextensions.k8s.io/v1": [
+        ("customresourcedefinitions", "CustomResourceDefinition", False),
+    ],
 }
 VERBS = ["create", "delete", "get", "list", "patch", "update", "watch"]
 

@@ -27,6 +27,14 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 
+{{- define "devplugin.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{ default (include "devplugin.fullname" .) .Values.serviceAccount.name }}
+{{- else -}}
+{{ default "default" .Values.serviceAccount.name }}
+{{- end -}}
+{{- end -}}
+
 {{/* The daemon's config file: values.config plus what the chart manages. */}}
 {{- define "devplugin.config" -}}
 {{- $config := deepCopy .Values.config -}}

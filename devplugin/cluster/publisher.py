@@ -1,0 +1,227 @@
+"""Keeps this node's NodeDevices record in step with what the daemon knows.
+
+One loop owns the writes. Every `check_interval` it builds the status from
+the daemon's last judged state (no hardware, no network) and, when it
+differs from what was last written, writes it through the status
+subresource, never more often than `min_interval`. Each write carries the
+record's resourceVersion: a conflict (409) means someone else wrote in
+between, so the record is read again and the write retried. A record that
+is missing (never created, or deleted) is created, owned by the Node when
+the Node can be read, so it goes away with the node. Every `resync` seconds
+the record is read even without a change, which is how a deleted record
+comes back. Errors back off; the daemon's RPCs never wait on any of this.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+from lightkube import ApiError, Client
+from lightkube.generic_resource import create_global_resource
+
+from devplugin.cluster.record import API_VERSION, GROUP, KIND, PLURAL, VERSION
+from devplugin.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+NodeDevices = create_global_resource(GROUP, VERSION, KIND, PLURAL)
+RawNode = create_global_resource("", "v1", "Node", "nodes")
+# Generic resources are dicts; their typed constructors want model objects.
+_RECORD: Any = NodeDevices
+_RECORD_STATUS: Any = NodeDevices.Status
+
+StatusSource = Callable[[], dict[str, Any]]
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class RecordPublisher:
+    def __init__(
+        self,
+        client: Client,
+        node: str,
+        source: StatusSource,
+        *,
+        check_interval: float = 0.5,
+        min_interval: float = 1.0,
+        resync: float = 30.0,
+        backoff_max: float = 30.0,
+        metrics: Metrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._client = client
+        self._node = node
+        self._source = source
+        self._check = check_interval
+        self._min_interval = min_interval
+        self._resync = resync
+        self._backoff_max = backoff_max
+        self._metrics = metrics
+        self._clock = clock
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._written: dict[str, Any] | None = None
+        self._version: str | None = None
+        self._last_write = float("-inf")
+        self._last_read = float("-inf")
+        self._transitions: dict[tuple[str, str], str] = {}
+        self._failing: str | None = None
+        self.writes = 0
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="record", daemon=True)
+        self._thread.start()
+
+    def signal_stop(self) -> None:
+        self._stop.set()
+
+    def join(self, timeout: float) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        log.info("NodeDevices record for %s: publishing", self._node)
+        backoff = 0.0
+        while not self._stop.is_set():
+            try:
+                self.sync_once()
+                backoff = 0.0
+                if self._failing is not None:
+                    log.info("NodeDevices record written again")
+                    self._failing = None
+                wait = self._check
+            except Exception as exc:  # noqa: BLE001 - network, API, decoding: all mean retry
+                backoff = min(self._backoff_max, max(self._check, backoff * 2))
+                message = f"{type(exc).__name__}: {exc}"[:300]
+                if message != self._failing:
+                    log.warning("NodeDevices record not written (%s); retrying", message)
+                    self._failing = message
+                self._count("error")
+                self._version = None  # read it again before the next write
+                wait = backoff
+            self._stop.wait(wait)
+        log.info("NodeDevices record publisher stopped")
+
+    def sync_once(self) -> bool:
+        """Write the status if it changed (or the record needs checking); True if written."""
+        status = self._source()
+        now = self._clock()
+        due_read = now - self._last_read >= self._resync
+        if status == self._written and not due_read and self._version is not None:
+            return False
+        if status != self._written and now - self._last_write < self._min_interval:
+            return False
+        if self._version is None or due_read:
+            self._read_or_create()
+            if status == self._written:
+                return False
+        self._write(status)
+        return True
+
+    def _read_or_create(self) -> None:
+        self._last_read = self._clock()
+        try:
+            found = self._client.get(NodeDevices, self._node)
+        except ApiError as exc:
+            if exc.status.code != 404:
+                raise
+            found = self._create()
+        data = _as_dict(found)
+        self._version = str(data.get("metadata", {}).get("resourceVersion") or "") or None
+        existing = data.get("status")
+        # What is there now is what was "written" (it may be another daemon's
+        # older status after a restart: then it differs and is rewritten).
+        self._written = _comparable(existing) if isinstance(existing, dict) else None
+
+    def _create(self) -> Any:
+        metadata: dict[str, Any] = {"name": self._node, "labels": {"devplugin.io/node": self._node}}
+        owner = self._node_owner()
+        if owner is not None:
+            metadata["ownerReferences"] = [owner]
+        body = _RECORD(apiVersion=API_VERSION, kind=KIND, metadata=metadata, spec={})
+        try:
+            created = self._client.create(body)
+        except ApiError as exc:
+            if exc.status.code != 409:
+                raise
+            created = self._client.get(NodeDevices, self._node)  # created meanwhile
+        log.info("NodeDevices record %s created%s", self._node, "" if owner else " (no Node owner)")
+        return created
+
+    def _node_owner(self) -> dict[str, Any] | None:
+        try:
+            node = _as_dict(self._client.get(RawNode, self._node))
+        except ApiError as exc:
+            log.info("Node %s not readable (%s): record has no owner", self._node, exc.status.code)
+            return None
+        uid = node.get("metadata", {}).get("uid")
+        if not isinstance(uid, str) or not uid:
+            return None
+        return {"apiVersion": "v1", "kind": "Node", "name": self._node, "uid": uid}
+
+    def _write(self, status: dict[str, Any]) -> None:
+        for attempt in range(3):
+            body = _RECORD_STATUS(
+                apiVersion=API_VERSION, kind=KIND,
+                metadata={"name": self._node, "resourceVersion": self._version},
+                status=self._stamped(status),
+            )  # fmt: skip
+            try:
+                written = self._client.replace(body, self._node)
+            except ApiError as exc:
+                if exc.status.code == 409 and attempt < 2:
+                    self._count("conflict")
+                    self._read_or_create()
+                    continue
+                if exc.status.code == 404 and attempt < 2:
+                    self._version = None
+                    self._read_or_create()
+                    continue
+                raise
+            data = _as_dict(written)
+            self._version = str(data.get("metadata", {}).get("resourceVersion") or "") or None
+            self._written = status
+            self._last_write = self._clock()
+            self.writes += 1
+            self._count("ok")
+            return
+
+    def _stamped(self, status: dict[str, Any]) -> dict[str, Any]:
+        stamped = dict(status, updated=_now())
+        conditions = []
+        for condition in status.get("conditions", []):
+            key = (condition["type"], condition["status"])
+            since = self._transitions.setdefault(key, _now())
+            # Keep only the current status's transition per type.
+            for other in [k for k in self._transitions if k[0] == key[0] and k != key]:
+                del self._transitions[other]
+            conditions.append(dict(condition, lastTransitionTime=since))
+        stamped["conditions"] = conditions
+        return stamped
+
+    def _count(self, result: str) -> None:
+        if self._metrics is not None:
+            self._metrics.record_writes.labels(result).inc()
+
+
+def _comparable(status: dict[str, Any]) -> dict[str, Any]:
+    """A written status without the writer's stamps, to compare with a fresh one."""
+    plain = {k: v for k, v in status.items() if k != "updated"}
+    plain["conditions"] = [
+        {k: v for k, v in c.items() if k != "lastTransitionTime"}
+        for c in status.get("conditions", [])
+        if isinstance(c, dict)
+    ]
+    return plain
+
+
+def _as_dict(obj: Any) -> dict[str, Any]:
+    data = obj.to_dict() if hasattr(obj, "to_dict") else obj
+    return data if isinstance(data, dict) else {}

@@ -1,0 +1,121 @@
+"""The NodeDevices record's status, built from what the daemon knows (pure).
+
+One record per node (`nodedevices.devplugin.io/v1alpha1`, cluster-scoped,
+named after the node). Its status lists every physical device the node
+serves with its health, PCI address, NUMA node and place in the PCIe tree
+(domain ids from the NUMA node down to its switch), NVLink peers for GPUs;
+every container holding devices with its worst GPU-to-HCA level; a summary
+for `kubectl get` (free and total per kind, unhealthy); and whether the
+daemon is registered with the kubelet. `updated` is stamped by the writer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from devplugin.alignment import ContainerAlignment
+from devplugin.model import DeviceKind, Health, Inventory, PciFunction
+from devplugin.resources import ResourceState
+
+GROUP, VERSION, KIND, PLURAL = "devplugin.io", "v1alpha1", "NodeDevices", "nodedevices"
+API_VERSION = f"{GROUP}/{VERSION}"
+# A reason or message in the record is cut to this many characters.
+MAX_TEXT = 256
+
+
+@dataclass(frozen=True)
+class Registration:
+    registered: bool
+    message: str
+
+
+def tree_path(function: PciFunction | None) -> list[str]:
+    """Domain ids from the NUMA node down to the switch (or root port) a device
+    hangs off: `numa0`, the host bridge, the root port, the switch's upstream
+    port. Devices sharing a prefix share those domains."""
+    if function is None:
+        return []
+    numa = function.numa_node if function.numa_node is not None else -1
+    chain = function.path.chain
+    path = [f"numa{numa}" if numa >= 0 else "numa-unknown", function.path.root]
+    if chain:
+        path.append(str(chain[0]))
+        # Behind a switch: its upstream port is two hops above the device.
+        path.append(str(chain[-3]) if len(chain) >= 3 else str(chain[0]))
+    return path
+
+
+def _health(states: Mapping[DeviceKind, ResourceState], kind: DeviceKind, device: str) -> str:
+    state = states.get(kind)
+    if state is None:
+        return Health.UNHEALTHY.value
+    backing = state.backing or state
+    served = backing.device(device)
+    return served.health.value if served is not None else Health.UNHEALTHY.value
+
+
+def build_status(
+    inventory: Inventory,
+    states: Mapping[DeviceKind, ResourceState],
+    containers: Iterable[ContainerAlignment],
+    registration: Registration,
+) -> dict[str, Any]:
+    """The record's status (without `updated`); equal inputs give equal output."""
+    devices: list[dict[str, Any]] = []
+    by_index = {gpu.index: gpu for gpu in inventory.gpus}
+    if DeviceKind.GPU in states:
+        for gpu in sorted(inventory.gpus, key=lambda g: g.index):
+            peers = sorted(
+                {by_index[peer].uuid for peer, links in gpu.nvlink_peers
+                 if links > 0 and peer in by_index}
+            )  # fmt: skip
+            devices.append({
+                "id": gpu.uuid, "kind": "gpu",
+                "health": _health(states, DeviceKind.GPU, gpu.uuid),
+                "pciAddress": str(gpu.pci_address), "numaNode": _numa(gpu.numa_node),
+                "topologyPath": tree_path(gpu.pci), "nvlinkPeers": peers,
+            })  # fmt: skip
+    if DeviceKind.HCA in states:
+        for hca in sorted(inventory.hcas, key=lambda h: h.device_id):
+            devices.append({
+                "id": hca.device_id, "kind": "hca",
+                "health": _health(states, DeviceKind.HCA, hca.device_id),
+                "pciAddress": str(hca.pci_address), "numaNode": _numa(hca.numa_node),
+                "topologyPath": tree_path(hca.pci), "name": hca.name[:MAX_TEXT],
+            })  # fmt: skip
+    allocations: list[dict[str, Any]] = []
+    held: set[str] = set()
+    for item in sorted(containers, key=lambda c: c.name):
+        ids = [*item.gpus, *item.hcas]
+        if not ids:
+            continue
+        held.update(ids)
+        allocations.append({
+            "namespace": item.namespace, "pod": item.pod, "container": item.container,
+            "devices": ids, "worstLevel": item.worst.name if item.worst is not None else "",
+        })  # fmt: skip
+    summary: dict[str, int] = {"unhealthy": 0}
+    for kind, label in (("gpu", "gpus"), ("hca", "hcas")):
+        mine = [d for d in devices if d["kind"] == kind]
+        summary[f"{label}Total"] = len(mine)
+        summary[f"{label}Free"] = sum(
+            1 for d in mine if d["health"] == Health.HEALTHY.value and d["id"] not in held
+        )
+        summary["unhealthy"] += sum(1 for d in mine if d["health"] != Health.HEALTHY.value)
+    return {
+        "devices": devices,
+        "allocations": allocations,
+        "summary": summary,
+        "conditions": [{
+            "type": "Registered",
+            "status": "True" if registration.registered else "False",
+            "reason": "KubeletRegistration" if registration.registered else "NotRegistered",
+            "message": registration.message[:MAX_TEXT],
+        }],
+    }  # fmt: skip
+
+
+def _numa(node: int | None) -> int:
+    return node if node is not None else -1

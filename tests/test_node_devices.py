@@ -1,0 +1,170 @@
+"""The NodeDevices record and the pod events, written by the real daemon to the
+API server imitation over HTTP, checked against the CRD the chart ships."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from devplugin.testing.apiserver import ApiServerImitation
+from devplugin.testing.kubelet import ContainerRequest
+from devplugin.testing.node import hgx_node
+from tests.conftest import GPU, HCA, Cluster
+from tests.waiting import wait_until
+
+Start = Callable[..., Cluster]
+CRD = Path(__file__).parent.parent / "charts" / "devplugin" / "crds" / "nodedevices.yaml"
+FAST = {"kubernetes.record_min_interval_seconds": 0.2, "kubernetes.record_resync_seconds": 0.5}
+
+
+def schema() -> dict[str, Any]:
+    crd = yaml.safe_load(CRD.read_text())
+    (version,) = crd["spec"]["versions"]
+    found: dict[str, Any] = version["schema"]["openAPIV3Schema"]
+    return found
+
+
+def record(api: ApiServerImitation) -> dict[str, Any] | None:
+    return api.get("nodedevices", "node-1")
+
+
+def status(api: ApiServerImitation) -> dict[str, Any]:
+    found = record(api)
+    return (found or {}).get("status") or {}
+
+
+def test_the_crd_names_the_record_and_prints_useful_columns() -> None:
+    crd = yaml.safe_load(CRD.read_text())
+    assert crd["spec"]["group"] == "devplugin.io"
+    assert crd["spec"]["scope"] == "Cluster"
+    assert crd["spec"]["names"]["plural"] == "nodedevices"
+    (version,) = crd["spec"]["versions"]
+    assert version["name"] == "v1alpha1"
+    assert version["subresources"] == {"status": {}}
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert columns["GPUs-Free"] == ".status.summary.gpusFree"
+    assert columns["HCAs"] == ".status.summary.hcasTotal"
+    assert columns["Unhealthy"] == ".status.summary.unhealthy"
+    assert columns["Age"] == ".metadata.creationTimestamp"
+    jsonschema.Draft7Validator.check_schema(schema())
+
+
+def test_the_daemon_publishes_a_valid_record_owned_by_its_node(
+    start_cluster: Start, api: ApiServerImitation
+) -> None:
+    api.put("nodes", {"metadata": {"name": "node-1", "uid": "node-uid-1"}})
+    cluster = start_cluster(hgx_node(), api=api, **FAST)
+    assert wait_until(lambda: status(api).get("summary", {}).get("gpusTotal") == 8, timeout=10)
+    assert wait_until(lambda: status(api)["conditions"][0]["status"] == "True", timeout=10)
+    found = record(api)
+    assert found is not None
+    jsonschema.validate(found, schema())
+    assert found["metadata"]["ownerReferences"] == [
+        {"apiVersion": "v1", "kind": "Node", "name": "node-1", "uid": "node-uid-1"}
+    ]
+    devices = {d["id"]: d for d in found["status"]["devices"]}
+    assert len(devices) == len(cluster.node.gpus) + len(cluster.node.hcas)
+    gpu = next(d for d in devices.values() if d["kind"] == "gpu")
+    assert gpu["health"] == "Healthy"
+    assert gpu["topologyPath"][0].startswith("numa")
+    assert len(gpu["topologyPath"]) == 4
+    hca = next(d for d in devices.values() if d["kind"] == "hca")
+    # HCAs under the same switch as a GPU share its whole path (PIX).
+    assert any(d["topologyPath"] == hca["topologyPath"] for d in devices.values()
+               if d["kind"] == "gpu")  # fmt: skip
+    assert found["status"]["summary"] == {
+        "gpusFree": 8, "gpusTotal": 8, "hcasFree": 8, "hcasTotal": 8, "unhealthy": 0,
+    }  # fmt: skip
+
+
+def test_an_allocation_reaches_the_record_within_two_seconds_with_an_event(
+    start_cluster: Start, api: ApiServerImitation
+) -> None:
+    cluster = start_cluster(hgx_node(), api=api, **FAST)
+    assert wait_until(lambda: status(api).get("summary", {}).get("gpusFree") == 8, timeout=10)
+    started = time.monotonic()
+    pod = cluster.kubelet.admit("train", [ContainerRequest("main", {GPU: 4, HCA: 4})])
+    assert wait_until(lambda: status(api)["summary"]["gpusFree"] == 4, timeout=5)
+    assert time.monotonic() - started < 2.0
+    (allocation,) = status(api)["allocations"]
+    got = pod.container("main").devices
+    assert allocation["namespace"] == "default"
+    assert allocation["pod"] == "train"
+    assert allocation["container"] == "main"
+    assert sorted(allocation["devices"]) == sorted([*got[GPU], *got[HCA]])
+    assert allocation["worstLevel"] == "PIX"
+    jsonschema.validate(record(api), schema())
+    # kubectl describe pod shows what the container got.
+    assert wait_until(lambda: len(api.items("events")) == 1, timeout=5)
+    (event,) = api.items("events")
+    assert event["reason"] == "Aligned"
+    assert event["message"].startswith("Aligned: 4 GPUs + 4 HCAs, worst GPU-HCA level PIX")
+    pod_object = api.get("pods", "train", "default")
+    assert pod_object is not None
+    assert event["involvedObject"]["uid"] == pod_object["metadata"]["uid"]
+    assert event["involvedObject"]["name"] == "train"
+    assert event["type"] == "Normal"
+
+
+def test_unhealthy_devices_and_a_lost_kubelet_show_in_the_record(
+    start_cluster: Start, api: ApiServerImitation
+) -> None:
+    cluster = start_cluster(hgx_node(), api=api, **FAST)
+    assert wait_until(lambda: status(api).get("summary", {}).get("unhealthy") == 0, timeout=10)
+    cluster.nvml.inject_xid(2, 79)
+    assert wait_until(lambda: status(api)["summary"]["unhealthy"] == 1, timeout=5)
+    bad = [d for d in status(api)["devices"] if d["health"] == "Unhealthy"]
+    assert [d["kind"] for d in bad] == ["gpu"]
+    cluster.kubelet.stop()
+    assert wait_until(lambda: status(api)["conditions"][0]["status"] == "False", timeout=5)
+    assert "not registered" in status(api)["conditions"][0]["message"]
+
+
+def test_a_deleted_record_is_recreated(start_cluster: Start, api: ApiServerImitation) -> None:
+    start_cluster(hgx_node(), api=api, **FAST)
+    assert wait_until(lambda: bool(status(api).get("devices")), timeout=10)
+    api.remove("nodedevices", "node-1")
+    # Nothing changed on the node: the periodic read finds it gone.
+    assert wait_until(lambda: bool(status(api).get("devices")), timeout=5)
+
+
+def test_a_conflicting_write_is_read_again_and_retried(
+    start_cluster: Start, api: ApiServerImitation
+) -> None:
+    settings = {**FAST, "kubernetes.record_resync_seconds": 600}
+    cluster = start_cluster(hgx_node(), api=api, **settings)
+    assert wait_until(lambda: bool(status(api).get("devices")), timeout=10)
+    # Someone else writes the record (a newer resourceVersion) just before
+    # the daemon's next write: the 409 is answered by reading and retrying.
+    found = record(api)
+    assert found is not None
+    found["metadata"]["labels"] = {"touched": "yes"}
+    api.put("nodedevices", found)
+    cluster.kubelet.admit("p", [ContainerRequest("main", {GPU: 1})])
+    assert wait_until(lambda: status(api)["summary"]["gpusFree"] == 7, timeout=5)
+    metrics = cluster.daemon.metrics.record_writes
+    assert metrics.labels("conflict")._value.get() >= 1
+    labels = (record(api) or {})["metadata"].get("labels", {})
+    assert labels.get("touched") == "yes"
+
+
+@pytest.mark.parametrize("code", [500, 403])
+def test_a_failing_api_server_delays_the_record_but_never_allocation(
+    start_cluster: Start, api: ApiServerImitation, code: int
+) -> None:
+    cluster = start_cluster(hgx_node(), api=api, **FAST)
+    assert wait_until(lambda: bool(status(api).get("devices")), timeout=10)
+    api.fail_next(10_000, code=code)
+    pod = cluster.kubelet.admit("p", [ContainerRequest("main", {GPU: 2, HCA: 1})])
+    assert len(pod.container("main").devices[GPU]) == 2
+    assert wait_until(
+        lambda: cluster.daemon.metrics.record_writes.labels("error")._value.get() >= 1, timeout=5
+    )
+    api.clear_failures()
+    assert wait_until(lambda: status(api)["summary"]["gpusFree"] == 6, timeout=10)
