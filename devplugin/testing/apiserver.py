@@ -90,19 +90,23 @@ class ApiServerImitation:
         self.delay = 0.0
         self.requests: list[tuple[str, str]] = []
         self._server: ThreadingHTTPServer | None = None
+        self._address: tuple[str, int] | None = None
         self._thread: threading.Thread | None = None
 
     # -- lifecycle ---------------------------------------------------------------
     @property
     def url(self) -> str:
-        assert self._server is not None
-        host, port = self._server.server_address[:2]
-        return f"http://{host!s}:{port}"
+        """Where it serves (or served last: a stopped server keeps its address,
+        and `start(port)` brings it back there)."""
+        assert self._address is not None
+        host, port = self._address
+        return f"http://{host}:{port}"
 
     def start(self, port: int = 0) -> None:
         server = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
         server.daemon_threads = True
         self._server = server
+        self._address = (str(server.server_address[0]), int(server.server_address[1]))
         self._thread = threading.Thread(
             target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
         )
@@ -250,6 +254,12 @@ class ApiServerImitation:
         return Handler
 
     def _serve(self, handler: BaseHTTPRequestHandler, method: str) -> None:
+        try:
+            self._serve_one(handler, method)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client gave up (its timeout, or a stop): nothing to answer
+
+    def _serve_one(self, handler: BaseHTTPRequestHandler, method: str) -> None:
         parts = urlsplit(handler.path)
         query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
         length = int(handler.headers.get("Content-Length") or 0)
