@@ -18,6 +18,7 @@ Gone), and stopping the server altogether.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import threading
@@ -254,10 +255,9 @@ class ApiServerImitation:
         return Handler
 
     def _serve(self, handler: BaseHTTPRequestHandler, method: str) -> None:
-        try:
+        # A client that gave up (its timeout, or a stop) needs no answer.
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             self._serve_one(handler, method)
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the client gave up (its timeout, or a stop): nothing to answer
 
     def _serve_one(self, handler: BaseHTTPRequestHandler, method: str) -> None:
         parts = urlsplit(handler.path)
