@@ -66,13 +66,16 @@ def next_for(pod: PodInfo, resource: str, held: Set[ContainerKey]) -> ContainerI
     before the last one known to hold `resource` has been served too (a
     finished init container is not listed by PodResources, yet its devices
     were allocated before the app containers')."""
-    wanting = [c for c, _ in admission_order(pod) if c.requests.get(resource, 0) > 0]
-    last_held = max(
-        (i for i, c in enumerate(wanting) if (pod.namespace, pod.name, c.name) in held),
-        default=-1,
-    )
-    rest = wanting[last_held + 1 :]
-    return rest[0] if rest else None
+    found: ContainerInfo | None = None
+    for group in (pod.init_containers, pod.containers):
+        for container in group:
+            if container.requests.get(resource, 0) <= 0:
+                continue
+            if (pod.namespace, pod.name, container.name) in held:
+                found = None  # served, and so was everything before it
+            elif found is None:
+                found = container
+    return found
 
 
 def admitting(

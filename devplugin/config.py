@@ -215,6 +215,9 @@ class KubernetesConfig:
     request_timeout_seconds: float = _checked(5.0, _positive)
     # How long GetPreferredAllocation may wait for a pod to reach the cache.
     pod_wait_seconds: float = _checked(0.1, _positive)
+    # A container identified at GetPreferredAllocation counts as holding its
+    # devices for this long, or until PodResources lists it.
+    claim_seconds: float = _checked(10.0, _positive)
     # An Event on each pod saying what its containers got and how aligned.
     events: bool = True
     # Publish this node's NodeDevices record (devices, health, holders).

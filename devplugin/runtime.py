@@ -337,6 +337,7 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
         awareness = PodAwareness(
             pods, ledger, names, wait=config.kubernetes.pod_wait_seconds, metrics=metrics,
             pair_seconds=config.allocation.pairing_window_seconds,
+            claim_seconds=config.kubernetes.claim_seconds,
         )  # fmt: skip
     cleanup = CleanupManager(
         hooks={

@@ -16,12 +16,17 @@ def test_bench_quick_run_reports_optimal_answers() -> None:
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     preferred, allocate, summary = result.stdout.split("\n\n")
-    rows = [line for line in preferred.splitlines() if line.startswith("hgx-h100")]
+    rows = [line for line in preferred.splitlines() if line.startswith("hgx-h100 ")]
     assert len(rows) == 16  # every size of both resources
     assert all(line.rstrip().endswith("optimal") for line in rows)
     assert any(
         line.startswith("== hgx-h100: median p50/floor ratio") for line in preferred.splitlines()
     )
+    # With 250 pods in the cache: every GPU size, each preference identified
+    # the waiting container (the bench fails otherwise).
+    cached = [line for line in preferred.splitlines() if line.startswith("hgx-h100+pods")]
+    assert len(cached) == 8
+    assert "== hgx-h100 with 250 pods in the cache: median p50/floor ratio" in preferred
     # Allocate: sizes 1, 2, 4, 8 of both resources, each with a floor ratio.
     assert len([line for line in allocate.splitlines() if line.startswith("hgx-h100")]) == 8
     # With PodResources gone the ledger holds one entry per device at most.

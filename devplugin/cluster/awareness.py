@@ -28,7 +28,6 @@ from devplugin.ledger import Ledger
 from devplugin.lifecycle.cleanup import Owner
 from devplugin.metrics import Metrics
 from devplugin.model import DeviceKind
-from devplugin.podinfo import PodInfo
 
 
 @dataclass(frozen=True)
@@ -95,14 +94,16 @@ class PodAwareness:
             return Known(expected.first_size, second=True)
         held = self._held(kind)
 
-        def ask(pods: Mapping[str, PodInfo]) -> Admission:
-            return admitting(pods.values(), resource=resource, other=other, size=size, held=held)
+        def ask() -> Admission:
+            # Only pods still waiting to be admitted can be asking.
+            waiting = self._cache.waiting()
+            return admitting(waiting, resource=resource, other=other, size=size, held=held)
 
-        answer = ask(self._cache.pods())
+        answer = ask()
         if answer.outcome is Outcome.NO_POD and self._wait > 0:
             # The pod may be a moment behind in the watch: wait, boundedly.
-            self._cache.wait_for(lambda pods: ask(pods).outcome is not Outcome.NO_POD, self._wait)
-            answer = ask(self._cache.pods())
+            self._cache.wait_for(lambda pods: ask().outcome is not Outcome.NO_POD, self._wait)
+            answer = ask()
         if self._metrics is not None:
             self._metrics.pod_aware.labels(resource, answer.outcome.value).inc()
         if answer.outcome is not Outcome.EXACT:
@@ -145,7 +146,7 @@ class PodAwareness:
         if resource is None or other is None:
             return None
         answer = admitting(
-            self._cache.pods().values(), resource=resource, other=other,
+            self._cache.waiting(), resource=resource, other=other,
             size=len(ids), held=self._held(kind),
         )  # fmt: skip
         if answer.outcome is not Outcome.EXACT or len(answer.candidates) != 1:

@@ -51,6 +51,7 @@ class PodCache:
         self._clock = clock
         self._cond = threading.Condition()
         self._pods: Mapping[str, PodInfo] = MappingProxyType({})
+        self._waiting: tuple[PodInfo, ...] = ()
         self._version: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -67,6 +68,11 @@ class PodCache:
     def pods(self) -> Mapping[str, PodInfo]:
         """uid -> pod, as of the last event (an immutable snapshot)."""
         return self._pods
+
+    def waiting(self) -> tuple[PodInfo, ...]:
+        """Pods not yet past admission (not started, finished or deleting),
+        oldest first: sorted once per change here, not in every RPC."""
+        return self._waiting
 
     def wait_for(self, predicate: Callable[[Mapping[str, PodInfo]], bool], timeout: float) -> bool:
         """Wait at most `timeout` seconds for the cache to satisfy `predicate`."""
@@ -202,8 +208,15 @@ class PodCache:
             return None
 
     def _publish(self, pods: dict[str, PodInfo]) -> None:
+        waiting = tuple(
+            sorted(
+                (p for p in pods.values() if not (p.started or p.terminal or p.deleting)),
+                key=lambda p: (p.created, p.namespace, p.name),
+            )
+        )
         with self._cond:
             self._pods = MappingProxyType(pods)
+            self._waiting = waiting
             self._cond.notify_all()
         for listener in self._listeners:
             try:
