@@ -154,4 +154,9 @@ def test_demo_runs_the_main_job_and_cleans_up(sock_dir: Path) -> None:
     assert "kubelet sees nvidia.com/gpu: 8 devices, 8 healthy" in text
     assert "NCCL_IB_HCA==" in text
     assert "re-registered" in text
+    # The cluster's view: the node's record and an event per pod.
+    assert "kubectl get nodedevices" in text
+    assert "demo-node" in text
+    assert "trainer-b: Aligned: 4 GPUs + 4 HCAs, worst GPU-HCA level PIX" in text
+    assert "trainer-a: Aligned: 2 GPUs + 1 HCA, worst GPU-HCA level NODE" in text
     assert list(sock_dir.iterdir()) == []

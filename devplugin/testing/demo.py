@@ -2,14 +2,19 @@
 
 Builds an 8-GPU, 8-HCA node (sysfs tree, /dev tree, NVML fixture) in a
 temporary directory, starts the daemon against the in-process kubelet
-simulator, admits a few pods, prints what each container got, restarts the
-kubelet to show re-registration, and cleans up.
+simulator and the API server imitation (the simulator creates each pod there
+before admitting it, as a scheduler's binding would), admits a few pods,
+prints what each container got, the node's NodeDevices record and the
+events on the pods, restarts the kubelet to show re-registration, and
+cleans up.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,6 +22,7 @@ from devplugin.alignment import alignment
 from devplugin.config import Config, override
 from devplugin.report import topo_text
 from devplugin.runtime import build
+from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.fake_nvml import FakeNvml
 from devplugin.testing.kubelet import AdmissionError, ContainerRequest, KubeletSimulator, PodResult
 from devplugin.testing.node import build_node, hgx_node
@@ -26,7 +32,8 @@ GPU = "nvidia.com/gpu"
 HCA = "rdma/hca"
 
 PODS: list[tuple[str, list[ContainerRequest]]] = [
-    ("trainer-a", [ContainerRequest("main", {GPU: 2, HCA: 2})]),
+    # One HCA for two GPUs: the shape is read from the pod, not guessed.
+    ("trainer-a", [ContainerRequest("main", {GPU: 2, HCA: 1})]),
     ("notebook", [ContainerRequest("jupyter", {GPU: 1})]),
     ("rdma-probe", [ContainerRequest("perftest", {HCA: 1})]),
     ("trainer-b", [ContainerRequest("main", {GPU: 4, HCA: 4})]),
@@ -57,7 +64,14 @@ def run_demo(out: Callable[[str], None] = print, workdir: Path | None = None) ->
         node = build_node(hgx_node(), base / "node")
         plugin_dir = base / "dp"
         pod_resources = base / "pr" / "kubelet.sock"
-        kubelet = KubeletSimulator(plugin_dir, pod_resources, seed=7)
+        api = ApiServerImitation()
+        api.start()
+        kubeconfig = base / "kubeconfig"
+        kubeconfig.write_text(json.dumps(api.kubeconfig()))
+        api.put("nodes", {"metadata": {"name": "demo-node"}})
+        kubelet = KubeletSimulator(
+            plugin_dir, pod_resources, seed=7, api=api, node_name="demo-node"
+        )
         kubelet.start()
         config = override(
             Config(),
@@ -69,6 +83,10 @@ def run_demo(out: Callable[[str], None] = print, workdir: Path | None = None) ->
                 "nvml.fixture": str(node.fixture),
                 "lifecycle.checkpoint_file": str(base / "checkpoint.json"),
                 "metrics.addresses": ["127.0.0.1:0"],
+                "kubernetes.enabled": True,
+                "kubernetes.kubeconfig": str(kubeconfig),
+                "kubernetes.node_name": "demo-node",
+                "kubernetes.record_min_interval_seconds": 0.2,
             },
         )
         daemon = build(config, FakeNvml.from_file(node.fixture))
@@ -96,6 +114,8 @@ def run_demo(out: Callable[[str], None] = print, workdir: Path | None = None) ->
                     out(f"pod {name} not admitted: {exc}")
                     return 1
             out("")
+            _print_cluster_view(api, len(PODS), out)
+            out("")
             restarted_at = kubelet.restart()
             ok = kubelet.wait_for(
                 lambda: all(
@@ -119,5 +139,38 @@ def run_demo(out: Callable[[str], None] = print, workdir: Path | None = None) ->
         finally:
             daemon.stop()
             kubelet.stop()
+            api.stop()
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def _print_cluster_view(api: ApiServerImitation, pods: int, out: Callable[[str], None]) -> None:
+    """What `kubectl get nodedevices` and the pods' events would show."""
+
+    def allocations() -> int:
+        record = api.get("nodedevices", "demo-node") or {}
+        return len((record.get("status") or {}).get("allocations", []))
+
+    deadline = time.monotonic() + 10
+    while (allocations() < pods or len(api.items("events")) < pods) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.05)
+    record = api.get("nodedevices", "demo-node") or {}
+    status = record.get("status") or {}
+    summary = status.get("summary") or {}
+    out("kubectl get nodedevices")
+    out(f"  {'NAME':10} {'GPUS-FREE':>9} {'GPUS':>4} {'HCAS-FREE':>9} {'HCAS':>4} {'UNHEALTHY':>9}")
+    out(
+        f"  {'demo-node':10} {summary.get('gpusFree', '?'):>9} {summary.get('gpusTotal', '?'):>4} "
+        f"{summary.get('hcasFree', '?'):>9} {summary.get('hcasTotal', '?'):>4} "
+        f"{summary.get('unhealthy', '?'):>9}"
+    )
+    for entry in status.get("allocations", []):
+        out(
+            f"  {entry['namespace']}/{entry['pod']}/{entry['container']}: "
+            f"{len(entry['devices'])} devices, worst level {entry['worstLevel'] or '-'}"
+        )
+    out("events on the pods")
+    for event in sorted(api.items("events"), key=lambda e: e["involvedObject"]["name"]):
+        out(f"  {event['involvedObject']['name']}: {event['message']}")
