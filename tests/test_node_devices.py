@@ -168,3 +168,20 @@ def test_a_failing_api_server_delays_the_record_but_never_allocation(
     )
     api.clear_failures()
     assert wait_until(lambda: status(api)["summary"]["gpusFree"] == 6, timeout=10)
+
+
+def test_record_writes_are_rate_limited_and_the_last_state_lands(
+    start_cluster: Start, api: ApiServerImitation
+) -> None:
+    cluster = start_cluster(hgx_node(), api=api, **{"kubernetes.record_min_interval_seconds": 1.0})
+    assert wait_until(lambda: status(api).get("summary", {}).get("gpusFree") == 8, timeout=10)
+    publisher = next(loop for loop in cluster.daemon.cluster_loops if hasattr(loop, "writes"))
+    writes, started = publisher.writes, time.monotonic()
+    for index in range(8):
+        cluster.kubelet.admit(f"p{index}", [ContainerRequest("main", {GPU: 1})])
+        cluster.daemon.monitor.poke()
+    assert wait_until(lambda: status(api)["summary"]["gpusFree"] == 0, timeout=10)
+    elapsed = time.monotonic() - started
+    # Eight changes, at most one write per second (plus the one in flight).
+    assert publisher.writes - writes <= int(elapsed / 1.0) + 2
+    assert len(status(api)["allocations"]) == 8
