@@ -195,21 +195,27 @@ class NodeResult:
     shutdown_ms: float
 
 
-def bench_node(name: str, iterations: int, warmup: int, base: Path) -> NodeResult:
-    node = build_node(LAYOUTS[name](), base / name)
+def node_daemon(name: str, tag: str, base: Path, **settings: object) -> Daemon:
+    """A daemon (not started) on a simulated `name` node built under `base`."""
+    node = build_node(LAYOUTS[name](), base / tag)
     config = override(
         Config(),
         **{
             "paths.sysfs_root": str(node.sysfs_root),
             "paths.dev_root": str(node.dev_root),
-            "paths.device_plugin_dir": str(base / f"{name}-dp"),
-            "paths.pod_resources_socket": str(base / f"{name}-pr.sock"),
+            "paths.device_plugin_dir": str(base / f"{tag}-dp"),
+            "paths.pod_resources_socket": str(base / f"{tag}-pr.sock"),
             "nvml.fixture": str(node.fixture),
-            "lifecycle.checkpoint_file": str(base / f"{name}-checkpoint.json"),
+            "lifecycle.checkpoint_file": str(base / f"{tag}-checkpoint.json"),
             "metrics.addresses": ["127.0.0.1:0"],
+            **settings,
         },
     )
-    daemon = build(config, FakeNvml.from_file(node.fixture))
+    return build(config, FakeNvml.from_file(node.fixture))
+
+
+def bench_node(name: str, iterations: int, warmup: int, base: Path) -> NodeResult:
+    daemon = node_daemon(name, name, base)
     daemon.start()
     floor = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     pb_grpc.add_DevicePluginServicer_to_server(FloorServicer(), floor)
@@ -292,17 +298,9 @@ def bench_pod_cache(name: str, iterations: int, warmup: int, base: Path) -> list
         api.put("pods", _pod(f"waiting-{size}", [limits], 1000 + size, "Pending"))
     kubeconfig = base / f"{name}-kubeconfig"
     kubeconfig.write_text(json.dumps(api.kubeconfig()))
-    node = build_node(LAYOUTS[name](), base / f"{name}-pods")
-    config = override(
-        Config(),
+    daemon = node_daemon(
+        name, f"{name}-pods", base,
         **{
-            "paths.sysfs_root": str(node.sysfs_root),
-            "paths.dev_root": str(node.dev_root),
-            "paths.device_plugin_dir": str(base / f"{name}-pods-dp"),
-            "paths.pod_resources_socket": str(base / f"{name}-pods-pr.sock"),
-            "nvml.fixture": str(node.fixture),
-            "lifecycle.checkpoint_file": str(base / f"{name}-pods-checkpoint.json"),
-            "metrics.addresses": ["127.0.0.1:0"],
             "kubernetes.enabled": True,
             "kubernetes.kubeconfig": str(kubeconfig),
             "kubernetes.node_name": "node-1",
@@ -312,8 +310,7 @@ def bench_pod_cache(name: str, iterations: int, warmup: int, base: Path) -> list
             "kubernetes.node_devices": False,
             "kubernetes.events": False,
         },
-    )
-    daemon = build(config, FakeNvml.from_file(node.fixture))
+    )  # fmt: skip
     daemon.start()
     floor = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     pb_grpc.add_DevicePluginServicer_to_server(FloorServicer(), floor)

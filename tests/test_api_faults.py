@@ -12,6 +12,7 @@ from contextlib import contextmanager
 
 import pytest
 
+from devplugin.cluster.pods import PodCache
 from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.kubelet import ContainerRequest
 from devplugin.testing.node import hgx_node
@@ -46,6 +47,15 @@ def slowest_preferred(cluster: Cluster) -> float:
                 worst = max(worst, bound)
             previous = counts[bound]
     return worst
+
+
+def synced(start_cluster: Start, api: ApiServerImitation) -> tuple[Cluster, PodCache]:
+    """A node whose pod cache has listed the imitation's pods once."""
+    cluster = start_cluster(hgx_node(), api=api)
+    pods = cluster.daemon.pods
+    assert pods is not None
+    assert pods.synced.wait(10)
+    return cluster, pods
 
 
 def admit_pair(cluster: Cluster) -> None:
@@ -104,10 +114,7 @@ def test_with_the_api_server_down_allocation_falls_back_then_recovers(
 def test_a_slow_api_server_never_slows_a_preference_past_the_bound(
     start_cluster: Start, api: ApiServerImitation
 ) -> None:
-    cluster = start_cluster(hgx_node(), api=api)
-    pods = cluster.daemon.pods
-    assert pods is not None
-    assert pods.synced.wait(10)
+    cluster, _pods = synced(start_cluster, api)
     # Every request takes a second; each pod arrives just after the watch
     # was cut, while the cache waits a second for its next watch.
     api.delay = 1.0
@@ -123,10 +130,7 @@ def test_a_slow_api_server_never_slows_a_preference_past_the_bound(
 def test_server_errors_fall_back_and_the_cache_recovers(
     start_cluster: Start, api: ApiServerImitation
 ) -> None:
-    cluster = start_cluster(hgx_node(), api=api)
-    pods = cluster.daemon.pods
-    assert pods is not None
-    assert pods.synced.wait(10)
+    cluster, pods = synced(start_cluster, api)
     api.fail_next(10_000, code=500)
     api.cut_watches()
     assert wait_until(lambda: not pods.current, timeout=10)
@@ -142,10 +146,7 @@ def test_server_errors_fall_back_and_the_cache_recovers(
 def test_watches_cut_every_half_second_keep_the_cache_current(
     start_cluster: Start, api: ApiServerImitation
 ) -> None:
-    cluster = start_cluster(hgx_node(), api=api)
-    pods = cluster.daemon.pods
-    assert pods is not None
-    assert pods.synced.wait(10)
+    cluster, pods = synced(start_cluster, api)
     relists = pods.relists
     with cutting(api, 0.5):
         before = outcomes(cluster)
@@ -175,10 +176,7 @@ def test_bad_pods_in_the_watch_are_skipped_with_one_line(
     start_cluster: Start, api: ApiServerImitation, bad: dict[str, object],
     caplog: pytest.LogCaptureFixture,
 ) -> None:  # fmt: skip
-    cluster = start_cluster(hgx_node(), api=api)
-    pods = cluster.daemon.pods
-    assert pods is not None
-    assert pods.synced.wait(10)
+    cluster, _pods = synced(start_cluster, api)
     with caplog.at_level(logging.WARNING, logger="devplugin.cluster.pods"):
         for _ in range(3):
             api.inject_raw_event("pods", "ADDED", bad)

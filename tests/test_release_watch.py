@@ -17,6 +17,15 @@ from tests.waiting import wait_until
 Start = Callable[..., Cluster]
 
 
+def hca_cleaning(
+    start_cluster: Start, api: ApiServerImitation, tmp_path: Path
+) -> tuple[Cluster, Path]:
+    """A node watching the API imitation, with an HCA cleanup hook that logs its runs."""
+    log = tmp_path / "cleanup.log"
+    settings = {"resources.hca.hooks.cleanup": hook(log, "ok")}
+    return start_cluster(hgx_node(), api=api, **settings), log
+
+
 def polls_pass(cluster: Cluster, count: int) -> None:
     monitor = cluster.daemon.monitor
     target = monitor.polls + count
@@ -56,8 +65,7 @@ def test_briefly_empty_pod_resources_never_cleans_a_running_pods_devices(
 def test_a_finished_pod_releases_its_devices_while_its_object_remains(
     start_cluster: Start, api: ApiServerImitation, tmp_path: Path
 ) -> None:
-    log = tmp_path / "cleanup.log"
-    cluster = start_cluster(hgx_node(), api=api, **{"resources.hca.hooks.cleanup": hook(log, "ok")})
+    cluster, log = hca_cleaning(start_cluster, api, tmp_path)
     kubelet = cluster.kubelet
     pod = kubelet.admit("job", [ContainerRequest("main", {GPU: 1, HCA: 2})])
     hcas = set(pod.container("main").devices[HCA])
@@ -75,8 +83,7 @@ def test_an_init_containers_devices_stay_the_pods_until_it_ends(
 ) -> None:
     # PodResources never lists a finished init container, but the kubelet
     # keeps its devices for the pod: they must not be cleaned under it.
-    log = tmp_path / "cleanup.log"
-    cluster = start_cluster(hgx_node(), api=api, **{"resources.hca.hooks.cleanup": hook(log, "ok")})
+    cluster, log = hca_cleaning(start_cluster, api, tmp_path)
     kubelet = cluster.kubelet
     pod = kubelet.admit("p", [
         ContainerRequest("prep", {HCA: 2}, init=True),
@@ -115,8 +122,7 @@ def test_without_the_pod_watch_released_devices_wait_and_come_back_after(
 ) -> None:
     # The API server is down when the pod ends: nothing is released on
     # PodResources' word alone; once the watch lists again, it is.
-    log = tmp_path / "cleanup.log"
-    cluster = start_cluster(hgx_node(), api=api, **{"resources.hca.hooks.cleanup": hook(log, "ok")})
+    cluster, log = hca_cleaning(start_cluster, api, tmp_path)
     kubelet = cluster.kubelet
     kubelet.admit("p", [ContainerRequest("main", {HCA: 1})])
     polls_pass(cluster, 2)
