@@ -15,6 +15,8 @@ from tests.test_hooks import hook, runs
 from tests.waiting import wait_until
 
 Start = Callable[..., Cluster]
+# Quick PodResources polls: these tests count polls.
+QUICK = {"pod_resources.poll_interval_seconds": 0.1, "pod_resources.min_interval_seconds": 0.05}
 
 
 def hca_cleaning(
@@ -22,7 +24,7 @@ def hca_cleaning(
 ) -> tuple[Cluster, Path]:
     """A node watching the API imitation, with an HCA cleanup hook that logs its runs."""
     log = tmp_path / "cleanup.log"
-    settings = {"resources.hca.hooks.cleanup": hook(log, "ok")}
+    settings = {"resources.hca.hooks.cleanup": hook(log, "ok"), **QUICK}
     return start_cluster(hgx_node(), api=api, **settings), log
 
 
@@ -36,7 +38,8 @@ def test_briefly_empty_pod_resources_never_cleans_a_running_pods_devices(
     start_cluster: Start, api: ApiServerImitation, tmp_path: Path
 ) -> None:
     log = tmp_path / "cleanup.log"
-    cluster = start_cluster(hgx_node(), api=api, **{"resources.gpu.hooks.cleanup": hook(log, "ok")})
+    settings = {"resources.gpu.hooks.cleanup": hook(log, "ok"), **QUICK}
+    cluster = start_cluster(hgx_node(), api=api, **settings)
     kubelet = cluster.kubelet
     pod = kubelet.admit("train", [ContainerRequest("main", {GPU: 8})])
     gpus = set(pod.container("main").devices[GPU])
