@@ -32,11 +32,13 @@ not defined (it walks a Go map), and the requests carry no pod identity. So:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from math import comb
 
 from devplugin.allocator import Allocator, Choice, Request, Role
 from devplugin.ledger import Ledger
@@ -44,6 +46,10 @@ from devplugin.model import DeviceKind
 from devplugin.topology import Topology
 
 log = logging.getLogger(__name__)
+
+
+# How many completions of a partly forced partner set are tried at most.
+FORCED_SETS = 256
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,9 @@ class Known:
     partners: int
     # The container already got the other resource (this request completes it).
     second: bool = False
+    # Devices of the other resource the kubelet will give the container
+    # whatever is preferred: its pod's finished init containers' (reused).
+    forced: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -192,8 +201,47 @@ class Coordinator:
                     known.partners if known is not None else self._shapes.get((kind, size), size)
                 )
             allocator = self._allocator
+        if role is Role.FIRST and known is not None and known.forced:
+            choice = self._around_forced(allocator, kind, candidates, must, size, known, other_free)
+            if choice is not None:
+                return choice, role
         request = Request(kind, candidates, size, must, role, partner, other_free, expected)
         return allocator.choose(request), role
+
+    @staticmethod
+    def _around_forced(
+        allocator: Allocator,
+        kind: DeviceKind,
+        candidates: frozenset[str],
+        must: frozenset[str],
+        size: int,
+        known: Known,
+        other_free: frozenset[str],
+    ) -> Choice | None:
+        """A first resource whose container will be given `known.forced` of the
+        other kind (reused from its pod's init containers) and the rest from
+        `other_free`: the best choice against every way the other set can be
+        completed, each scored as a second resource against it. None when
+        there are too many ways (the usual first-resource plan then)."""
+        forced = known.forced
+        need = known.partners - len(forced)
+        if need <= 0:
+            # The kubelet takes the partners among the forced ones.
+            sets = [forced]
+        else:
+            pool = sorted(other_free - forced)
+            if need > len(pool) or comb(len(pool), need) > FORCED_SETS:
+                return None
+            sets = [forced | frozenset(extra) for extra in itertools.combinations(pool, need)]
+        best: Choice | None = None
+        for partner in sets:
+            request = Request(
+                kind, candidates, size, must, Role.SECOND, partner, other_free - partner
+            )
+            choice = allocator.choose(request)
+            if best is None or choice.score.key() < best.score.key():
+                best = choice
+        return best
 
     def expected_partners(self, kind: DeviceKind, size: int) -> int:
         """How many devices of the other kind a first request is assumed to get."""

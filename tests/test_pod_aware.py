@@ -145,6 +145,8 @@ def test_with_the_pod_cache_every_container_gets_the_optimum(
     after = [optimal_share(aware, seed) for seed in range(3)]
     assert sum(run.total for run in after) > 0
     assert all(run.optimal == run.total for run in after), (before, after)
+    assert sum(run.reuse_total for run in after) > 0
+    assert all(run.reuse_optimal == run.reuse_total for run in after), (before, after)
     metrics = aware.daemon.metrics.pod_aware
     exact = sum(metrics.labels(resource, "exact")._value.get() for resource in (GPU, HCA))
     assert exact > 0
@@ -159,3 +161,25 @@ def pct(runs: list[Share], reuse: bool = False) -> str:
     hit = sum(r.reuse_optimal if reuse else r.optimal for r in runs)
     total = sum(r.reuse_total if reuse else r.total for r in runs)
     return f"{hit}/{total} ({hit / total:.1%})" if total else "0/0"
+
+
+@pytest.mark.parametrize("order", [(GPU, HCA), (HCA, GPU)], ids=["gpu-first", "hca-first"])
+@pytest.mark.parametrize("layout", ["dgx-a100", "hgx-h100"])
+def test_an_app_container_reusing_an_init_containers_gpu_is_planned_around_it(
+    start_cluster: Start, api: ApiServerImitation, layout: str, order: tuple[str, str]
+) -> None:
+    # The kubelet gives `main` the GPU `prep` got, whatever is preferred:
+    # main's HCA (asked first or second) must sit best for that GPU plus one more.
+    cluster = start_cluster(LAYOUTS[layout](), api=api)
+    topology = cluster.daemon.coordinator.topology
+    free_g, free_h = free(cluster, GPU), free(cluster, HCA)
+    pod = cluster.kubelet.admit("p", [
+        ContainerRequest("prep", {GPU: 1}, init=True),
+        ContainerRequest("main", {GPU: 2, HCA: 1}),
+    ], order=order)  # fmt: skip
+    prep, main = pod.container("prep").devices, pod.container("main").devices
+    assert set(prep[GPU]) <= set(main[GPU])
+    achieved = alignment(topology, main[GPU], main[HCA])
+    assert achieved is not None
+    best = best_worst_level(topology, free_g, free_h, 2, 1, must_gpus=prep[GPU])
+    assert achieved[0] == best, (prep, main)

@@ -28,6 +28,7 @@ from devplugin.ledger import Ledger
 from devplugin.lifecycle.cleanup import Owner
 from devplugin.metrics import Metrics
 from devplugin.model import DeviceKind
+from devplugin.podinfo import PodInfo
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class _Expected:
     first_size: int
     at: float
     owner: Owner
+    key: ContainerKey
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,12 @@ class _Answered:
     size: int
     owner: Owner
     at: float
+    key: ContainerKey
+
+
+# Allocations remembered per container (for the kubelet's reuse of init
+# containers' devices); pods no longer in the cache are forgotten past this.
+GIVEN_LIMIT = 1024
 
 
 class PodAwareness:
@@ -73,6 +81,8 @@ class PodAwareness:
         self._pair_seconds = pair_seconds
         self._expected: _Expected | None = None
         self._answered: dict[DeviceKind, _Answered] = {}
+        # container -> kind -> the devices its Allocate got
+        self._given: dict[ContainerKey, dict[DeviceKind, frozenset[str]]] = {}
 
     def identify(self, kind: DeviceKind, size: int) -> Known | None:
         resource, other = self._names.get(kind), self._names.get(kind.other)
@@ -90,7 +100,7 @@ class PodAwareness:
             if self._metrics is not None:
                 self._metrics.pod_aware.labels(resource, Outcome.EXACT.value).inc()
             with self._lock:
-                self._answered[kind] = _Answered(size, expected.owner, now)
+                self._answered[kind] = _Answered(size, expected.owner, now, expected.key)
             return Known(expected.first_size, second=True)
         held = self._held(kind)
 
@@ -114,14 +124,36 @@ class PodAwareness:
         owner = (first.pod.namespace, first.pod.name, first.pod.uid)
         now = self._clock()
         with self._lock:
-            self._answered[kind] = _Answered(size, owner, now)
+            self._answered[kind] = _Answered(size, owner, now, key)
             # The kubelet gives this container all its resources before the
             # next one: it counts as holding both from now on.
             self._claims[(kind, key)] = now
             self._claims[(kind.other, key)] = now
             if partners > 0:
-                self._expected = _Expected(kind.other, partners, size, now, owner)
-        return Known(partners)
+                self._expected = _Expected(kind.other, partners, size, now, owner, key)
+            forced = self._reused_locked(first.pod, first.container.name, kind.other)
+        return Known(partners, forced=forced if partners > 0 else frozenset())
+
+    def _reused_locked(self, pod: PodInfo, container: str, kind: DeviceKind) -> frozenset[str]:
+        """Devices of `kind` the kubelet will give `container` first: those its
+        pod's finished (non-restartable) init containers got and no app
+        container or sidecar has taken since."""
+        pool: set[str] = set()
+        for init in pod.init_containers:
+            if not init.sidecar:
+                pool |= self._given.get((pod.namespace, pod.name, init.name), {}).get(kind, set())
+        takers = [c for c in pod.init_containers if c.sidecar] + list(pod.containers)
+        for other in takers:
+            if other.name != container:
+                pool -= self._given.get((pod.namespace, pod.name, other.name), {}).get(kind, set())
+        return frozenset(pool)
+
+    def _record_locked(self, key: ContainerKey, kind: DeviceKind, ids: Sequence[str]) -> None:
+        self._given.setdefault(key, {})[kind] = frozenset(ids)
+        if len(self._given) > GIVEN_LIMIT:
+            live = {(p.namespace, p.name) for p in self._cache.pods().values()}
+            for gone in [k for k in self._given if k[:2] not in live]:
+                del self._given[gone]
 
     # -- the pod witness (for releases) ----------------------------------------
     def uid_of(self, namespace: str, pod: str) -> str | None:
@@ -136,12 +168,13 @@ class PodAwareness:
         now = self._clock()
         with self._lock:
             answered = self._answered.pop(kind, None)
-        if (
-            answered is not None
-            and answered.size == len(ids)
-            and now - answered.at <= self._claim_seconds
-        ):
-            return answered.owner
+            if (
+                answered is not None
+                and answered.size == len(ids)
+                and now - answered.at <= self._claim_seconds
+            ):
+                self._record_locked(answered.key, kind, ids)
+                return answered.owner
         resource, other = self._names.get(kind), self._names.get(kind.other)
         if resource is None or other is None:
             return None
@@ -155,6 +188,7 @@ class PodAwareness:
         key = (only.pod.namespace, only.pod.name, only.container.name)
         with self._lock:
             self._claims[(kind, key)] = now
+            self._record_locked(key, kind, ids)
         return (only.pod.namespace, only.pod.name, only.pod.uid)
 
     def _held(self, kind: DeviceKind) -> frozenset[ContainerKey]:
