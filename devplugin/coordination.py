@@ -202,7 +202,10 @@ class Coordinator:
                 )
             allocator = self._allocator
         if role is Role.FIRST and known is not None and known.forced:
-            choice = self._around_forced(allocator, kind, candidates, must, size, known, other_free)
+            choice = self._around_forced(
+                allocator, kind=kind, candidates=candidates, must=must, size=size,
+                known=known, other_free=other_free,
+            )  # fmt: skip
             if choice is not None:
                 return choice, role
         request = Request(kind, candidates, size, must, role, partner, other_free, expected)
@@ -211,6 +214,7 @@ class Coordinator:
     @staticmethod
     def _around_forced(
         allocator: Allocator,
+        *,
         kind: DeviceKind,
         candidates: frozenset[str],
         must: frozenset[str],
