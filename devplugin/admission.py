@@ -85,13 +85,20 @@ def admitting(
     other: str,
     size: int,
     held: Set[ContainerKey],
+    waiting: bool = False,
 ) -> Admission:
     """Who is being admitted for `size` devices of `resource`; see the module doc.
 
-    `held`: the containers that already hold devices of `resource`."""
-    ordered = sorted(
-        (p for p in pods if not p.terminal and not p.deleting and not p.started),
-        key=lambda p: (p.created, p.namespace, p.name),
+    `held`: the containers that already hold devices of `resource`.
+    `waiting`: `pods` are already only those not past admission, oldest
+    first (as the pod cache keeps them)."""
+    ordered = (
+        list(pods)
+        if waiting
+        else sorted(
+            (p for p in pods if not p.terminal and not p.deleting and not p.started),
+            key=lambda p: (p.created, p.namespace, p.name),
+        )
     )
     candidates: list[Candidate] = []
     for pod in ordered:

@@ -134,3 +134,16 @@ def test_started_is_read_from_phase_and_container_states(
     obj = {"metadata": {"uid": "u", "namespace": "n", "name": "x"},
            "spec": {"containers": []}, "status": status}  # fmt: skip
     assert parse_pod(obj).started is started
+
+
+def test_pods_already_filtered_and_ordered_give_the_same_answer() -> None:
+    pods = [
+        p("new", c("m", gpus=2, hcas=1), created="2026-12-03T00:00:05Z"),
+        p("done", c("m", gpus=2, hcas=2), phase="Succeeded"),
+        p("old", c("m", gpus=2, hcas=1), created="2026-12-03T00:00:01Z"),
+    ]
+    waiting = [pods[2], pods[0]]  # as the pod cache keeps them
+    full = admitting(pods, resource=GPU, other=HCA, size=2, held=frozenset())
+    fast = admitting(waiting, resource=GPU, other=HCA, size=2, held=frozenset(), waiting=True)
+    assert full == fast
+    assert [x.pod.name for x in fast.candidates] == ["old", "new"]

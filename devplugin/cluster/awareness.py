@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from devplugin.admission import Admission, ContainerKey, Outcome, admitting
 from devplugin.cluster.pods import PodCache
@@ -81,6 +82,7 @@ class PodAwareness:
         self._pair_seconds = pair_seconds
         self._expected: _Expected | None = None
         self._answered: dict[DeviceKind, _Answered] = {}
+        self._counters: dict[tuple[str, Outcome], Any] = {}
         # container -> kind -> the devices its Allocate got
         self._given: dict[ContainerKey, dict[DeviceKind, frozenset[str]]] = {}
 
@@ -97,8 +99,7 @@ class PodAwareness:
             and expected.size == size
             and now - expected.at <= self._pair_seconds
         ):
-            if self._metrics is not None:
-                self._metrics.pod_aware.labels(resource, Outcome.EXACT.value).inc()
+            self._count(resource, Outcome.EXACT)
             with self._lock:
                 self._answered[kind] = _Answered(size, expected.owner, now, expected.key)
             return Known(expected.first_size, second=True)
@@ -107,15 +108,16 @@ class PodAwareness:
         def ask() -> Admission:
             # Only pods still waiting to be admitted can be asking.
             waiting = self._cache.waiting()
-            return admitting(waiting, resource=resource, other=other, size=size, held=held)
+            return admitting(
+                waiting, resource=resource, other=other, size=size, held=held, waiting=True
+            )
 
         answer = ask()
         if answer.outcome is Outcome.NO_POD and self._wait > 0:
             # The pod may be a moment behind in the watch: wait, boundedly.
             self._cache.wait_for(lambda pods: ask().outcome is not Outcome.NO_POD, self._wait)
             answer = ask()
-        if self._metrics is not None:
-            self._metrics.pod_aware.labels(resource, answer.outcome.value).inc()
+        self._count(resource, answer.outcome)
         if answer.outcome is not Outcome.EXACT:
             return None
         first = answer.candidates[0]
@@ -155,6 +157,16 @@ class PodAwareness:
             for gone in [k for k in self._given if k[:2] not in live]:
                 del self._given[gone]
 
+    def _count(self, resource: str, outcome: Outcome) -> None:
+        if self._metrics is None:
+            return
+        counter = self._counters.get((resource, outcome))
+        if counter is None:
+            counter = self._counters[(resource, outcome)] = self._metrics.pod_aware.labels(
+                resource, outcome.value
+            )
+        counter.inc()
+
     # -- the pod witness (for releases) ----------------------------------------
     def uid_of(self, namespace: str, pod: str) -> str | None:
         return self._cache.uid_of(namespace, pod)
@@ -180,7 +192,7 @@ class PodAwareness:
             return None
         answer = admitting(
             self._cache.waiting(), resource=resource, other=other,
-            size=len(ids), held=self._held(kind),
+            size=len(ids), held=self._held(kind), waiting=True,
         )  # fmt: skip
         if answer.outcome is not Outcome.EXACT or len(answer.candidates) != 1:
             return None
