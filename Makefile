@@ -51,4 +51,4 @@ image:
 
 # Every environment and cache the targets and the tests create.
 clean:
-	rm -rf $(VENV) .venv-helm .pytest_cache .mypy_cache .ruff_cache .import_linter_cache
+	rm -rf $(VENV) .venv-helm .venv-helm.lock .pytest_cache .mypy_cache .ruff_cache .import_linter_cache

@@ -16,6 +16,7 @@ schema must be the one generated from devplugin's config.
 from __future__ import annotations
 
 import copy
+import fcntl
 import glob
 import hashlib
 import json
@@ -202,6 +203,14 @@ def python312() -> str | None:
 
 @pytest.fixture(scope="session")
 def helm_python() -> str:
+    # Test workers start at once: one builds the environment, the others
+    # wait for it (two building it together break each other's pip).
+    with (ROOT / ".venv-helm.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _helm_environment()
+
+
+def _helm_environment() -> str:
     python = HELM_ENV / "bin" / "python"
     probe = [str(python), "-c", "import helm_sdkpy"]
     if python.exists() and subprocess.run(probe, capture_output=True, check=False).returncode == 0:
