@@ -30,7 +30,7 @@ from tests.conftest import GPU, HCA, Cluster, fast_config
 from tests.test_core import probe
 from tests.test_hooks import hook
 from tests.test_restart import cleanup_runs, daemon_config, spawn
-from tests.waiting import wait_until
+from tests.waiting import log_entries, wait_until
 
 Start = Callable[..., Cluster]
 DEVICE = HookDevice("GPU-x", "0000:1a:00.0", ("/dev/nvidia0",), 0, gpu_uuid="GPU-x")
@@ -191,9 +191,7 @@ def gpu_hooks_config(node: BuiltNode, sock_dir: Path, path: Path, **hooks: objec
 def hook_pids(log: Path) -> list[int]:
     if not log.exists():
         return []
-    return [
-        entry["pid"] for entry in map(json.loads, log.read_text().splitlines()) if "stdin" in entry
-    ]
+    return [entry["pid"] for entry in log_entries(log) if "stdin" in entry]
 
 
 def alive(pid: int) -> bool:
@@ -240,7 +238,7 @@ def test_sigkill_during_a_hanging_cleanup_never_runs_two_at_once(
             time.sleep(0.005)
         assert not alive(leftover)
         assert wait_until(lambda: len(hook_pids(log)) == 2, timeout=20)
-        runs = [e for e in map(json.loads, log.read_text().splitlines()) if "stdin" in e]
+        runs = [e for e in log_entries(log) if "stdin" in e]
         # The second cleanup began only after the first had been killed.
         assert runs[1]["start"] > last_seen_alive
         assert kubelet.wait_for(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -16,7 +15,7 @@ import pytest
 from devplugin.testing.kubelet import AdmissionError, ContainerRequest
 from devplugin.testing.node import hgx_node
 from tests.conftest import GPU, HCA, Cluster
-from tests.waiting import wait_until
+from tests.waiting import log_entries, wait_until
 
 Start = Callable[..., Cluster]
 HELPER = str(Path(__file__).with_name("hook_helper.py"))
@@ -27,9 +26,7 @@ def hook(log: Path, mode: str) -> list[str]:
 
 
 def runs(log: Path) -> list[dict[str, Any]]:
-    if not log.exists():
-        return []
-    return [entry for entry in map(json.loads, log.read_text().splitlines()) if "stdin" in entry]
+    return [entry for entry in log_entries(log) if "stdin" in entry]
 
 
 def test_init_receives_exactly_the_allocated_devices(start_cluster: Start, tmp_path: Path) -> None:

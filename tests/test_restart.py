@@ -17,7 +17,7 @@ from devplugin.testing.kubelet import ContainerRequest, KubeletSimulator
 from devplugin.testing.node import BuiltNode, build_node, hgx_node
 from tests.conftest import GPU, HCA
 from tests.test_hooks import hook
-from tests.waiting import wait_until
+from tests.waiting import log_entries, wait_until
 
 Runs = dict[str, list[tuple[float, float]]]
 
@@ -26,9 +26,7 @@ def cleanup_runs(log: Path) -> Runs:
     """Device id -> (start, end) of every finished cleanup run."""
     starts: dict[int, tuple[str, float]] = {}
     found: Runs = {}
-    if not log.exists():
-        return found
-    for entry in map(json.loads, log.read_text().splitlines()):
+    for entry in log_entries(log):
         if "stdin" in entry:
             starts[entry["pid"]] = (entry["env"]["DEVPLUGIN_DEVICE_IDS"], entry["start"])
         elif entry["pid"] in starts:
