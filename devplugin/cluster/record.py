@@ -68,8 +68,9 @@ def build_status(
     if DeviceKind.GPU in states:
         for gpu in sorted(inventory.gpus, key=lambda g: g.index):
             peers = sorted(
-                {by_index[peer].uuid for peer, links in gpu.nvlink_peers
-                 if links > 0 and peer in by_index}
+                ({"id": by_index[peer].uuid, "links": links} for peer, links in gpu.nvlink_peers
+                 if links > 0 and peer in by_index),
+                key=lambda p: str(p["id"]),
             )  # fmt: skip
             devices.append({
                 "id": gpu.uuid, "kind": "gpu",

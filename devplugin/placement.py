@@ -1,0 +1,320 @@
+"""Where a pod's GPUs and HCAs would sit on a node, from its NodeDevices record (pure).
+
+The cluster-side half of devplugin: the scheduler extender rebuilds each
+node's topology from its record (the PCIe domain path and NVLink peers of
+every device), takes the devices that are healthy and not held, and runs
+the node daemon's own exact allocator on them, container by container in
+admission order, the way the daemon would answer the kubelet (a GPU+HCA
+container: GPUs planned for its exact HCA count, then the HCAs against
+them). The result is the alignment the node would give and how much it
+would fragment what stays free there.
+
+No I/O: records and pods come in as data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from devplugin.allocator import Allocator, Request, Role
+from devplugin.model import (
+    CharDevice,
+    DeviceKind,
+    GpuInfo,
+    HcaInfo,
+    PciAddress,
+    PciFunction,
+    PciPath,
+    Refused,
+)
+from devplugin.podinfo import ContainerInfo, PodInfo
+from devplugin.topology import DOMAIN_DEPTH, Level, Topology
+
+ALIGNMENT_ANNOTATION = "devplugin.io/alignment"
+POLICY_ANNOTATION = "devplugin.io/alignment-policy"
+LEVELS_BY_NAME = {level.name: level for level in Level}
+
+
+@dataclass(frozen=True)
+class NodeState:
+    """One node as its record describes it."""
+
+    name: str
+    topology: Topology
+    free: Mapping[DeviceKind, frozenset[str]]
+    total: Mapping[DeviceKind, int]
+    # Who holds what per the record: (namespace, pod) pairs.
+    holders: frozenset[tuple[str, str]]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A pod's device requests: (GPUs, HCAs) per container in admission order
+    (init containers' devices are reused by later ones: they count only
+    when larger than what follows)."""
+
+    containers: tuple[tuple[int, int], ...]
+    gpus: int
+    hcas: int
+
+    @property
+    def wants_devices(self) -> bool:
+        return self.gpus > 0 or self.hcas > 0
+
+
+@dataclass(frozen=True)
+class Requirement:
+    level: Level | None  # worst GPU-HCA level the pod requires or prefers
+    required: bool
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What placing the pod on a node would give."""
+
+    fits: bool
+    reason: str
+    # Worst GPU-HCA level over the pod's GPU+HCA containers (None without any).
+    worst: Level | None = None
+    total: int = 0
+    # How much squared-free-capacity the node's domains lose (lower keeps
+    # whole switches, NUMA nodes and nodes free for large requests).
+    fragmentation: int = 0
+    free_after: Mapping[DeviceKind, frozenset[str]] | None = None
+
+    def key(self) -> tuple[int, int, int]:
+        worst = int(self.worst) if self.worst is not None else 0
+        return (worst, self.total, self.fragmentation)
+
+
+# -- records ------------------------------------------------------------------------
+
+
+def _address(text: object) -> PciAddress:
+    if not isinstance(text, str):
+        raise ValueError(f"not a PCI address: {text!r}")
+    return PciAddress.parse(text)
+
+
+def _function(address: PciAddress, path: object, numa: object) -> PciFunction | None:
+    """A PCI function whose domain keys are the record's path (the allocator
+    only compares keys, so the bridges between need not be real)."""
+    if not isinstance(path, list) or not path:
+        return None
+    if len(path) != 4 or not all(isinstance(p, str) for p in path):
+        raise ValueError(f"topologyPath must name 4 domains, got {path!r}")
+    _, root, port, switch = path
+    port_address = _address(port)
+    if switch == port:
+        chain: tuple[PciAddress, ...] = (port_address, address)
+    else:
+        chain = (port_address, _address(switch), address, address)
+    node = numa if isinstance(numa, int) and not isinstance(numa, bool) and numa >= 0 else None
+    return PciFunction(address=address, path=PciPath(root, chain), numa_node=node)
+
+
+def node_from_record(record: Mapping[str, Any]) -> NodeState:
+    """The node a NodeDevices record describes; ValueError when it is not one."""
+    meta = record.get("metadata")
+    status = record.get("status")
+    if not isinstance(meta, dict) or not isinstance(meta.get("name"), str):
+        raise ValueError("metadata.name missing")
+    if not isinstance(status, dict):
+        raise ValueError("status missing")
+    devices = status.get("devices")
+    allocations = status.get("allocations") or []
+    if not isinstance(devices, list) or not isinstance(allocations, list):
+        raise ValueError("status.devices and status.allocations must be lists")
+    gpus: list[GpuInfo] = []
+    hcas: list[HcaInfo] = []
+    healthy: dict[DeviceKind, set[str]] = {kind: set() for kind in DeviceKind}
+    gpu_entries = [d for d in devices if isinstance(d, dict) and d.get("kind") == "gpu"]
+    index_of = {str(d.get("id")): i for i, d in enumerate(gpu_entries)}
+    for entry in devices:
+        if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
+            raise ValueError("a device without an id")
+        device_id = entry["id"]
+        address = _address(entry.get("pciAddress"))
+        function = _function(address, entry.get("topologyPath"), entry.get("numaNode"))
+        kind = entry.get("kind")
+        if kind == "gpu":
+            peers = []
+            for peer in entry.get("nvlinkPeers") or []:
+                if isinstance(peer, dict) and str(peer.get("id")) in index_of:
+                    links = peer.get("links")
+                    if isinstance(links, int) and links > 0:
+                        peers.append((index_of[str(peer["id"])], links))
+            gpus.append(
+                GpuInfo(
+                    index=index_of[device_id], uuid=device_id, name="", pci_address=address,
+                    minor_number=index_of[device_id], memory_total_mib=0,
+                    nvlink_peers=tuple(peers), pci=function,
+                )
+            )  # fmt: skip
+            kind_value = DeviceKind.GPU
+        elif kind == "hca":
+            if device_id != str(address):
+                raise ValueError(f"HCA {device_id!r} is not named by its PCI address")
+            hcas.append(
+                HcaInfo(
+                    name=str(entry.get("name") or device_id), pci_address=address, pci=function,
+                    node_guid=None, fw_ver=None, ports=(), netdevs=(), uverbs=None, umads=(),
+                    issms=(), rdma_cm=CharDevice("/dev/infiniband/rdma_cm", True),
+                )
+            )  # fmt: skip
+            kind_value = DeviceKind.HCA
+        else:
+            raise ValueError(f"device {device_id!r}: unknown kind {kind!r}")
+        if entry.get("health") == "Healthy":
+            healthy[kind_value].add(device_id)
+    held: set[str] = set()
+    holders: set[tuple[str, str]] = set()
+    for allocation in allocations:
+        if not isinstance(allocation, dict):
+            raise ValueError("an allocation is not an object")
+        held.update(str(d) for d in allocation.get("devices") or [])
+        holders.add((str(allocation.get("namespace")), str(allocation.get("pod"))))
+    topology = Topology(gpus, hcas)
+    return NodeState(
+        name=meta["name"],
+        topology=topology,
+        free={kind: frozenset(healthy[kind] - held) for kind in DeviceKind},
+        total={DeviceKind.GPU: len(gpus), DeviceKind.HCA: len(hcas)},
+        holders=frozenset(holders),
+    )
+
+
+# -- pods --------------------------------------------------------------------------
+
+
+def shape_of(pod: PodInfo, gpu: str, hca: str) -> Shape:
+    """The pod's containers in admission order, as (GPUs, HCAs)."""
+
+    def counts(container: ContainerInfo) -> tuple[int, int]:
+        return container.requests.get(gpu, 0), container.requests.get(hca, 0)
+
+    init = [counts(c) for c in pod.init_containers if not c.sidecar]
+    held = [counts(c) for c in pod.init_containers if c.sidecar] + [
+        counts(c) for c in pod.containers
+    ]
+    containers = tuple(s for s in held if s != (0, 0))
+    gpus = sum(g for g, _ in held)
+    hcas = sum(h for _, h in held)
+    # A larger init container decides the count the node must have free.
+    for g, h in init:
+        gpus, hcas = max(gpus, g), max(hcas, h)
+    return Shape(containers, gpus, hcas)
+
+
+def requirement_of(annotations: Mapping[str, str]) -> Requirement:
+    """The alignment a pod asks for; ValueError for a level or policy not understood."""
+    name = annotations.get(ALIGNMENT_ANNOTATION)
+    policy = annotations.get(POLICY_ANNOTATION, "preferred")
+    if policy not in ("preferred", "required"):
+        raise ValueError(f"{POLICY_ANNOTATION} must be preferred or required, not {policy!r}")
+    if name is None:
+        return Requirement(None, False)
+    level = LEVELS_BY_NAME.get(name)
+    if level is None or level is Level.SYS:
+        raise ValueError(f"{ALIGNMENT_ANNOTATION} must be PIX, PXB, PHB or NODE, not {name!r}")
+    return Requirement(level, policy == "required")
+
+
+# -- placing -------------------------------------------------------------------------
+
+
+def _spread(topology: Topology, free: Iterable[str]) -> int:
+    """Sum over every domain (and the node) of the square of its free devices."""
+    counts: dict[object, int] = {}
+    number = 0
+    for device in free:
+        number += 1
+        keys = topology.placement[device].keys
+        for depth in range(DOMAIN_DEPTH):
+            counts[(depth, keys[depth])] = counts.get((depth, keys[depth]), 0) + 1
+    return number * number + sum(c * c for c in counts.values())
+
+
+def place(node: NodeState, shape: Shape, allocator: Allocator | None = None) -> Outcome:
+    """Simulate the node daemon's choices for the pod's containers in order."""
+    free = {kind: set(node.free[kind]) for kind in DeviceKind}
+    if shape.gpus > len(free[DeviceKind.GPU]) or shape.hcas > len(free[DeviceKind.HCA]):
+        return Outcome(
+            False,
+            f"{len(free[DeviceKind.GPU])} GPUs and {len(free[DeviceKind.HCA])} HCAs free; "
+            f"the pod needs {shape.gpus} and {shape.hcas}",
+        )
+    topology = node.topology
+    search = allocator or Allocator(topology)
+    worst: Level | None = None
+    total = 0
+    before = _spread(topology, free[DeviceKind.GPU] | free[DeviceKind.HCA])
+    try:
+        for gpus, hcas in shape.containers:
+            chosen_g = _choose(search, DeviceKind.GPU, gpus, free, hcas)
+            free[DeviceKind.GPU] -= set(chosen_g)
+            partner = frozenset(chosen_g)
+            chosen_h: list[str] = []
+            if hcas:
+                if chosen_g:
+                    request = Request(
+                        DeviceKind.HCA, frozenset(free[DeviceKind.HCA]), hcas, frozenset(),
+                        Role.SECOND, partner, frozenset(free[DeviceKind.GPU]),
+                    )  # fmt: skip
+                    chosen_h = list(search.choose(request).ids)
+                else:
+                    chosen_h = _choose(search, DeviceKind.HCA, hcas, free, 0)
+                free[DeviceKind.HCA] -= set(chosen_h)
+            if chosen_g and chosen_h:
+                levels = [min(topology.level(g, h) for h in chosen_h) for g in chosen_g]
+                level = Level(max(levels))
+                worst = level if worst is None else max(worst, level)
+                total += sum(levels)
+    except Refused as exc:
+        return Outcome(False, f"no placement: {exc.reason}")
+    after = _spread(topology, free[DeviceKind.GPU] | free[DeviceKind.HCA])
+    return Outcome(
+        True, "", worst, total, before - after,
+        {kind: frozenset(ids) for kind, ids in free.items()},
+    )  # fmt: skip
+
+
+def _choose(
+    search: Allocator, kind: DeviceKind, size: int, free: Mapping[DeviceKind, set[str]],
+    partners: int,
+) -> list[str]:  # fmt: skip
+    if size <= 0:
+        return []
+    other = frozenset(free[kind.other])
+    request = Request(
+        kind, frozenset(free[kind]), size, frozenset(), Role.FIRST, other, other, partners,
+    )  # fmt: skip
+    return list(search.choose(request).ids)
+
+
+def check(outcome: Outcome, requirement: Requirement) -> str | None:
+    """Why the node fails the pod (None when it passes)."""
+    if not outcome.fits:
+        return outcome.reason
+    if (
+        requirement.required
+        and requirement.level is not None
+        and outcome.worst is not None
+        and outcome.worst > requirement.level
+    ):
+        return (
+            f"best GPU-HCA alignment here is {outcome.worst.name}; the pod requires "
+            f"{requirement.level.name} or better"
+        )
+    return None
+
+
+def scores(outcomes: Mapping[str, Outcome | None], top: int = 10) -> dict[str, int]:
+    """Rank scores: nodes with the best (worst level, total, fragmentation)
+    get `top`, each worse distinct key one less (down to 1); nodes without a
+    usable record, or where the pod does not fit, get 0."""
+    keys = sorted({o.key() for o in outcomes.values() if o is not None and o.fits})
+    rank = {key: max(1, top - index) for index, key in enumerate(keys)}
+    return {name: rank[o.key()] if o is not None and o.fits else 0 for name, o in outcomes.items()}
