@@ -74,7 +74,7 @@ def test_the_records_topology_gives_every_level_and_nvlink_of_the_node(
 
 
 @pytest.mark.parametrize("layout", ["hgx-h100", "dgx-a100", "pcie-server"])
-@pytest.mark.parametrize("gpus,hcas", [(1, 1), (2, 1), (2, 2), (4, 2), (4, 4), (3, 1)])
+@pytest.mark.parametrize(("gpus", "hcas"), [(1, 1), (2, 1), (2, 2), (4, 2), (4, 4), (3, 1)])
 def test_a_single_container_gets_the_best_level_an_empty_node_allows(
     layout: str, gpus: int, hcas: int, tmp_path: Path
 ) -> None:
@@ -165,5 +165,5 @@ def test_shape_and_requirement_are_read_from_the_pod() -> None:
                                                           "pciAddress": "0000:01:00.0"}]}}],
 )  # fmt: skip
 def test_a_record_that_is_not_one_is_refused(bad: dict[str, Any]) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"missing|must be|kind"):
         node_from_record(bad)
