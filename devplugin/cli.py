@@ -65,6 +65,27 @@ def build_parser() -> argparse.ArgumentParser:
     topo = commands.add_parser("topo", help="print the GPU/HCA topology matrix")
     _add_source_flags(topo)
     commands.add_parser("demo", help="run the daemon on an embedded simulated node")
+    extender = commands.add_parser(
+        "extender", help="serve the kube-scheduler extender (filter, prioritize)"
+    )
+    extender.add_argument(
+        "--listen",
+        default="0.0.0.0:8888",
+        metavar="HOST:PORT",
+        help="serve the extender verbs, /healthz, /readyz, /metrics here",
+    )
+    extender.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster)")
+    extender.add_argument("--tls-cert", help="serve HTTPS with this certificate (PEM)")
+    extender.add_argument("--tls-key", help="the certificate's private key (PEM)")
+    extender.add_argument(
+        "--stale-after-seconds",
+        type=float,
+        default=120.0,
+        help="a NodeDevices record older than this is ignored (default 120)",
+    )
+    extender.add_argument("--gpu-resource", default="nvidia.com/gpu")
+    extender.add_argument("--hca-resource", default="rdma/hca")
+    extender.add_argument("--log-format", choices=["text", "json"], default="text")
     return parser
 
 
@@ -185,7 +206,66 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo()
 
 
-COMMANDS = {"run": cmd_run, "discover": cmd_discover, "topo": cmd_topo, "demo": cmd_demo}
+def _listen(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"--listen: expected HOST:PORT, got {text!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def cmd_extender(args: argparse.Namespace) -> int:
+    from devplugin.cluster.client import make_client
+    from devplugin.cluster.extender import serve
+    from devplugin.config import KubernetesConfig
+
+    setup_logging(args.log_format, "info")
+    address = _listen(args.listen)
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise UsageError("--tls-cert and --tls-key go together")
+    if args.stale_after_seconds <= 0:
+        raise UsageError("--stale-after-seconds: must be greater than 0")
+    kube = KubernetesConfig(enabled=True, kubeconfig=args.kubeconfig or "")
+    if make_client(kube) is None:
+        raise UsageError("no Kubernetes API access (--kubeconfig, or run in a pod)")
+
+    def client() -> Any:
+        made = make_client(kube)
+        if made is None:
+            raise RuntimeError("Kubernetes API access went away")
+        return made
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        log.info("received %s; shutting down", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    tls = (args.tls_cert, args.tls_key) if args.tls_cert else None
+    try:
+        _, server, caches = serve(
+            client, address, stale_after=args.stale_after_seconds, tls=tls,
+            names=(args.gpu_resource, args.hca_resource),
+        )  # fmt: skip
+    except (OSError, ValueError) as exc:
+        log.error("cannot start: %s", exc)
+        return 1
+    log.info("scheduler extender serving on %s:%d", *server.address)
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        server.stop()
+        for cache in caches:
+            cache.signal_stop()
+    return 0
+
+
+COMMANDS = {
+    "run": cmd_run, "discover": cmd_discover, "topo": cmd_topo, "demo": cmd_demo,
+    "extender": cmd_extender,
+}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,7 @@ Pure data and a parser from the API's JSON; no client, no I/O.
 from __future__ import annotations
 
 from collections.abc import Mapping
+import dataclasses
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -36,6 +37,7 @@ class PodInfo:
     # The kubelet allocates every container's devices when it admits a pod,
     # before starting any: a pod with a started container is past admission.
     started: bool = False
+    annotations: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def terminal(self) -> bool:
@@ -107,4 +109,13 @@ def parse_pod(obj: Mapping[str, Any]) -> PodInfo:
         init_containers=tuple(_container(c, init=True) for c in init),
         containers=tuple(_container(c, init=False) for c in main),
         started=_started(status),
+        annotations=_annotations(meta.get("annotations")),
+    )
+
+
+def _annotations(value: object) -> Mapping[str, str]:
+    if not isinstance(value, dict):
+        return MappingProxyType({})
+    return MappingProxyType(
+        {k: v for k, v in value.items() if isinstance(k, str) and isinstance(v, str)}
     )

@@ -9,7 +9,8 @@ between, so the record is read again and the write retried. A record that
 is missing (never created, or deleted) is created, owned by the Node when
 the Node can be read, so it goes away with the node. Every `resync` seconds
 the record is read even without a change, which is how a deleted record
-comes back. Errors back off; the daemon's RPCs never wait on any of this.
+comes back, and written again: `updated` is a heartbeat the scheduler
+extender judges the record's age by. Errors back off; the daemon's RPCs never wait on any of this.
 """
 
 from __future__ import annotations
@@ -120,7 +121,10 @@ class RecordPublisher:
             return False
         if self._version is None or due_read:
             self._read_or_create()
-            if status == self._written:
+            # Unchanged, but rewritten once per resync anyway: `updated` is the
+            # heartbeat the scheduler extender judges a record's age by.
+            heartbeat = now - self._last_write >= self._resync
+            if status == self._written and not heartbeat:
                 return False
         self._write(status)
         return True

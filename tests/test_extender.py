@@ -1,0 +1,240 @@
+"""The scheduler extender over real HTTP, called with JSON shaped as the
+kube-scheduler sends it, against NodeDevices records and pods in the API
+server imitation."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from devplugin.alignment import ContainerAlignment
+from devplugin.cluster.client import make_client
+from devplugin.cluster.extender import Extender, ExtenderServer, serve
+from devplugin.cluster.watch import WatchCache
+from devplugin.config import KubernetesConfig
+from devplugin.testing.apiserver import ApiServerImitation
+from devplugin.topology import Level
+from tests.test_placement import inventory, record
+from tests.waiting import wait_until
+
+GPU, HCA = "nvidia.com/gpu", "rdma/hca"
+Running = tuple[Extender, ExtenderServer, list[WatchCache[Any]]]
+
+
+def stamp(age: float = 0.0) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - age))
+
+
+def put_record(
+    api: ApiServerImitation, name: str, layout: str, base: Path, *,
+    held: list[ContainerAlignment] | None = None, age: float = 0.0,
+) -> dict[str, Any]:  # fmt: skip
+    inv = inventory(layout, base / name)
+    found = record(inv, name, allocations=held)
+    found["status"]["updated"] = stamp(age)
+    found["metadata"] = {"name": name}
+    api.put("nodedevices", found)
+    return found
+
+
+def pod(name: str, containers: list[dict[str, int]], **annotations: str) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name, "namespace": "default", "uid": f"uid-{name}",
+                     "annotations": dict(annotations), "creationTimestamp": stamp()},
+        "spec": {"containers": [
+            {"name": f"c{i}", "resources": {"limits": {k: str(v) for k, v in c.items() if v}}}
+            for i, c in enumerate(containers)
+        ]},
+        "status": {"phase": "Pending"},
+    }  # fmt: skip
+
+
+@pytest.fixture
+def extender(api: ApiServerImitation, tmp_path: Path) -> Iterator[Running]:
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump(api.kubeconfig()))
+    kube = KubernetesConfig(enabled=True, kubeconfig=str(kubeconfig))
+
+    def client() -> Any:
+        return make_client(kube)
+
+    running = serve(client, ("127.0.0.1", 0), stale_after=60.0)
+    yield running
+    running[1].stop()
+    for cache in running[2]:
+        cache.signal_stop()
+
+
+def call(running: Running, verb: str, body: Any, raw: bytes | None = None) -> tuple[int, Any]:
+    host, port = running[1].address
+    data = raw if raw is not None else json.dumps(body).encode()
+    request = urllib.request.Request(
+        f"http://{host}:{port}/scheduler/{verb}", data=data,
+        headers={"Content-Type": "application/json"}, method="POST",
+    )  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def synced(running: Running, names: set[str]) -> None:
+    records = running[0].records
+    assert wait_until(lambda: names <= set(records.items()), timeout=10)
+    assert wait_until(lambda: running[0].ready()[0], timeout=10)
+
+
+def test_node_names_form_filters_by_count_and_ranks_by_alignment(
+    api: ApiServerImitation, tmp_path: Path, extender: Running
+) -> None:
+    inv = inventory("hgx-h100", tmp_path / "ids")
+    gpus = [g.uuid for g in inv.gpus]
+    hcas = [h.device_id for h in inv.hcas]
+    put_record(api, "empty", "hgx-h100", tmp_path)
+    # Socket 0's GPUs are held, so 4 GPUs + 4 HCAs still sit together on socket 1.
+    half = [ContainerAlignment("x", "a", "c", tuple(gpus[:4]), tuple(hcas[:4]), Level.PIX, 4)]
+    put_record(api, "half", "hgx-h100", tmp_path, held=half)
+    # Six GPUs held across both sockets: 2 free, too few for 4.
+    full = [ContainerAlignment("x", "b", "c", tuple(gpus[:6]), (), None, None)]
+    put_record(api, "busy", "hgx-h100", tmp_path, held=full)
+    synced(extender, {"empty", "half", "busy"})
+    args = {"Pod": pod("train", [{GPU: 4, HCA: 4}]), "NodeNames": ["empty", "half", "busy"]}
+    code, result = call(extender, "filter", args)
+    assert code == 200
+    assert result["NodeNames"] == ["empty", "half"]
+    assert set(result["FailedNodes"]) == {"busy"}
+    assert "2 GPUs" in result["FailedNodes"]["busy"]
+    assert result["FailedAndUnresolvableNodes"] == {}
+    assert result["Error"] == ""
+    code, ranked = call(extender, "prioritize", {**args, "NodeNames": ["empty", "half"]})
+    assert code == 200
+    scores = {entry["Host"]: entry["Score"] for entry in ranked}
+    # Both give PIX; the half-used node keeps the empty one whole for 8-GPU jobs.
+    assert scores["half"] == 10
+    assert 0 < scores["empty"] < 10
+
+
+def test_nodes_form_returns_the_passing_node_objects(
+    api: ApiServerImitation, tmp_path: Path, extender: Running
+) -> None:
+    put_record(api, "a", "pcie-server", tmp_path)
+    put_record(api, "b", "hgx-h100", tmp_path)
+    synced(extender, {"a", "b"})
+    nodes = {"metadata": {}, "items": [
+        {"metadata": {"name": "a", "labels": {"x": "1"}}, "status": {}},
+        {"metadata": {"name": "b"}, "spec": {"unschedulable": False}},
+    ]}  # fmt: skip
+    args = {"Pod": pod("big", [{GPU: 8, HCA: 8}]), "Nodes": nodes, "Unknown": True}
+    code, result = call(extender, "filter", args)
+    assert code == 200
+    assert [n["metadata"]["name"] for n in result["Nodes"]["items"]] == ["b"]
+    assert result["Nodes"]["items"][0] == nodes["items"][1]
+    assert result["NodeNames"] is None
+    # The PCIe server has fewer devices than that even when empty.
+    assert set(result["FailedAndUnresolvableNodes"]) == {"a"}
+
+
+def test_a_required_alignment_no_node_can_give_is_unresolvable_and_preferred_never_filters(
+    api: ApiServerImitation, tmp_path: Path, extender: Running
+) -> None:
+    put_record(api, "h", "hgx-h100", tmp_path)  # 2 GPUs + 1 HCA: NODE at best here
+    synced(extender, {"h"})
+    required = pod("p", [{GPU: 2, HCA: 1}], **{
+        "devplugin.io/alignment": "PIX", "devplugin.io/alignment-policy": "required"})  # fmt: skip
+    code, result = call(extender, "filter", {"Pod": required, "NodeNames": ["h"]})
+    assert code == 200
+    assert result["NodeNames"] == []
+    reason = result["FailedAndUnresolvableNodes"]["h"]
+    assert "NODE" in reason
+    assert "requires PIX" in reason
+    preferred = pod("q", [{GPU: 2, HCA: 1}], **{"devplugin.io/alignment": "PIX"})
+    code, result = call(extender, "filter", {"Pod": preferred, "NodeNames": ["h"]})
+    assert result["NodeNames"] == ["h"]
+
+
+def test_pods_without_devices_and_nodes_without_fresh_records_pass_and_score_zero(
+    api: ApiServerImitation, tmp_path: Path, extender: Running
+) -> None:
+    put_record(api, "fresh", "hgx-h100", tmp_path)
+    put_record(api, "old", "hgx-h100", tmp_path, age=3600)
+    synced(extender, {"fresh", "old"})
+    plain = pod("web", [{}])
+    code, result = call(extender, "filter", {"Pod": plain, "NodeNames": ["fresh", "gone"]})
+    assert (code, result["NodeNames"]) == (200, ["fresh", "gone"])
+    args = {"Pod": pod("t", [{GPU: 8, HCA: 8}]), "NodeNames": ["fresh", "old", "gone"]}
+    _, result = call(extender, "filter", args)
+    assert result["NodeNames"] == ["fresh", "old", "gone"]
+    code, ranked = call(extender, "prioritize", args)
+    assert {e["Host"]: e["Score"] for e in ranked} == {"fresh": 10, "old": 0, "gone": 0}
+
+
+def test_pods_bound_but_not_yet_in_the_record_take_their_devices_first(
+    api: ApiServerImitation, tmp_path: Path, extender: Running
+) -> None:
+    put_record(api, "n", "hgx-h100", tmp_path)
+    bound = pod("first", [{GPU: 6, HCA: 2}])
+    bound["spec"]["nodeName"] = "n"
+    api.put("pods", bound)
+    synced(extender, {"n"})
+    assert wait_until(lambda: len(extender[0].pods.pods()) == 1, timeout=10)
+    code, result = call(extender, "filter", {"Pod": pod("next", [{GPU: 4}]), "NodeNames": ["n"]})
+    assert result["NodeNames"] == []
+    assert "2 GPUs" in result["FailedNodes"]["n"]
+
+
+def test_a_prioritize_after_a_filter_is_a_memo_hit(
+    api: ApiServerImitation, tmp_path: Path, extender: Running
+) -> None:
+    put_record(api, "n", "hgx-h100", tmp_path)
+    synced(extender, {"n"})
+    args = {"Pod": pod("t", [{GPU: 4, HCA: 2}]), "NodeNames": ["n"]}
+    memo = extender[0].metrics.memo
+    call(extender, "filter", args)
+    hits = memo.labels("hit")._value.get()
+    misses = memo.labels("miss")._value.get()
+    call(extender, "prioritize", args)
+    assert memo.labels("hit")._value.get() == hits + 1
+    assert memo.labels("miss")._value.get() == misses
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        (b"{not json", "not JSON"),
+        (b"[1, 2]", "JSON object"),
+        (b'{"NodeNames": ["a"]}', "Pod"),
+        (b'{"Pod": {"metadata": {"name": "p", "namespace": "d"}, "spec": {}}, "NodeNames": "a"}',
+         "NodeNames"),
+        (b'{"Pod": {"metadata": {"name": "p", "namespace": "d"}, "spec": {}}}',
+         "NodeNames or Nodes"),
+        (b'{"Pod": {"metadata": {"name": "p", "namespace": "d", "annotations": '
+         b'{"devplugin.io/alignment": "SYS"}}, "spec": {}}, "NodeNames": []}', "alignment"),
+    ],
+)  # fmt: skip
+def test_malformed_bodies_get_400_with_a_reason_and_the_service_keeps_serving(
+    api: ApiServerImitation, tmp_path: Path, extender: Running, raw: bytes, reason: str
+) -> None:
+    code, answer = call(extender, "filter", None, raw=raw)
+    assert code == 400
+    assert reason in answer["Error"]
+    code, answer = call(extender, "filter", {"Pod": pod("ok", [{}]), "NodeNames": ["x"]})
+    assert (code, answer["NodeNames"]) == (200, ["x"])
+
+
+def test_health_readiness_and_metrics(extender: Running) -> None:
+    host, port = extender[1].address
+    assert wait_until(lambda: extender[0].ready()[0], timeout=10)
+    for path, expected in (("/healthz", b"ok"), ("/readyz", b"ok"),
+                           ("/metrics", b"devplugin_extender_records")):  # fmt: skip
+        with urllib.request.urlopen(f"http://{host}:{port}{path}", timeout=5) as answer:
+            assert answer.status == 200
+            assert expected in answer.read()
