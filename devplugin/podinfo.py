@@ -5,8 +5,8 @@ Pure data and a parser from the API's JSON; no client, no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any

@@ -186,7 +186,7 @@ def test_pods_bound_but_not_yet_in_the_record_take_their_devices_first(
     api.put("pods", bound)
     synced(extender, {"n"})
     assert wait_until(lambda: len(extender[0].pods.pods()) == 1, timeout=10)
-    code, result = call(extender, "filter", {"Pod": pod("next", [{GPU: 4}]), "NodeNames": ["n"]})
+    _code, result = call(extender, "filter", {"Pod": pod("next", [{GPU: 4}]), "NodeNames": ["n"]})
     assert result["NodeNames"] == []
     assert "2 GPUs" in result["FailedNodes"]["n"]
 
