@@ -74,6 +74,7 @@ def start_cluster(tmp_path: Path, sock_dir: Path) -> Iterator[Callable[..., Clus
         start_kubelet: bool = True,
         wait: bool = True,
         api: ApiServerImitation | None = None,
+        node_name: str = "node-1",
         **config: Any,
     ) -> Cluster:
         # Several clusters may run in one test, each in its own directories.
@@ -81,7 +82,7 @@ def start_cluster(tmp_path: Path, sock_dir: Path) -> Iterator[Callable[..., Clus
         node = build_node(spec, tmp_path / f"node{tag}")
         plugin_dir = sock_dir / f"dp{tag}"
         pod_resources = sock_dir / f"pr{tag}" / "kubelet.sock"
-        kubelet = KubeletSimulator(plugin_dir, pod_resources, seed=1, api=api)
+        kubelet = KubeletSimulator(plugin_dir, pod_resources, seed=1, api=api, node_name=node_name)
         if api is not None:
             kubeconfig = tmp_path / f"kubeconfig{tag}"
             kubeconfig.write_text(yaml.safe_dump(api.kubeconfig()))

@@ -1,0 +1,152 @@
+"""End to end: three simulated nodes of different topologies, each with the
+real daemon and its kubelet simulator, one API server imitation, the
+`devplugin extender` process, and a scheduler imitation that filters by
+counts, asks the extender over HTTP as the kube-scheduler does
+(nodeCacheCapable: NodeNames), binds to the best-scored node and lets that
+node's kubelet admit the pod."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from devplugin.alignment import alignment, best_worst_level
+from devplugin.testing.apiserver import ApiServerImitation
+from devplugin.testing.kubelet import ContainerRequest
+from devplugin.testing.layouts import LAYOUTS
+from devplugin.topology import Level
+from tests.conftest import GPU, HCA, Cluster
+from tests.waiting import wait_until
+
+Start = Callable[..., Cluster]
+NODES = {"hgx": "hgx-h100", "pcie": "pcie-server", "asym": "asymmetric"}
+
+
+def free(cluster: Cluster, resource: str) -> set[str]:
+    held = cluster.kubelet.allocated().get(resource, set())
+    devices = cluster.kubelet.devices(resource)
+    return {d for d, r in devices.items() if r.health == "Healthy"} - held
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.fixture
+def extender_url(api: ApiServerImitation, tmp_path: Path) -> Iterator[str]:
+    kubeconfig = tmp_path / "extender-kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump(api.kubeconfig()))
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "devplugin", "extender", "--listen", f"127.0.0.1:{port}",
+         "--kubeconfig", str(kubeconfig), "--stale-after-seconds", "60"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        try:
+            with urllib.request.urlopen(f"{url}/readyz", timeout=1) as answer:
+                return bool(answer.status == 200)
+        except OSError:
+            return False
+
+    try:
+        assert wait_until(ready, timeout=20), "the extender process did not become ready"
+        yield url
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def post(url: str, verb: str, body: Any) -> Any:
+    request = urllib.request.Request(
+        f"{url}/scheduler/{verb}", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"}, method="POST",
+    )  # fmt: skip
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        return json.loads(answer.read())
+
+
+def schedule(url: str, clusters: dict[str, Cluster], name: str, gpus: int, hcas: int) -> str | None:
+    """The kube-scheduler's part: fit by counts, then the extender's filter and
+    prioritize; the highest score wins (ties: the first name)."""
+    fits = [
+        node for node, cluster in sorted(clusters.items())
+        if len(free(cluster, GPU)) >= gpus and len(free(cluster, HCA)) >= hcas
+    ]  # fmt: skip
+    if not fits:
+        return None
+    limits = {k: str(v) for k, v in ((GPU, gpus), (HCA, hcas)) if v}
+    pod = {
+        "metadata": {"name": name, "namespace": "default", "uid": f"uid-{name}"},
+        "spec": {"containers": [{"name": "main", "resources": {"limits": limits}}]},
+    }  # fmt: skip
+    filtered = post(url, "filter", {"Pod": pod, "NodeNames": fits})
+    passing = filtered["NodeNames"]
+    if not passing:
+        return None
+    ranked = post(url, "prioritize", {"Pod": pod, "NodeNames": passing})
+    best = max(entry["Score"] for entry in ranked)
+    return next(entry["Host"] for entry in ranked if entry["Score"] == best)
+
+
+@pytest.mark.slow
+def test_pods_land_where_the_best_aligned_set_is(
+    start_cluster: Start, api: ApiServerImitation, extender_url: str
+) -> None:
+    settings = {"kubernetes.record_min_interval_seconds": 0.1,
+                "pod_resources.min_interval_seconds": 0.05}  # fmt: skip
+    clusters = {
+        node: start_cluster(LAYOUTS[layout](), api=api, node_name=node, **settings)
+        for node, layout in NODES.items()
+    }
+    stream = [(4, 4), (2, 1), (4, 2), (2, 2), (1, 1), (3, 1), (2, 1), (4, 4), (1, 1)]
+    placed = decisive = 0
+    for index, (gpus, hcas) in enumerate(stream):
+        name = f"job-{index}"
+        # The best level any node could give this shape right now.
+        best: dict[str, Level] = {}
+        for node, cluster in clusters.items():
+            g, h = free(cluster, GPU), free(cluster, HCA)
+            if len(g) >= gpus and len(h) >= hcas:
+                topology = cluster.daemon.coordinator.topology
+                best[node] = best_worst_level(topology, g, h, gpus, hcas)
+        target = schedule(extender_url, clusters, name, gpus, hcas)
+        if not best:
+            assert target is None
+            continue
+        assert target is not None
+        assert best[target] == min(best.values()), (name, target, best)
+        # Where first fit by counts would have gone instead.
+        decisive += best[min(best)] > best[target]
+        cluster = clusters[target]
+        container = cluster.kubelet.admit(name, [ContainerRequest("main", {GPU: gpus, HCA: hcas})])
+        got = container.container("main").devices
+        achieved = alignment(cluster.daemon.coordinator.topology, got[GPU], got[HCA])
+        assert achieved is not None
+        assert achieved[0] == best[target], (name, target, achieved, best)
+        placed += 1
+        # The record shows it before the next pod is scheduled.
+        assert wait_until(
+            lambda target=target, name=name: any(
+                a["pod"] == name
+                for a in (api.get("nodedevices", target) or {})
+                .get("status", {})
+                .get("allocations", [])
+            ),
+            timeout=10,
+        )
+    assert placed >= 6
+    assert decisive > 0  # the stream does tell the extender's choice from first fit
