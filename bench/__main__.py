@@ -19,6 +19,9 @@ the node in the API server imitation (240 running, 10 waiting to be
 admitted), each GPU preference identifying the waiting container from the
 cache. Goal: p50 within 1.5x the floor.
 
+Cluster placement (`bench/cluster.py`): 16 mixed nodes, a seeded stream
+of pods placed by the default scheduler's rule and by the extender's.
+
 Quality: the answer is compared with an exhaustive search of the same
 objective wherever that is affordable (every size on 8 GPUs, sizes 1-3 on
 64 GPUs). `--quick` runs fewer iterations (used by the tests).
@@ -43,6 +46,7 @@ from pathlib import Path
 
 import grpc
 
+from bench.cluster import cluster_bench
 from devplugin.allocator import Request, Role, evaluate, exhaustive, plan_request, planned_request
 from devplugin.allocator import validate as validate_request
 from devplugin.api import deviceplugin_v1beta1_pb2 as pb
@@ -457,6 +461,9 @@ def main() -> int:
         print()
         for name, result in results.items():
             print(f"{name}: {result.drift}; shutdown {result.shutdown_ms:.0f} ms")
+        print()
+        placed_well = cluster_bench(seeds=1 if args.quick else 3, events=80 if args.quick else 300)
+        failed |= not placed_well and not args.quick
     finally:
         shutil.rmtree(base, ignore_errors=True)
     return 1 if failed else 0

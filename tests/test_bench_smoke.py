@@ -15,7 +15,7 @@ def test_bench_quick_run_reports_optimal_answers() -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
-    preferred, allocate, summary = result.stdout.split("\n\n")
+    preferred, allocate, summary, cluster = result.stdout.split("\n\n")
     rows = [line for line in preferred.splitlines() if line.startswith("hgx-h100 ")]
     assert len(rows) == 16  # every size of both resources
     assert all(line.rstrip().endswith("optimal") for line in rows)
@@ -31,3 +31,8 @@ def test_bench_quick_run_reports_optimal_answers() -> None:
     assert len([line for line in allocate.splitlines() if line.startswith("hgx-h100")]) == 8
     # With PodResources gone the ledger holds one entry per device at most.
     assert "ledger 16 entries (bound 16)" in summary
+    # The cluster placement: both placers on one seed, and the verdict.
+    rows = [line.split() for line in cluster.splitlines() if line.startswith("   0 ")]
+    assert [row[1] for row in rows] == ["default", "extender"]
+    assert rows[1][4] == "100.0%"  # the extender: best level free anywhere, every time
+    assert "== cluster:" in cluster
