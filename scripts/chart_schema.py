@@ -96,6 +96,26 @@ def values_schema() -> dict[str, Any]:
                 "probes": obj({"liveness": PROBE, "readiness": PROBE}),
                 "serviceAccount": obj({"create": BOOL, "name": STRING, "annotations": ANY_OBJECT}),
                 "rbac": obj({"create": BOOL}),
+                "extender": obj(
+                    {
+                        "enabled": BOOL,
+                        "replicas": {"type": "integer", "minimum": 1},
+                        "port": PORT,
+                        "staleAfterSeconds": {"type": "number", "exclusiveMinimum": 0},
+                        "tlsSecretName": STRING,
+                        "caBundle": STRING,
+                        "resources": ANY_OBJECT,
+                        "scheduler": obj(
+                            {
+                                "enabled": BOOL,
+                                "schedulerName": {"type": "string", "minLength": 1},
+                                "image": {"type": "string", "minLength": 1},
+                                "weight": {"type": "integer", "minimum": 1, "maximum": 100},
+                                "resources": ANY_OBJECT,
+                            }
+                        ),
+                    }
+                ),
                 "config": json_schema(),
             }
         ),

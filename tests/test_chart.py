@@ -87,6 +87,10 @@ CASES: dict[str, dict[str, Any]] = {
         "rbac": {"create": False},
         "config": {"kubernetes": {"enabled": False}},
     },
+    "extender": {
+        "extender": {"enabled": True, "port": 9443, "staleAfterSeconds": 90,
+                     "scheduler": {"enabled": True, "weight": 7}},
+    },
     "placement": {
         "nodeSelector": {"gpu.example.com/pool": "training"},
         "affinity": {"podAntiAffinity": {}},
@@ -461,3 +465,54 @@ def test_an_existing_service_account_without_rbac(installs: dict[str, dict[str, 
     assert "ServiceAccount" not in objs
     assert "ClusterRole" not in objs
     assert objs["DaemonSet"]["spec"]["template"]["spec"]["serviceAccountName"] == "gpu-agents"
+
+
+def test_the_extender_and_a_second_scheduler_profile(installs: dict[str, dict[str, Any]]) -> None:
+    entry = installs["extender"]
+    assert entry["ok"], entry.get("error")
+    found = {(o["kind"], o["metadata"]["name"]): o for o in entry["objects"]}
+    deployment = found[("Deployment", "extender-devplugin-extender")]
+    (main,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert main["args"][:3] == [
+        "extender", "--listen=0.0.0.0:9443", "--stale-after-seconds=90",
+    ]  # fmt: skip
+    assert main["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    # The DaemonSet's selector must not take the extender's pods.
+    daemonset = next(o for o in entry["objects"] if o["kind"] == "DaemonSet")
+    ds_labels = daemonset["spec"]["selector"]["matchLabels"]
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert not ds_labels.items() <= pod_labels.items()
+    service = found[("Service", "extender-devplugin-extender")]
+    assert service["spec"]["ports"][0]["port"] == 9443
+    role = found[("ClusterRole", "extender-devplugin-extender")]
+    assert {(g, r): sorted(rule["verbs"]) for rule in role["rules"]
+            for g in rule["apiGroups"] for r in rule["resources"]} == {
+        ("devplugin.io", "nodedevices"): ["get", "list", "watch"],
+        ("", "pods"): ["get", "list", "watch"],
+    }  # fmt: skip
+    config = yaml.safe_load(
+        found[("ConfigMap", "extender-devplugin-scheduler")]["data"]["scheduler-config.yaml"]
+    )
+    assert config["kind"] == "KubeSchedulerConfiguration"
+    assert config["profiles"] == [{"schedulerName": "devplugin-scheduler"}]
+    (extender,) = config["extenders"]
+    namespace = service["metadata"]["namespace"]
+    url = extender.pop("urlPrefix")
+    assert url == f"http://extender-devplugin-extender.{namespace}.svc:9443/scheduler"
+    assert extender == {
+        "filterVerb": "filter", "prioritizeVerb": "prioritize", "weight": 7,
+        "nodeCacheCapable": True, "enableHTTPS": False, "ignorable": True,
+        "managedResources": [
+            {"name": "nvidia.com/gpu", "ignoredByScheduler": False},
+            {"name": "rdma/hca", "ignoredByScheduler": False},
+        ],
+    }  # fmt: skip
+    scheduler = found[("Deployment", "extender-devplugin-scheduler")]
+    (kube,) = scheduler["spec"]["template"]["spec"]["containers"]
+    assert kube["command"] == ["kube-scheduler", "--config=/etc/kubernetes/scheduler-config.yaml"]
+    bindings = {o["roleRef"]["name"] for o in entry["objects"]
+                if o["kind"] in ("ClusterRoleBinding", "RoleBinding")}  # fmt: skip
+    assert {"system:kube-scheduler", "system:volume-scheduler",
+            "extension-apiserver-authentication-reader"} <= bindings  # fmt: skip
+    # Off by default.
+    assert not any("extender" in o["metadata"]["name"] for o in installs["defaults"]["objects"])

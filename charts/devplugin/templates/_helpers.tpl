@@ -27,6 +27,15 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 
+{{- define "devplugin.extenderSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "devplugin.name" . }}-extender
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "devplugin.extenderURL" -}}
+{{- printf "%s://%s-extender.%s.svc:%d/scheduler" (ternary "https" "http" (ne .Values.extender.tlsSecretName "")) (include "devplugin.fullname" .) .Release.Namespace (int .Values.extender.port) -}}
+{{- end -}}
+
 {{- define "devplugin.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create -}}
 {{ default (include "devplugin.fullname" .) .Values.serviceAccount.name }}
@@ -49,4 +58,31 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
       "pod_resources_socket" "/var/lib/kubelet/pod-resources/kubelet.sock") -}}
 {{- $_ = set $config "metrics" (dict "enabled" .Values.metrics.enabled) -}}
 {{- toYaml $config -}}
+{{- end -}}
+
+{{/* The second scheduler's KubeSchedulerConfiguration: one profile, the extender. */}}
+{{- define "devplugin.schedulerConfig" -}}
+apiVersion: kubescheduler.config.k8s.io/v1
+kind: KubeSchedulerConfiguration
+leaderElection:
+  leaderElect: false
+profiles:
+  - schedulerName: {{ .Values.extender.scheduler.schedulerName }}
+extenders:
+  - urlPrefix: {{ include "devplugin.extenderURL" . }}
+    filterVerb: filter
+    prioritizeVerb: prioritize
+    weight: {{ .Values.extender.scheduler.weight }}
+    nodeCacheCapable: true
+    enableHTTPS: {{ ne .Values.extender.tlsSecretName "" }}
+    {{- if .Values.extender.tlsSecretName }}
+    tlsConfig:
+      caData: {{ required "extender.caBundle: the CA (base64 PEM) that signed the extender's certificate" .Values.extender.caBundle }}
+    {{- end }}
+    ignorable: true
+    managedResources:
+      - name: {{ .Values.config.resources.gpu.name }}
+        ignoredByScheduler: false
+      - name: {{ .Values.config.resources.hca.name }}
+        ignoredByScheduler: false
 {{- end -}}
