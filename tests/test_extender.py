@@ -238,3 +238,70 @@ def test_health_readiness_and_metrics(extender: Running) -> None:
         with urllib.request.urlopen(f"http://{host}:{port}{path}", timeout=5) as answer:
             assert answer.status == 200
             assert expected in answer.read()
+
+
+def test_the_extender_serves_https_with_the_given_certificate(
+    api: ApiServerImitation, tmp_path: Path
+) -> None:
+    import shutil
+    import ssl
+    import subprocess
+
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("no openssl to make a certificate with")
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    subprocess.run(
+        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump(api.kubeconfig()))
+    kube = KubernetesConfig(enabled=True, kubeconfig=str(kubeconfig))
+    running = serve(lambda: make_client(kube), ("127.0.0.1", 0), stale_after=60.0,
+                    tls=(str(cert), str(key)))  # fmt: skip
+    try:
+        host, port = running[1].address
+        context = ssl.create_default_context(cafile=str(cert))
+        body = json.dumps({"Pod": pod("web", [{}]), "NodeNames": ["a"]}).encode()
+        request = urllib.request.Request(
+            f"https://{host}:{port}/scheduler/filter", data=body, method="POST",
+            headers={"Content-Type": "application/json"},
+        )  # fmt: skip
+        with urllib.request.urlopen(request, timeout=10, context=context) as answer:
+            assert json.loads(answer.read())["NodeNames"] == ["a"]
+        # Plain HTTP gets nowhere; the server keeps serving TLS afterwards.
+        with pytest.raises(OSError):
+            urllib.request.urlopen(f"http://{host}:{port}/healthz", timeout=5)
+        with urllib.request.urlopen(
+            f"https://{host}:{port}/healthz", timeout=10, context=context
+        ) as answer:
+            assert answer.status == 200
+    finally:
+        running[1].stop()
+        for cache in running[2]:
+            cache.signal_stop()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--listen", "nowhere"], "--listen"),
+        (["--listen", "127.0.0.1:1", "--tls-cert", "x.pem"], "--tls-cert and --tls-key"),
+        (["--listen", "127.0.0.1:1", "--stale-after-seconds", "0"], "--stale-after-seconds"),
+    ],
+)
+def test_bad_extender_flags_exit_two_with_one_line(flags: list[str], message: str) -> None:
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "devplugin", "extender", *flags],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert message in lines[0]

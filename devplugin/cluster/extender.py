@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import ssl
 import threading
 import time
 from collections import OrderedDict
@@ -317,14 +318,11 @@ class ExtenderServer:
     ) -> None:
         self.extender = extender
         handler = _handler(extender, timeout)
-        self._server = ThreadingHTTPServer(address, handler)
-        self._server.daemon_threads = True
+        context = None
         if tls is not None:
-            import ssl
-
             context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             context.load_cert_chain(*tls)
-            self._server.socket = context.wrap_socket(self._server.socket, server_side=True)
+        self._server = _Server(address, handler, context, timeout)
         self._thread: threading.Thread | None = None
 
     @property
@@ -342,6 +340,34 @@ class ExtenderServer:
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+class _Server(ThreadingHTTPServer):
+    """TLS, when on, is negotiated in each connection's own thread (with the
+    connection's timeout): a client that never finishes its handshake holds
+    only its thread, never the accept loop."""
+
+    daemon_threads = True
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        handler: type[BaseHTTPRequestHandler],
+        context: ssl.SSLContext | None,
+        timeout: float,
+    ) -> None:
+        super().__init__(address, handler)
+        self._context = context
+        self._timeout = timeout
+
+    def finish_request(self, request: Any, client_address: Any) -> None:
+        if self._context is not None:
+            request.settimeout(self._timeout)
+            request = self._context.wrap_socket(request, server_side=True)
+        super().finish_request(request, client_address)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        log.debug("extender connection from %s failed", client_address, exc_info=True)
 
 
 def _handler(extender: Extender, timeout: float) -> type[BaseHTTPRequestHandler]:
