@@ -148,12 +148,8 @@ def _scan(config: Config) -> Any:
         discoverer.close()
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    from devplugin.runtime import build
-
-    config = resolve_config(args)
-    setup_logging(config.logging.format, config.logging.level)
-    lib = nvml_library(config)
+def _stop_on_signals() -> threading.Event:
+    """An event SIGTERM and SIGINT set (with one log line)."""
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -162,6 +158,16 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    return stop
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from devplugin.runtime import build
+
+    config = resolve_config(args)
+    setup_logging(config.logging.format, config.logging.level)
+    lib = nvml_library(config)
+    stop = _stop_on_signals()
     daemon = build(config, lib)
     try:
         daemon.start()
@@ -234,14 +240,7 @@ def cmd_extender(args: argparse.Namespace) -> int:
             raise RuntimeError("Kubernetes API access went away")
         return made
 
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        log.info("received %s; shutting down", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop = _stop_on_signals()
     tls = (args.tls_cert, args.tls_key) if args.tls_cert else None
     try:
         _, server, caches = serve(
