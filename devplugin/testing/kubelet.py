@@ -455,7 +455,11 @@ class KubeletSimulator:
         except Exception:
             with self._cond:
                 del self._pods[key]
+                self._init_only = {k for k in self._init_only if k[:2] != key}
                 self._cond.notify_all()
+            if self.api is not None:
+                # A pod the kubelet rejects at admission ends Failed.
+                self.api.set_status("pods", pod, namespace, {"phase": "Failed"})
             raise
         if self.api is not None:
             # What the kubelet's status manager reports once containers run.
