@@ -8,8 +8,9 @@ container; or, when GPUs come first and at least as many HCAs are expected,
 every free HCA):
     1. worst  = max over chosen GPUs g of lvl(g, P)   (0 when P is empty)
     2. total  = sum of the same
-    3. -connectivity: sum over chosen GPU pairs of 100 per NVLink, otherwise
-       PIX 50, PXB 40, PHB 30, NODE 20, SYS 10
+    3. -connectivity: sum over chosen GPU pairs of 100 per NVLink plus
+       PIX 50, PXB 40, PHB 30, NODE 20, SYS 10 (locality decides among
+       equal links)
     4. -spread (fragmentation, below)
 
 HCAs, second (the container's GPUs G were just chosen):

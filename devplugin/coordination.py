@@ -208,8 +208,44 @@ class Coordinator:
             )  # fmt: skip
             if choice is not None:
                 return choice, role
+        if (
+            role is Role.FIRST
+            and kind is DeviceKind.HCA
+            and expected
+            and len(other_free) >= expected
+        ):
+            return self._hcas_for_planned_gpus(
+                allocator, candidates, must, size, expected, other_free
+            ), role
         request = Request(kind, candidates, size, must, role, partner, other_free, expected)
         return allocator.choose(request), role
+
+    @staticmethod
+    def _hcas_for_planned_gpus(
+        allocator: Allocator,
+        candidates: frozenset[str],
+        must: frozenset[str],
+        size: int,
+        gpus: int,
+        free_gpus: frozenset[str],
+    ) -> Choice:
+        """HCAs first with `gpus` GPUs to follow: plan those GPUs as a first
+        GPU request would (nearest to the HCAs, then best connected: on one
+        socket under NVSwitch), then choose the HCAs against the plan. The
+        pair is the one the other call order gives."""
+        plan = allocator.choose(
+            Request(
+                DeviceKind.GPU, free_gpus, gpus, frozenset(), Role.FIRST, candidates,
+                candidates, size,
+            )
+        )  # fmt: skip
+        planned = frozenset(plan.ids)
+        choice = allocator.choose(
+            Request(
+                DeviceKind.HCA, candidates, size, must, Role.SECOND, planned, free_gpus - planned,
+            )
+        )  # fmt: skip
+        return Choice(choice.ids, choice.score, plan.ids)
 
     @staticmethod
     def _around_forced(

@@ -36,8 +36,8 @@ class Level(enum.IntEnum):
     SYS = 5  # across NUMA nodes (or position unknown)
 
 
-# The GPU-GPU connectivity the allocator maximises: per pair, 100 per NVLink,
-# otherwise a score by PCIe level.
+# The GPU-GPU connectivity the allocator maximises: per pair, 100 per NVLink
+# plus a score by PCIe level (at most 50: no locality outweighs one link).
 NVLINK_SCORE = 100
 PCIE_SCORE = {Level.PIX: 50, Level.PXB: 40, Level.PHB: 30, Level.NODE: 20, Level.SYS: 10}
 
@@ -101,8 +101,10 @@ class Link:
 
     @property
     def score(self) -> int:
-        """GPU pair connectivity: NVLinks outrank every PCIe level."""
-        return NVLINK_SCORE * self.nvlinks if self.nvlinks else PCIE_SCORE[self.level]
+        """GPU pair connectivity: 100 per NVLink plus the PCIe locality score, so
+        a link never trades for locality but locality decides among equal
+        links (all pairs NV18 under NVSwitch: the pair on one socket wins)."""
+        return NVLINK_SCORE * self.nvlinks + PCIE_SCORE[self.level]
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from devplugin.model import DeviceKind, Refused
 from devplugin.testing.layouts import LAYOUTS
 from devplugin.testing.node import devices_from_spec
 from devplugin.testing.random_topology import random_spec
-from devplugin.topology import Level, Topology
+from devplugin.topology import PCIE_SCORE, Level, Topology
 
 GPU, HCA = DeviceKind.GPU, DeviceKind.HCA
 TABLE_LAYOUTS = ["dgx-a100", "hgx-h100", "pcie-server", "asymmetric", "16-gpu"]
@@ -261,10 +261,11 @@ def test_lone_free_gpu_is_taken_before_breaking_a_whole_free_switch() -> None:
 
 
 def test_nvlink_pairs_outrank_pcie_closeness() -> None:
-    _topology, allocator, gpus, _ = layout("asymmetric")
+    topology, allocator, gpus, _ = layout("asymmetric")
     choice = allocator.choose(Request(GPU, frozenset(gpus[4:]), 2))
     assert sorted(choice.ids) == sorted([gpus[5], gpus[6]])  # NV4 beats PXB
-    assert choice.score.connectivity == 400
+    # 100 per link plus the pair's PCIe locality.
+    assert choice.score.connectivity == 400 + PCIE_SCORE[topology.level(gpus[5], gpus[6])]
 
 
 def test_hcas_first_go_next_to_the_most_free_gpus() -> None:
@@ -299,3 +300,18 @@ def test_unknown_available_ids_are_ignored() -> None:
     _, allocator, gpus, _ = layout("hgx-h100")
     choice = allocator.choose(Request(GPU, frozenset([gpus[0], "GPU-gone"]), 1))
     assert choice.ids == (gpus[0],)
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_under_nvswitch_equal_links_leave_the_choice_to_the_socket(size: int) -> None:
+    # Every pair is NV18 on the HGX node: PCIe locality decides, so a
+    # request that fits one NUMA node stays on it.
+    topology, allocator, gpus, hcas = layout("hgx-h100")
+    alone = allocator.choose(Request(GPU, frozenset(gpus), size))
+    assert len({topology.numa_node(g) for g in alone.ids}) == 1
+    # The same with HCAs to follow (the daemon's first-resource request).
+    free = frozenset(hcas)
+    paired = allocator.choose(
+        Request(GPU, frozenset(gpus), size, partner=free, other_free=free, expected=size)
+    )
+    assert len({topology.numa_node(g) for g in paired.ids}) == 1

@@ -159,4 +159,11 @@ def test_demo_runs_the_main_job_and_cleans_up(sock_dir: Path) -> None:
     assert "demo-node" in text
     assert "trainer-b: Aligned: 4 GPUs + 4 HCAs, worst GPU-HCA level PIX" in text
     assert "trainer-a: Aligned: 2 GPUs + 1 HCA, worst GPU-HCA level NODE" in text
+    # trainer-b (4 GPUs + 4 HCAs, HCAs asked first) stays on one socket of the
+    # NVSwitch node: GPUs 0-3 are NUMA 0, 4-7 NUMA 1.
+    block = text.split("pod default/trainer-b", 1)[1]
+    gpu_line = next(line for line in block.splitlines() if "nvidia.com/gpu:" in line)
+    indexes = {int(uuid.split("-")[1]) for uuid in gpu_line.split(":", 1)[1].split(",")}
+    assert len(indexes) == 4
+    assert {i // 4 for i in indexes} in ({0}, {1})
     assert list(sock_dir.iterdir()) == []
