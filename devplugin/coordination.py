@@ -215,14 +215,16 @@ class Coordinator:
             and len(other_free) >= expected
         ):
             return self._hcas_for_planned_gpus(
-                allocator, candidates, must, size, expected, other_free
-            ), role
+                allocator, candidates=candidates, must=must, size=size, gpus=expected,
+                free_gpus=other_free,
+            ), role  # fmt: skip
         request = Request(kind, candidates, size, must, role, partner, other_free, expected)
         return allocator.choose(request), role
 
     @staticmethod
     def _hcas_for_planned_gpus(
         allocator: Allocator,
+        *,
         candidates: frozenset[str],
         must: frozenset[str],
         size: int,
