@@ -176,6 +176,21 @@ def quality(daemon: Daemon, kind: DeviceKind, available: list[str], answer: list
         if evaluate(topology, first, plan).key() != exhaustive(topology, first).score.key():
             return "WORSE"
         request = planned_request(request, candidates, plan)
+    elif kind is DeviceKind.HCA and 0 < expected <= len(other):
+        # Two steps: the GPUs a first GPU request would plan, then the HCAs
+        # against them.
+        plan = daemon.coordinator.preferred(DeviceKind.HCA, available, (), size)[0].plan
+        gpus = Request(
+            DeviceKind.GPU, other, expected, frozenset(), Role.FIRST, candidates, candidates, size
+        )
+        if comb(len(other), expected) > EXHAUSTIVE_LIMIT:
+            return "-"
+        if evaluate(topology, gpus, plan).key() != exhaustive(topology, gpus).score.key():
+            return "WORSE"
+        planned = frozenset(plan)
+        request = Request(
+            DeviceKind.HCA, candidates, size, frozenset(), Role.SECOND, planned, other - planned
+        )
     if comb(len(candidates), size) > EXHAUSTIVE_LIMIT:
         return "-"
     ours = evaluate(topology, request, answer).key()
