@@ -53,7 +53,8 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from devplugin.model import DeviceKind, Refused, shown_ids
@@ -229,6 +230,71 @@ def exhaustive(topology: Topology, request: Request) -> Choice:
     return best
 
 
+# How many subsets a bounded search scores between looks at the clock.
+CLOCK_EVERY = 256
+
+
+def bounded_search(
+    topology: Topology,
+    request: Request,
+    deadline: float,
+    clock: Callable[[], float] = time.monotonic,
+) -> tuple[Choice, bool]:
+    """Exhaustive search over GPU subsets, scored incrementally (the same
+    objective `evaluate` defines), stopping at `deadline`: (best found,
+    whether every subset was scored, i.e. the answer is exact).
+
+    For GPU requests on NVLink graphs the tree cannot express. Candidates
+    are ordered best first (lowest level to the partner, most NVLinks), so
+    the subsets scored before a deadline are the promising ones."""
+    candidates = validate(topology, request)
+    partner = _cost_partner(request)
+    cost = {d: (min(topology.level(d, p) for p in partner) if partner else 0) for d in candidates}
+    links = {d: sum(topology.nvlinks(d, e) for e in candidates if e != d) for d in candidates}
+    must = sorted(request.must_include)
+    rest = sorted(candidates - request.must_include, key=lambda d: (cost[d], -links[d], d))
+    keys = {
+        d: tuple((depth, topology.placement[d].keys[depth]) for depth in range(DOMAIN_DEPTH))
+        for d in candidates
+    }
+    base: dict[object, int] = {}
+    for device in (*request.available, *request.other_free):
+        for key in (
+            (depth, topology.placement[device].keys[depth]) for depth in range(DOMAIN_DEPTH)
+        ):
+            base[key] = base.get(key, 0) + 1
+    base_spread = sum(c * c for c in base.values())
+    pair: dict[tuple[str, str], int] = {}
+    ordered = [*must, *rest]
+    for i, a in enumerate(ordered):
+        for b in ordered[i + 1 :]:
+            pair[(a, b)] = pair[(b, a)] = topology.score(a, b)
+    need = request.size - len(must)
+    best: tuple[tuple[int, ...], Choice] | None = None
+    complete = True
+    for count, extra in enumerate(itertools.combinations(rest, need)):
+        if count % CLOCK_EVERY == 0 and count and clock() > deadline:
+            complete = False
+            break
+        ids = (*must, *extra)
+        levels = [cost[d] for d in ids]
+        worst, total = max(levels), sum(levels)
+        connectivity = sum(pair[(a, b)] for a, b in itertools.combinations(ids, 2))
+        taken: dict[object, int] = {}
+        for device in ids:
+            for key in keys[device]:
+                taken[key] = taken.get(key, 0) + 1
+        spread = base_spread - sum(
+            base[key] ** 2 - (base[key] - k) ** 2 for key, k in taken.items()
+        )
+        score = Score(worst, total, connectivity, (0, 0, 0, 0), spread)
+        rank = score.key()
+        if best is None or rank < best[0]:
+            best = (rank, Choice(ids, score))
+    assert best is not None
+    return best[1], complete
+
+
 def plan_request(request: Request, candidates: frozenset[str], expected: int) -> Request:
     """GPUs first with `expected` < size HCAs to follow: the HCA request that
     places those HCAs where the GPUs can be nearest."""
@@ -269,11 +335,25 @@ class _Inputs:
     targets: list[int]  # partner devices per subtree
 
 
+# The time a GPU search on an NVLink graph the tree cannot express may take.
+SEARCH_BUDGET = 0.2
+
+
 class Allocator:
     """The fast exact search for one topology (rebuilt when devices change)."""
 
-    def __init__(self, topology: Topology) -> None:
+    def __init__(
+        self,
+        topology: Topology,
+        *,
+        budget: float = SEARCH_BUDGET,
+        on_budget: Callable[[], None] | None = None,
+    ) -> None:
         self.topology = topology
+        self._budget = budget
+        self._on_budget = on_budget
+        # Searches that ran out of time and answered their best so far.
+        self.budget_hits = 0
         t = topology
         n = max(1, len(t.kind))
         max_score = max([50, *t.cross_score, *(klass.internal_score for klass in t.classes)])
@@ -342,8 +422,16 @@ class Allocator:
         ):
             return self._plan_then_choose(request, candidates, expected)
         if request.kind is DeviceKind.GPU and not self.topology.tree_exact:
-            return exhaustive(self.topology, request)
+            return self._bounded(request)
         return self._search(request, candidates)
+
+    def _bounded(self, request: Request) -> Choice:
+        choice, complete = bounded_search(self.topology, request, time.monotonic() + self._budget)
+        if not complete:
+            self.budget_hits += 1
+            if self._on_budget is not None:
+                self._on_budget()
+        return choice
 
     def _plan_then_choose(
         self, request: Request, candidates: frozenset[str], expected: int
@@ -354,7 +442,7 @@ class Allocator:
         plan = self._search(first, validate(self.topology, first))
         second = planned_request(request, candidates, plan.ids)
         if not self.topology.tree_exact:
-            choice = exhaustive(self.topology, second)
+            choice = self._bounded(second)
         else:
             choice = self._search(second, candidates)
         return Choice(choice.ids, choice.score, plan.ids)

@@ -162,6 +162,9 @@ class AllocationConfig:
     # A request for one resource within this many seconds of an Allocate of
     # the other is taken as the same container's second resource.
     pairing_window_seconds: float = _checked(2.0, _positive)
+    # A GPU search on an NVLink graph the PCIe tree cannot express stops
+    # after this long and answers its best so far (counted in a metric).
+    search_budget_ms: float = _checked(200.0, _positive)
     # Shared-HCA setups: a GPU allocation also gets the nearest HCAs' device
     # nodes and the HCA variable, with no rdma/hca request needed.
     attach_hcas: bool = False

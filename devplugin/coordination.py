@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from math import comb
 
-from devplugin.allocator import Allocator, Choice, Request, Role
+from devplugin.allocator import SEARCH_BUDGET, Allocator, Choice, Request, Role
 from devplugin.ledger import Ledger
 from devplugin.model import DeviceKind
 from devplugin.topology import Topology
@@ -80,10 +80,14 @@ class Coordinator:
         ledger: Ledger,
         *,
         pairing_window: float = 2.0,
+        search_budget: float = SEARCH_BUDGET,
+        on_budget: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._ledger = ledger
         self._window = pairing_window
+        self._budget = search_budget
+        self._on_budget = on_budget
         self._clock = clock
         self._lock = threading.Lock()
         self._topology = Topology((), ())
@@ -108,7 +112,7 @@ class Coordinator:
 
     def set_topology(self, topology: Topology) -> None:
         """A new device set: precompute the search structures once, here."""
-        allocator = Allocator(topology)
+        allocator = Allocator(topology, budget=self._budget, on_budget=self._on_budget)
         with self._lock:
             self._topology = topology
             self._allocator = allocator

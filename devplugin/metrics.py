@@ -17,6 +17,7 @@ Names and labels (all prefixed `devplugin_`):
     registrations_total{resource}                    counter  (first and re-registrations)
     pod_aware_choices_total{resource, outcome}       counter  (exact | fallback-no-pod |
                                                      fallback-ambiguous)
+    allocator_budget_exhausted_total                 counter  (searches answered at the budget)
     node_devices_writes_total{result}                counter  (ok | conflict | error)
     pod_events_total{result}                         counter  (ok | failed | dropped)
 """
@@ -99,6 +100,11 @@ class Metrics:
             "(exact / fallback-no-pod / fallback-ambiguous)",
             ["resource", "outcome"], registry=registry,
         )  # fmt: skip
+        self.budget_hits = Counter(
+            "devplugin_allocator_budget_exhausted",
+            "GPU searches that ran out of allocation.search_budget_ms and answered their best",
+            registry=registry,
+        )
         self.record_writes = Counter(
             "devplugin_node_devices_writes", "NodeDevices record writes (ok / conflict / error)",
             ["result"], registry=registry,

@@ -307,8 +307,13 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
         grace=config.pod_resources.bookkeeping_grace_seconds,
         max_age=config.pod_resources.unconfirmed_max_age_seconds,
     )
-    coordinator = Coordinator(ledger, pairing_window=config.allocation.pairing_window_seconds)
     metrics = Metrics()
+    coordinator = Coordinator(
+        ledger,
+        pairing_window=config.allocation.pairing_window_seconds,
+        search_budget=config.allocation.search_budget_ms / 1000.0,
+        on_budget=metrics.budget_hits.inc,
+    )
     # Hooks see the roots the daemon reads (in the chart, /host/sys and
     # /host/dev), so the example hooks check the same devices it does.
     hook_env = {

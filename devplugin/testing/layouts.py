@@ -52,6 +52,42 @@ def asymmetric() -> NodeSpec:
     return NodeSpec(roots=roots, nvlink_pairs={(0, 1): 4, (2, 3): 4, (5, 6): 4})
 
 
+# DGX-1 (V100) hybrid cube mesh: two quads of four GPUs plus a link pair
+# between GPU i and i+4; six NVLinks per GPU.
+_CUBE = {(0, 1): 1, (0, 2): 1, (0, 3): 2, (1, 2): 2, (1, 3): 1, (2, 3): 1}
+
+
+def _cube_mesh(offset: int) -> dict[tuple[int, int], int]:
+    links: dict[tuple[int, int], int] = {}
+    for quad in (0, 4):
+        for (a, b), count in _CUBE.items():
+            links[(offset + quad + a, offset + quad + b)] = count
+    for i in range(4):
+        links[(offset + i, offset + i + 4)] = 2
+    return links
+
+
+def _dgx1_roots(numa_base: int) -> list[RootComplex]:
+    # Per CPU two PCIe switches, each with two GPUs and one NIC.
+    return [
+        RootComplex(numa, _cpus(numa), [Switch([Gpu(), Gpu(), Hca()])])
+        for numa in (numa_base, numa_base, numa_base + 1, numa_base + 1)
+    ]
+
+
+def dgx_1() -> NodeSpec:
+    """DGX-1 (8 V100): four switches of two GPUs and one NIC, two per CPU,
+    NVLink in a hybrid cube mesh the PCIe tree does not follow."""
+    return NodeSpec(roots=_dgx1_roots(0), nvlink_pairs=_cube_mesh(0))
+
+
+def dgx_1_twice() -> NodeSpec:
+    """Two DGX-1 meshes in one 16-GPU node (no NVLink between them)."""
+    return NodeSpec(
+        roots=_dgx1_roots(0) + _dgx1_roots(2), nvlink_pairs={**_cube_mesh(0), **_cube_mesh(8)}
+    )
+
+
 def sixteen_gpu() -> NodeSpec:
     """Sixteen PCIe GPUs, eight HCAs: per NUMA node two host bridges, each a
     top switch over two switches of two GPUs and one HCA."""
@@ -82,6 +118,8 @@ def node_64() -> NodeSpec:
 
 LAYOUTS: dict[str, Callable[[], NodeSpec]] = {
     "dgx-a100": dgx_a100,
+    "dgx-1": dgx_1,
+    "dgx-1x2": dgx_1_twice,
     "hgx-h100": hgx_h100,
     "pcie-server": pcie_server,
     "asymmetric": asymmetric,
