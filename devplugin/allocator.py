@@ -55,6 +55,7 @@ import enum
 import itertools
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 from dataclasses import dataclass
 
 from devplugin.model import DeviceKind, Refused, shown_ids
@@ -270,29 +271,75 @@ def bounded_search(
         for b in ordered[i + 1 :]:
             pair[(a, b)] = pair[(b, a)] = topology.score(a, b)
     need = request.size - len(must)
-    best: tuple[tuple[int, ...], Choice] | None = None
-    complete = True
-    for count, extra in enumerate(itertools.combinations(rest, need)):
-        if count % CLOCK_EVERY == 0 and count and clock() > deadline:
-            complete = False
-            break
-        ids = (*must, *extra)
-        levels = [cost[d] for d in ids]
-        worst, total = max(levels), sum(levels)
-        connectivity = sum(pair[(a, b)] for a, b in itertools.combinations(ids, 2))
-        taken: dict[object, int] = {}
-        for device in ids:
+    # Running state of the depth-first search over `rest` (best first).
+    worst0 = max((cost[d] for d in must), default=0)
+    total0 = sum(cost[d] for d in must)
+    conn0 = sum(pair[(a, b)] for a, b in itertools.combinations(must, 2))
+    costs = [cost[d] for d in rest]
+    prefix = [0]
+    for value in costs:
+        prefix.append(prefix[-1] + value)
+    top_pair = max(pair.values(), default=0)
+    best: list[Any] = [None, None]  # [rank, Choice]
+    visited = [0]
+    stopped = [False]
+    chosen: list[str] = list(must)
+    taken: dict[object, int] = {}
+    for device in must:
+        for key in keys[device]:
+            taken[key] = taken.get(key, 0) + 1
+
+    def spread_now() -> int:
+        return base_spread - sum(base[key] ** 2 - (base[key] - k) ** 2 for key, k in taken.items())
+
+    def visit(start: int, left: int, worst: int, total: int, conn: int) -> None:
+        visited[0] += 1
+        if visited[0] % CLOCK_EVERY == 0 and clock() > deadline:
+            stopped[0] = True
+        if stopped[0]:
+            return
+        if left == 0:
+            score = Score(worst, total, conn, (0, 0, 0, 0), spread_now())
+            rank = score.key()
+            if best[0] is None or rank < best[0]:
+                best[0], best[1] = rank, Choice(tuple(chosen), score)
+            return
+        for index in range(start, len(rest) - left + 1):
+            # Bounds from the cheapest `left` candidates from here on (they are
+            # ordered by level): worst and total can only be this or worse.
+            if best[0] is not None:
+                low_worst = max(worst, costs[index + left - 1])
+                if low_worst > best[0][0]:
+                    return  # later candidates cost at least as much
+                if low_worst == best[0][0]:
+                    low_total = total + prefix[index + left] - prefix[index]
+                    if low_total > best[0][2]:
+                        return
+                    if low_total == best[0][2]:
+                        gain = max(
+                            (sum(pair[(d, x)] for x in chosen) for d in rest[index:]),
+                            default=0,
+                        )
+                        high_conn = conn + left * gain + left * (left - 1) // 2 * top_pair
+                        if -high_conn > best[0][3]:
+                            continue
+            device = rest[index]
+            add = sum(pair[(device, x)] for x in chosen)
+            chosen.append(device)
             for key in keys[device]:
                 taken[key] = taken.get(key, 0) + 1
-        spread = base_spread - sum(
-            base[key] ** 2 - (base[key] - k) ** 2 for key, k in taken.items()
-        )
-        score = Score(worst, total, connectivity, (0, 0, 0, 0), spread)
-        rank = score.key()
-        if best is None or rank < best[0]:
-            best = (rank, Choice(ids, score))
-    assert best is not None
-    return best[1], complete
+            visit(index + 1, left - 1, max(worst, cost[device]), total + cost[device], conn + add)
+            for key in keys[device]:
+                taken[key] -= 1
+                if not taken[key]:
+                    del taken[key]
+            chosen.pop()
+            if stopped[0]:
+                return
+
+    visit(0, need, worst0, total0, conn0)
+    assert best[1] is not None
+    return best[1], not stopped[0]
 
 
 def plan_request(request: Request, candidates: frozenset[str], expected: int) -> Request:

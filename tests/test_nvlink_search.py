@@ -66,19 +66,26 @@ def test_on_dgx1_every_answer_equals_exhaustive_search(seed: int) -> None:
     assert allocator.budget_hits == 0
 
 
-@pytest.mark.parametrize("size", [1, 2, 3])
-def test_two_meshes_small_requests_are_exact(size: int) -> None:
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(2))
+def test_two_meshes_in_one_node_are_exact_at_every_size(seed: int) -> None:
     mesh = topology("dgx-1x2")
-    request = Request(GPU, frozenset(mesh.ids(GPU)), size)
-    choice, complete = bounded_search(mesh, request, deadline=float("inf"))
-    assert complete
-    assert choice.score.key() == exhaustive(mesh, request).score.key()
+    allocator = Allocator(mesh)
+    rng = random.Random(seed)
+    gpus, hcas = mesh.ids(GPU), mesh.ids(HCA)
+    for size in range(2, 9):
+        available = frozenset(rng.sample(gpus, rng.randint(size, len(gpus))))
+        partner = frozenset(rng.sample(hcas, rng.randint(size, len(hcas))))
+        request = Request(GPU, available, size, partner=partner, other_free=partner)
+        ours = allocator.choose(request)
+        assert ours.score.key() == exhaustive(mesh, request).score.key(), (seed, size)
+    assert allocator.budget_hits == 0
 
 
 def test_a_search_past_its_budget_answers_its_best_and_is_counted() -> None:
     mesh = topology("dgx-1x2")
     hits: list[int] = []
-    allocator = Allocator(mesh, budget=0.005, on_budget=lambda: hits.append(1))
+    allocator = Allocator(mesh, budget=0.0002, on_budget=lambda: hits.append(1))
     request = Request(GPU, frozenset(mesh.ids(GPU)), 8)  # 12,870 subsets
     choice = allocator.choose(request)
     assert allocator.budget_hits == 1
