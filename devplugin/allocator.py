@@ -55,8 +55,8 @@ import enum
 import itertools
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
 from dataclasses import dataclass
+from typing import Any
 
 from devplugin.model import DeviceKind, Refused, shown_ids
 from devplugin.topology import DOMAIN_DEPTH, Level, Topology

@@ -11,7 +11,6 @@ import pytest
 from devplugin.allocator import (
     Allocator,
     Request,
-    bounded_search,
     evaluate,
     exhaustive,
     planned_request,
