@@ -66,9 +66,12 @@ def test_on_dgx1_every_answer_equals_exhaustive_search(seed: int) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("layout", ["dgx-1x2", "16-gpu-bridged"])
 @pytest.mark.parametrize("seed", range(2))
-def test_two_meshes_in_one_node_are_exact_at_every_size(seed: int) -> None:
-    mesh = topology("dgx-1x2")
+def test_sixteen_gpu_nvlink_graphs_are_exact_at_every_size(seed: int, layout: str) -> None:
+    # Two DGX-1 meshes; a PCIe tree whose NVLink bridges join neighbouring switches.
+    mesh = topology(layout)
+    assert not mesh.tree_exact
     allocator = Allocator(mesh)
     rng = random.Random(seed)
     gpus, hcas = mesh.ids(GPU), mesh.ids(HCA)

@@ -102,6 +102,14 @@ def sixteen_gpu() -> NodeSpec:
     return NodeSpec(roots=roots)
 
 
+def sixteen_gpu_bridged() -> NodeSpec:
+    """The 16-GPU PCIe tree with 4-link NVLink bridges joining the second GPU
+    of each switch to the first of its neighbour under the same top switch."""
+    spec = sixteen_gpu()
+    bridges = {(4 * top + 1, 4 * top + 2): 4 for top in range(4)}
+    return NodeSpec(roots=spec.roots, nvlink_pairs=bridges)
+
+
 def node_64() -> NodeSpec:
     """64 GPUs and 16 HCAs: per NUMA node four host bridges, each with two
     switches of four GPUs and one HCA. No NVLink (PCIe only)."""
@@ -124,5 +132,6 @@ LAYOUTS: dict[str, Callable[[], NodeSpec]] = {
     "pcie-server": pcie_server,
     "asymmetric": asymmetric,
     "16-gpu": sixteen_gpu,
+    "16-gpu-bridged": sixteen_gpu_bridged,
     "64-gpu": node_64,
 }
