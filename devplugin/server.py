@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn, Protocol
+from typing import Any, NoReturn, Protocol
 
 import grpc
 
@@ -173,6 +173,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         self._coordinator = coordinator
         self._hooks = hooks
         self._oracle = partners
+        self._children: dict[str, Any] = {}
         self._max_extra = max_extra_streams
         self._clock = clock
         self._cond = threading.Condition()
@@ -374,9 +375,26 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
             return self._preferred(request, context)
         finally:
             if self._metrics is not None:
-                self._metrics.preferred_seconds.labels(self.resource.name).observe(
-                    time.perf_counter() - started
-                )
+                self._preferred_seconds().observe(time.perf_counter() - started)
+
+    # Metric children looked up once: GetPreferredAllocation is the hot path.
+    def _preferred_seconds(self) -> Any:
+        child = self._children.get("seconds")
+        if child is None:
+            assert self._metrics is not None
+            child = self._children["seconds"] = self._metrics.preferred_seconds.labels(
+                self.resource.name
+            )
+        return child
+
+    def _preferred_ok(self, role: Role) -> Any:
+        child = self._children.get(role.value)
+        if child is None:
+            assert self._metrics is not None
+            child = self._children[role.value] = self._metrics.preferred.labels(
+                self.resource.name, role.value, "ok"
+            )
+        return child
 
     def _preferred(
         self, request: pb.PreferredAllocationRequest, context: grpc.ServicerContext
@@ -423,7 +441,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("%s: preferred %s (%s)", self.resource.name, ",".join(ids), role.value)
             if self._metrics is not None:
-                self._metrics.preferred.labels(self.resource.name, role.value, "ok").inc()
+                self._preferred_ok(role).inc()
             response.container_responses.add(deviceIDs=ids)
         return response
 
