@@ -231,8 +231,8 @@ def exhaustive(topology: Topology, request: Request) -> Choice:
     return best
 
 
-# How many subsets a bounded search scores between looks at the clock.
-CLOCK_EVERY = 256
+# In `gpu_pairs`: the largest score of any pair.
+TOP_PAIR = ("", "")
 
 
 def bounded_search(
@@ -240,6 +240,7 @@ def bounded_search(
     request: Request,
     deadline: float,
     clock: Callable[[], float] = time.monotonic,
+    pairs: dict[tuple[str, str], int] | None = None,
 ) -> tuple[Choice, bool]:
     """Exhaustive search over GPU subsets, scored incrementally (the same
     objective `evaluate` defines), stopping at `deadline`: (best found,
@@ -251,7 +252,12 @@ def bounded_search(
     candidates = validate(topology, request)
     partner = _cost_partner(request)
     cost = {d: (min(topology.level(d, p) for p in partner) if partner else 0) for d in candidates}
-    links = {d: sum(topology.nvlinks(d, e) for e in candidates if e != d) for d in candidates}
+    # Ordering only (best candidates first): NVLinks to every GPU will do.
+    links = (
+        {d: sum(topology.nvlinks(d, e) for e in topology.ids(DeviceKind.GPU)) for d in candidates}
+        if pairs is None
+        else {d: pairs.get((d, d), 0) for d in candidates}
+    )
     must = sorted(request.must_include)
     rest = sorted(candidates - request.must_include, key=lambda d: (cost[d], -links[d], d))
     keys = {
@@ -265,11 +271,7 @@ def bounded_search(
         ):
             base[key] = base.get(key, 0) + 1
     base_spread = sum(c * c for c in base.values())
-    pair: dict[tuple[str, str], int] = {}
-    ordered = [*must, *rest]
-    for i, a in enumerate(ordered):
-        for b in ordered[i + 1 :]:
-            pair[(a, b)] = pair[(b, a)] = topology.score(a, b)
+    pair = pairs if pairs is not None else gpu_pairs(topology)
     need = request.size - len(must)
     # Running state of the depth-first search over `rest` (best first).
     worst0 = max((cost[d] for d in must), default=0)
@@ -279,7 +281,7 @@ def bounded_search(
     prefix = [0]
     for value in costs:
         prefix.append(prefix[-1] + value)
-    top_pair = max(pair.values(), default=0)
+    top_pair = pair.get(TOP_PAIR, 0)
     best: list[Any] = [None, None]  # [rank, Choice]
     visited = [0]
     stopped = [False]
@@ -294,7 +296,9 @@ def bounded_search(
 
     def visit(start: int, left: int, worst: int, total: int, conn: int) -> None:
         visited[0] += 1
-        if visited[0] % CLOCK_EVERY == 0 and clock() > deadline:
+        # Each visit may weigh many candidates: look at the clock every time
+        # (once there is an answer; the first descent reaches one directly).
+        if best[0] is not None and clock() > deadline:
             stopped[0] = True
         if stopped[0]:
             return
@@ -340,6 +344,21 @@ def bounded_search(
     visit(0, need, worst0, total0, conn0)
     assert best[1] is not None
     return best[1], not stopped[0]
+
+
+def gpu_pairs(topology: Topology) -> dict[tuple[str, str], int]:
+    """Every GPU pair's score, both ways (once per topology)."""
+    gpus = topology.ids(DeviceKind.GPU)
+    found: dict[tuple[str, str], int] = {}
+    for i, a in enumerate(gpus):
+        for b in gpus[i + 1 :]:
+            found[(a, b)] = found[(b, a)] = topology.score(a, b)
+    best = max(found.values(), default=0)
+    # (g, g): g's NVLinks to every GPU, for ordering candidates.
+    for gpu in gpus:
+        found[(gpu, gpu)] = sum(topology.nvlinks(gpu, other) for other in gpus)
+    found[TOP_PAIR] = best
+    return found
 
 
 def plan_request(request: Request, candidates: frozenset[str], expected: int) -> Request:
@@ -401,6 +420,7 @@ class Allocator:
         self._on_budget = on_budget
         # Searches that ran out of time and answered their best so far.
         self.budget_hits = 0
+        self._pairs: dict[tuple[str, str], int] | None = None
         t = topology
         n = max(1, len(t.kind))
         max_score = max([50, *t.cross_score, *(klass.internal_score for klass in t.classes)])
@@ -473,7 +493,12 @@ class Allocator:
         return self._search(request, candidates)
 
     def _bounded(self, request: Request) -> Choice:
-        choice, complete = bounded_search(self.topology, request, time.monotonic() + self._budget)
+        started = time.monotonic()
+        if self._pairs is None:
+            self._pairs = gpu_pairs(self.topology)
+        choice, complete = bounded_search(
+            self.topology, request, started + self._budget, pairs=self._pairs
+        )
         if not complete:
             self.budget_hits += 1
             if self._on_budget is not None:
