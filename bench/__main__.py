@@ -233,13 +233,19 @@ def node_daemon(name: str, tag: str, base: Path, **settings: object) -> Daemon:
     return build(config, FakeNvml.from_file(node.fixture))
 
 
+def start_floor(socket: str) -> grpc.Server:
+    """The do-nothing servicer every measurement is compared with."""
+    floor = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    pb_grpc.add_DevicePluginServicer_to_server(FloorServicer(), floor)
+    floor.add_insecure_port(f"unix://{socket}")
+    floor.start()
+    return floor
+
+
 def bench_node(name: str, iterations: int, warmup: int, base: Path) -> NodeResult:
     daemon = node_daemon(name, name, base)
     daemon.start()
-    floor = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-    pb_grpc.add_DevicePluginServicer_to_server(FloorServicer(), floor)
-    floor.add_insecure_port(f"unix://{base}/{name}-floor.sock")
-    floor.start()
+    floor = start_floor(f"{base}/{name}-floor.sock")
     rows: list[Row] = []
     allocate_rows: list[Row] = []
     drift = ""
@@ -331,10 +337,7 @@ def bench_pod_cache(name: str, iterations: int, warmup: int, base: Path) -> list
         },
     )  # fmt: skip
     daemon.start()
-    floor = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-    pb_grpc.add_DevicePluginServicer_to_server(FloorServicer(), floor)
-    floor.add_insecure_port(f"unix://{base}/{name}-pods-floor.sock")
-    floor.start()
+    floor = start_floor(f"{base}/{name}-pods-floor.sock")
     rows: list[Row] = []
     try:
         if daemon.pods is None or not daemon.pods.synced.wait(10):
