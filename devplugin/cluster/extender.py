@@ -156,8 +156,7 @@ class Extender:
                 passing.append(name)
                 continue
             # Whether evicting pods could ever help: the empty node's answer.
-            empty = replace(record.node, free=_everything(record.node))
-            never = check(self._place(empty, record.allocator, shape), requirement)
+            never = check(self._empty_outcome(name, record, shape), requirement)
             target = unresolvable if never is not None else failed
             target[name] = f"devplugin: {reason}"[:MAX_REASON]
         result: dict[str, Any] = {
@@ -252,11 +251,25 @@ class Extender:
             if ahead.fits and ahead.free_after is not None:
                 node = replace(node, free=ahead.free_after)
         outcome = self._place(node, record.allocator, shape)
+        self._remember(key, outcome)
+        return outcome
+
+    def _empty_outcome(self, name: str, record: Record, shape: Shape) -> Outcome:
+        """The pod on the node with nothing held (memoised like `_outcome`)."""
+        key = ("empty", name, record.version, shape)
+        with self._lock:
+            found = self._memo.get(key)
+        if found is None:
+            empty = replace(record.node, free=_everything(record.node))
+            found = self._place(empty, record.allocator, shape)
+            self._remember(key, found)
+        return found
+
+    def _remember(self, key: tuple[Any, ...], outcome: Outcome) -> None:
         with self._lock:
             self._memo[key] = outcome
             while len(self._memo) > MEMO:
                 self._memo.popitem(last=False)
-        return outcome
 
     @staticmethod
     def _place(node: NodeState, allocator: Allocator, shape: Shape) -> Outcome:
@@ -264,15 +277,12 @@ class Extender:
 
     def _pending(self, name: str, record: Record, pod: PodInfo) -> list[tuple[PodInfo, Shape]]:
         found = []
-        for other in self.pods.pods().values():
-            if other.node != name or other.terminal or other.uid == pod.uid:
-                continue
-            if (other.namespace, other.name) in record.node.holders:
+        for other in self.pods.on_node(name):
+            if other.uid == pod.uid or (other.namespace, other.name) in record.node.holders:
                 continue
             shape = shape_of(other, self.gpu, self.hca)
             if shape.wants_devices:
                 found.append((other, shape))
-        found.sort(key=lambda item: (item[0].created, item[0].namespace, item[0].name))
         return found
 
     def ready(self) -> tuple[bool, str]:

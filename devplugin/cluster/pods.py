@@ -48,6 +48,7 @@ class PodCache(WatchCache[PodInfo]):
             server_timeout=server_timeout, clock=clock,
         )  # fmt: skip
         self._waiting: tuple[PodInfo, ...] = ()
+        self._by_node: Mapping[str, tuple[PodInfo, ...]] = {}
 
     def pods(self) -> Mapping[str, PodInfo]:
         """uid -> pod, as of the last event (an immutable snapshot)."""
@@ -58,7 +59,20 @@ class PodCache(WatchCache[PodInfo]):
         oldest first: sorted once per change here, not in every RPC."""
         return self._waiting
 
+    def on_node(self, node: str) -> tuple[PodInfo, ...]:
+        """The pods bound to `node` and not finished, oldest first (indexed
+        once per change, so a caller asking for many nodes pays per node)."""
+        return self._by_node.get(node, ())
+
     def published(self, items: Mapping[str, PodInfo]) -> None:
+        by_node: dict[str, list[PodInfo]] = {}
+        for pod in items.values():
+            if pod.node and not pod.terminal:
+                by_node.setdefault(pod.node, []).append(pod)
+        self._by_node = {
+            node: tuple(sorted(pods, key=lambda p: (p.created, p.namespace, p.name)))
+            for node, pods in by_node.items()
+        }
         self._waiting = tuple(
             sorted(
                 (p for p in items.values() if not (p.started or p.terminal or p.deleting)),
