@@ -233,6 +233,18 @@ def node_daemon(name: str, tag: str, base: Path, **settings: object) -> Daemon:
     return build(config, FakeNvml.from_file(node.fixture))
 
 
+def measure_preferred(
+    ours: pb_grpc.DevicePluginStub, bare: pb_grpc.DevicePluginStub, ids: list[str],
+    size: int, *, rng: random.Random, iterations: int, warmup: int,
+) -> tuple[list[pb.PreferredAllocationRequest], list[float], list[float]]:  # fmt: skip
+    """GetPreferredAllocation of `size` over seeded available sets, ours and the floor's."""
+    requests = [request_for(s, size) for s in states(ids, size, rng)]
+    ours_calls = [partial(ours.GetPreferredAllocation, r) for r in requests]
+    bare_calls = [partial(bare.GetPreferredAllocation, r) for r in requests]
+    ours_ms, floor_ms = measure_pair(ours_calls, bare_calls, iterations, warmup)
+    return requests, ours_ms, floor_ms
+
+
 def start_floor(socket: str) -> grpc.Server:
     """The do-nothing servicer every measurement is compared with."""
     floor = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
@@ -264,10 +276,9 @@ def bench_node(name: str, iterations: int, warmup: int, base: Path) -> NodeResul
                 with grpc.insecure_channel(f"unix://{socket}") as ours_channel:
                     ours = pb_grpc.DevicePluginStub(ours_channel)
                     for size in range(1, len(ids) + 1):
-                        requests = [request_for(s, size) for s in states(ids, size, rng)]
-                        ours_calls = [partial(ours.GetPreferredAllocation, r) for r in requests]
-                        bare_calls = [partial(bare.GetPreferredAllocation, r) for r in requests]
-                        ours_ms, floor_ms = measure_pair(ours_calls, bare_calls, iterations, warmup)
+                        requests, ours_ms, floor_ms = measure_preferred(
+                            ours, bare, ids, size, rng=rng, iterations=iterations, warmup=warmup
+                        )
                         answer = ours.GetPreferredAllocation(requests[0])
                         verdict = quality(
                             daemon, kind,
@@ -353,10 +364,9 @@ def bench_pod_cache(name: str, iterations: int, warmup: int, base: Path) -> list
             bare = pb_grpc.DevicePluginStub(floor_channel)
             ours = pb_grpc.DevicePluginStub(ours_channel)
             for size in range(1, len(ids) + 1):
-                requests = [request_for(s, size) for s in states(ids, size, rng)]
-                ours_calls = [partial(ours.GetPreferredAllocation, r) for r in requests]
-                bare_calls = [partial(bare.GetPreferredAllocation, r) for r in requests]
-                ours_ms, floor_ms = measure_pair(ours_calls, bare_calls, iterations, warmup)
+                _, ours_ms, floor_ms = measure_preferred(
+                    ours, bare, ids, size, rng=rng, iterations=iterations, warmup=warmup
+                )
                 rows.append(
                     Row(f"{name}+pods", "gpu", size, statistics.median(ours_ms),
                         percentile(ours_ms, 0.99), statistics.median(floor_ms),
