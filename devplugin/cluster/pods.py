@@ -49,6 +49,7 @@ class PodCache(WatchCache[PodInfo]):
         )  # fmt: skip
         self._waiting: tuple[PodInfo, ...] = ()
         self._by_node: Mapping[str, tuple[PodInfo, ...]] = {}
+        self._by_name: Mapping[tuple[str, str], PodInfo] = {}
 
     def pods(self) -> Mapping[str, PodInfo]:
         """uid -> pod, as of the last event (an immutable snapshot)."""
@@ -65,6 +66,7 @@ class PodCache(WatchCache[PodInfo]):
         return self._by_node.get(node, ())
 
     def published(self, items: Mapping[str, PodInfo]) -> None:
+        self._by_name = {(p.namespace, p.name): p for p in items.values()}
         by_node: dict[str, list[PodInfo]] = {}
         for pod in items.values():
             if pod.node and not pod.terminal:
@@ -81,10 +83,8 @@ class PodCache(WatchCache[PodInfo]):
         )
 
     def uid_of(self, namespace: str, pod: str) -> str | None:
-        for info in self.items().values():
-            if info.namespace == namespace and info.name == pod:
-                return info.uid
-        return None
+        info = self._by_name.get((namespace, pod))
+        return info.uid if info is not None else None
 
     def ended(self, owner: tuple[str, str, str | None]) -> bool | None:
         """Whether the pod is gone (or replaced by a namesake) or finished; None
@@ -92,7 +92,7 @@ class PodCache(WatchCache[PodInfo]):
         if not self.current:
             return None
         namespace, name, uid = owner
-        for info in self.items().values():
-            if info.namespace == namespace and info.name == name and uid in (None, info.uid):
-                return info.terminal
-        return True
+        info = self._by_name.get((namespace, name))
+        if info is None or uid not in (None, info.uid):
+            return True  # gone, or replaced by a namesake
+        return info.terminal
