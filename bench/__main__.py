@@ -22,6 +22,13 @@ cache. Goal: p50 within 1.5x the floor.
 Cluster placement (`bench/cluster.py`): 16 mixed nodes, a seeded stream
 of pods placed by the default scheduler's rule and by the extender's.
 
+NVLink layouts: every GPU and HCA size on DGX-1, two DGX-1 meshes, PCIe
+trees of 16, 32 and 64 GPUs with NVLink bridges between neighbouring
+switches, and the 8-GPU NVSwitch node with two NUMA nodes, end to end as
+above. Goal: p99 under 20 ms for every size (the kubelet waits for the
+answer before it admits the pod), the floor's p99 printed beside it; and no
+search may run out of its budget.
+
 Quality: the answer is compared with an exhaustive search of the same
 objective wherever that is affordable (every size on 8 GPUs, sizes 1-3 on
 64 GPUs). `--quick` runs fewer iterations (used by the tests).
@@ -30,6 +37,7 @@ objective wherever that is affordable (every size on 8 GPUs, sizes 1-3 on
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import shutil
@@ -47,18 +55,27 @@ from pathlib import Path
 import grpc
 
 from bench.cluster import cluster_bench
-from devplugin.allocator import Request, Role, evaluate, exhaustive, plan_request, planned_request
+from devplugin.allocator import (
+    Allocator,
+    Request,
+    Role,
+    evaluate,
+    exhaustive,
+    plan_request,
+    planned_request,
+)
 from devplugin.allocator import validate as validate_request
 from devplugin.api import deviceplugin_v1beta1_pb2 as pb
 from devplugin.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from devplugin.config import Config, override
 from devplugin.logs import setup_logging
 from devplugin.model import DeviceKind
-from devplugin.runtime import Daemon, build
+from devplugin.runtime import Daemon, build, settle_heap
 from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.fake_nvml import FakeNvml
 from devplugin.testing.layouts import LAYOUTS
-from devplugin.testing.node import build_node
+from devplugin.testing.node import build_node, devices_from_spec
+from devplugin.topology import Topology
 
 # Absolute p99 targets, printed for reference: a loaded machine moves them,
 # so they never fail the run. The goal is the median p50/floor ratio, both
@@ -66,6 +83,13 @@ from devplugin.testing.node import build_node
 GOALS_MS = {"hgx-h100": 2.0, "64-gpu": 20.0}
 RATIO_GOALS = {"hgx-h100": 1.5, "64-gpu": 4.0}
 POD_CACHE_GOAL = 1.5
+NVLINK_LAYOUTS = (
+    "dgx-1", "dgx-1x2", "16-gpu-bridged", "32-gpu-bridged", "64-gpu-bridged", "hgx-h100",
+)  # fmt: skip
+NVLINK_P99_MS = 20.0
+# Up to 96 devices there: each subset costs more to score (the exactness on
+# these layouts is shown by tests/test_nvlink_search.py).
+NVLINK_EXHAUSTIVE_LIMIT = 5_000
 EXHAUSTIVE_LIMIT = 50_000  # subsets per quality check
 
 
@@ -155,8 +179,12 @@ def request_for(ids: list[str], size: int) -> pb.PreferredAllocationRequest:
     )
 
 
-def quality(daemon: Daemon, kind: DeviceKind, available: list[str], answer: list[str]) -> str:
-    """'optimal' when the answer's objective equals an exhaustive search's."""
+def quality(
+    daemon: Daemon, kind: DeviceKind, available: list[str], answer: list[str],
+    limit: int = EXHAUSTIVE_LIMIT,
+) -> str:  # fmt: skip
+    """'optimal' when the answer's objective equals an exhaustive search's
+    (of at most `limit` subsets; '-' when that would take more)."""
     coordinator = daemon.coordinator
     topology = coordinator.topology
     other = coordinator.free(kind.other)
@@ -171,7 +199,7 @@ def quality(daemon: Daemon, kind: DeviceKind, available: list[str], answer: list
         # Two steps: the planned HCAs, then the GPUs against them.
         plan = daemon.coordinator.preferred(DeviceKind.GPU, available, (), size)[0].plan
         first = plan_request(request, candidates, expected)
-        if comb(len(first.available), first.size) > EXHAUSTIVE_LIMIT:
+        if comb(len(first.available), first.size) > limit:
             return "-"
         if evaluate(topology, first, plan).key() != exhaustive(topology, first).score.key():
             return "WORSE"
@@ -183,7 +211,7 @@ def quality(daemon: Daemon, kind: DeviceKind, available: list[str], answer: list
         gpus = Request(
             DeviceKind.GPU, other, expected, frozenset(), Role.FIRST, candidates, candidates, size
         )
-        if comb(len(other), expected) > EXHAUSTIVE_LIMIT:
+        if comb(len(other), expected) > limit:
             return "-"
         if evaluate(topology, gpus, plan).key() != exhaustive(topology, gpus).score.key():
             return "WORSE"
@@ -191,7 +219,7 @@ def quality(daemon: Daemon, kind: DeviceKind, available: list[str], answer: list
         request = Request(
             DeviceKind.HCA, candidates, size, frozenset(), Role.SECOND, planned, other - planned
         )
-    if comb(len(candidates), size) > EXHAUSTIVE_LIMIT:
+    if comb(len(candidates), size) > limit:
         return "-"
     ours = evaluate(topology, request, answer).key()
     best = exhaustive(topology, request).score.key()
@@ -257,6 +285,7 @@ def start_floor(socket: str) -> grpc.Server:
 def bench_node(name: str, iterations: int, warmup: int, base: Path) -> NodeResult:
     daemon = node_daemon(name, name, base)
     daemon.start()
+    settle_heap()  # as `devplugin run` does once serving
     floor = start_floor(f"{base}/{name}-floor.sock")
     rows: list[Row] = []
     allocate_rows: list[Row] = []
@@ -316,6 +345,7 @@ def bench_node(name: str, iterations: int, warmup: int, base: Path) -> NodeResul
         started = time.perf_counter()
         daemon.stop()
         shutdown_ms = (time.perf_counter() - started) * 1000.0
+        gc.unfreeze()  # the next daemon freezes its own start-up
     return NodeResult(rows, allocate_rows, drift, shutdown_ms)
 
 
@@ -348,6 +378,7 @@ def bench_pod_cache(name: str, iterations: int, warmup: int, base: Path) -> list
         },
     )  # fmt: skip
     daemon.start()
+    settle_heap()  # as `devplugin run` does once serving
     floor = start_floor(f"{base}/{name}-pods-floor.sock")
     rows: list[Row] = []
     try:
@@ -380,7 +411,85 @@ def bench_pod_cache(name: str, iterations: int, warmup: int, base: Path) -> list
         floor.stop(0)
         daemon.stop()
         api.stop()
+        gc.unfreeze()
     return rows
+
+
+def bench_nvlink(name: str, iterations: int, warmup: int, base: Path) -> tuple[list[Row], int]:
+    """Every GPU and HCA size on one NVLink layout: (rows, searches that hit
+    their budget)."""
+    daemon = node_daemon(name, f"{name}-nvlink", base)
+    daemon.start()
+    settle_heap()  # as `devplugin run` does once serving
+    floor = start_floor(f"{base}/{name}-nvlink-floor.sock")
+    rng = random.Random(f"{name}-nvlink")
+    rows: list[Row] = []
+    try:
+        directory = f"{base}/{name}-nvlink-dp"
+        sockets = {
+            DeviceKind.GPU: f"{directory}/devplugin-nvidia.com-gpu.sock",
+            DeviceKind.HCA: f"{directory}/devplugin-rdma-hca.sock",
+        }
+        with grpc.insecure_channel(f"unix://{base}/{name}-nvlink-floor.sock") as floor_channel:
+            bare = pb_grpc.DevicePluginStub(floor_channel)
+            for kind, socket in sockets.items():
+                ids = daemon.coordinator.topology.ids(kind)
+                with grpc.insecure_channel(f"unix://{socket}") as ours_channel:
+                    ours = pb_grpc.DevicePluginStub(ours_channel)
+                    for size in range(1, len(ids) + 1):
+                        requests, ours_ms, floor_ms = measure_preferred(
+                            ours, bare, ids, size, rng=rng, iterations=iterations, warmup=warmup
+                        )
+                        answer = ours.GetPreferredAllocation(requests[0])
+                        verdict = quality(
+                            daemon, kind,
+                            list(requests[0].container_requests[0].available_deviceIDs),
+                            list(answer.container_responses[0].deviceIDs),
+                            NVLINK_EXHAUSTIVE_LIMIT,
+                        )  # fmt: skip
+                        rows.append(
+                            Row(name, kind.value, size, statistics.median(ours_ms),
+                                percentile(ours_ms, 0.99), statistics.median(floor_ms),
+                                percentile(floor_ms, 0.99), verdict)
+                        )  # fmt: skip
+        hits = int(daemon.metrics.budget_hits._value.get())
+    finally:
+        floor.stop(0)
+        daemon.stop()
+        gc.unfreeze()
+    return rows, hits
+
+
+def nvlink_section(layouts: Sequence[str], iterations: int, warmup: int, base: Path) -> bool:
+    """The NVLink table and its verdict: True when every layout met the goal."""
+    print("GetPreferredAllocation on NVLink layouts, end to end over gRPC (ms)")
+    print(f"{'node':14} {'kind':4} {'size':>4} {'p50':>7} {'p99':>7} {'fl p50':>7} "
+          f"{'fl p99':>7} {'ratio':>5}  quality")  # fmt: skip
+    met = True
+    for name in layouts:
+        rows, hits = bench_nvlink(name, iterations, warmup, base)
+        for row in rows:
+            print_row(row, width=14)
+        worst = max(rows, key=lambda row: row.p99)
+        within = worst.p99 < NVLINK_P99_MS and hits == 0
+        method = node_daemon_method(name)
+        print(
+            f"== {name} ({method} search): worst p99 {worst.p99:.3f} ms ({worst.kind} size "
+            f"{worst.size}; goal < {NVLINK_P99_MS:.0f} ms: {'met' if within else 'MISSED'}); "
+            f"floor's worst p99 {max(row.floor_p99 for row in rows):.3f} ms; "
+            f"searches past the budget {hits}; quality: "
+            f"{sum(r.quality == 'optimal' for r in rows)} optimal, "
+            f"{sum(r.quality == 'WORSE' for r in rows)} worse, "
+            f"{sum(r.quality == '-' for r in rows)} not checked"
+        )
+        met &= within and not any(row.quality == "WORSE" for row in rows)
+    return met
+
+
+def node_daemon_method(name: str) -> str:
+    """How the allocator searches GPUs on a layout (tree, linked, bounded)."""
+    gpus, hcas = devices_from_spec(LAYOUTS[name]())
+    return Allocator(Topology(gpus, hcas)).method
 
 
 def _pod(name: str, limits: list[dict[str, int]], index: int, phase: str) -> dict[str, object]:
@@ -421,77 +530,102 @@ def allocate_drift(daemon: Daemon, socket: str, count: int) -> str:
     )
 
 
-def print_row(row: Row) -> None:
+def print_row(row: Row, width: int = 9) -> None:
     print(
-        f"{row.node:9} {row.kind:4} {row.size:>4} {row.p50:7.3f} {row.p99:7.3f} "
+        f"{row.node:{width}} {row.kind:4} {row.size:>4} {row.p50:7.3f} {row.p99:7.3f} "
         f"{row.floor_p50:7.3f} {row.floor_p99:7.3f} {row.ratio:5.2f}  {row.quality}"
     )
+
+
+def node_sections(
+    nodes: Sequence[str], quick: bool, iterations: int, warmup: int, base: Path
+) -> bool:
+    """The 8- and 64-GPU tables, the pod cache, Allocate, the cluster: True
+    when a goal was missed."""
+    failed = False
+    print("GetPreferredAllocation end to end over gRPC (ms); floor = do-nothing servicer")
+    print(f"{'node':9} {'kind':4} {'size':>4} {'p50':>7} {'p99':>7} {'fl p50':>7} "
+          f"{'fl p99':>7} {'ratio':>5}  quality")  # fmt: skip
+    results: dict[str, NodeResult] = {}
+    for name in nodes:
+        goal = GOALS_MS[name]
+        result = results[name] = bench_node(name, iterations, warmup, base)
+        rows = result.preferred
+        for row in rows:
+            print_row(row)
+        worst_p99 = max(row.p99 for row in rows)
+        ratio = statistics.median(row.ratio for row in rows)
+        meets = ratio <= RATIO_GOALS[name]
+        print(
+            f"== {name}: median p50/floor ratio {ratio:.2f} (goal <= {RATIO_GOALS[name]}: "
+            f"{'met' if meets else 'MISSED'}); worst p99 {worst_p99:.3f} ms (target < "
+            f"{goal} ms, {'within' if worst_p99 < goal else 'over'}; floor's worst p99 "
+            f"{max(row.floor_p99 for row in rows):.3f} ms); "
+            f"quality: {sum(r.quality == 'optimal' for r in rows)} optimal, "
+            f"{sum(r.quality == 'WORSE' for r in rows)} worse, "
+            f"{sum(r.quality == '-' for r in rows)} not checked"
+        )
+        failed |= any(row.quality == "WORSE" for row in rows)
+        failed |= not meets and not quick
+    if "hgx-h100" in nodes:
+        rows = bench_pod_cache("hgx-h100", iterations, warmup, base)
+        for row in rows:
+            print_row(row)
+        ratio = statistics.median(row.ratio for row in rows)
+        meets = ratio <= POD_CACHE_GOAL
+        print(
+            f"== hgx-h100 with 250 pods in the cache: median p50/floor ratio {ratio:.2f} "
+            f"(goal <= {POD_CACHE_GOAL}: {'met' if meets else 'MISSED'}); worst p99 "
+            f"{max(r.p99 for r in rows):.3f} ms"
+        )
+        failed |= not meets and not quick
+    print()
+    print("Allocate end to end over gRPC (ms); floor = servicer returning the same shape")
+    for name, result in results.items():
+        for row in result.allocate:
+            print_row(row)
+        ratio = statistics.median(row.ratio for row in result.allocate)
+        print(
+            f"== {name}: worst p99 {max(r.p99 for r in result.allocate):.3f} ms; "
+            f"median p50/floor ratio {ratio:.2f}"
+        )
+    print()
+    for name, result in results.items():
+        print(f"{name}: {result.drift}; shutdown {result.shutdown_ms:.0f} ms")
+    print()
+    placed_well = cluster_bench(seeds=1 if quick else 3, events=80 if quick else 300)
+    return failed or (not placed_well and not quick)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench")
     parser.add_argument("--iterations", type=int, default=400)
     parser.add_argument("--quick", action="store_true", help="few iterations (smoke test)")
-    parser.add_argument("--node", choices=sorted(GOALS_MS), action="append", help="only these")
+    parser.add_argument(
+        "--node", choices=sorted(GOALS_MS), action="append",
+        help="only these nodes (and no NVLink layout unless --nvlink names some)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--nvlink", choices=NVLINK_LAYOUTS, action="append",
+        help="only these NVLink layouts (and no other node unless --node names some)",
+    )  # fmt: skip
     args = parser.parse_args()
     iterations, warmup = (20, 5) if args.quick else (args.iterations, 50)
+    selected = args.node is not None or args.nvlink is not None
+    nodes = [n for n in GOALS_MS if n in (args.node or ([] if selected else GOALS_MS))]
+    layouts = args.nvlink or ([] if selected else list(NVLINK_LAYOUTS))
     setup_logging("text", "error")
     base = Path(tempfile.mkdtemp(prefix="dpb-", dir="/tmp"))
     failed = False
     try:
-        print("GetPreferredAllocation end to end over gRPC (ms); floor = do-nothing servicer")
-        print(f"{'node':9} {'kind':4} {'size':>4} {'p50':>7} {'p99':>7} {'fl p50':>7} "
-              f"{'fl p99':>7} {'ratio':>5}  quality")  # fmt: skip
-        results: dict[str, NodeResult] = {}
-        for name, goal in GOALS_MS.items():
-            if args.node and name not in args.node:
-                continue
-            result = results[name] = bench_node(name, iterations, warmup, base)
-            rows = result.preferred
-            for row in rows:
-                print_row(row)
-            worst_p99 = max(row.p99 for row in rows)
-            ratio = statistics.median(row.ratio for row in rows)
-            meets = ratio <= RATIO_GOALS[name]
-            print(
-                f"== {name}: median p50/floor ratio {ratio:.2f} (goal <= {RATIO_GOALS[name]}: "
-                f"{'met' if meets else 'MISSED'}); worst p99 {worst_p99:.3f} ms (target < "
-                f"{goal} ms, {'within' if worst_p99 < goal else 'over'}; floor's worst p99 "
-                f"{max(row.floor_p99 for row in rows):.3f} ms); "
-                f"quality: {sum(r.quality == 'optimal' for r in rows)} optimal, "
-                f"{sum(r.quality == 'WORSE' for r in rows)} worse, "
-                f"{sum(r.quality == '-' for r in rows)} not checked"
-            )
-            failed |= any(row.quality == "WORSE" for row in rows)
-            failed |= not meets and not args.quick
-        if not args.node or "hgx-h100" in args.node:
-            rows = bench_pod_cache("hgx-h100", iterations, warmup, base)
-            for row in rows:
-                print_row(row)
-            ratio = statistics.median(row.ratio for row in rows)
-            meets = ratio <= POD_CACHE_GOAL
-            print(
-                f"== hgx-h100 with 250 pods in the cache: median p50/floor ratio {ratio:.2f} "
-                f"(goal <= {POD_CACHE_GOAL}: {'met' if meets else 'MISSED'}); worst p99 "
-                f"{max(r.p99 for r in rows):.3f} ms"
-            )
-            failed |= not meets and not args.quick
-        print()
-        print("Allocate end to end over gRPC (ms); floor = servicer returning the same shape")
-        for name, result in results.items():
-            for row in result.allocate:
-                print_row(row)
-            ratio = statistics.median(row.ratio for row in result.allocate)
-            print(
-                f"== {name}: worst p99 {max(r.p99 for r in result.allocate):.3f} ms; "
-                f"median p50/floor ratio {ratio:.2f}"
-            )
-        print()
-        for name, result in results.items():
-            print(f"{name}: {result.drift}; shutdown {result.shutdown_ms:.0f} ms")
-        print()
-        placed_well = cluster_bench(seeds=1 if args.quick else 3, events=80 if args.quick else 300)
-        failed |= not placed_well and not args.quick
+        if nodes:
+            failed |= node_sections(nodes, args.quick, iterations, warmup, base)
+        if layouts:
+            if nodes:
+                print()
+            nvlink_iterations = iterations if args.quick else max(100, iterations // 4)
+            met = nvlink_section(layouts, nvlink_iterations, min(warmup, 10), base)
+            failed |= not met and not args.quick
     finally:
         shutil.rmtree(base, ignore_errors=True)
     return 1 if failed else 0

@@ -43,10 +43,18 @@ part, coverage by the lowest domain holding a chosen device). The worst
 level is fixed by trying thresholds from a lower bound upwards; for each,
 a knapsack-style fold over the tree gives the best value for every count in
 every subtree. Interchangeable devices (same switch, same NVLinks) are
-folded as one class with a count. When the NVLink scores cannot be
-expressed by the tree (GPU pairs parting at one domain with different
-scores), GPU requests fall back to exhaustive search, which is exact too.
-The tests compare both against exhaustive search on a randomized corpus.
+folded as one class with a count.
+
+NVLinks the tree cannot express (GPU pairs parting at one domain with
+different scores: DGX-1's hybrid cube mesh, bridges between GPUs under
+different switches) are added by the linked fold: the same fold, whose
+tables are also keyed by how many devices were taken from each class with
+NVLinks leaving the part merged so far; a link's score is added where its
+two ends meet. Exact, and fast while few such classes are open at once
+(real layouts: at most eight). Beyond `LINKED_STATES`, GPU requests use a
+branch and bound over subsets, exact when it ends within its time budget
+and otherwise the best found, counted.
+The tests compare all three against exhaustive search on randomized corpora.
 """
 
 from __future__ import annotations
@@ -59,7 +67,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from devplugin.model import DeviceKind, Refused, shown_ids
-from devplugin.topology import DOMAIN_DEPTH, Level, Topology
+from devplugin.topology import DOMAIN_DEPTH, NVLINK_SCORE, PCIE_SCORE, Level, Topology
 
 SUPPORT_LEVELS = (Level.PIX, Level.PXB, Level.PHB, Level.NODE)
 
@@ -404,6 +412,94 @@ class _Inputs:
 # The time a GPU search on an NVLink graph the tree cannot express may take.
 SEARCH_BUDGET = 0.2
 
+# The linked fold carries, through each merge, one table per combination of
+# counts of the classes whose NVLinks still leave the merged part; past this
+# many combinations meeting in one merge, the bounded search is used instead
+# (the two DGX-1 meshes need 256; bridged PCIe trees 4).
+LINKED_STATES = 4096
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One item folded into a node by the linked fold."""
+
+    is_class: bool
+    item: int
+    # (position in the state so far, position in the item's state, score per
+    # pair of chosen devices): the NVLinks this merge closes.
+    edges: tuple[tuple[int, int, int], ...]
+    # Positions of the joined state (so far + item) still linked outside.
+    keep: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _LinkedPlan:
+    """How the linked fold walks one topology (built once).
+
+    The tree fold gives each subtree its best value per count. NVLinks that
+    the tree cannot express make a subtree's value depend on which linked
+    devices it took, so the linked fold keeps a table per count *and* per
+    state: the counts taken from each class whose NVLinks reach beyond the
+    part merged so far. When a merge brings both ends of a link together,
+    the link's score is added and the class drops out of the state. The
+    states stay few when the NVLink graph is local to the tree (meshes
+    within a node, bridges between neighbouring switches)."""
+
+    steps: tuple[tuple[_Step, ...], ...]  # per node
+    open_class: tuple[bool, ...]  # per class: linked to another class
+    pcie: tuple[int, ...]  # per node: PCIe score of a pair parting there
+
+    @staticmethod
+    def build(
+        topology: Topology, order: list[int], node_items: list[list[tuple[bool, int]]]
+    ) -> _LinkedPlan | None:
+        t = topology
+        gpus = [k for k in t.classes if k.kind is DeviceKind.GPU]
+        links: list[dict[int, int]] = [{} for _ in t.classes]
+        for a in gpus:
+            for b in gpus:
+                count = t.nvlinks(a.devices[0], b.devices[0]) if a is not b else 0
+                if count:
+                    links[a.index][b.index] = NVLINK_SCORE * count
+        under: list[frozenset[int]] = [frozenset()] * len(t.nodes)
+        opened: list[tuple[int, ...]] = [()] * len(t.nodes)
+        steps: list[tuple[_Step, ...]] = [()] * len(t.nodes)
+        for node in order:
+            merged: set[int] = set()
+            frontier: list[int] = []
+            node_steps: list[_Step] = []
+            for is_class, item in node_items[node]:
+                if is_class and t.classes[item].kind is not DeviceKind.GPU:
+                    continue  # never taken by a GPU request: nothing to fold
+                if is_class:
+                    members: frozenset[int] = frozenset((item,))
+                    item_open = [item] if links[item] else []
+                else:
+                    members, item_open = under[item], list(opened[item])
+                joined = frontier + item_open
+                combos = 1
+                for c in joined:
+                    combos *= len(t.classes[c].devices) + 1
+                if combos > LINKED_STATES:
+                    return None
+                edges = tuple(
+                    (i, j, links[a][b])
+                    for i, a in enumerate(frontier)
+                    for j, b in enumerate(item_open)
+                    if b in links[a]
+                )
+                merged |= members
+                keep = tuple(i for i, c in enumerate(joined) if not links[c].keys() <= merged)
+                frontier = [joined[i] for i in keep]
+                node_steps.append(_Step(is_class, item, edges, keep))
+            under[node], opened[node] = frozenset(merged), tuple(frontier)
+            steps[node] = tuple(node_steps)
+        return _LinkedPlan(
+            tuple(steps),
+            tuple(bool(row) for row in links),
+            tuple(PCIE_SCORE[node.level] for node in t.nodes),
+        )
+
 
 class Allocator:
     """The fast exact search for one topology (rebuilt when devices change)."""
@@ -423,7 +519,11 @@ class Allocator:
         self._pairs: dict[tuple[str, str], int] | None = None
         t = topology
         n = max(1, len(t.kind))
-        max_score = max([50, *t.cross_score, *(klass.internal_score for klass in t.classes)])
+        links = max((count for gpu in t.gpus for _, count in gpu.nvlink_peers), default=0)
+        max_score = max(
+            [NVLINK_SCORE * links + PCIE_SCORE[Level.PIX], *t.cross_score]
+            + [klass.internal_score for klass in t.classes]
+        )
         # Mixed-radix weights: one integer orders like the lexicographic key.
         # Each bound covers the largest magnitude a component can reach.
         bounds = [
@@ -477,6 +577,10 @@ class Allocator:
         self._by_distance = [
             sorted(range(len(t.classes)), key=row.__getitem__) for row in t.class_level
         ]
+        # NVLink graphs the tree cannot express: the fold that carries the
+        # counts of linked classes until their links are inside (None when
+        # those would be too many to carry; then the bounded search).
+        self._linked = None if t.tree_exact else _LinkedPlan.build(t, self._order, self._node_items)
 
     # -- public --------------------------------------------------------------
     def choose(self, request: Request) -> Choice:
@@ -488,9 +592,22 @@ class Allocator:
             and 0 < expected < request.size
         ):
             return self._plan_then_choose(request, candidates, expected)
-        if request.kind is DeviceKind.GPU and not self.topology.tree_exact:
+        if request.kind is DeviceKind.GPU and self._needs_bounded:
             return self._bounded(request)
         return self._search(request, candidates)
+
+    @property
+    def _needs_bounded(self) -> bool:
+        """GPU pair scores neither the tree nor the linked fold can express."""
+        return not self.topology.tree_exact and self._linked is None
+
+    @property
+    def method(self) -> str:
+        """How GPU requests are searched: "tree" (exact), "linked" (exact, NVLink
+        graph beyond the tree), "bounded" (exact within the budget)."""
+        if self.topology.tree_exact:
+            return "tree"
+        return "bounded" if self._linked is None else "linked"
 
     def _bounded(self, request: Request) -> Choice:
         started = time.monotonic()
@@ -513,10 +630,7 @@ class Allocator:
         first = plan_request(request, candidates, expected)
         plan = self._search(first, validate(self.topology, first))
         second = planned_request(request, candidates, plan.ids)
-        if not self.topology.tree_exact:
-            choice = self._bounded(second)
-        else:
-            choice = self._search(second, candidates)
+        choice = self._bounded(second) if self._needs_bounded else self._search(second, candidates)
         return Choice(choice.ids, choice.score, plan.ids)
 
     # -- the tree search -----------------------------------------------------
@@ -558,8 +672,12 @@ class Allocator:
             thresholds = range(self._lower_bound(request, inputs, cost_partner), 6)
         else:
             thresholds = (0,)
+        linked = self._linked if request.kind is DeviceKind.GPU else None
         for threshold in thresholds:
-            found = self._fold(request, threshold, inputs)
+            if linked is not None:
+                found = self._fold_linked(request, threshold, inputs, linked)
+            else:
+                found = self._fold(request, threshold, inputs)
             if found is None:
                 continue
             value, counts = found
@@ -715,6 +833,116 @@ class Allocator:
                     else:
                         stack.append((item, take))
                 k -= take
+        return best_value, counts
+
+    def _fold_linked(
+        self, request: Request, threshold: int, inputs: _Inputs, plan: _LinkedPlan
+    ) -> tuple[int, dict[int, int]] | None:
+        """The tree fold for GPUs on NVLink graphs the tree cannot express
+        (see `_LinkedPlan`): per state, the best value for each count (None:
+        no such choice)."""
+        t = self.topology
+        cap, must, cost, free = inputs.cap, inputs.must, inputs.cost, inputs.free
+        size = request.size
+        w_total, w_conn, w_spread = self._w_total, self._w_conn, self._w_spread
+        Row = list[int | None]
+        Table = dict[tuple[int, ...], Row]
+        class_tables: list[Table] = []
+        for klass in t.classes:
+            c = klass.index
+            opened = plan.open_class[c]
+            table: Table = {}
+            if klass.kind is not DeviceKind.GPU or not cap[c]:
+                table[(0,) if opened else ()] = [0]
+            else:
+                per, internal = cost[c], klass.internal_score
+                high = min(cap[c], size)
+                shared: Row = [None] * (high + 1)
+                for k in range(must[c], high + 1):
+                    if k and per > threshold:
+                        break
+                    value = k * per * w_total - internal * (k * (k - 1) // 2) * w_conn
+                    if opened:
+                        table[(k,)] = [None] * k + [value]
+                    else:
+                        shared[k] = value
+                if not opened:
+                    table[()] = shared
+            class_tables.append(table)
+
+        tables: list[Table] = [{} for _ in t.nodes]
+        # Per node and step, per state and count: where the best value came
+        # from, as (state so far, item state), and the item's count.
+        Back = dict[tuple[int, ...], list[tuple[tuple[int, ...], tuple[int, ...], int] | None]]
+        backs: list[list[Back]] = [[] for _ in t.nodes]
+        copies = self._spread_copies
+        for node in self._order:
+            cross = plan.pcie[node] * w_conn
+            current: Table = {(): [0]}
+            for step in plan.steps[node]:
+                other = class_tables[step.item] if step.is_class else tables[step.item]
+                edges, keep = step.edges, step.keep
+                merged: Table = {}
+                back: Back = {}
+                for s1, row1 in current.items():
+                    for s2, row2 in other.items():
+                        link = sum(w * s1[i] * s2[j] for i, j, w in edges) * w_conn if edges else 0
+                        joined = s1 + s2
+                        state = tuple([joined[i] for i in keep])
+                        width = len(row2)
+                        limit = min(size, len(row1) + width - 2)
+                        out = merged.get(state)
+                        if out is None:
+                            out = merged[state] = [None] * (limit + 1)
+                            way = back[state] = [None] * (limit + 1)
+                        else:
+                            way = back[state]
+                            if len(out) <= limit:
+                                out.extend([None] * (limit + 1 - len(out)))
+                                way.extend([None] * (limit + 1 - len(way)))
+                        origin = (s1, s2)
+                        for k1, v1 in enumerate(row1):
+                            if v1 is None:
+                                continue
+                            base = v1 - link
+                            cross_k1 = cross * k1
+                            for k2 in range(min(width, limit - k1 + 1)):
+                                v2 = row2[k2]
+                                if v2 is None:
+                                    continue
+                                value = base + v2 - cross_k1 * k2
+                                slot = k1 + k2
+                                best = out[slot]
+                                if best is None or value < best:
+                                    out[slot] = value
+                                    way[slot] = (*origin, k2)
+                current = merged
+                backs[node].append(back)
+            if copies[node]:
+                room, weight = free[node], copies[node] * w_spread
+                for row in current.values():
+                    for k, entry in enumerate(row):
+                        if entry is not None:
+                            row[k] = entry - (room - k) * (room - k) * weight
+            tables[node] = current
+        root = tables[0].get((), [])
+        best_value = root[size] if len(root) > size else None
+        if best_value is None:
+            return None
+        counts: dict[int, int] = {}
+        stack: list[tuple[int, tuple[int, ...], int]] = [(0, (), size)]
+        while stack:
+            node, state, k = stack.pop()
+            for step, back in zip(reversed(plan.steps[node]), reversed(backs[node]), strict=True):
+                way_k = back[state][k]
+                assert way_k is not None
+                s1, s2, taken = way_k
+                if taken:
+                    if step.is_class:
+                        counts[step.item] = taken
+                    else:
+                        stack.append((step.item, s2, taken))
+                state, k = s1, k - taken
         return best_value, counts
 
     def _materialize(

@@ -162,7 +162,7 @@ def _stop_on_signals() -> threading.Event:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from devplugin.runtime import build
+    from devplugin.runtime import build, settle_heap
 
     config = resolve_config(args)
     setup_logging(config.logging.format, config.logging.level)
@@ -175,6 +175,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         log.error("cannot start: %s", exc)
         daemon.stop()
         return 1
+    settle_heap()
     try:
         while not stop.wait(1.0):
             pass
@@ -223,6 +224,7 @@ def cmd_extender(args: argparse.Namespace) -> int:
     from devplugin.cluster.client import make_client
     from devplugin.cluster.extender import serve
     from devplugin.config import KubernetesConfig
+    from devplugin.runtime import settle_heap
 
     setup_logging(args.log_format, "info")
     address = _listen(args.listen)
@@ -251,6 +253,7 @@ def cmd_extender(args: argparse.Namespace) -> int:
         log.error("cannot start: %s", exc)
         return 1
     log.info("scheduler extender serving on %s:%d", *server.address)
+    settle_heap()
     try:
         while not stop.wait(1.0):
             pass

@@ -114,9 +114,12 @@ class Coordinator:
         """A new device set: precompute the search structures once, here."""
         allocator = Allocator(topology, budget=self._budget, on_budget=self._on_budget)
         with self._lock:
+            previous = self._allocator.method
             self._topology = topology
             self._allocator = allocator
             self._free_cache.clear()
+        if allocator.method != previous:
+            log.info("GPU search: %s (%d GPUs)", allocator.method, len(topology.gpus))
 
     def set_healthy(self, kind: DeviceKind, ids: Iterable[str]) -> None:
         with self._lock:

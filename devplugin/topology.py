@@ -269,8 +269,7 @@ class Topology:
         the connected components of the NVLink graph inside the switch, each
         kept whole when it is a clique of one link count and its members see
         the same NVLinks outside it; otherwise its GPUs stand alone (and the
-        allocator falls back to exhaustive search if the tree cannot express
-        the scores).
+        allocator adds the NVLinks the tree cannot express itself).
         """
         hcas = [m for m in members if self.kind[m] is DeviceKind.HCA]
         gpus = sorted(m for m in members if self.kind[m] is DeviceKind.GPU)

@@ -1,4 +1,5 @@
-"""`make bench` keeps working: a quick run on the 8-GPU node, quality included."""
+"""`make bench` keeps working: a quick run on the 8-GPU node and the DGX-1
+NVLink layout, quality included."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_bench_quick_run_reports_optimal_answers() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "bench", "--quick", "--node", "hgx-h100"],
+        [sys.executable, "-m", "bench", "--quick", "--node", "hgx-h100", "--nvlink", "dgx-1"],
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
-    preferred, allocate, summary, cluster = result.stdout.split("\n\n")
+    preferred, allocate, summary, cluster, nvlink = result.stdout.split("\n\n")
     rows = [line for line in preferred.splitlines() if line.startswith("hgx-h100 ")]
     assert len(rows) == 16  # every size of both resources
     assert all(line.rstrip().endswith("optimal") for line in rows)
@@ -36,3 +37,10 @@ def test_bench_quick_run_reports_optimal_answers() -> None:
     assert [row[1] for row in rows] == ["default", "extender"]
     assert rows[1][4] == "100.0%"  # the extender: best level free anywhere, every time
     assert "== cluster:" in cluster
+    # NVLink layouts: every size of both resources on DGX-1, exact, no
+    # search past its budget, the p99 verdict printed.
+    rows = [line for line in nvlink.splitlines() if line.startswith("dgx-1 ")]
+    assert len(rows) == 12
+    assert all(line.rstrip().endswith("optimal") for line in rows)
+    assert "== dgx-1 (linked search): worst p99" in nvlink
+    assert "searches past the budget 0" in nvlink

@@ -88,26 +88,49 @@ def dgx_1_twice() -> NodeSpec:
     )
 
 
-def sixteen_gpu() -> NodeSpec:
-    """Sixteen PCIe GPUs, eight HCAs: per NUMA node two host bridges, each a
-    top switch over two switches of two GPUs and one HCA."""
+def _pcie_tree(gpus: int) -> NodeSpec:
+    """`gpus` PCIe GPUs, one HCA per two: two NUMA nodes, each with host
+    bridges that hold a top switch over two switches of two GPUs and one HCA."""
+    tops = gpus // 4
     roots = [
         RootComplex(
-            numa,
-            _cpus(numa),
+            2 * top // tops,
+            _cpus(2 * top // tops),
             [Switch([Switch([Gpu(), Gpu(), Hca()]), Switch([Gpu(), Gpu(), Hca()])])],
         )
-        for numa in (0, 0, 1, 1)
+        for top in range(tops)
     ]
     return NodeSpec(roots=roots)
 
 
-def sixteen_gpu_bridged() -> NodeSpec:
-    """The 16-GPU PCIe tree with 4-link NVLink bridges joining the second GPU
-    of each switch to the first of its neighbour under the same top switch."""
-    spec = sixteen_gpu()
-    bridges = {(4 * top + 1, 4 * top + 2): 4 for top in range(4)}
+def _bridged(gpus: int) -> NodeSpec:
+    """The PCIe tree of `_pcie_tree` with 4-link NVLink bridges joining the
+    second GPU of each switch to the first of its neighbour under the same
+    top switch: links the tree cannot express."""
+    spec = _pcie_tree(gpus)
+    bridges = {(4 * top + 1, 4 * top + 2): 4 for top in range(gpus // 4)}
     return NodeSpec(roots=spec.roots, nvlink_pairs=bridges)
+
+
+def sixteen_gpu() -> NodeSpec:
+    """Sixteen PCIe GPUs, eight HCAs: per NUMA node two host bridges, each a
+    top switch over two switches of two GPUs and one HCA."""
+    return _pcie_tree(16)
+
+
+def sixteen_gpu_bridged() -> NodeSpec:
+    """The 16-GPU PCIe tree with NVLink bridges between neighbouring switches."""
+    return _bridged(16)
+
+
+def thirty_two_gpu_bridged() -> NodeSpec:
+    """The same at 32 GPUs (16 HCAs, four host bridges per NUMA node)."""
+    return _bridged(32)
+
+
+def sixty_four_gpu_bridged() -> NodeSpec:
+    """The same at 64 GPUs (32 HCAs, eight host bridges per NUMA node)."""
+    return _bridged(64)
 
 
 def node_64() -> NodeSpec:
@@ -133,5 +156,7 @@ LAYOUTS: dict[str, Callable[[], NodeSpec]] = {
     "asymmetric": asymmetric,
     "16-gpu": sixteen_gpu,
     "16-gpu-bridged": sixteen_gpu_bridged,
+    "32-gpu-bridged": thirty_two_gpu_bridged,
+    "64-gpu-bridged": sixty_four_gpu_bridged,
     "64-gpu": node_64,
 }

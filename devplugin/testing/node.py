@@ -143,6 +143,7 @@ class _Builder:
         self.bridges: dict[PciAddress, Path] = {}
         self.fixture_gpus: list[dict[str, object]] = []
         self.next_bus = 0
+        self.domain = 0
         self.next_umad = 0
         self.next_issm = 0
 
@@ -154,22 +155,23 @@ class _Builder:
 
     def build(self) -> BuiltNode:
         for root_index, root in enumerate(self.spec.roots):
-            # Leave room below each host bridge, as firmware does.
-            self.next_bus = max(self.next_bus + 1, 0x10 * (root_index + 1))
+            self.domain, self.next_bus = root_bus_of(root_index, self.domain, self.next_bus)
             root_bus = self.next_bus
             bridge = self.sysfs.host_bridge(
-                0, root_bus, numa_node=root.numa_node, local_cpulist=root.local_cpulist
+                self.domain, root_bus, numa_node=root.numa_node, local_cpulist=root.local_cpulist
             )
             for port_index, child in enumerate(root.children):
                 root_port = self.sysfs.function(
                     bridge,
-                    PciAddress(0, root_bus, 1 + port_index, 0),
+                    PciAddress(self.domain, root_bus, 1 + port_index, 0),
                     vendor=INTEL,
                     device=0x352A,
                     pci_class=CLASS_BRIDGE,
                     driver="pcieport",
                 )
-                self.bridges[PciAddress(0, root_bus, 1 + port_index, 0)] = root_port.directory
+                self.bridges[PciAddress(self.domain, root_bus, 1 + port_index, 0)] = (
+                    root_port.directory
+                )
                 self.child(root_port, child)
         self.sysfs.dev_node("nvidiactl")
         self.sysfs.dev_node("nvidia-uvm")
@@ -188,7 +190,7 @@ class _Builder:
         )
 
     def child(self, parent: PciNode, child: Child) -> None:
-        address = PciAddress(0, self.bus(), 0, 0)
+        address = PciAddress(self.domain, self.bus(), 0, 0)
         if isinstance(child, Switch):
             upstream = self.sysfs.function(
                 parent,
@@ -203,13 +205,13 @@ class _Builder:
             for index, grandchild in enumerate(child.children):
                 down = self.sysfs.function(
                     upstream,
-                    PciAddress(0, down_bus, index, 0),
+                    PciAddress(self.domain, down_bus, index, 0),
                     vendor=BROADCOM_PLX,
                     device=0xC030,
                     pci_class=CLASS_BRIDGE,
                     driver="pcieport",
                 )
-                self.bridges[PciAddress(0, down_bus, index, 0)] = down.directory
+                self.bridges[PciAddress(self.domain, down_bus, index, 0)] = down.directory
                 self.child(down, grandchild)
         elif isinstance(child, Gpu):
             self.gpu(parent, address, child)
@@ -344,6 +346,21 @@ def hgx_node(sockets: int = 2, pairs_per_socket: int = 4, nvlinks: int = 18) -> 
     return NodeSpec(roots=roots, nvlink_all_to_all=nvlinks)
 
 
+# Host bridges per PCI domain: buses 0x10, 0x20, .. 0xF0 start them.
+ROOTS_PER_DOMAIN = 15
+
+
+def root_bus_of(root_index: int, domain: int, next_bus: int) -> tuple[int, int]:
+    """(domain, bus) of the `root_index`-th host bridge, given the domain and
+    last bus used so far. Room is left below each host bridge, as firmware
+    does; past 15 host bridges the next PCI domain starts (large servers have
+    several)."""
+    wanted = root_index // ROOTS_PER_DOMAIN
+    if wanted != domain:
+        next_bus = 0
+    return wanted, max(next_bus + 1, 0x10 * (root_index % ROOTS_PER_DOMAIN + 1))
+
+
 def gpu_uuid(index: int, address: PciAddress) -> str:
     return f"GPU-{index:08x}-5a1e-4c0d-9e00-{address.bus:012x}"
 
@@ -354,6 +371,7 @@ def devices_from_spec(spec: NodeSpec) -> tuple[tuple[GpuInfo, ...], tuple[HcaInf
     gpus: list[GpuInfo] = []
     hcas: list[HcaInfo] = []
     next_bus = 0
+    domain = 0
 
     def bus() -> int:
         nonlocal next_bus
@@ -370,14 +388,14 @@ def devices_from_spec(spec: NodeSpec) -> tuple[tuple[GpuInfo, ...], tuple[HcaInf
     def walk(
         child: Child, root: str, chain: tuple[PciAddress, ...], numa: int | None, cpus: str
     ) -> None:
-        address = PciAddress(0, bus(), 0, 0)
+        address = PciAddress(domain, bus(), 0, 0)
         if isinstance(child, Switch):
             down_bus = bus()
             for index, grandchild in enumerate(child.children):
                 walk(
                     grandchild,
                     root,
-                    (*chain, address, PciAddress(0, down_bus, index, 0)),
+                    (*chain, address, PciAddress(domain, down_bus, index, 0)),
                     numa,
                     cpus,
                 )
@@ -419,11 +437,11 @@ def devices_from_spec(spec: NodeSpec) -> tuple[tuple[GpuInfo, ...], tuple[HcaInf
             )
 
     for root_index, root in enumerate(spec.roots):
-        next_bus = max(next_bus + 1, 0x10 * (root_index + 1))
+        domain, next_bus = root_bus_of(root_index, domain, next_bus)
         root_bus = next_bus
-        name = f"pci0000:{root_bus:02x}"
+        name = f"pci{domain:04x}:{root_bus:02x}"
         for port_index, child in enumerate(root.children):
-            port = PciAddress(0, root_bus, 1 + port_index, 0)
+            port = PciAddress(domain, root_bus, 1 + port_index, 0)
             walk(child, name, (port,), root.numa_node, root.local_cpulist)
     count = len(gpus)
     linked = []
