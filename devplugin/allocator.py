@@ -397,6 +397,10 @@ def planned_request(request: Request, candidates: frozenset[str], plan: Iterable
     )
 
 
+class _OutOfTime(Exception):
+    """The linked fold passed the request's budget."""
+
+
 @dataclass
 class _Inputs:
     """Per-request arrays, indexed by class or by domain node."""
@@ -592,9 +596,22 @@ class Allocator:
             and 0 < expected < request.size
         ):
             return self._plan_then_choose(request, candidates, expected)
-        if request.kind is DeviceKind.GPU and self._needs_bounded:
-            return self._bounded(request)
+        if request.kind is DeviceKind.GPU:
+            return self._gpus(request, candidates)
         return self._search(request, candidates)
+
+    def _gpus(self, request: Request, candidates: frozenset[str]) -> Choice:
+        """A GPU request, within the budget whatever the NVLink graph: the
+        tree or linked fold, and if the linked fold runs past the budget
+        (only graphs near `LINKED_STATES` could) the subset search's first
+        answer."""
+        deadline = time.monotonic() + self._budget
+        if not self._needs_bounded:
+            try:
+                return self._search(request, candidates, deadline)
+            except _OutOfTime:
+                pass
+        return self._bounded(request, deadline)
 
     @property
     def _needs_bounded(self) -> bool:
@@ -609,13 +626,10 @@ class Allocator:
             return "tree"
         return "bounded" if self._linked is None else "linked"
 
-    def _bounded(self, request: Request) -> Choice:
-        started = time.monotonic()
+    def _bounded(self, request: Request, deadline: float) -> Choice:
         if self._pairs is None:
             self._pairs = gpu_pairs(self.topology)
-        choice, complete = bounded_search(
-            self.topology, request, started + self._budget, pairs=self._pairs
-        )
+        choice, complete = bounded_search(self.topology, request, deadline, pairs=self._pairs)
         if not complete:
             self.budget_hits += 1
             if self._on_budget is not None:
@@ -629,12 +643,13 @@ class Allocator:
         be nearest, then choose the GPUs against those HCAs."""
         first = plan_request(request, candidates, expected)
         plan = self._search(first, validate(self.topology, first))
-        second = planned_request(request, candidates, plan.ids)
-        choice = self._bounded(second) if self._needs_bounded else self._search(second, candidates)
+        choice = self._gpus(planned_request(request, candidates, plan.ids), candidates)
         return Choice(choice.ids, choice.score, plan.ids)
 
     # -- the tree search -----------------------------------------------------
-    def _search(self, request: Request, candidates: frozenset[str]) -> Choice:
+    def _search(
+        self, request: Request, candidates: frozenset[str], deadline: float | None = None
+    ) -> Choice:
         t = self.topology
         class_of = t.class_of
         nclasses = len(t.classes)
@@ -675,7 +690,8 @@ class Allocator:
         linked = self._linked if request.kind is DeviceKind.GPU else None
         for threshold in thresholds:
             if linked is not None:
-                found = self._fold_linked(request, threshold, inputs, linked)
+                assert deadline is not None
+                found = self._fold_linked(request, threshold, inputs, linked, deadline)
             else:
                 found = self._fold(request, threshold, inputs)
             if found is None:
@@ -836,11 +852,16 @@ class Allocator:
         return best_value, counts
 
     def _fold_linked(
-        self, request: Request, threshold: int, inputs: _Inputs, plan: _LinkedPlan
+        self,
+        request: Request,
+        threshold: int,
+        inputs: _Inputs,
+        plan: _LinkedPlan,
+        deadline: float,
     ) -> tuple[int, dict[int, int]] | None:
         """The tree fold for GPUs on NVLink graphs the tree cannot express
         (see `_LinkedPlan`): per state, the best value for each count (None:
-        no such choice)."""
+        no such choice). Raises _OutOfTime past `deadline`."""
         t = self.topology
         cap, must, cost, free = inputs.cap, inputs.must, inputs.cost, inputs.free
         size = request.size
@@ -885,6 +906,8 @@ class Allocator:
                 merged: Table = {}
                 back: Back = {}
                 for s1, row1 in current.items():
+                    if time.monotonic() > deadline:
+                        raise _OutOfTime
                     for s2, row2 in other.items():
                         link = sum(w * s1[i] * s2[j] for i, j, w in edges) * w_conn if edges else 0
                         joined = s1 + s2

@@ -5,6 +5,7 @@ in its budget, and bounded always (the best found so far, counted)."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -94,7 +95,7 @@ def test_sixteen_gpu_nvlink_graphs_are_exact_at_every_size(seed: int, layout: st
     allocator = Allocator(mesh)
     rng = random.Random(seed)
     gpus, hcas = mesh.ids(GPU), mesh.ids(HCA)
-    for size in range(2, 9):
+    for size in range(1, len(gpus) + 1):
         available = frozenset(rng.sample(gpus, rng.randint(size, len(gpus))))
         must = frozenset(rng.sample(sorted(available), rng.randint(0, 1)))
         partner = frozenset(rng.sample(hcas, rng.randint(size // 2, len(hcas))))
@@ -104,20 +105,25 @@ def test_sixteen_gpu_nvlink_graphs_are_exact_at_every_size(seed: int, layout: st
     assert allocator.budget_hits == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["32-gpu-bridged", "64-gpu-bridged"])
 def test_large_bridged_trees_are_exact_where_exhaustive_search_can_check(layout: str) -> None:
-    """Every GPU free for small sizes; for the rest, 13 GPUs left free in
-    random places (every size, must-include, fewer or no HCAs to follow)."""
+    """Every GPU free at the smallest sizes with at most 2,100 subsets and
+    the two largest; then 11 GPUs left free in random places (every size,
+    must-include, fewer or no HCAs to follow)."""
     mesh = topology(layout)
     allocator = Allocator(mesh)
     rng = random.Random(layout)
     gpus, hcas = mesh.ids(GPU), mesh.ids(HCA)
     everything = frozenset(hcas)
-    for size in (1, 2):
-        assert_exact(mesh, allocator, Request(GPU, frozenset(gpus), size, partner=everything,
-                                              other_free=everything))  # fmt: skip
-    for size in range(1, 14):
-        available = frozenset(rng.sample(gpus, 13))
+    for size in range(1, len(gpus) + 1):
+        # (Leaving two of 64 out is 2,016 subsets too, but the reference
+        # scores each of their 1,891 pairs; one left out is enough there.)
+        if math.comb(len(gpus), size) <= 2_100 and (size <= 3 or size >= len(gpus) - 1):
+            assert_exact(mesh, allocator, Request(GPU, frozenset(gpus), size, partner=everything,
+                                                  other_free=everything))  # fmt: skip
+    for size in range(1, 12):
+        available = frozenset(rng.sample(gpus, 11))
         must = frozenset(rng.sample(sorted(available), rng.randint(0, min(2, size))))
         partner = frozenset(rng.sample(hcas, rng.randint(1, len(hcas))))
         request = Request(GPU, available, size, must, partner=partner, other_free=partner,
@@ -190,6 +196,21 @@ def test_a_graph_too_wide_for_the_linked_fold_is_searched_within_the_budget() ->
         assert_exact(mesh, allocator, Request(GPU, available, size, partner=partner,
                                               other_free=partner))  # fmt: skip
     assert allocator.budget_hits == 0
+
+
+def test_a_linked_fold_past_its_budget_answers_and_is_counted() -> None:
+    # No real layout comes near the budget; a budget nothing fits in shows
+    # the way out: the subset search's first answer, counted.
+    mesh = topology("dgx-1x2")
+    hits: list[int] = []
+    allocator = Allocator(mesh, budget=1e-9, on_budget=lambda: hits.append(1))
+    assert allocator.method == "linked"
+    hcas = frozenset(mesh.ids(HCA))
+    choice = allocator.choose(Request(GPU, frozenset(mesh.ids(GPU)), 8, partner=hcas,
+                                      other_free=hcas))  # fmt: skip
+    assert len(set(choice.ids)) == 8
+    assert set(choice.ids) <= set(mesh.ids(GPU))
+    assert allocator.budget_hits == len(hits) == 1
 
 
 def test_a_search_past_its_budget_answers_its_best_and_is_counted() -> None:
