@@ -5,6 +5,7 @@ in its budget, and bounded always (the best found so far, counted)."""
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 
@@ -18,6 +19,8 @@ from devplugin.allocator import (
     planned_request,
     validate,
 )
+from devplugin.coordination import Coordinator
+from devplugin.ledger import Ledger
 from devplugin.model import DeviceKind
 from devplugin.testing.layouts import LAYOUTS
 from devplugin.testing.node import NodeSpec, devices_from_spec
@@ -225,3 +228,13 @@ def test_a_search_past_its_budget_answers_its_best_and_is_counted() -> None:
     assert set(choice.ids) <= set(mesh.ids(GPU))
     # Candidates best first (most NVLinks): the answer is linked throughout.
     assert all(any(mesh.nvlinks(g, other) for other in choice.ids) for g in choice.ids), choice.ids
+
+
+def test_the_daemon_logs_which_search_a_node_gets(caplog: pytest.LogCaptureFixture) -> None:
+    coordinator = Coordinator(Ledger())
+    with caplog.at_level(logging.INFO, logger="devplugin.coordination"):
+        coordinator.set_topology(topology("dgx-1"))
+        coordinator.set_topology(topology("dgx-1"))  # the same search: said once
+        coordinator.set_topology(crossed_mesh())
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("GPU search")]
+    assert said == ["GPU search: linked (8 GPUs)", "GPU search: bounded (16 GPUs)"]
