@@ -434,6 +434,7 @@ class _Step:
     edges: tuple[tuple[int, int, int], ...]
     # Positions of the joined state (so far + item) still linked outside.
     keep: tuple[int, ...]
+    keeps_all: bool
 
 
 @dataclass(frozen=True)
@@ -495,7 +496,7 @@ class _LinkedPlan:
                 merged |= members
                 keep = tuple(i for i, c in enumerate(joined) if not links[c].keys() <= merged)
                 frontier = [joined[i] for i in keep]
-                node_steps.append(_Step(is_class, item, edges, keep))
+                node_steps.append(_Step(is_class, item, edges, keep, len(keep) == len(joined)))
             under[node], opened[node] = frozenset(merged), tuple(frontier)
             steps[node] = tuple(node_steps)
         return _LinkedPlan(
@@ -873,7 +874,9 @@ class Allocator:
             c = klass.index
             opened = plan.open_class[c]
             table: Table = {}
-            if klass.kind is not DeviceKind.GPU or not cap[c]:
+            if klass.kind is not DeviceKind.GPU:
+                pass  # not in the plan's steps
+            elif not cap[c]:
                 table[(0,) if opened else ()] = [0]
             else:
                 per, internal = cost[c], klass.internal_score
@@ -911,7 +914,7 @@ class Allocator:
                     for s2, row2 in other.items():
                         link = sum(w * s1[i] * s2[j] for i, j, w in edges) * w_conn if edges else 0
                         joined = s1 + s2
-                        state = tuple([joined[i] for i in keep])
+                        state = joined if step.keeps_all else tuple([joined[i] for i in keep])
                         width = len(row2)
                         limit = min(size, len(row1) + width - 2)
                         out = merged.get(state)
