@@ -908,14 +908,19 @@ class Allocator:
                 edges, keep = step.edges, step.keep
                 merged: Table = {}
                 back: Back = {}
+                # Only the counts that have a value, each row once.
+                others = [
+                    (s2, [(k2, v2) for k2, v2 in enumerate(row2) if v2 is not None], len(row2))
+                    for s2, row2 in other.items()
+                ]
                 for s1, row1 in current.items():
                     if time.monotonic() > deadline:
                         raise _OutOfTime
-                    for s2, row2 in other.items():
+                    firsts = [(k1, v1) for k1, v1 in enumerate(row1) if v1 is not None]
+                    for s2, seconds, width in others:
                         link = sum(w * s1[i] * s2[j] for i, j, w in edges) * w_conn if edges else 0
                         joined = s1 + s2
                         state = joined if step.keeps_all else tuple([joined[i] for i in keep])
-                        width = len(row2)
                         limit = min(size, len(row1) + width - 2)
                         out = merged.get(state)
                         if out is None:
@@ -927,15 +932,13 @@ class Allocator:
                                 out.extend([None] * (limit + 1 - len(out)))
                                 way.extend([None] * (limit + 1 - len(way)))
                         origin = (s1, s2)
-                        for k1, v1 in enumerate(row1):
-                            if v1 is None:
-                                continue
+                        for k1, v1 in firsts:
                             base = v1 - link
                             cross_k1 = cross * k1
-                            for k2 in range(min(width, limit - k1 + 1)):
-                                v2 = row2[k2]
-                                if v2 is None:
-                                    continue
+                            room = limit - k1
+                            for k2, v2 in seconds:
+                                if k2 > room:
+                                    break
                                 value = base + v2 - cross_k1 * k2
                                 slot = k1 + k2
                                 best = out[slot]
