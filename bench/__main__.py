@@ -284,6 +284,43 @@ def start_floor(socket: str) -> grpc.Server:
     return floor
 
 
+def plugin_sockets(directory: str) -> dict[DeviceKind, str]:
+    return {
+        DeviceKind.GPU: f"{directory}/devplugin-nvidia.com-gpu.sock",
+        DeviceKind.HCA: f"{directory}/devplugin-rdma-hca.sock",
+    }
+
+
+def preferred_rows(
+    daemon: Daemon, name: str, directory: str, bare: pb_grpc.DevicePluginStub, *,
+    rng: random.Random, iterations: int, warmup: int, limit: int = EXHAUSTIVE_LIMIT,
+) -> list[Row]:  # fmt: skip
+    """Every size of both resources against the floor, each answer's quality
+    checked (exhaustive search of at most `limit` subsets)."""
+    rows: list[Row] = []
+    for kind, socket in plugin_sockets(directory).items():
+        ids = daemon.coordinator.topology.ids(kind)
+        with grpc.insecure_channel(f"unix://{socket}") as ours_channel:
+            ours = pb_grpc.DevicePluginStub(ours_channel)
+            for size in range(1, len(ids) + 1):
+                requests, ours_ms, floor_ms = measure_preferred(
+                    ours, bare, ids, size, rng=rng, iterations=iterations, warmup=warmup
+                )
+                answer = ours.GetPreferredAllocation(requests[0])
+                verdict = quality(
+                    daemon, kind,
+                    list(requests[0].container_requests[0].available_deviceIDs),
+                    list(answer.container_responses[0].deviceIDs),
+                    limit,
+                )  # fmt: skip
+                rows.append(
+                    Row(name, kind.value, size, statistics.median(ours_ms),
+                        percentile(ours_ms, 0.99), statistics.median(floor_ms),
+                        percentile(floor_ms, 0.99), verdict)
+                )  # fmt: skip
+    return rows
+
+
 def bench_node(name: str, iterations: int, warmup: int, base: Path) -> NodeResult:
     daemon = node_daemon(name, name, base)
     daemon.start()
@@ -294,33 +331,15 @@ def bench_node(name: str, iterations: int, warmup: int, base: Path) -> NodeResul
     drift = ""
     rng = random.Random(name)
     try:
-        sockets = {
-            DeviceKind.GPU: f"{base}/{name}-dp/devplugin-nvidia.com-gpu.sock",
-            DeviceKind.HCA: f"{base}/{name}-dp/devplugin-rdma-hca.sock",
-        }
+        sockets = plugin_sockets(f"{base}/{name}-dp")
         with grpc.insecure_channel(f"unix://{base}/{name}-floor.sock") as floor_channel:
             bare = pb_grpc.DevicePluginStub(floor_channel)
             # Every GetPreferredAllocation first: Allocates would change what is
             # free and make the next requests second ones of a pair.
-            for kind, socket in sockets.items():
-                ids = daemon.coordinator.topology.ids(kind)
-                with grpc.insecure_channel(f"unix://{socket}") as ours_channel:
-                    ours = pb_grpc.DevicePluginStub(ours_channel)
-                    for size in range(1, len(ids) + 1):
-                        requests, ours_ms, floor_ms = measure_preferred(
-                            ours, bare, ids, size, rng=rng, iterations=iterations, warmup=warmup
-                        )
-                        answer = ours.GetPreferredAllocation(requests[0])
-                        verdict = quality(
-                            daemon, kind,
-                            list(requests[0].container_requests[0].available_deviceIDs),
-                            list(answer.container_responses[0].deviceIDs),
-                        )  # fmt: skip
-                        rows.append(
-                            Row(name, kind.value, size, statistics.median(ours_ms),
-                                percentile(ours_ms, 0.99), statistics.median(floor_ms),
-                                percentile(floor_ms, 0.99), verdict)
-                        )  # fmt: skip
+            rows = preferred_rows(
+                daemon, name, f"{base}/{name}-dp", bare,
+                rng=rng, iterations=iterations, warmup=warmup,
+            )  # fmt: skip
             for kind, socket in sockets.items():
                 ids = daemon.coordinator.topology.ids(kind)
                 with grpc.insecure_channel(f"unix://{socket}") as ours_channel:
@@ -389,7 +408,7 @@ def bench_pod_cache(name: str, iterations: int, warmup: int, base: Path) -> list
         if len(daemon.pods.pods()) != 250:
             raise RuntimeError(f"the pod cache holds {len(daemon.pods.pods())} pods, not 250")
         ids = daemon.coordinator.topology.ids(DeviceKind.GPU)
-        socket = f"{base}/{name}-pods-dp/devplugin-nvidia.com-gpu.sock"
+        socket = plugin_sockets(f"{base}/{name}-pods-dp")[DeviceKind.GPU]
         with (
             grpc.insecure_channel(f"unix://{base}/{name}-pods-floor.sock") as floor_channel,
             grpc.insecure_channel(f"unix://{socket}") as ours_channel,
@@ -427,33 +446,11 @@ def bench_nvlink(name: str, iterations: int, warmup: int, base: Path) -> tuple[l
     rng = random.Random(f"{name}-nvlink")
     rows: list[Row] = []
     try:
-        directory = f"{base}/{name}-nvlink-dp"
-        sockets = {
-            DeviceKind.GPU: f"{directory}/devplugin-nvidia.com-gpu.sock",
-            DeviceKind.HCA: f"{directory}/devplugin-rdma-hca.sock",
-        }
         with grpc.insecure_channel(f"unix://{base}/{name}-nvlink-floor.sock") as floor_channel:
-            bare = pb_grpc.DevicePluginStub(floor_channel)
-            for kind, socket in sockets.items():
-                ids = daemon.coordinator.topology.ids(kind)
-                with grpc.insecure_channel(f"unix://{socket}") as ours_channel:
-                    ours = pb_grpc.DevicePluginStub(ours_channel)
-                    for size in range(1, len(ids) + 1):
-                        requests, ours_ms, floor_ms = measure_preferred(
-                            ours, bare, ids, size, rng=rng, iterations=iterations, warmup=warmup
-                        )
-                        answer = ours.GetPreferredAllocation(requests[0])
-                        verdict = quality(
-                            daemon, kind,
-                            list(requests[0].container_requests[0].available_deviceIDs),
-                            list(answer.container_responses[0].deviceIDs),
-                            NVLINK_EXHAUSTIVE_LIMIT,
-                        )  # fmt: skip
-                        rows.append(
-                            Row(name, kind.value, size, statistics.median(ours_ms),
-                                percentile(ours_ms, 0.99), statistics.median(floor_ms),
-                                percentile(floor_ms, 0.99), verdict)
-                        )  # fmt: skip
+            rows = preferred_rows(
+                daemon, name, f"{base}/{name}-nvlink-dp", pb_grpc.DevicePluginStub(floor_channel),
+                rng=rng, iterations=iterations, warmup=warmup, limit=NVLINK_EXHAUSTIVE_LIMIT,
+            )  # fmt: skip
         hits = int(daemon.metrics.budget_hits._value.get())
     finally:
         floor.stop(0)
