@@ -250,9 +250,18 @@ def installs(helm_python: str) -> dict[str, dict[str, Any]]:
 
 
 def objects(installs: dict[str, dict[str, Any]], case: str) -> dict[str, dict[str, Any]]:
+    """The daemon's objects by kind. With the extender on, some kinds come
+    twice or three times; the daemon's has the chart's base name, the
+    extender's and the scheduler's add a suffix (and Helm's order among
+    objects of one kind is not fixed)."""
     entry = installs[case]
     assert entry["ok"], entry.get("error")
-    return {obj["kind"]: obj for obj in entry["objects"]}
+    by_kind: dict[str, dict[str, Any]] = {}
+    for obj in entry["objects"]:
+        kept = by_kind.get(obj["kind"])
+        if kept is None or len(obj["metadata"]["name"]) < len(kept["metadata"]["name"]):
+            by_kind[obj["kind"]] = obj
+    return by_kind
 
 
 def container(objs: dict[str, dict[str, Any]]) -> dict[str, Any]:

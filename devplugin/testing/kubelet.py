@@ -16,6 +16,13 @@ It behaves like the kubelet's device manager where a device plugin can tell:
 * on restart, removes every socket in the plugin directory and creates a new
   `kubelet.sock`, keeping its record of which container holds which device;
 * serves `v1.PodResourcesLister` on its own socket.
+
+One thing it does more tidily than the kubelet: a PodResources call waits
+(boundedly) for container allocations in flight, so an answer never lacks
+devices whose Allocate had already returned. The kubelet records them just
+after Allocate returns; the daemon's bookkeeping grace covers that gap (its
+unit tests drive it with a fake clock), and the tests run with a short
+grace that a loaded machine could otherwise outlast.
 """
 
 from __future__ import annotations
@@ -46,6 +53,9 @@ _EXTENDED_NAME = re.compile(
     r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 )
 CHECKPOINT_FILE = "kubelet_internal_checkpoint"
+# How long a PodResources call waits for allocations in flight (a plugin
+# that hangs in Allocate must not stop PodResources for long).
+ALLOCATION_WAIT = 1.0
 
 
 class AdmissionError(Exception):
@@ -187,6 +197,7 @@ class _PodResources(pr_grpc.PodResourcesListerServicer):
         self, request: pr.ListPodResourcesRequest, context: grpc.ServicerContext
     ) -> pr.ListPodResourcesResponse:
         with self.sim._cond:
+            self.sim._cond.wait_for(lambda: not self.sim._allocating, timeout=ALLOCATION_WAIT)
             self.sim.pod_resources_calls += 1
             pods = [
                 self.sim._pod_proto(key, pod)
@@ -199,6 +210,7 @@ class _PodResources(pr_grpc.PodResourcesListerServicer):
         self, request: pr.GetPodResourcesRequest, context: grpc.ServicerContext
     ) -> pr.GetPodResourcesResponse:
         with self.sim._cond:
+            self.sim._cond.wait_for(lambda: not self.sim._allocating, timeout=ALLOCATION_WAIT)
             self.sim.pod_resources_calls += 1
             key = (request.pod_namespace, request.pod_name)
             pod = self.sim._pods.get(key)
@@ -272,6 +284,8 @@ class KubeletSimulator:
         self.api = api
         self.node_name = node_name
         self._created = 0
+        # Container resources being allocated (preference, Allocate, record).
+        self._allocating = 0
 
     # -- lifecycle -----------------------------------------------------------
     def start(self) -> None:
@@ -486,18 +500,24 @@ class KubeletSimulator:
             with self._cond:
                 self._init_only.add((*key, container.name))
         for resource in resources:
-            ids, response = self._allocate(
-                resource, container.requests[resource], reusable.get(resource, [])
-            )
-            result.devices[resource] = ids
-            result.responses[resource] = response
-            if container.init and not container.sidecar:
-                reusable[resource] = sorted(set(reusable.get(resource, [])) | set(ids))
-            else:
-                reusable[resource] = [d for d in reusable.get(resource, []) if d not in ids]
             with self._cond:
-                self._pods[key].setdefault(container.name, {})[resource] = ids
-                self._cond.notify_all()
+                self._allocating += 1
+            try:
+                ids, response = self._allocate(
+                    resource, container.requests[resource], reusable.get(resource, [])
+                )
+                result.devices[resource] = ids
+                result.responses[resource] = response
+                if container.init and not container.sidecar:
+                    reusable[resource] = sorted(set(reusable.get(resource, [])) | set(ids))
+                else:
+                    reusable[resource] = [d for d in reusable.get(resource, []) if d not in ids]
+                with self._cond:
+                    self._pods[key].setdefault(container.name, {})[resource] = ids
+            finally:
+                with self._cond:
+                    self._allocating -= 1
+                    self._cond.notify_all()
         return result
 
     def _allocate(
