@@ -238,3 +238,35 @@ def test_the_daemon_logs_which_search_a_node_gets(caplog: pytest.LogCaptureFixtu
         coordinator.set_topology(crossed_mesh())
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("GPU search")]
     assert said == ["GPU search: linked (8 GPUs)", "GPU search: bounded (16 GPUs)"]
+
+
+@pytest.mark.parametrize(
+    "links",
+    [
+        # A bridged pair inside a switch (one class of two) linked to a GPU
+        # of the next switch: the class's count, 0-2, is what the fold carries.
+        {(0, 1): 4, (0, 2): 2, (1, 2): 2},
+        # Two such pairs linked to each other across the host bridges.
+        {(0, 1): 4, (4, 5): 4, (0, 4): 1, (0, 5): 1, (1, 4): 1, (1, 5): 1},
+        # A ring through every switch of one socket and a chord to the other.
+        {(1, 2): 2, (3, 4): 2, (5, 6): 2, (7, 0): 2, (0, 8): 1},
+    ],
+    ids=["pair-to-neighbour", "pairs-across-bridges", "ring-and-chord"],
+)
+def test_linked_classes_of_several_gpus_are_carried_by_count(
+    links: dict[tuple[int, int], int],
+) -> None:
+    spec = LAYOUTS["16-gpu"]()
+    spec.nvlink_pairs = links
+    mesh = of_spec(spec)
+    allocator = Allocator(mesh)
+    assert allocator.method == "linked"
+    gpus, hcas = mesh.ids(GPU), mesh.ids(HCA)
+    rng = random.Random(str(sorted(links)))
+    for size in range(1, 9):
+        available = frozenset(rng.sample(gpus, rng.randint(max(size, 10), len(gpus))))
+        must = frozenset(rng.sample(sorted(available), rng.randint(0, 1)))
+        partner = frozenset(rng.sample(hcas, rng.randint(1, len(hcas))))
+        request = Request(GPU, available, size, must, partner=partner, other_free=partner,
+                          expected=rng.choice([None, 0]))  # fmt: skip
+        assert_exact(mesh, allocator, request)
