@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from devplugin.alignment import best_worst_level
+from devplugin.allocator import Allocator
 from devplugin.cluster.record import Registration, build_status
 from devplugin.deadline import Deadlines
 from devplugin.discovery import Discoverer, NvmlGpuSource, Roots
@@ -57,7 +58,10 @@ def record(inv: Inventory, name: str = "n1", unhealthy: frozenset[str] = frozens
     return {"metadata": {"name": name, "resourceVersion": "1"}, "status": status}
 
 
-@pytest.mark.parametrize("layout", ["hgx-h100", "dgx-a100", "pcie-server", "asymmetric", "16-gpu"])
+@pytest.mark.parametrize(
+    "layout",
+    ["hgx-h100", "dgx-a100", "pcie-server", "asymmetric", "16-gpu", "dgx-1", "16-gpu-bridged"],
+)
 def test_the_records_topology_gives_every_level_and_nvlink_of_the_node(
     layout: str, tmp_path: Path
 ) -> None:
@@ -71,6 +75,8 @@ def test_the_records_topology_gives_every_level_and_nvlink_of_the_node(
             if a != b:
                 assert rebuilt.level(a, b) == real.level(a, b), (a, b)
                 assert rebuilt.nvlinks(a, b) == real.nvlinks(a, b), (a, b)
+    # The extender searches such a node the way its daemon does.
+    assert Allocator(rebuilt).method == Allocator(real).method
 
 
 @pytest.mark.parametrize("layout", ["hgx-h100", "dgx-a100", "pcie-server"])
