@@ -914,10 +914,11 @@ class Allocator:
                     for s2, row2 in other.items()
                 ]
                 for s1, row1 in current.items():
-                    if time.monotonic() > deadline:
-                        raise _OutOfTime
                     firsts = [(k1, v1) for k1, v1 in enumerate(row1) if v1 is not None]
                     for s2, seconds, width in others:
+                        # One pair of rows is at most a few thousand steps.
+                        if time.monotonic() > deadline:
+                            raise _OutOfTime
                         link = sum(w * s1[i] * s2[j] for i, j, w in edges) * w_conn if edges else 0
                         joined = s1 + s2
                         state = joined if step.keeps_all else tuple([joined[i] for i in keep])
