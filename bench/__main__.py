@@ -74,8 +74,7 @@ from devplugin.runtime import Daemon, build, settle_heap
 from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.fake_nvml import FakeNvml
 from devplugin.testing.layouts import LAYOUTS
-from devplugin.testing.node import build_node, devices_from_spec
-from devplugin.topology import Topology
+from devplugin.testing.node import build_node
 
 # Absolute p99 targets, printed for reference: a loaded machine moves them,
 # so they never fail the run. The goal is the median p50/floor ratio, both
@@ -436,9 +435,9 @@ def bench_pod_cache(name: str, iterations: int, warmup: int, base: Path) -> list
     return rows
 
 
-def bench_nvlink(name: str, iterations: int, warmup: int, base: Path) -> tuple[list[Row], int]:
+def bench_nvlink(name: str, iterations: int, warmup: int, base: Path) -> tuple[list[Row], int, str]:
     """Every GPU and HCA size on one NVLink layout: (rows, searches that hit
-    their budget)."""
+    their budget, how the daemon's allocator searches GPUs there)."""
     daemon = node_daemon(name, f"{name}-nvlink", base)
     daemon.start()
     settle_heap()  # as `devplugin run` does once serving
@@ -452,11 +451,12 @@ def bench_nvlink(name: str, iterations: int, warmup: int, base: Path) -> tuple[l
                 rng=rng, iterations=iterations, warmup=warmup, limit=NVLINK_EXHAUSTIVE_LIMIT,
             )  # fmt: skip
         hits = int(daemon.metrics.budget_hits._value.get())
+        method = Allocator(daemon.coordinator.topology).method
     finally:
         floor.stop(0)
         daemon.stop()
         gc.unfreeze()
-    return rows, hits
+    return rows, hits, method
 
 
 def nvlink_section(layouts: Sequence[str], iterations: int, warmup: int, base: Path) -> bool:
@@ -466,12 +466,11 @@ def nvlink_section(layouts: Sequence[str], iterations: int, warmup: int, base: P
           f"{'fl p99':>7} {'ratio':>5}  quality")  # fmt: skip
     met = True
     for name in layouts:
-        rows, hits = bench_nvlink(name, iterations, warmup, base)
+        rows, hits, method = bench_nvlink(name, iterations, warmup, base)
         for row in rows:
             print_row(row, width=14)
         worst = max(rows, key=lambda row: row.p99)
         within = worst.p99 < NVLINK_P99_MS and hits == 0
-        method = node_daemon_method(name)
         print(
             f"== {name} ({method} search): worst p99 {worst.p99:.3f} ms ({worst.kind} size "
             f"{worst.size}; goal < {NVLINK_P99_MS:.0f} ms: {'met' if within else 'MISSED'}); "
@@ -483,12 +482,6 @@ def nvlink_section(layouts: Sequence[str], iterations: int, warmup: int, base: P
         )
         met &= within and not any(row.quality == "WORSE" for row in rows)
     return met
-
-
-def node_daemon_method(name: str) -> str:
-    """How the allocator searches GPUs on a layout (tree, linked, bounded)."""
-    gpus, hcas = devices_from_spec(LAYOUTS[name]())
-    return Allocator(Topology(gpus, hcas)).method
 
 
 def _pod(name: str, limits: list[dict[str, int]], index: int, phase: str) -> dict[str, object]:
