@@ -281,10 +281,20 @@ def measure_preferred(
 ) -> tuple[list[pb.PreferredAllocationRequest], list[float], list[float]]:  # fmt: skip
     """GetPreferredAllocation of `size` over seeded available sets, ours and the floor's."""
     requests = [request_for(s, size) for s in states(ids, size, rng)]
-    ours_calls = [partial(ours.GetPreferredAllocation, r) for r in requests]
-    bare_calls = [partial(bare.GetPreferredAllocation, r) for r in requests]
-    ours_ms, floor_ms = measure_pair(ours_calls, bare_calls, iterations, warmup)
+    ours_ms, floor_ms = measure_pair(*preference_calls(ours, bare, requests), iterations, warmup)
     return requests, ours_ms, floor_ms
+
+
+def preference_calls(
+    ours: pb_grpc.DevicePluginStub,
+    bare: pb_grpc.DevicePluginStub,
+    requests: Sequence[pb.PreferredAllocationRequest],
+) -> tuple[Calls, Calls]:
+    """The same requests to our servicer and to the floor."""
+    return (
+        [partial(ours.GetPreferredAllocation, r) for r in requests],
+        [partial(bare.GetPreferredAllocation, r) for r in requests],
+    )
 
 
 def start_floor(socket: str) -> grpc.Server:
@@ -318,13 +328,7 @@ def preferred_rows(
         requests = {size: [request_for(s, size) for s in states(ids, size, rng)] for size in sizes}
         with grpc.insecure_channel(f"unix://{socket}") as ours_channel:
             ours = pb_grpc.DevicePluginStub(ours_channel)
-            groups = [
-                (
-                    [partial(ours.GetPreferredAllocation, r) for r in requests[size]],
-                    [partial(bare.GetPreferredAllocation, r) for r in requests[size]],
-                )
-                for size in sizes
-            ]
+            groups = [preference_calls(ours, bare, requests[size]) for size in sizes]
             if interleave:
                 measured = measure_groups(groups, iterations, warmup)
             else:

@@ -607,17 +607,12 @@ class Allocator:
         (only graphs near `LINKED_STATES` could) the subset search's first
         answer."""
         deadline = time.monotonic() + self._budget
-        if not self._needs_bounded:
+        if self.method != "bounded":
             try:
                 return self._search(request, candidates, deadline)
             except _OutOfTime:
                 pass
         return self._bounded(request, deadline)
-
-    @property
-    def _needs_bounded(self) -> bool:
-        """GPU pair scores neither the tree nor the linked fold can express."""
-        return not self.topology.tree_exact and self._linked is None
 
     @property
     def method(self) -> str:

@@ -197,7 +197,7 @@ class _PodResources(pr_grpc.PodResourcesListerServicer):
         self, request: pr.ListPodResourcesRequest, context: grpc.ServicerContext
     ) -> pr.ListPodResourcesResponse:
         with self.sim._cond:
-            self.sim._cond.wait_for(lambda: not self.sim._allocating, timeout=ALLOCATION_WAIT)
+            self.sim._await_allocations_locked()
             self.sim.pod_resources_calls += 1
             pods = [
                 self.sim._pod_proto(key, pod)
@@ -210,7 +210,7 @@ class _PodResources(pr_grpc.PodResourcesListerServicer):
         self, request: pr.GetPodResourcesRequest, context: grpc.ServicerContext
     ) -> pr.GetPodResourcesResponse:
         with self.sim._cond:
-            self.sim._cond.wait_for(lambda: not self.sim._allocating, timeout=ALLOCATION_WAIT)
+            self.sim._await_allocations_locked()
             self.sim.pod_resources_calls += 1
             key = (request.pod_namespace, request.pod_name)
             pod = self.sim._pods.get(key)
@@ -431,6 +431,11 @@ class KubeletSimulator:
         """resource -> ids held by any container."""
         with self._cond:
             return self._allocated_locked()
+
+    def _await_allocations_locked(self) -> None:
+        """Under the lock: let container allocations in flight be recorded
+        (at most ALLOCATION_WAIT), so PodResources never lacks them."""
+        self._cond.wait_for(lambda: not self._allocating, timeout=ALLOCATION_WAIT)
 
     def _allocated_locked(self) -> dict[str, set[str]]:
         held: dict[str, set[str]] = {}
