@@ -31,6 +31,8 @@ class Outcome(enum.Enum):
     EXACT = "exact"
     NO_POD = "fallback-no-pod"
     AMBIGUOUS = "fallback-ambiguous"
+    # The pod cache is not current: not asked at all.
+    NOT_CURRENT = "fallback-not-current"
 
 
 @dataclass(frozen=True)

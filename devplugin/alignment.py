@@ -20,7 +20,7 @@ import grpc
 
 from devplugin.coordination import Coordinator
 from devplugin.kubelet import PodResourcesClient
-from devplugin.ledger import Holdings, Ledger
+from devplugin.ledger import Held, Holdings, Ledger
 from devplugin.metrics import Metrics
 from devplugin.model import DeviceKind
 from devplugin.rpc import rpc_failure
@@ -41,10 +41,29 @@ class ContainerAlignment:
     # the container holds both kinds.
     worst: Level | None
     total: int | None
+    # The pod's uid, when the pod cache identified the container.
+    uid: str | None = None
 
     @property
     def name(self) -> str:
         return f"{self.namespace}/{self.pod}/{self.container}"
+
+
+def holders_report(topology: Topology, holders: Iterable[Held]) -> list[ContainerAlignment]:
+    """The ledger's planning view as containers with their alignment (a
+    holder not known yet by name has empty names)."""
+    found = []
+    for held in holders:
+        namespace, pod, container = held.container or ("", "", "")
+        gpus, hcas = held.devices[DeviceKind.GPU], held.devices[DeviceKind.HCA]
+        measured = alignment(topology, gpus, hcas)
+        found.append(
+            ContainerAlignment(
+                namespace, pod, container, gpus, hcas,
+                measured[0] if measured else None, measured[1] if measured else None, held.uid,
+            )
+        )  # fmt: skip
+    return found
 
 
 def alignment(
@@ -244,3 +263,35 @@ def best_worst_level(
         worst = max(floor, levels[rest - 1]) if rest > 0 else floor
         best = min(best, Level(worst))
     return best
+
+
+def best_alignment(
+    topology: Topology,
+    free_gpus: Iterable[str],
+    free_hcas: Iterable[str],
+    gpus: int,
+    hcas: int,
+    *,
+    must_gpus: Iterable[str] = (),
+    must_hcas: Iterable[str] = (),
+) -> tuple[Level, int]:
+    """The exhaustive optimum of (worst, then summed) GPU-to-nearest-HCA level
+    over every choice of `gpus` GPUs and `hcas` HCAs (the `must_` devices
+    included, the rest from the free ones). For a fixed HCA set the GPUs
+    nearest to it minimise both terms at once, so only HCA sets are
+    enumerated."""
+    fixed_g, fixed_h = sorted(set(must_gpus)), sorted(set(must_hcas))
+    candidates = [g for g in free_gpus if g not in fixed_g]
+    others = sorted(h for h in free_hcas if h not in fixed_h)
+    best: tuple[int, int] | None = None
+    for extra in itertools.combinations(others, hcas - len(fixed_h)):
+        chosen = (*fixed_h, *extra)
+        fixed = [min(topology.level(g, h) for h in chosen) for g in fixed_g]
+        rest = sorted(min(topology.level(g, h) for h in chosen) for g in candidates)
+        levels = fixed + rest[: gpus - len(fixed_g)]
+        key = (max(levels), sum(levels))
+        if best is None or key < best:
+            best = key
+    if best is None:
+        raise ValueError("no choice of that size")
+    return Level(best[0]), best[1]

@@ -83,6 +83,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=120.0,
         help="a NodeDevices record older than this is ignored (default 120)",
     )
+    extender.add_argument(
+        "--watch-timeout-seconds", type=float, default=30.0,
+        help="the API server ends each watch after this long; one silent for this plus "
+        "the request timeout is dead and the cache lists again (default 30)",
+    )  # fmt: skip
+    extender.add_argument(
+        "--request-timeout-seconds", type=float, default=5.0,
+        help="every API request gives up after this long (default 5)",
+    )  # fmt: skip
     extender.add_argument("--gpu-resource", default="nvidia.com/gpu")
     extender.add_argument("--hca-resource", default="rdma/hca")
     extender.add_argument("--log-format", choices=["text", "json"], default="text")
@@ -110,10 +119,25 @@ def resolve_config(args: argparse.Namespace) -> Config:
         )
         check_roots(config)
         if args.command == "run":
+            config = _api_from_flags(args, config)
             check_hooks(config)
             check_kubernetes(config)
     except ConfigError as exc:
         raise UsageError(f"config error: {exc}") from exc
+    return config
+
+
+API_FLAGS = ("kubeconfig", "node_name")
+
+
+def _api_from_flags(args: argparse.Namespace, config: Config) -> Config:
+    """A flag that only means something with API access turns it on (the
+    chart turns it on with `kubernetes.enabled`)."""
+    given = [f"--{flag.replace('_', '-')}" for flag in API_FLAGS if getattr(args, flag, None)]
+    args.api_by_flags = ""
+    if given and not config.kubernetes.enabled:
+        args.api_by_flags = " and ".join(given)
+        return override(config, **{"kubernetes.enabled": True})
     return config
 
 
@@ -166,6 +190,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     config = resolve_config(args)
     setup_logging(config.logging.format, config.logging.level)
+    if getattr(args, "api_by_flags", ""):
+        log.info("Kubernetes API access on: %s given on the command line", args.api_by_flags)
     lib = nvml_library(config)
     stop = _stop_on_signals()
     daemon = build(config, lib)
@@ -230,26 +256,26 @@ def cmd_extender(args: argparse.Namespace) -> int:
     address = _listen(args.listen)
     if (args.tls_cert is None) != (args.tls_key is None):
         raise UsageError("--tls-cert and --tls-key go together")
-    if args.stale_after_seconds <= 0:
-        raise UsageError("--stale-after-seconds: must be greater than 0")
-    kube = KubernetesConfig(enabled=True, kubeconfig=args.kubeconfig or "")
-    if make_client(kube) is None:
+    for flag in ("stale_after_seconds", "watch_timeout_seconds", "request_timeout_seconds"):
+        if getattr(args, flag) <= 0:
+            raise UsageError(f"--{flag.replace('_', '-')}: must be greater than 0")
+    kube = KubernetesConfig(
+        enabled=True, kubeconfig=args.kubeconfig or "",
+        request_timeout_seconds=args.request_timeout_seconds,
+        watch_timeout_seconds=args.watch_timeout_seconds,
+    )  # fmt: skip
+    probe = make_client(kube)
+    if probe is None:
         raise UsageError("no Kubernetes API access (--kubeconfig, or run in a pod)")
-
-    def client() -> Any:
-        made = make_client(kube)
-        if made is None:
-            raise RuntimeError("Kubernetes API access went away")
-        return made
-
+    probe.close()
     stop = _stop_on_signals()
     tls = (args.tls_cert, args.tls_key) if args.tls_cert else None
     try:
         _, server, caches = serve(
-            client, address, stale_after=args.stale_after_seconds, tls=tls,
+            kube, address, stale_after=args.stale_after_seconds, tls=tls,
             names=(args.gpu_resource, args.hca_resource),
         )  # fmt: skip
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RuntimeError) as exc:
         log.error("cannot start: %s", exc)
         return 1
     log.info("scheduler extender serving on %s:%d", *server.address)

@@ -216,6 +216,13 @@ class KubernetesConfig:
     node_name: str = ""
     # Every API request gives up after this long (RPCs never wait on it).
     request_timeout_seconds: float = _checked(5.0, _positive)
+    # The server ends each watch after this long (timeoutSeconds) and it is
+    # opened again. A watch that says nothing for this plus the request
+    # timeout is dead (a connection gone silent without a FIN): the cache
+    # lists again, and until it has, it says it is not current.
+    watch_timeout_seconds: float = _checked(30.0, _positive)
+    # Failed lists and watches are retried after 0.2 s, doubling up to this.
+    watch_backoff_max_seconds: float = _checked(10.0, _positive)
     # How long GetPreferredAllocation may wait for a pod to reach the cache.
     pod_wait_seconds: float = _checked(0.1, _positive)
     # A container identified at GetPreferredAllocation counts as holding its

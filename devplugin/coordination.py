@@ -26,8 +26,10 @@ not defined (it walks a Go map), and the requests carry no pod identity. So:
   the other kind (a single-resource container) was made a moment ago, and
   its Allocate starts a new pair instead of completing that one.
 * Which devices of the other kind are free is read from the holdings
-  ledger (the kubelet's PodResources answers plus the allocations made since
-  the last poll); the coordinator never calls out.
+  ledger (moved by Allocates, the pod watch, the kubelet's available lists
+  and PodResources polls); the coordinator never calls out. Each request's
+  own available list is handed to the ledger first (`observe_available`):
+  it is the kubelet's word on that kind at that instant.
 """
 
 from __future__ import annotations
@@ -153,6 +155,18 @@ class Coordinator:
                 self._shapes[(pending.kind, len(pending.ids))] = 0
             self._pending = given
 
+    def observe_available(
+        self, kind: DeviceKind, available: Iterable[str], must_include: Iterable[str]
+    ) -> bool:
+        """A GetPreferredAllocation's lists for `kind` (exclusive devices only):
+        correct the holdings before planning. Whether they changed."""
+        with self._lock:
+            known = self._topology.id_set(kind)
+            served = self._healthy[kind] & known
+        listed = frozenset(available) & known
+        must = frozenset(must_include) & known
+        return self._ledger.available(kind, listed, must, served)
+
     # -- queries ---------------------------------------------------------------
     def free(self, kind: DeviceKind) -> frozenset[str]:
         with self._lock:
@@ -208,7 +222,8 @@ class Coordinator:
                     known.partners if known is not None else self._shapes.get((kind, size), size)
                 )
             allocator = self._allocator
-        if role is Role.FIRST and known is not None and known.forced:
+        forced = known.forced if known is not None else frozenset()
+        if role is Role.FIRST and known is not None and forced:
             choice = self._around_forced(
                 allocator, kind=kind, candidates=candidates, must=must, size=size,
                 known=known, other_free=other_free,
@@ -219,11 +234,14 @@ class Coordinator:
             role is Role.FIRST
             and kind is DeviceKind.HCA
             and expected
-            and len(other_free) >= expected
+            and len(other_free | forced) >= expected
         ):
+            # Too many completions of a forced GPU set to try each: plan the
+            # GPUs with the forced ones in, as the kubelet will give them.
+            planned_must = forced if expected >= len(forced) else frozenset()
             return self._hcas_for_planned_gpus(
                 allocator, candidates=candidates, must=must, size=size, gpus=expected,
-                free_gpus=other_free,
+                free_gpus=other_free | forced, must_gpus=planned_must,
             ), role  # fmt: skip
         request = Request(kind, candidates, size, must, role, partner, other_free, expected)
         return allocator.choose(request), role
@@ -237,14 +255,15 @@ class Coordinator:
         size: int,
         gpus: int,
         free_gpus: frozenset[str],
+        must_gpus: frozenset[str] = frozenset(),
     ) -> Choice:
-        """HCAs first with `gpus` GPUs to follow: plan those GPUs as a first
-        GPU request would (nearest to the HCAs, then best connected: on one
-        socket under NVSwitch), then choose the HCAs against the plan. The
-        pair is the one the other call order gives."""
+        """HCAs first with `gpus` GPUs to follow (`must_gpus` among them): plan
+        those GPUs as a first GPU request would (nearest to the HCAs, then
+        best connected: on one socket under NVSwitch), then choose the HCAs
+        against the plan. The pair is the one the other call order gives."""
         plan = allocator.choose(
             Request(
-                DeviceKind.GPU, free_gpus, gpus, frozenset(), Role.FIRST, candidates,
+                DeviceKind.GPU, free_gpus, gpus, must_gpus, Role.FIRST, candidates,
                 candidates, size,
             )
         )  # fmt: skip

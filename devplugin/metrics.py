@@ -20,6 +20,14 @@ Names and labels (all prefixed `devplugin_`):
     allocator_budget_exhausted_total                 counter  (searches answered at the budget)
     node_devices_writes_total{result}                counter  (ok | conflict | error)
     pod_events_total{result}                         counter  (ok | failed | dropped)
+    holdings_age_seconds                             gauge, seconds since an event or poll
+                                                     last confirmed who holds what
+    holdings_corrections_total{resource}             counter, plans whose holdings the
+                                                     kubelet's available list corrected
+    watch_current{cache}                             gauge, 1 while an API watch cache is
+                                                     current (listed, heard from in time)
+    watch_age_seconds{cache}                         gauge, seconds since the cache last
+                                                     heard from the API server
 """
 
 from __future__ import annotations
@@ -118,6 +126,27 @@ class Metrics:
             "Hardware reads (per GPU, per HCA, NVML, PCI tree) past their deadline",
             registry=registry,
         )
+        self.holdings_age = Gauge(
+            "devplugin_holdings_age_seconds",
+            "Seconds since an Allocate, pod event, available list or poll last confirmed "
+            "who holds which device",
+            registry=registry,
+        )
+        self.corrections = Counter(
+            "devplugin_holdings_corrections",
+            "GetPreferredAllocation requests whose available list corrected the holdings",
+            ["resource"], registry=registry,
+        )  # fmt: skip
+        self.watch_current = Gauge(
+            "devplugin_watch_current",
+            "1 while an API watch cache is current (listed, and heard from within its bound)",
+            ["cache"], registry=registry,
+        )  # fmt: skip
+        self.watch_age = Gauge(
+            "devplugin_watch_age_seconds",
+            "Seconds since an API watch cache last heard from the API server",
+            ["cache"], registry=registry,
+        )  # fmt: skip
         self.check_age = Gauge(
             "devplugin_check_age_seconds",
             "Seconds since the last check that read every device in time",

@@ -12,15 +12,18 @@ import logging
 from collections.abc import Callable, Sequence
 
 from devplugin.coordination import Coordinator
-from devplugin.ledger import Ledger
+from devplugin.ledger import ContainerKey, Ledger
 from devplugin.lifecycle.cleanup import CleanupManager
 from devplugin.lifecycle.devices import describe
 from devplugin.lifecycle.hooks import HookRunner, HookSpec
-from devplugin.model import Refused
+from devplugin.model import DeviceKind, Refused
 from devplugin.pipeline import Pipeline
 from devplugin.resources import ContainerAllocation, HcaResource, Resource
 
 log = logging.getLogger(__name__)
+
+# Which container (and its pod's uid) an Allocate was for, when the pod cache can tell.
+Identify = Callable[[DeviceKind, Sequence[str]], tuple[ContainerKey, str] | None]
 
 
 class ResourceHooks:
@@ -36,6 +39,7 @@ class ResourceHooks:
         init: HookSpec | None = None,
         attach: HcaResource | None = None,
         poke: Callable[[], None] = lambda: None,
+        identify: Identify | None = None,
     ) -> None:
         self._resource = resource
         self._kind = resource.kind
@@ -48,6 +52,7 @@ class ResourceHooks:
         self._pre_start = resource.capabilities.pre_start
         self._attach = attach
         self._poke = poke
+        self._identify = identify
 
     def prepare(self, physical: Sequence[str]) -> str | None:
         if not self._cleanup.cleans(self._kind):
@@ -99,7 +104,11 @@ class ResourceHooks:
         return message
 
     def allocated(self, physical: Sequence[str]) -> None:
-        self._ledger.allocated(self._kind, physical)
+        found = self._identify(self._kind, physical) if self._identify is not None else None
+        holder, uid = found if found is not None else (None, None)
+        self._ledger.allocated(self._kind, physical, holder=holder, uid=uid)
         self._coordinator.allocated(self._kind, physical)
-        self._cleanup.allocated(self._kind, physical)
+        owner = (holder[0], holder[1], uid) if holder is not None else None
+        self._cleanup.allocated(self._kind, physical, owner)
+        # A PodResources poll soon (rate-limited, on the monitor's thread).
         self._poke()

@@ -38,6 +38,16 @@ LEVELS_BY_NAME = {level.name: level for level in Level}
 
 
 @dataclass(frozen=True)
+class Holding:
+    """One container's devices, per a record."""
+
+    namespace: str
+    pod: str
+    uid: str | None
+    devices: frozenset[str]
+
+
+@dataclass(frozen=True)
 class NodeState:
     """One node as its record describes it."""
 
@@ -47,6 +57,20 @@ class NodeState:
     total: Mapping[DeviceKind, int]
     # Who holds what per the record: (namespace, pod) pairs.
     holders: frozenset[tuple[str, str]]
+    # The same with their devices (a holder not identified yet has empty names).
+    holdings: tuple[Holding, ...] = ()
+    # Healthy devices, held or not.
+    healthy: Mapping[DeviceKind, frozenset[str]] | None = None
+
+    def without(self, ended: Iterable[Holding]) -> NodeState:
+        """The node once these holders' devices are back (their pods ended)."""
+        back = frozenset(d for holding in ended for d in holding.devices)
+        healthy = self.healthy or {}
+        free = {
+            kind: self.free[kind] | (back & healthy.get(kind, frozenset())) for kind in DeviceKind
+        }
+        return NodeState(self.name, self.topology, free, self.total, self.holders,
+                         self.holdings, self.healthy)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -171,11 +195,19 @@ def node_from_record(record: Mapping[str, Any]) -> NodeState:
             healthy[kind_value].add(device_id)
     held: set[str] = set()
     holders: set[tuple[str, str]] = set()
+    holdings: list[Holding] = []
     for allocation in allocations:
         if not isinstance(allocation, dict):
             raise ValueError("an allocation is not an object")
-        held.update(str(d) for d in allocation.get("devices") or [])
-        holders.add((str(allocation.get("namespace")), str(allocation.get("pod"))))
+        devices = allocation.get("devices") or []
+        if not isinstance(devices, list):
+            raise ValueError("an allocation's devices must be a list")
+        ids = frozenset(str(d) for d in devices)
+        held.update(ids)
+        namespace, pod = str(allocation.get("namespace") or ""), str(allocation.get("pod") or "")
+        uid = allocation.get("podUID")
+        holders.add((namespace, pod))
+        holdings.append(Holding(namespace, pod, uid if isinstance(uid, str) and uid else None, ids))
     topology = Topology(gpus, hcas)
     return NodeState(
         name=meta["name"],
@@ -183,6 +215,8 @@ def node_from_record(record: Mapping[str, Any]) -> NodeState:
         free={kind: frozenset(healthy[kind] - held) for kind in DeviceKind},
         total={DeviceKind.GPU: len(gpus), DeviceKind.HCA: len(hcas)},
         holders=frozenset(holders),
+        holdings=tuple(holdings),
+        healthy={kind: frozenset(ids) for kind, ids in healthy.items()},
     )
 
 

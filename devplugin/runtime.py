@@ -17,17 +17,17 @@ import gc
 import logging
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from lightkube import Client
 
-from devplugin.alignment import AlignmentMonitor
+from devplugin.alignment import AlignmentMonitor, holders_report
 from devplugin.checks import CheckLoop, Requests
 from devplugin.cluster.awareness import PodAwareness
-from devplugin.cluster.client import make_client
+from devplugin.cluster.client import Heartbeat, make_client
 from devplugin.cluster.events import EventRecorder
 from devplugin.cluster.pods import PodCache
 from devplugin.cluster.publisher import RecordPublisher
@@ -49,6 +49,7 @@ from devplugin.metrics import Metrics
 from devplugin.model import DeviceKind, Inventory
 from devplugin.node_hooks import ResourceHooks
 from devplugin.pipeline import Pipeline, log_inventory
+from devplugin.podinfo import PodInfo
 from devplugin.resources import Capabilities, GpuResource, HcaResource, Resource, ResourceState
 from devplugin.server import DevicePluginServicer, PluginServer, socket_name
 from devplugin.sharing import SharedResource
@@ -262,6 +263,14 @@ class Daemon:
         error = self.cleanup.checkpoint_error()
         if error is not None:
             return False, f"checkpoint not written: {error}"
+        pods = self.pods
+        if pods is not None and not pods.current:
+            # Allocation goes on without the pods (as without API access);
+            # the operator should know the view is not the cluster's.
+            return False, (
+                f"pod cache not current: nothing from the API server for {pods.age():.0f}s "
+                "(planning from the kubelet alone)"
+            )
         return True, ""
 
     def stop(self) -> None:
@@ -343,13 +352,20 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
     requests = Requests()
     pods: PodCache | None = None
     writer: Client | None = None
-    if config.kubernetes.enabled:
-        client = make_client(config.kubernetes)
+    kube = config.kubernetes
+    if kube.enabled:
+        heartbeat = Heartbeat()
+        client = make_client(kube, heartbeat=heartbeat)
         if client is not None:
-            pods = PodCache(client, node_name(config))
+            pods = PodCache(
+                client, node_name(config), backoff_max=kube.watch_backoff_max_seconds,
+                server_timeout=kube.watch_timeout_seconds,
+                read_margin=kube.request_timeout_seconds, heartbeat=heartbeat,
+            )  # fmt: skip
             # Writes (the record, events) on their own connection: the pod
             # watch's is closed to end it at stop.
-            writer = make_client(config.kubernetes)
+            writer = make_client(kube)
+    metrics.holdings_age.set_function(ledger.age)
     awareness: PodAwareness | None = None
     if pods is not None:
         awareness = PodAwareness(
@@ -378,6 +394,12 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
     )
     if pods is not None:
         pods.listen(cleanup.reconsider)
+        watched = pods
+        # The pod watch moves the holdings before any reader sees the change.
+        pods.on_ended(partial(_pod_ended, ledger, watched))
+        pods.on_started(lambda pod: ledger.pod_started(pod.namespace, pod.name, pod.uid))
+        metrics.watch_current.labels("pods").set_function(lambda: float(watched.current))
+        metrics.watch_age.labels("pods").set_function(watched.age)
     hca_view = HcaResource(name=config.resources.hca.name, env_var=config.resources.hca.env_var)
     pipeline = Pipeline(
         resources,
@@ -441,6 +463,7 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
             if config.allocation.attach_hcas and resource.kind is DeviceKind.GPU
             else None,
             poke=monitor.poke,
+            identify=awareness.holder_of if awareness is not None else None,
         )
         servicer = DevicePluginServicer(
             resource,
@@ -464,14 +487,19 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
     )
     publisher: RecordPublisher | None = None
     if writer is not None and config.kubernetes.node_devices:
+        status = partial(
+            _record_status, pipeline, records, ledger=ledger, coordinator=coordinator,
+            registrar=registrar, pods=pods,
+        )  # fmt: skip
         publisher = RecordPublisher(
             writer,
             node_name(config),
-            partial(_record_status, pipeline, records, monitor, registrar),
+            status,
             min_interval=config.kubernetes.record_min_interval_seconds,
             resync=config.kubernetes.record_resync_seconds,
             metrics=metrics,
         )
+        ledger.listen(publisher.poke)
     return Daemon(
         config,
         discoverer=discoverer,
@@ -492,13 +520,24 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
     )
 
 
+def _pod_ended(ledger: Ledger, pods: PodCache, pod: PodInfo) -> None:
+    live = pods.uid_of(pod.namespace, pod.name)
+    ledger.pod_ended(
+        pod.namespace, pod.name, pod.uid, successor=live is not None and live != pod.uid
+    )
+
+
 def _record_status(
     pipeline: Pipeline,
     records: list[ResourceRecord],
-    monitor: AlignmentMonitor,
+    *,
+    ledger: Ledger,
+    coordinator: Coordinator,
     registrar: Registrar,
+    pods: PodCache | None,
 ) -> dict[str, Any]:
-    """The NodeDevices status from the last judged state (no I/O)."""
+    """The NodeDevices status from the last judged state and the holdings
+    as the events left them (no I/O)."""
     registered = registrar.registered()
     missing = sorted(name for name, ok in registered.items() if not ok)
     registration = Registration(
@@ -510,4 +549,11 @@ def _record_status(
         ),
     )
     states = {record.resource.kind: record.servicer.state for record in records}
-    return build_status(pipeline.inventory, states, monitor.report().values(), registration)
+    containers = holders_report(coordinator.topology, ledger.holders())
+    if pods is not None:
+        # Holders only PodResources named: their uid from the pod cache.
+        containers = [
+            replace(c, uid=pods.uid_of(c.namespace, c.pod)) if c.uid is None and c.pod else c
+            for c in containers
+        ]
+    return build_status(pipeline.inventory, states, containers, registration)

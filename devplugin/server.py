@@ -387,6 +387,16 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
             )
         return child
 
+    def _corrected(self) -> None:
+        if self._metrics is None:
+            return
+        child = self._children.get("corrected")
+        if child is None:
+            child = self._children["corrected"] = self._metrics.corrections.labels(
+                self.resource.name
+            )
+        child.inc()
+
     def _preferred_ok(self, role: Role) -> Any:
         child = self._children.get(role.value)
         if child is None:
@@ -407,7 +417,14 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
             )
         response = pb.PreferredAllocationResponse()
         kind = self.resource.kind
+        # Exclusive devices: what the kubelet lists is what is free (shared
+        # ones are listed while other replicas are held).
+        exclusive = self.resource.reuse_proves_release
         for container in request.container_requests:
+            if exclusive and coordinator.observe_available(
+                kind, container.available_deviceIDs, container.must_include_deviceIDs
+            ):
+                self._corrected()
             # Who is being admitted (the oracle reads a cache; it may wait
             # briefly for a pod to arrive).
             known = (

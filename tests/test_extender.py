@@ -17,7 +17,6 @@ import pytest
 import yaml
 
 from devplugin.alignment import ContainerAlignment
-from devplugin.cluster.client import make_client
 from devplugin.cluster.extender import Extender, ExtenderServer, serve
 from devplugin.cluster.watch import WatchCache
 from devplugin.config import KubernetesConfig
@@ -63,11 +62,7 @@ def extender(api: ApiServerImitation, tmp_path: Path) -> Iterator[Running]:
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(yaml.safe_dump(api.kubeconfig()))
     kube = KubernetesConfig(enabled=True, kubeconfig=str(kubeconfig))
-
-    def client() -> Any:
-        return make_client(kube)
-
-    running = serve(client, ("127.0.0.1", 0), stale_after=60.0)
+    running = serve(kube, ("127.0.0.1", 0), stale_after=60.0)
     yield running
     running[1].stop()
     for cache in running[2]:
@@ -261,7 +256,7 @@ def test_the_extender_serves_https_with_the_given_certificate(
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(yaml.safe_dump(api.kubeconfig()))
     kube = KubernetesConfig(enabled=True, kubeconfig=str(kubeconfig))
-    running = serve(lambda: make_client(kube), ("127.0.0.1", 0), stale_after=60.0,
+    running = serve(kube, ("127.0.0.1", 0), stale_after=60.0,
                     tls=(str(cert), str(key)))  # fmt: skip
     try:
         host, port = running[1].address

@@ -112,6 +112,11 @@ def test_pods_land_where_the_best_aligned_set_is(
         node: start_cluster(LAYOUTS[layout](), api=api, node_name=node, **settings)
         for node, layout in NODES.items()
     }
+    # Every node's record is out before the first pod is scheduled.
+    assert wait_until(
+        lambda: all((api.get("nodedevices", node) or {}).get("status") for node in clusters),
+        timeout=10,
+    )
     stream = [(4, 4), (2, 1), (4, 2), (2, 2), (1, 1), (3, 1), (2, 1), (4, 4), (1, 1)]
     placed = decisive = 0
     for index, (gpus, hcas) in enumerate(stream):

@@ -12,10 +12,15 @@ The kubelet gives one container all its resources before the next, so once
 a container's first resource is answered, a request for its other resource
 with the expected count (within `pair_seconds`) is that container's second
 (`Known(second=True)`), answered without another look at the pods.
+
+A cache that is not current (its watch silent or failing) is not asked at
+all: the daemon plans as it does without API access (`fallback-not-current`)
+rather than on a frozen view of the pods.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -30,6 +35,8 @@ from devplugin.lifecycle.cleanup import Owner
 from devplugin.metrics import Metrics
 from devplugin.model import DeviceKind
 from devplugin.podinfo import PodInfo
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -84,11 +91,17 @@ class PodAwareness:
         self._answered: dict[DeviceKind, _Answered] = {}
         self._counters: dict[tuple[str, Outcome], Any] = {}
         # container -> kind -> the devices its Allocate got
-        self._given: dict[ContainerKey, dict[DeviceKind, frozenset[str]]] = {}
+        # (a namesake pod of another uid starts afresh)
+        self._given: dict[ContainerKey, tuple[str, dict[DeviceKind, frozenset[str]]]] = {}
 
     def identify(self, kind: DeviceKind, size: int) -> Known | None:
         resource, other = self._names.get(kind), self._names.get(kind.other)
         if resource is None or other is None:
+            return None
+        if not self._cache.current:
+            with self._lock:
+                self._expected = None
+            self._count(resource, Outcome.NOT_CURRENT)
             return None
         now = self._clock()
         with self._lock:
@@ -118,6 +131,11 @@ class PodAwareness:
             self._cache.wait_for(lambda pods: ask().outcome is not Outcome.NO_POD, self._wait)
             answer = ask()
         self._count(resource, answer.outcome)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "%s x%d: %s %s", resource, size, answer.outcome.value,
+                [(c.pod.name, c.container.name, c.partners) for c in answer.candidates][:5],
+            )  # fmt: skip
         if answer.outcome is not Outcome.EXACT:
             return None
         first = answer.candidates[0]
@@ -131,10 +149,20 @@ class PodAwareness:
             # next one: it counts as holding both from now on.
             self._claims[(kind, key)] = now
             self._claims[(kind.other, key)] = now
+            if self._given_locked(key, first.pod.uid, kind.other):
+                # Its other resource came first, all reused from the pod's
+                # init containers (no preference was asked): this completes it.
+                return Known(partners, second=True)
             if partners > 0:
                 self._expected = _Expected(kind.other, partners, size, now, owner, key)
             forced = self._reused_locked(first.pod, first.container.name, kind.other)
         return Known(partners, forced=forced if partners > 0 else frozenset())
+
+    def _given_locked(self, key: ContainerKey, uid: str, kind: DeviceKind) -> frozenset[str]:
+        found = self._given.get(key)
+        if found is None or found[0] != uid:
+            return frozenset()
+        return found[1].get(kind, frozenset())
 
     def _reused_locked(self, pod: PodInfo, container: str, kind: DeviceKind) -> frozenset[str]:
         """Devices of `kind` the kubelet will give `container` first: those its
@@ -143,15 +171,20 @@ class PodAwareness:
         pool: set[str] = set()
         for init in pod.init_containers:
             if not init.sidecar:
-                pool |= self._given.get((pod.namespace, pod.name, init.name), {}).get(kind, set())
+                pool |= self._given_locked((pod.namespace, pod.name, init.name), pod.uid, kind)
         takers = [c for c in pod.init_containers if c.sidecar] + list(pod.containers)
         for other in takers:
             if other.name != container:
-                pool -= self._given.get((pod.namespace, pod.name, other.name), {}).get(kind, set())
+                pool -= self._given_locked((pod.namespace, pod.name, other.name), pod.uid, kind)
         return frozenset(pool)
 
-    def _record_locked(self, key: ContainerKey, kind: DeviceKind, ids: Sequence[str]) -> None:
-        self._given.setdefault(key, {})[kind] = frozenset(ids)
+    def _record_locked(
+        self, key: ContainerKey, uid: str, kind: DeviceKind, ids: Sequence[str]
+    ) -> None:
+        found = self._given.get(key)
+        if found is None or found[0] != uid:
+            found = self._given[key] = (uid, {})
+        found[1][kind] = frozenset(ids)
         if len(self._given) > GIVEN_LIMIT:
             live = {(p.namespace, p.name) for p in self._cache.pods().values()}
             for gone in [k for k in self._given if k[:2] not in live]:
@@ -174,9 +207,10 @@ class PodAwareness:
     def ended(self, owner: Owner) -> bool | None:
         return self._cache.ended(owner)
 
-    def owner_of(self, kind: DeviceKind, ids: Sequence[str]) -> Owner | None:
-        """The pod an Allocate is for: the container its preference was asked
-        for, or (no preference asked) the one admission candidate of that size."""
+    def holder_of(self, kind: DeviceKind, ids: Sequence[str]) -> tuple[ContainerKey, str] | None:
+        """The container (and its pod's uid) an Allocate is for: the container
+        its preference was asked for, or (no preference asked) the one
+        admission candidate of that size."""
         now = self._clock()
         with self._lock:
             answered = self._answered.pop(kind, None)
@@ -185,10 +219,24 @@ class PodAwareness:
                 and answered.size == len(ids)
                 and now - answered.at <= self._claim_seconds
             ):
-                self._record_locked(answered.key, kind, ids)
-                return answered.owner
+                self._record_locked(answered.key, str(answered.owner[2]), kind, ids)
+                return answered.key, str(answered.owner[2])
+            expected = self._expected
+            if (
+                expected is not None
+                and expected.kind is kind
+                and expected.size == len(ids)
+                and now - expected.at <= self._pair_seconds
+            ):
+                # The container's other resource, given with no preference
+                # asked (all reused from its pod's init containers): nothing
+                # is expected any more, or the next container's request
+                # would be taken for it.
+                self._expected = None
+                self._record_locked(expected.key, str(expected.owner[2]), kind, ids)
+                return expected.key, str(expected.owner[2])
         resource, other = self._names.get(kind), self._names.get(kind.other)
-        if resource is None or other is None:
+        if resource is None or other is None or not self._cache.current:
             return None
         answer = admitting(
             self._cache.waiting(), resource=resource, other=other,
@@ -200,8 +248,8 @@ class PodAwareness:
         key = (only.pod.namespace, only.pod.name, only.container.name)
         with self._lock:
             self._claims[(kind, key)] = now
-            self._record_locked(key, kind, ids)
-        return (only.pod.namespace, only.pod.name, only.pod.uid)
+            self._record_locked(key, only.pod.uid, kind, ids)
+        return key, only.pod.uid
 
     def _held(self, kind: DeviceKind) -> frozenset[ContainerKey]:
         holdings = self._ledger.holdings()

@@ -31,6 +31,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
+from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -38,11 +39,14 @@ from lightkube import Client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from devplugin.allocator import Allocator
+from devplugin.cluster.client import Heartbeat, make_client
 from devplugin.cluster.pods import PodCache
 from devplugin.cluster.publisher import NodeDevices
-from devplugin.cluster.watch import WatchCache
+from devplugin.cluster.watch import Incomplete, WatchCache
+from devplugin.config import KubernetesConfig
 from devplugin.model import DeviceKind
 from devplugin.placement import (
+    Holding,
     NodeState,
     Outcome,
     Requirement,
@@ -78,6 +82,9 @@ class Record:
 
 
 def record_entry(data: Mapping[str, Any]) -> tuple[str, Record]:
+    if not data.get("status"):
+        # Created, its first status not written yet (the daemon does both).
+        raise Incomplete("no status yet")
     node = node_from_record(data)
     meta = data.get("metadata") or {}
     status = data.get("status") or {}
@@ -111,6 +118,16 @@ class ExtenderMetrics:
             "devplugin_extender_records", "NodeDevices records by state (fresh / stale)",
             ["state"], registry=self.registry,
         )  # fmt: skip
+        self.watch_current = Gauge(
+            "devplugin_watch_current",
+            "1 while an API watch cache is current (listed, and heard from within its bound)",
+            ["cache"], registry=self.registry,
+        )  # fmt: skip
+        self.watch_age = Gauge(
+            "devplugin_watch_age_seconds",
+            "Seconds since an API watch cache last heard from the API server",
+            ["cache"], registry=self.registry,
+        )  # fmt: skip
 
 
 class Extender:
@@ -132,6 +149,9 @@ class Extender:
         self.gpu, self.hca = gpu, hca
         self.stale_after = stale_after
         self.metrics = metrics or ExtenderMetrics()
+        for cache in (records, pods):
+            self.metrics.watch_current.labels(cache.name).set_function(partial(_current, cache))
+            self.metrics.watch_age.labels(cache.name).set_function(cache.age)
         self._wall = wall
         self._lock = threading.Lock()
         self._memo: OrderedDict[tuple[Any, ...], Outcome] = OrderedDict()
@@ -234,8 +254,16 @@ class Extender:
         return record
 
     def _outcome(self, name: str, record: Record, pod: PodInfo, shape: Shape) -> Outcome:
-        pending = self._pending(name, record, pod)
-        key = (name, record.version, tuple(p.uid for p, _ in pending), shape)
+        # The pod watch beats the record: a holder it saw end holds nothing.
+        ended = tuple(
+            holding for holding in record.node.holdings
+            if holding.pod and self.pods.has_ended(holding.uid, holding.namespace, holding.pod)
+        )  # fmt: skip
+        pending = self._pending(name, record, pod, ended)
+        key = (
+            name, record.version, tuple((h.namespace, h.pod, h.uid) for h in ended),
+            tuple(p.uid for p, _ in pending), shape,
+        )  # fmt: skip
         with self._lock:
             found = self._memo.get(key)
             if found is not None:
@@ -244,7 +272,7 @@ class Extender:
             self.metrics.memo.labels("hit").inc()
             return found
         self.metrics.memo.labels("miss").inc()
-        node = record.node
+        node = record.node.without(ended) if ended else record.node
         for _, pending_shape in pending:
             # Pods bound here that the record does not show yet: placed first.
             ahead = self._place(node, record.allocator, pending_shape)
@@ -275,10 +303,18 @@ class Extender:
     def _place(node: NodeState, allocator: Allocator, shape: Shape) -> Outcome:
         return place(node, shape, allocator)
 
-    def _pending(self, name: str, record: Record, pod: PodInfo) -> list[tuple[PodInfo, Shape]]:
+    def _pending(
+        self, name: str, record: Record, pod: PodInfo, ended: tuple[Holding, ...]
+    ) -> list[tuple[PodInfo, Shape]]:
+        """Pods bound here that the record does not show holding (a namesake
+        of a pod the record shows is another pod)."""
+        uids = {h.uid for h in record.node.holdings if h.uid is not None and h not in ended}
+        names = {
+            (h.namespace, h.pod) for h in record.node.holdings if h.uid is None and h not in ended
+        }
         found = []
         for other in self.pods.on_node(name):
-            if other.uid == pod.uid or (other.namespace, other.name) in record.node.holders:
+            if other.uid == pod.uid or other.uid in uids or (other.namespace, other.name) in names:
                 continue
             shape = shape_of(other, self.gpu, self.hca)
             if shape.wants_devices:
@@ -286,16 +322,25 @@ class Extender:
         return found
 
     def ready(self) -> tuple[bool, str]:
-        if not self.records.synced.is_set():
-            return False, "NodeDevices records not listed yet"
-        if not self.pods.synced.is_set():
-            return False, "pods not listed yet"
+        """Ready while both caches are current: a frozen view must not steer
+        pods (with `ignorable: true` the scheduler goes on without us)."""
+        for cache, what in ((self.records, "NodeDevices records"), (self.pods, "pods")):
+            if not cache.synced.is_set():
+                return False, f"{what} not listed yet"
+            if not cache.current:
+                return False, (
+                    f"{what} cache not current: nothing from the API server for {cache.age():.0f}s"
+                )
         return True, ""
 
     def count_records(self) -> None:
         fresh = sum(1 for name in self.records.items() if self._fresh(name) is not None)
         self.metrics.records.labels("fresh").set(fresh)
         self.metrics.records.labels("stale").set(len(self.records.items()) - fresh)
+
+
+def _current(cache: WatchCache[Any]) -> float:
+    return 1.0 if cache.current else 0.0
 
 
 def _everything(node: NodeState) -> Mapping[DeviceKind, frozenset[str]]:
@@ -308,8 +353,26 @@ def _node_name(node: Mapping[str, Any]) -> str | None:
     return name if isinstance(name, str) and name else None
 
 
-def record_cache(client: Client) -> WatchCache[Record]:
-    return WatchCache(client, NodeDevices, record_entry, name="nodedevices", namespaced=False)
+def record_cache(
+    client: Client, kube: KubernetesConfig | None = None, heartbeat: Heartbeat | None = None
+) -> WatchCache[Record]:
+    kube = kube or KubernetesConfig()
+    return WatchCache(
+        client, NodeDevices, record_entry, name="nodedevices", namespaced=False,
+        backoff_max=kube.watch_backoff_max_seconds, server_timeout=kube.watch_timeout_seconds,
+        read_margin=kube.request_timeout_seconds, heartbeat=heartbeat,
+    )  # fmt: skip
+
+
+def pod_cache(
+    client: Client, kube: KubernetesConfig | None = None, heartbeat: Heartbeat | None = None
+) -> PodCache:
+    kube = kube or KubernetesConfig()
+    return PodCache(
+        client, None, backoff_max=kube.watch_backoff_max_seconds,
+        server_timeout=kube.watch_timeout_seconds, read_margin=kube.request_timeout_seconds,
+        heartbeat=heartbeat,
+    )  # fmt: skip
 
 
 # -- HTTP --------------------------------------------------------------------------------
@@ -464,16 +527,26 @@ def _handler(extender: Extender, timeout: float) -> type[BaseHTTPRequestHandler]
 
 
 def serve(
-    client_factory: Callable[[], Client],
+    kube: KubernetesConfig,
     address: tuple[str, int],
     *,
     stale_after: float,
     tls: tuple[str, str] | None = None,
     names: Sequence[str] = ("nvidia.com/gpu", "rdma/hca"),
 ) -> tuple[Extender, ExtenderServer, list[WatchCache[Any]]]:
-    """Wire and start the caches and the HTTP server (the CLI's and tests' entry)."""
-    records = record_cache(client_factory())
-    pods = PodCache(client_factory(), None)
+    """Wire and start the caches (each on its own client, whose transport
+    tells it when the server last answered) and the HTTP server (the CLI's
+    and tests' entry)."""
+
+    def connect(heartbeat: Heartbeat) -> Client:
+        client = make_client(kube, heartbeat=heartbeat)
+        if client is None:
+            raise RuntimeError("no Kubernetes API access")
+        return client
+
+    beats = Heartbeat(), Heartbeat()
+    records = record_cache(connect(beats[0]), kube, beats[0])
+    pods = pod_cache(connect(beats[1]), kube, beats[1])
     extender = Extender(records, pods, gpu=names[0], hca=names[1], stale_after=stale_after)
     server = ExtenderServer(extender, address, tls=tls)
     records.start()

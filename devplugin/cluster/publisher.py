@@ -1,9 +1,12 @@
 """Keeps this node's NodeDevices record in step with what the daemon knows.
 
-One loop owns the writes. Every `check_interval` it builds the status from
-the daemon's last judged state (no hardware, no network) and, when it
+One loop owns the writes. When told something changed (`poke`: the
+holdings moved), and every `check_interval` besides, it builds the status
+from the daemon's last judged state (no hardware, no network) and, when it
 differs from what was last written, writes it through the status
-subresource, never more often than `min_interval`. Each write carries the
+subresource, never more often than `min_interval`: a change right after a
+write waits for the interval, and every change made meanwhile goes out in
+that one write. Each write carries the
 record's resourceVersion: a conflict (409) means someone else wrote in
 between, so the record is read again and the write retried. A record that
 is missing (never created, or deleted) is created, owned by the Node when
@@ -67,8 +70,11 @@ class RecordPublisher:
         self._metrics = metrics
         self._clock = clock
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._written: dict[str, Any] | None = None
+        # A change seen but not written yet (held back by min_interval).
+        self._pending = False
         self._version: str | None = None
         self._last_write = float("-inf")
         self._last_read = float("-inf")
@@ -80,8 +86,13 @@ class RecordPublisher:
         self._thread = threading.Thread(target=self._run, name="record", daemon=True)
         self._thread.start()
 
+    def poke(self) -> None:
+        """Something the record shows may have changed: look now."""
+        self._wake.set()
+
     def signal_stop(self) -> None:
         self._stop.set()
+        self._wake.set()
 
     def join(self, timeout: float) -> None:
         if self._thread is not None:
@@ -91,6 +102,7 @@ class RecordPublisher:
         log.info("NodeDevices record for %s: publishing", self._node)
         backoff = 0.0
         while not self._stop.is_set():
+            self._wake.clear()
             try:
                 self.sync_once()
                 backoff = 0.0
@@ -98,6 +110,10 @@ class RecordPublisher:
                     log.info("NodeDevices record written again")
                     self._failing = None
                 wait = self._check
+                if self._pending:
+                    # Held back by min_interval: write the moment it allows.
+                    wait = max(0.0, self._last_write + self._min_interval - self._clock())
+                self._wake.wait(wait)
             except Exception as exc:  # noqa: BLE001 - network, API, decoding: all mean retry
                 backoff = min(self._backoff_max, max(self._check, backoff * 2))
                 message = f"{type(exc).__name__}: {exc}"[:300]
@@ -106,8 +122,8 @@ class RecordPublisher:
                     self._failing = message
                 self._count("error")
                 self._version = None  # read it again before the next write
-                wait = backoff
-            self._stop.wait(wait)
+                # Changes do not shorten a backoff: a failing server is not hammered.
+                self._stop.wait(backoff)
         log.info("NodeDevices record publisher stopped")
 
     def sync_once(self) -> bool:
@@ -115,16 +131,18 @@ class RecordPublisher:
         status = self._source()
         now = self._clock()
         due_read = now - self._last_read >= self._resync
-        if status == self._written and not due_read and self._version is not None:
+        self._pending = status != self._written
+        if not self._pending and not due_read and self._version is not None:
             return False
-        if status != self._written and now - self._last_write < self._min_interval:
+        if self._pending and now - self._last_write < self._min_interval:
             return False
         if self._version is None or due_read:
             self._read_or_create()
             # Unchanged, but rewritten once per resync anyway: `updated` is the
             # heartbeat the scheduler extender judges a record's age by.
             heartbeat = now - self._last_write >= self._resync
-            if status == self._written and not heartbeat:
+            self._pending = status != self._written
+            if not self._pending and not heartbeat:
                 return False
         self._write(status)
         return True
@@ -192,6 +210,7 @@ class RecordPublisher:
             data = _as_dict(written)
             self._version = str(data.get("metadata", {}).get("resourceVersion") or "") or None
             self._written = status
+            self._pending = False
             self._last_write = self._clock()
             self.writes += 1
             self._count("ok")

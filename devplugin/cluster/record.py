@@ -4,7 +4,8 @@ One record per node (`nodedevices.devplugin.io/v1alpha1`, cluster-scoped,
 named after the node). Its status lists every physical device the node
 serves with its health, PCI address, NUMA node and place in the PCIe tree
 (domain ids from the NUMA node down to its switch), NVLink peers for GPUs;
-every container holding devices with its worst GPU-to-HCA level; a summary
+every container holding devices with its worst GPU-to-HCA level and, when
+known, its pod's uid (a holder not identified yet has empty names); a summary
 for `kubectl get` (free and total per kind, unhealthy); and whether the
 daemon is registered with the kubelet. `updated` is stamped by the writer.
 """
@@ -93,10 +94,13 @@ def build_status(
         if not ids:
             continue
         held.update(ids)
-        allocations.append({
+        allocation = {
             "namespace": item.namespace, "pod": item.pod, "container": item.container,
             "devices": ids, "worstLevel": item.worst.name if item.worst is not None else "",
-        })  # fmt: skip
+        }  # fmt: skip
+        if item.uid:
+            allocation["podUID"] = item.uid
+        allocations.append(allocation)
     summary: dict[str, int] = {"unhealthy": 0}
     for kind, label in (("gpu", "gpus"), ("hca", "hcas")):
         mine = [d for d in devices if d["kind"] == kind]

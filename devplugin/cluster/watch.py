@@ -4,13 +4,28 @@ One loop owns the connection: it lists (optionally with a field selector),
 watches from the list's resourceVersion, lists again when the server says
 the version is Gone (410), and backs off (wakeably) on any other error.
 Readers only read the last snapshot or wait on it for a bounded time; they
-never touch the network. An object that `parse` refuses (ValueError) is
-skipped with one log line per name; the others keep flowing.
+never touch the network.
+
+It never trusts a watch blindly. The server ends every watch after
+`server_timeout` seconds and it is opened again, so a live connection
+answers at least that often; the client's transport gives each watch a
+read deadline a little past that (`cluster/client.py`). A connection that
+goes silent without a FIN or RST (an API server VM that died, a load
+balancer failing over) therefore ends in a read error, and the cache lists
+again. Until a list succeeds, or whenever nothing (a list, an event, an
+answer from the server) has arrived within `bound` seconds, the cache is
+not `current`, and says so once in the log; readers fall back to what they
+do without the API.
+
+An object that `parse` refuses, whatever is wrong with it, is skipped with
+one log line per name; the others keep flowing.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import random
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -19,11 +34,20 @@ from typing import Any, Generic, TypeVar
 
 from lightkube import ApiError, Client
 
+from devplugin.cluster.client import Heartbeat
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-# data -> (key, value); ValueError when the object is not understood.
+# data -> (key, value); raises when the object is not understood.
 Parse = Callable[[Mapping[str, Any]], tuple[str, T]]
+
+
+class Incomplete(ValueError):
+    """Raised by a parser for an object that is not filled in yet (a record
+    created before its first status write): skipped without a log line."""
+# Skipped names remembered (for the one log line each) at most.
+SKIPPED_NAMES = 1024
 
 
 class WatchCache(Generic[T]):
@@ -40,18 +64,23 @@ class WatchCache(Generic[T]):
         fields: Mapping[str, str] | None = None,
         backoff_initial: float = 0.2,
         backoff_max: float = 10.0,
-        server_timeout: int = 60,
+        server_timeout: float = 30.0,
+        read_margin: float = 5.0,
+        heartbeat: Heartbeat | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._client = client
         self._resource = resource
         self._parse_object = parse
-        self._name = name
+        self.name = name
         self._namespaced = namespaced
         self._fields = dict(fields) if fields else None
         self._backoff_initial = backoff_initial
-        self._backoff_max = backoff_max
-        self._server_timeout = server_timeout
+        self._backoff_max = max(backoff_max, backoff_initial)
+        self._server_timeout = max(1, math.ceil(server_timeout))
+        # Nothing from a live watch for longer than this means it is dead.
+        self.bound = self._server_timeout + read_margin
+        self._heartbeat = heartbeat
         self._clock = clock
         self._cond = threading.Condition()
         self._items: Mapping[str, T] = MappingProxyType({})
@@ -60,21 +89,45 @@ class WatchCache(Generic[T]):
         self._thread: threading.Thread | None = None
         self._skipped: set[str] = set()
         self._listeners: list[Callable[[], None]] = []
-        # True from a successful list until the next error: only then does
-        # the absence of an object mean it is gone.
-        self._current = False
+        # True from a successful list until the next error.
+        self._listed = False
+        # When the last list, event or server answer arrived.
+        self._alive_at = -math.inf
+        # When the cache stopped being current (logged once), until a list.
+        self._down_since: float | None = None
+        self._random = random.Random()
         self.synced = threading.Event()
         self.relists = 0
         self.errors = 0
+        self.skipped = 0
 
     # -- reads ---------------------------------------------------------------------
     def items(self) -> Mapping[str, T]:
         """key -> value, as of the last event (an immutable snapshot)."""
         return self._items
 
+    def age(self) -> float:
+        """Seconds since the last sign of life from the server (inf before any)."""
+        heard = self._alive_at
+        if self._heartbeat is not None:
+            heard = max(heard, self._heartbeat.at)
+        return max(0.0, self._clock() - heard)
+
     @property
     def current(self) -> bool:
-        return self._current
+        """Whether the cache may be trusted now: listed since the last error,
+        and heard from within `bound` seconds."""
+        if not self._listed:
+            return False
+        age = self.age()
+        if age <= self.bound:
+            return True
+        if self._down_since is None:
+            self._down_since = self._clock()
+            log.warning(
+                "%s cache: nothing from the API server for %.0fs; not current", self.name, age
+            )
+        return False
 
     def wait_for(self, predicate: Callable[[Mapping[str, T]], bool], timeout: float) -> bool:
         """Wait at most `timeout` seconds for the cache to satisfy `predicate`."""
@@ -93,7 +146,7 @@ class WatchCache(Generic[T]):
 
     # -- the loop --------------------------------------------------------------------
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self._thread.start()
 
     def signal_stop(self) -> None:
@@ -106,13 +159,13 @@ class WatchCache(Generic[T]):
             log.debug("closing the API client failed", exc_info=True)
 
     def join(self, timeout: float) -> None:
-        # A watch blocked on the network ends at its server timeout; the
+        # A watch blocked on the network ends at its read deadline; the
         # thread is a daemon, so a stop never waits for it beyond `timeout`.
         if self._thread is not None:
             self._thread.join(timeout)
 
     def _run(self) -> None:
-        log.info("%s cache started", self._name)
+        log.info("%s cache started", self.name)
         backoff = 0.0
         while not self._stop.is_set():
             try:
@@ -121,9 +174,11 @@ class WatchCache(Generic[T]):
                 backoff = 0.0
                 self._watch()
             except ApiError as exc:
+                if self._stop.is_set():
+                    break
                 if exc.status.code == 410:
                     log.info(
-                        "%s watch: version %s is gone; listing again", self._name, self._version
+                        "%s watch: version %s is gone; listing again", self.name, self._version
                     )
                     self._version = None
                     continue
@@ -132,27 +187,37 @@ class WatchCache(Generic[T]):
                 if self._stop.is_set():
                     break
                 backoff = self._fail(f"{type(exc).__name__}: {exc}", backoff)
-        log.info("%s cache stopped", self._name)
+        log.info("%s cache stopped", self.name)
 
     def _fail(self, message: str, backoff: float) -> float:
         self.errors += 1
-        self._current = False
+        self._listed = False
+        if self._down_since is None:
+            self._down_since = self._clock()
         backoff = min(self._backoff_max, max(self._backoff_initial, backoff * 2))
-        log.warning("%s cache: %s; listing again in %.1fs", self._name, message[:300], backoff)
+        # Jitter: a fleet of daemons must not come back in lock step.
+        delay = backoff * (0.5 + self._random.random() / 2)
+        log.warning("%s cache: %s; listing again in %.1fs", self.name, message[:300], delay)
         self._version = None  # after an error, start from a fresh list
-        self._stop.wait(backoff)
+        self._stop.wait(delay)
         return backoff
 
     def _list(self) -> None:
         listed = self._client.list(self._resource, **self._scope())
         items: dict[str, T] = {}
         for obj in listed:
-            parsed = self._parse(_as_dict(obj))
+            parsed = self._parse(obj)
             if parsed is not None:
                 items[parsed[0]] = parsed[1]
         self._version = listed.resourceVersion
         self.relists += 1
-        self._current = True
+        previous = self._items
+        for key in set(previous) | set(items):
+            before, after = previous.get(key), items.get(key)
+            if before != after:
+                self._safely(self.changed, key, before, after)
+        self._listed = True
+        self._alive()
         self._publish(items)
         self.synced.set()
 
@@ -164,19 +229,34 @@ class WatchCache(Generic[T]):
         for kind, obj in stream:
             if self._stop.is_set():
                 return
-            data = _as_dict(obj)
-            meta = data.get("metadata")
-            if isinstance(meta, dict) and meta.get("resourceVersion"):
-                self._version = str(meta["resourceVersion"])
-            parsed = self._parse(data)
+            self._alive()
+            version = _version_of(obj)
+            if version:
+                self._version = version
+            if kind == "BOOKMARK":
+                continue
+            parsed = self._parse(obj)
             if parsed is None:
                 continue
+            key, value = parsed
             items = dict(self._items)
+            before = items.get(key)
             if kind == "DELETED":
-                items.pop(parsed[0], None)
+                items.pop(key, None)
+                after = None
             else:
-                items[parsed[0]] = parsed[1]
+                items[key] = after = value
+            if before != after:
+                self._safely(self.changed, key, before, after)
             self._publish(items)
+
+    def _alive(self) -> None:
+        self._alive_at = self._clock()
+        if self._listed and self._down_since is not None:
+            log.info(
+                "%s cache current again (after %.1fs)", self.name, self._alive_at - self._down_since
+            )
+            self._down_since = None
 
     def _scope(self) -> dict[str, Any]:
         scope: dict[str, Any] = {}
@@ -186,28 +266,44 @@ class WatchCache(Generic[T]):
             scope["fields"] = self._fields
         return scope
 
-    def _parse(self, data: Mapping[str, Any]) -> tuple[str, T] | None:
+    def _parse(self, obj: Any) -> tuple[str, T] | None:
         try:
+            data = _as_dict(obj)
             return self._parse_object(data)
-        except ValueError as exc:
-            found = data.get("metadata")
-            meta: Mapping[str, Any] = found if isinstance(found, dict) else {}
-            name = f"{meta.get('namespace', '-')}/{meta.get('name', '?')}"
+        except Incomplete:
+            return None
+        except Exception as exc:  # noqa: BLE001 - whatever is wrong with one object
+            self.skipped += 1
+            name = _name_of(obj)
             if name not in self._skipped:
+                if len(self._skipped) >= SKIPPED_NAMES:
+                    self._skipped.clear()
                 self._skipped.add(name)
-                log.warning("%s %s skipped: %s", self._name, name[:200], str(exc)[:200])
+                log.warning(
+                    "%s %s skipped: %s: %s",
+                    self.name, name[:200], type(exc).__name__, str(exc)[:200],
+                )  # fmt: skip
             return None
 
     def _publish(self, items: dict[str, T]) -> None:
-        self.published(items)
+        self._safely(self.published, items)
         with self._cond:
             self._items = MappingProxyType(items)
             self._cond.notify_all()
         for listener in self._listeners:
-            try:
-                listener()
-            except Exception:
-                log.exception("a %s cache listener failed", self._name)
+            self._safely(listener)
+
+    def _safely(self, call: Callable[..., None], *args: Any) -> None:
+        try:
+            call(*args)
+        except Exception:
+            log.exception("a %s cache listener failed", self.name)
+
+    # -- for subclasses ----------------------------------------------------------------
+    def changed(self, key: str, before: T | None, after: T | None) -> None:
+        """One object changed (None: absent), before the snapshot holding the
+        change is swapped in: whoever waits on the cache then sees what
+        subclasses derived from it."""
 
     def published(self, items: Mapping[str, T]) -> None:
         """Subclasses derive what their readers need, once per change (before
@@ -216,4 +312,24 @@ class WatchCache(Generic[T]):
 
 def _as_dict(obj: Any) -> dict[str, Any]:
     data = obj.to_dict() if hasattr(obj, "to_dict") else obj
-    return data if isinstance(data, dict) else {}
+    if not isinstance(data, dict):
+        raise ValueError(f"not an object: {type(data).__name__}")
+    return data
+
+
+def _meta(obj: Any) -> Mapping[str, Any]:
+    try:
+        meta = _as_dict(obj).get("metadata")
+    except Exception:  # noqa: BLE001 - a name for the log line only
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def _name_of(obj: Any) -> str:
+    meta = _meta(obj)
+    return f"{meta.get('namespace', '-')}/{meta.get('name', '?')}"
+
+
+def _version_of(obj: Any) -> str | None:
+    version = _meta(obj).get("resourceVersion")
+    return str(version) if isinstance(version, str | int) and version != "" else None

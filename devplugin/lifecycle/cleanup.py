@@ -63,9 +63,6 @@ class PodWitness(Protocol):
     def ended(self, owner: Owner) -> bool | None:
         """Whether the pod is gone or finished; None when the watch cannot tell."""
 
-    def owner_of(self, kind: DeviceKind, ids: Sequence[str]) -> Owner | None:
-        """The pod an Allocate of these devices was for, when it can be told."""
-
 
 @dataclass
 class _Job:
@@ -263,8 +260,11 @@ class CleanupManager:
         self.join()
 
     # -- inputs ----------------------------------------------------------------
-    def allocated(self, kind: DeviceKind, ids: Sequence[str]) -> None:
-        owner = self._witness.owner_of(kind, ids) if self._witness is not None else None
+    def allocated(self, kind: DeviceKind, ids: Sequence[str], owner: Owner | None = None) -> None:
+        """An Allocate gave these devices to a container of `owner`'s pod (when
+        the pod cache could tell)."""
+        if self._witness is None:
+            owner = None
         with self._cond:
             self._assigned[kind].update(ids)
             for device in ids:
@@ -294,7 +294,7 @@ class CleanupManager:
     def _settle(self, *, count: bool) -> None:
         changed = False
         touched: set[tuple[DeviceKind, str]] = set()
-        taken = {kind: self._ledger.taken(kind) for kind in DeviceKind}
+        taken = {kind: self._ledger.in_use(kind) for kind in DeviceKind}
         owners = self._holders() if count else {}
         with self._cond:
             self._owners.update(owners)

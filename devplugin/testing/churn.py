@@ -14,13 +14,20 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from devplugin.alignment import alignment, best_worst_level
+from devplugin.alignment import alignment, best_alignment, best_worst_level
 from devplugin.model import DeviceKind
 from devplugin.testing.cluster import GPU, HCA, SimCluster
-from devplugin.testing.kubelet import ContainerRequest, KubeletSimulator
+from devplugin.testing.kubelet import (
+    AdmissionError,
+    ContainerRequest,
+    KubeletSimulator,
+    PodResult,
+)
 from devplugin.testing.node import NodeSpec
+from devplugin.topology import Level, Topology
 
 # (GPUs, HCAs) per container, with weights: mostly GPUDirect pairs, some
 # shared-NIC shapes, some single-resource pods.
@@ -101,3 +108,175 @@ def run_churn(spec: NodeSpec, seed: int, *, preferred: bool, events: int = 60) -
             if achieved[0] == best_worst_level(topology, every_gpu, every_hca, gpus, hcas):
                 outcome.ideal += 1
     return outcome
+
+
+# -- a real-time stream: pods milliseconds apart, no waiting for the daemon -----------
+
+# (GPUs, HCAs) per app container: shapes a 1:1 guess gets wrong, and the usual ones.
+MIXED = [(2, 1), (3, 1), (4, 2), (1, 1), (2, 2), (4, 4), (6, 2)]
+
+
+def mixed_pod(rng: random.Random) -> list[ContainerRequest]:
+    """One or two app containers of mixed shapes; some pods with a sidecar or
+    an init container holding devices, some with a single-resource container."""
+    containers = [
+        ContainerRequest(f"c{i}", _limits(rng.choice(MIXED))) for i in range(rng.choice([1, 1, 2]))
+    ]
+    extra = rng.random()
+    if extra < 0.15:
+        side = ContainerRequest(
+            "side", _limits(rng.choice([(1, 1), (2, 1)])), init=True, sidecar=True
+        )
+        containers.insert(0, side)
+    elif extra < 0.3:
+        prep = ContainerRequest("prep", _limits(rng.choice([(1, 1), (2, 1), (1, 0)])), init=True)
+        containers.insert(0, prep)
+    elif extra < 0.4:
+        containers.append(ContainerRequest("solo", _limits(rng.choice([(2, 0), (0, 1)]))))
+    return containers
+
+
+def _limits(shape: tuple[int, int]) -> dict[str, int]:
+    return {GPU: shape[0], HCA: shape[1]}
+
+
+@dataclass
+class StreamTally:
+    """GPU+HCA containers and how many got the exhaustive optimum (worst
+    GPU-HCA level, then the sum) for what was free when they were admitted."""
+
+    containers: int = 0
+    optimal: int = 0
+    pods: int = 0
+    deletions: int = 0
+    misses: list[str] = field(default_factory=list)
+
+    def add(self, other: StreamTally) -> None:
+        self.containers += other.containers
+        self.optimal += other.optimal
+        self.pods += other.pods
+        self.deletions += other.deletions
+        self.misses.extend(other.misses)
+
+    def __str__(self) -> str:
+        share = self.optimal / self.containers if self.containers else 1.0
+        return f"{self.optimal}/{self.containers} ({share:.1%})"
+
+
+def free_now(kubelet: KubeletSimulator, resource: str) -> set[str]:
+    """What the kubelet would offer right now: healthy and held by nobody."""
+    held = kubelet.allocated().get(resource, set())
+    return {d for d, rec in kubelet.devices(resource).items() if rec.health == "Healthy"} - held
+
+
+def timed_stream(
+    kubelet: KubeletSimulator,
+    topology: Topology,
+    seed: int,
+    *,
+    arrivals: int,
+    gap: float = 0.02,
+    delete_share: float = 0.4,
+    prefix: str = "pod",
+    settle: Callable[[], None] | None = None,
+) -> StreamTally:
+    """Pods arrive `gap` seconds apart; before each arrival, with probability
+    `delete_share` (or whenever the pod would not fit), a live pod is deleted
+    half a gap earlier. Nothing waits for the daemon to catch up. Every
+    GPU+HCA container is judged against the exhaustive optimum for what the
+    kubelet had free at its admission (devices a finished init container of
+    the same pod leaves behind are ones the kubelet gives first: forced)."""
+    rng = random.Random(seed)
+    tally = StreamTally()
+    live: list[str] = []
+    start = time.monotonic()
+    for index in range(arrivals):
+        pod = mixed_pod(rng)
+        need_g = _need(pod, GPU)
+        need_h = _need(pod, HCA)
+        fits = need_g <= len(free_now(kubelet, GPU)) and need_h <= len(free_now(kubelet, HCA))
+        _until(start + (index + 0.5) * gap)
+        if live and (rng.random() < delete_share or not fits):
+            kubelet.remove(live.pop(rng.randrange(len(live))))
+            tally.deletions += 1
+        _until(start + (index + 1) * gap)
+        if settle is not None:
+            settle()
+        free_g, free_h = free_now(kubelet, GPU), free_now(kubelet, HCA)
+        if need_g > len(free_g) or need_h > len(free_h):
+            continue
+        name = f"{prefix}-{seed}-{index}"
+        try:
+            result = kubelet.admit(name, pod)
+        except AdmissionError:
+            # Only devices turning Unhealthy meanwhile may explain it (a read
+            # past its deadline on a loaded machine fails closed).
+            continue
+        live.append(name)
+        tally.pods += 1
+        _judge(tally, topology, name=name, pod=pod, result=result, free_g=free_g, free_h=free_h)
+    for name in live:
+        kubelet.remove(name)
+    return tally
+
+
+def _need(pod: list[ContainerRequest], resource: str) -> int:
+    """Devices the pod holds at once (init containers' are reused by later ones)."""
+    held = sum(c.requests.get(resource, 0) for c in pod if not c.init or c.sidecar)
+    init = max((c.requests.get(resource, 0) for c in pod if c.init and not c.sidecar), default=0)
+    return max(held, init)
+
+
+def _until(moment: float) -> None:
+    wait = moment - time.monotonic()
+    if wait > 0:
+        time.sleep(wait)
+
+
+def _judge(
+    tally: StreamTally,
+    topology: Topology,
+    *,
+    name: str,
+    pod: list[ContainerRequest],
+    result: PodResult,
+    free_g: set[str],
+    free_h: set[str],
+) -> None:
+    by_name = {c.name: c for c in pod}
+    reusable: dict[str, set[str]] = {GPU: set(), HCA: set()}
+    for container in result.containers:
+        request = by_name[container.name]
+        gpus, hcas = request.requests.get(GPU, 0), request.requests.get(HCA, 0)
+        got_g, got_h = container.devices.get(GPU, ()), container.devices.get(HCA, ())
+        must_g = _forced(reusable[GPU], gpus)
+        must_h = _forced(reusable[HCA], hcas)
+        if gpus and hcas:
+            achieved = alignment(topology, got_g, got_h)
+            best = best_alignment(
+                topology, free_g | must_g, free_h | must_h, gpus, hcas,
+                must_gpus=must_g, must_hcas=must_h,
+            )  # fmt: skip
+            tally.containers += 1
+            if achieved == best:
+                tally.optimal += 1
+            else:
+                tally.misses.append(
+                    f"{name}/{container.name} ({gpus},{hcas}) order {','.join(container.order)}: "
+                    f"got {_shown(achieved)}, best {_shown(best)}"
+                )
+        free_g, free_h = free_g - set(got_g), free_h - set(got_h)
+        for resource, got in ((GPU, got_g), (HCA, got_h)):
+            if request.init and not request.sidecar:
+                reusable[resource] |= set(got)
+            else:
+                reusable[resource] -= set(got)
+
+
+def _forced(reusable: set[str], count: int) -> set[str]:
+    """What the kubelet takes from a pod's reusable devices for `count`."""
+    return set(sorted(reusable)[:count]) if count else set()
+
+
+def _shown(found: tuple[Level, int] | None) -> str:
+    return f"{found[0].name}/{found[1]}" if found is not None else "-"

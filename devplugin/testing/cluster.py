@@ -8,8 +8,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import yaml
+
 from devplugin.config import Config, override
 from devplugin.runtime import Daemon, build
+from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.fake_nvml import FakeNvml
 from devplugin.testing.kubelet import KubeletSimulator
 from devplugin.testing.node import BuiltNode, NodeSpec, build_node
@@ -30,8 +33,12 @@ class SimCluster:
         settings: dict[str, Any] | None = None,
         seed: int = 1,
         workdir: Path | None = None,
+        api: ApiServerImitation | None = None,
+        node_name: str = "node-1",
     ) -> None:
         self.spec = spec
+        self.api = api
+        self.node_name = node_name
         self.settings = settings or {}
         self.seed = seed
         self.workdir = workdir
@@ -46,8 +53,19 @@ class SimCluster:
             self.node = build_node(self.spec, self.base / "node")
             plugin_dir = self.base / "dp"
             pod_resources = self.base / "pr" / "kubelet.sock"
-            self.kubelet = KubeletSimulator(plugin_dir, pod_resources, seed=self.seed)
+            self.kubelet = KubeletSimulator(
+                plugin_dir, pod_resources, seed=self.seed, api=self.api, node_name=self.node_name
+            )
             self.kubelet.start()
+            cluster_settings: dict[str, Any] = {}
+            if self.api is not None:
+                kubeconfig = self.base / "kubeconfig"
+                kubeconfig.write_text(yaml.safe_dump(self.api.kubeconfig()))
+                cluster_settings = {
+                    "kubernetes.enabled": True,
+                    "kubernetes.kubeconfig": str(kubeconfig),
+                    "kubernetes.node_name": self.node_name,
+                }
             config = override(
                 Config(),
                 **{
@@ -58,6 +76,7 @@ class SimCluster:
                     "nvml.fixture": str(self.node.fixture),
                     "lifecycle.checkpoint_file": str(self.base / "checkpoint.json"),
                     "metrics.addresses": ["127.0.0.1:0"],
+                    **cluster_settings,
                     **self.settings,
                 },
             )
