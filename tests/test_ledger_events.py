@@ -28,10 +28,12 @@ def test_a_pod_that_ended_frees_both_kinds_at_once() -> None:
     book = ledger(clock)
     book.allocated(GPU, ["g0", "g1"], holder=MAIN, uid="u1")
     book.allocated(HCA, ["h0"], holder=MAIN, uid="u1")
-    assert book.taken(GPU) == {"g0", "g1"} and book.taken(HCA) == {"h0"}
+    assert book.taken(GPU) == {"g0", "g1"}
+    assert book.taken(HCA) == {"h0"}
     clock.advance(0.01)
     assert book.pod_ended("ns", "train", "u1")
-    assert book.taken(GPU) == frozenset() and book.taken(HCA) == frozenset()
+    assert book.taken(GPU) == frozenset()
+    assert book.taken(HCA) == frozenset()
 
 
 def test_a_poll_begun_before_the_end_cannot_bring_the_devices_back() -> None:

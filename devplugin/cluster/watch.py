@@ -46,6 +46,8 @@ Parse = Callable[[Mapping[str, Any]], tuple[str, T]]
 class Incomplete(ValueError):
     """Raised by a parser for an object that is not filled in yet (a record
     created before its first status write): skipped without a log line."""
+
+
 # Skipped names remembered (for the one log line each) at most.
 SKIPPED_NAMES = 1024
 
