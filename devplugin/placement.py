@@ -122,12 +122,12 @@ def _address(text: object) -> PciAddress:
     return PciAddress.parse(text)
 
 
-def _function(address: PciAddress, path: object, numa: object) -> PciFunction | None:
+def _function(address: PciAddress, path: list[str], numa: int) -> PciFunction | None:
     """A PCI function whose domain keys are the record's path (the allocator
     only compares keys, so the bridges between need not be real)."""
-    if not isinstance(path, list) or not path:
+    if not path:
         return None
-    if len(path) != 4 or not all(isinstance(p, str) for p in path):
+    if len(path) != 4:
         raise ValueError(f"topologyPath must name 4 domains, got {path!r}")
     _, root, port, switch = path
     port_address = _address(port)
@@ -135,41 +135,65 @@ def _function(address: PciAddress, path: object, numa: object) -> PciFunction | 
         chain: tuple[PciAddress, ...] = (port_address, address)
     else:
         chain = (port_address, _address(switch), address, address)
-    node = numa if isinstance(numa, int) and not isinstance(numa, bool) and numa >= 0 else None
-    return PciFunction(address=address, path=PciPath(root, chain), numa_node=node)
+    return PciFunction(
+        address=address, path=PciPath(root, chain), numa_node=numa if numa >= 0 else None
+    )
+
+
+def _field(entry: Mapping[str, Any], name: str, kind: type, where: str, default: Any = None) -> Any:
+    """`entry[name]`, which must be of `kind` (absent: `default`, unless None)."""
+    value = entry.get(name, default)
+    if value is None and default is None:
+        raise ValueError(f"{where}.{name} missing")
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ValueError(f"{where}.{name} must be {kind.__name__}, not {type(value).__name__}")
+    return value
+
+
+def _strings(value: list[Any], where: str) -> list[str]:
+    if not all(isinstance(item, str) for item in value):
+        raise ValueError(f"{where} must hold strings only")
+    return value
 
 
 def node_from_record(record: Mapping[str, Any]) -> NodeState:
-    """The node a NodeDevices record describes; ValueError when it is not one."""
+    """The node a NodeDevices record describes; ValueError when it is not one.
+    Strict: a field of the wrong type anywhere refuses the whole record (a
+    node described wrongly must not steer pods)."""
     meta = record.get("metadata")
     status = record.get("status")
     if not isinstance(meta, dict) or not isinstance(meta.get("name"), str):
         raise ValueError("metadata.name missing")
     if not isinstance(status, dict):
         raise ValueError("status missing")
-    devices = status.get("devices")
-    allocations = status.get("allocations") or []
-    if not isinstance(devices, list) or not isinstance(allocations, list):
-        raise ValueError("status.devices and status.allocations must be lists")
+    devices = _field(status, "devices", list, "status")
+    allocations = _field(status, "allocations", list, "status", [])
     gpus: list[GpuInfo] = []
     hcas: list[HcaInfo] = []
     healthy: dict[DeviceKind, set[str]] = {kind: set() for kind in DeviceKind}
-    gpu_entries = [d for d in devices if isinstance(d, dict) and d.get("kind") == "gpu"]
+    for i, entry in enumerate(devices):
+        if not isinstance(entry, dict):
+            raise ValueError(f"status.devices[{i}] must be an object")
+    gpu_entries = [d for d in devices if d.get("kind") == "gpu"]
     index_of = {str(d.get("id")): i for i, d in enumerate(gpu_entries)}
-    for entry in devices:
-        if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
-            raise ValueError("a device without an id")
-        device_id = entry["id"]
-        address = _address(entry.get("pciAddress"))
-        function = _function(address, entry.get("topologyPath"), entry.get("numaNode"))
+    for i, entry in enumerate(devices):
+        where = f"status.devices[{i}]"
+        device_id = _field(entry, "id", str, where)
+        address = _address(_field(entry, "pciAddress", str, where))
+        path = _strings(_field(entry, "topologyPath", list, where, []), f"{where}.topologyPath")
+        numa = _field(entry, "numaNode", int, where, -1)
+        health = _field(entry, "health", str, where)
+        function = _function(address, path, numa)
         kind = entry.get("kind")
         if kind == "gpu":
             peers = []
-            for peer in entry.get("nvlinkPeers") or []:
-                if isinstance(peer, dict) and str(peer.get("id")) in index_of:
-                    links = peer.get("links")
-                    if isinstance(links, int) and links > 0:
-                        peers.append((index_of[str(peer["id"])], links))
+            for j, peer in enumerate(_field(entry, "nvlinkPeers", list, where, [])):
+                if not isinstance(peer, dict):
+                    raise ValueError(f"{where}.nvlinkPeers[{j}] must be an object")
+                peer_id = _field(peer, "id", str, f"{where}.nvlinkPeers[{j}]")
+                links = _field(peer, "links", int, f"{where}.nvlinkPeers[{j}]")
+                if peer_id in index_of and links > 0:
+                    peers.append((index_of[peer_id], links))
             gpus.append(
                 GpuInfo(
                     index=index_of[device_id], uuid=device_id, name="", pci_address=address,
@@ -181,9 +205,10 @@ def node_from_record(record: Mapping[str, Any]) -> NodeState:
         elif kind == "hca":
             if device_id != str(address):
                 raise ValueError(f"HCA {device_id!r} is not named by its PCI address")
+            name = _field(entry, "name", str, where, device_id) or device_id
             hcas.append(
                 HcaInfo(
-                    name=str(entry.get("name") or device_id), pci_address=address, pci=function,
+                    name=name, pci_address=address, pci=function,
                     node_guid=None, fw_ver=None, ports=(), netdevs=(), uverbs=None, umads=(),
                     issms=(), rdma_cm=CharDevice("/dev/infiniband/rdma_cm", True),
                 )
@@ -191,23 +216,22 @@ def node_from_record(record: Mapping[str, Any]) -> NodeState:
             kind_value = DeviceKind.HCA
         else:
             raise ValueError(f"device {device_id!r}: unknown kind {kind!r}")
-        if entry.get("health") == "Healthy":
+        if health == "Healthy":
             healthy[kind_value].add(device_id)
     held: set[str] = set()
     holders: set[tuple[str, str]] = set()
     holdings: list[Holding] = []
-    for allocation in allocations:
+    for i, allocation in enumerate(allocations):
+        where = f"status.allocations[{i}]"
         if not isinstance(allocation, dict):
-            raise ValueError("an allocation is not an object")
-        devices = allocation.get("devices") or []
-        if not isinstance(devices, list):
-            raise ValueError("an allocation's devices must be a list")
-        ids = frozenset(str(d) for d in devices)
+            raise ValueError(f"{where} must be an object")
+        ids = frozenset(_strings(_field(allocation, "devices", list, where), f"{where}.devices"))
+        namespace = _field(allocation, "namespace", str, where, "")
+        pod = _field(allocation, "pod", str, where, "")
+        uid = _field(allocation, "podUID", str, where, "")
         held.update(ids)
-        namespace, pod = str(allocation.get("namespace") or ""), str(allocation.get("pod") or "")
-        uid = allocation.get("podUID")
         holders.add((namespace, pod))
-        holdings.append(Holding(namespace, pod, uid if isinstance(uid, str) and uid else None, ids))
+        holdings.append(Holding(namespace, pod, uid or None, ids))
     topology = Topology(gpus, hcas)
     return NodeState(
         name=meta["name"],

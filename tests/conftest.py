@@ -74,6 +74,7 @@ def start_cluster(tmp_path: Path, sock_dir: Path) -> Iterator[Callable[..., Clus
         start_kubelet: bool = True,
         wait: bool = True,
         api: ApiServerImitation | None = None,
+        api_url: str | None = None,
         node_name: str = "node-1",
         **config: Any,
     ) -> Cluster:
@@ -84,8 +85,9 @@ def start_cluster(tmp_path: Path, sock_dir: Path) -> Iterator[Callable[..., Clus
         pod_resources = sock_dir / f"pr{tag}" / "kubelet.sock"
         kubelet = KubeletSimulator(plugin_dir, pod_resources, seed=1, api=api, node_name=node_name)
         if api is not None:
+            # The daemon may reach the server another way (a proxy, `api_url`).
             kubeconfig = tmp_path / f"kubeconfig{tag}"
-            kubeconfig.write_text(yaml.safe_dump(api.kubeconfig()))
+            kubeconfig.write_text(yaml.safe_dump(api.kubeconfig(api_url)))
             config = {
                 "kubernetes.enabled": True, "kubernetes.kubeconfig": str(kubeconfig),
                 "kubernetes.node_name": kubelet.node_name, **config,

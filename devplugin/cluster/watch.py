@@ -174,7 +174,19 @@ class WatchCache(Generic[T]):
                 if self._version is None:
                     self._list()
                 backoff = 0.0
-                self._watch()
+                try:
+                    self._watch()
+                except ValueError as exc:
+                    # An event the client cannot even decode (no real API
+                    # server sends one): the cache is still right up to it.
+                    # Skip it by listing again; stay current meanwhile.
+                    self.skipped += 1
+                    log.warning(
+                        "%s watch: an event could not be decoded (%s); listing again",
+                        self.name, str(exc)[:200],
+                    )  # fmt: skip
+                    # (An undecodable list is an error: backoff, not current.)
+                    self._version = None
             except ApiError as exc:
                 if self._stop.is_set():
                     break

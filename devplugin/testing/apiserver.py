@@ -120,11 +120,12 @@ class ApiServerImitation:
             server.shutdown()
             server.server_close()
 
-    def kubeconfig(self) -> Obj:
-        """A kubeconfig (as data) pointing at this server."""
+    def kubeconfig(self, url: str | None = None) -> Obj:
+        """A kubeconfig (as data) pointing at this server (or at `url`, a way
+        to it such as a proxy)."""
         return {
             "apiVersion": "v1", "kind": "Config", "current-context": "imitation",
-            "clusters": [{"name": "imitation", "cluster": {"server": self.url}}],
+            "clusters": [{"name": "imitation", "cluster": {"server": url or self.url}}],
             "users": [{"name": "devplugin", "user": {"token": "imitation"}}],
             "contexts": [{"name": "imitation",
                           "context": {"cluster": "imitation", "user": "devplugin"}}],
