@@ -10,12 +10,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from devplugin.cli import main
 from devplugin.testing.demo import run_demo
-from devplugin.testing.kubelet import KubeletSimulator
+from devplugin.testing.apiserver import ApiServerImitation
+from devplugin.testing.kubelet import ContainerRequest, KubeletSimulator
 from devplugin.testing.node import BuiltNode, build_node, hgx_node
 from tests.conftest import GPU, HCA
+from tests.waiting import wait_until
 
 
 @pytest.fixture
@@ -167,3 +170,46 @@ def test_demo_runs_the_main_job_and_cleans_up(sock_dir: Path) -> None:
     assert len(indexes) == 4
     assert {i // 4 for i in indexes} in ({0}, {1})
     assert list(sock_dir.iterdir()) == []
+
+
+def test_kubeconfig_and_node_name_flags_alone_turn_api_access_on(
+    node: BuiltNode, sock_dir: Path, tmp_path: Path, api: ApiServerImitation
+) -> None:
+    plugin_dir, pod_resources = sock_dir / "dp", sock_dir / "pr" / "kubelet.sock"
+    kubelet = KubeletSimulator(plugin_dir, pod_resources, api=api, node_name="flag-node")
+    kubelet.start()
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump(api.kubeconfig()))
+    process = spawn(
+        [
+            "run", *source_flags(node), "--device-plugin-dir", str(plugin_dir),
+            "--pod-resources-socket", str(pod_resources), "--log-format", "json",
+            "--checkpoint-file", str(sock_dir / "checkpoint.json"),
+            "--metrics-address", "127.0.0.1:0",
+            "--kubeconfig", str(kubeconfig), "--node-name", "flag-node",
+        ]
+    )  # fmt: skip
+    try:
+        assert kubelet.wait_for_devices(GPU, 8, timeout=20)
+        kubelet.admit("job", [ContainerRequest("main", {GPU: 2, HCA: 2})])
+
+        def published() -> bool:
+            record = api.get("nodedevices", "flag-node") or {}
+            holders = record.get("status", {}).get("allocations", [])
+            return any(entry["pod"] == "job" and entry.get("podUID") for entry in holders)
+
+        # The record names the pod with its uid: the pod watch knew it.
+        assert wait_until(published, timeout=20)
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=20)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        kubelet.stop()
+    lines = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+    messages = [entry["msg"] for entry in lines]
+    assert (
+        "Kubernetes API access on: --kubeconfig and --node-name given on the command line"
+        in messages
+    )
+    assert "pods cache started" in messages

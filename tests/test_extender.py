@@ -187,6 +187,54 @@ def test_pods_bound_but_not_yet_in_the_record_take_their_devices_first(
     assert "2 GPUs" in result["FailedNodes"]["n"]
 
 
+@pytest.mark.parametrize("end", ["deleted", "finished", "replaced by a namesake"])
+@pytest.mark.parametrize("uid_in_record", [True, False], ids=["with-uid", "by-name"])
+def test_a_pod_the_watch_saw_end_holds_nothing_whatever_the_record_says(
+    api: ApiServerImitation, tmp_path: Path, extender: Running, end: str, uid_in_record: bool
+) -> None:
+    inv = inventory("hgx-h100", tmp_path / "inv")
+    gpus, hcas = [g.uuid for g in inv.gpus], [h.device_id for h in inv.hcas]
+    holder = pod("old", [{GPU: 8, HCA: 8}])
+    holder["spec"]["nodeName"] = "n"
+    holder["status"]["phase"] = "Running"
+    uid = api.put("pods", holder)["metadata"]["uid"]
+    everything = [ContainerAlignment("default", "old", "c0", tuple(gpus), tuple(hcas), Level.PIX,
+                                     8, uid if uid_in_record else None)]  # fmt: skip
+    put_record(api, "n", "hgx-h100", tmp_path, held=everything)
+    synced(extender, {"n"})
+    assert wait_until(lambda: len(extender[0].pods.pods()) == 1, timeout=10)
+    args = {"Pod": pod("next", [{GPU: 2, HCA: 2}]), "NodeNames": ["n"]}
+    _code, result = call(extender, "filter", args)
+    assert result["NodeNames"] == []
+    # The record is not rewritten: only the pod watch says the holder is gone.
+    if end == "deleted":
+        api.remove("pods", "old", "default")
+    elif end == "finished":
+        api.set_status("pods", "old", "default", {"phase": "Succeeded"})
+    else:
+        api.remove("pods", "old", "default")
+        namesake = pod("old", [{GPU: 1, HCA: 1}])
+        namesake["metadata"]["uid"] = "uid-namesake"
+        namesake["spec"]["nodeName"] = "n"
+        api.put("pods", namesake)
+
+    def passes() -> bool:
+        return call(extender, "filter", args)[1]["NodeNames"] == ["n"]
+
+    if end == "replaced by a namesake" and not uid_in_record:
+        # By name alone the record may mean the live namesake: believed.
+        assert wait_until(lambda: "uid-namesake" in extender[0].pods.pods(), timeout=5)
+        assert not passes()
+        return
+    assert wait_until(passes, timeout=5)
+    _code, ranked = call(extender, "prioritize", args)
+    assert ranked == [{"Host": "n", "Score": 10}]
+    if end == "replaced by a namesake":
+        # The namesake is a new pod bound here, placed first: 1 + 8 > 8.
+        big = {"Pod": pod("big", [{GPU: 8, HCA: 8}]), "NodeNames": ["n"]}
+        assert call(extender, "filter", big)[1]["NodeNames"] == []
+
+
 def test_a_prioritize_after_a_filter_is_a_memo_hit(
     api: ApiServerImitation, tmp_path: Path, extender: Running
 ) -> None:

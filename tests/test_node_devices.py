@@ -185,3 +185,57 @@ def test_record_writes_are_rate_limited_and_the_last_state_lands(
     # Eight changes, at most one write per second (plus the one in flight).
     assert publisher.writes - writes <= int(elapsed / 1.0) + 2
     assert len(status(api)["allocations"]) == 8
+
+
+def test_a_release_reaches_the_record_within_a_second_of_the_pod_event_not_a_poll(
+    start_cluster: Start, api: ApiServerImitation
+) -> None:
+    # PodResources polls far apart: only Allocate and the pod watch move things.
+    cluster = start_cluster(hgx_node(), api=api, **{
+        "pod_resources.poll_interval_seconds": 60, "pod_resources.min_interval_seconds": 60,
+    })  # fmt: skip
+    monitor = cluster.daemon.monitor
+    assert wait_until(lambda: monitor.polls >= 1 and bool(status(api).get("devices")), timeout=10)
+    polls = monitor.polls
+    latencies = []
+    for index in range(3):
+        name = f"p{index}"
+        cluster.kubelet.admit(name, [ContainerRequest("main", {GPU: 2, HCA: 2})])
+
+        def shows(name: str = name) -> bool:
+            return any(a["pod"] == name for a in status(api).get("allocations", []))
+
+        assert wait_until(shows, timeout=5)
+        started = time.monotonic()
+        cluster.kubelet.remove(name)
+        assert wait_until(lambda shows=shows: not shows(), timeout=5)
+        latencies.append(time.monotonic() - started)
+    assert monitor.polls == polls  # no PodResources answer was needed
+    # At most one write per second: a release right after a write waits for it.
+    assert max(latencies) < 1.5, latencies
+    assert status(api)["summary"]["gpusFree"] == 8
+
+
+def test_under_churn_the_record_is_written_at_most_once_a_second_and_lands(
+    start_cluster: Start, api: ApiServerImitation
+) -> None:
+    cluster = start_cluster(hgx_node(), api=api)
+    assert wait_until(lambda: status(api).get("summary", {}).get("gpusFree") == 8, timeout=10)
+    writes = cluster.daemon.metrics.record_writes.labels("ok")
+    before, started = writes._value.get(), time.monotonic()
+    live: list[str] = []
+    for index in range(60):  # pods 20 ms apart, each deleted four arrivals later
+        name = f"c{index}"
+        cluster.kubelet.admit(name, [ContainerRequest("main", {GPU: 2, HCA: 2})])
+        live.append(name)
+        if len(live) > 3:
+            cluster.kubelet.remove(live.pop(0))
+        time.sleep(0.02)
+    remaining = set(live)
+    assert wait_until(
+        lambda: {a["pod"] for a in status(api).get("allocations", [])} == remaining, timeout=5
+    )
+    elapsed = time.monotonic() - started
+    written = writes._value.get() - before
+    assert written <= int(elapsed) + 1, (written, elapsed)
+    assert written >= 2  # it did follow along, not only at the end
