@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from devplugin.cli import main
-from devplugin.testing.demo import run_demo
 from devplugin.testing.apiserver import ApiServerImitation
+from devplugin.testing.demo import run_demo
 from devplugin.testing.kubelet import ContainerRequest, KubeletSimulator
 from devplugin.testing.node import BuiltNode, build_node, hgx_node
 from tests.conftest import GPU, HCA
