@@ -21,6 +21,12 @@ cache. Goal: p50 within 1.5x the floor.
 
 Cluster placement (`bench/cluster.py`): 16 mixed nodes, a seeded stream
 of pods placed by the default scheduler's rule and by the extender's.
+With real daemons (`bench/cluster_live.py`): four mixed nodes, each a real
+daemon behind its kubelet simulator, one API server imitation and the
+extender process over HTTP; pods arriving every 0.05 s, 0.2 s and 1 s with
+deletions between. Goal: at every cadence at least 98% of GPU+HCA pods at
+the best level free anywhere at that moment, and a higher share at the
+cluster-wide ideal than default placement on the same stream.
 
 NVLink layouts: every GPU and HCA size on DGX-1, two DGX-1 meshes, PCIe
 trees of 16, 32 and 64 GPUs with NVLink bridges between neighbouring
@@ -57,6 +63,7 @@ from pathlib import Path
 import grpc
 
 from bench.cluster import cluster_bench
+from bench.cluster_live import live_cluster_bench
 from devplugin.allocator import (
     Allocator,
     Request,
@@ -632,11 +639,17 @@ def main() -> int:
         "--nvlink", choices=NVLINK_LAYOUTS, action="append",
         help="only these NVLink layouts (and no other node unless --node names some)",
     )  # fmt: skip
+    parser.add_argument(
+        "--cluster", action="store_true",
+        help="the cluster run with real daemons and the extender (alone unless --node or "
+        "--nvlink names more; a full run includes it, --quick leaves it out)",
+    )  # fmt: skip
     args = parser.parse_args()
     iterations, warmup = (20, 5) if args.quick else (args.iterations, 50)
-    selected = args.node is not None or args.nvlink is not None
+    selected = args.node is not None or args.nvlink is not None or args.cluster
     nodes = [n for n in GOALS_MS if n in (args.node or ([] if selected else GOALS_MS))]
     layouts = args.nvlink or ([] if selected else list(NVLINK_LAYOUTS))
+    live = args.cluster or not (selected or args.quick)
     setup_logging("text", "error")
     base = Path(tempfile.mkdtemp(prefix="dpb-", dir="/tmp"))
     failed = False
@@ -650,6 +663,10 @@ def main() -> int:
             nvlink_iterations = iterations if args.quick else max(200, iterations // 2)
             met = nvlink_section(layouts, nvlink_iterations, min(warmup, 10), base)
             failed |= not met and not args.quick
+        if live:
+            if nodes or layouts:
+                print()
+            failed |= not live_cluster_bench(quick=args.quick)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     return 1 if failed else 0

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -104,7 +105,7 @@ class ApiServerImitation:
         return f"http://{host}:{port}"
 
     def start(self, port: int = 0) -> None:
-        server = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
+        server = _Server(("127.0.0.1", port), self._handler())
         server.daemon_threads = True
         self._server = server
         self._address = (str(server.server_address[0]), int(server.server_address[1]))
@@ -467,6 +468,13 @@ class ApiServerImitation:
             _chunk_end(handler)
         except (BrokenPipeError, ConnectionResetError):
             return
+
+
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that went away (its timeout, a stop) is not the server's error.
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
 
 def _merge_patch(target: Any, patch: Any) -> Any:
