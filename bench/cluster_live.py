@@ -33,7 +33,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +65,7 @@ class LiveTally:
     ideal: int = 0
     unplaced: int = 0
     lag: float = 0.0  # the most an arrival started after its slot
+    misses: list[str] = field(default_factory=list)
 
     def share(self, part: int) -> float:
         return part / self.containers if self.containers else 1.0
@@ -206,6 +207,11 @@ def run_stream(
             assert achieved is not None
             tally.containers += 1
             tally.best_free += achieved[0] == min(best_now.values())
+            if achieved[0] != min(best_now.values()):
+                levels = ", ".join(f"{n} {level.name}" for n, level in best_now.items())
+                tally.misses.append(
+                    f"{pod} ({gpus},{hcas}) on {target}: {achieved[0].name}; best free: {levels}"
+                )
             tally.ideal += achieved[0] == ideal[(gpus, hcas)]
     for node_name, pod in live:
         nodes[node_name].kubelet.remove(pod)
@@ -261,6 +267,8 @@ def live_cluster_bench(quick: bool = False) -> bool:
                         f"{tally.share(tally.best_free):>9.1%} {tally.share(tally.ideal):>7.1%} "
                         f"{tally.unplaced:>8} {tally.lag * 1000:>6.0f}ms"
                     )
+                for miss in ours.misses:
+                    print(f"        missed: {miss}")
                 ok &= ours.share(ours.best_free) >= GOAL
                 ok &= ours.share(ours.ideal) > default.share(default.ideal)
     finally:

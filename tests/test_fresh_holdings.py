@@ -6,12 +6,17 @@ stream does at least as well as before they did."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.churn import StreamTally, timed_stream
 from devplugin.testing.cluster import SimCluster
+from devplugin.testing.kubelet import ContainerRequest
 from devplugin.testing.layouts import LAYOUTS
+from devplugin.testing.node import hgx_node
+from tests.conftest import GPU, HCA, Cluster
 
 SEEDS, ARRIVALS = range(2), 30
 # Containers at the optimum on the same streams without API access, before
@@ -45,3 +50,24 @@ def test_under_churn_every_container_gets_the_optimum_and_blind_is_no_worse(
     assert aware.containers == blind.containers > 20
     assert aware.optimal == aware.containers, aware.misses
     assert blind.optimal >= BEFORE[layout], blind.misses
+
+
+def test_a_namesake_admitted_right_after_its_predecessor_is_known_exactly(
+    start_cluster: Callable[..., Cluster], api: ApiServerImitation
+) -> None:
+    # A StatefulSet's pod comes back under its old name with a new uid, well
+    # within the seconds a claim on the old one lasts.
+    cluster = start_cluster(hgx_node(), api=api)
+    counter = cluster.daemon.metrics.pod_aware
+    for _ in range(3):
+        pod = cluster.kubelet.admit("db-0", [ContainerRequest("main", {GPU: 2, HCA: 1})])
+        uid = cluster.daemon.pods.uid_of("default", "db-0") if cluster.daemon.pods else None
+        holders = {h.container: h.uid for h in cluster.daemon.ledger.holders()}
+        assert holders == {("default", "db-0", "main"): uid}
+        assert len(pod.container("main").devices[GPU]) == 2
+        cluster.kubelet.remove("db-0")
+    outcomes = {
+        outcome: sum(counter.labels(r, outcome)._value.get() for r in (GPU, HCA))
+        for outcome in ("exact", "fallback-no-pod", "fallback-ambiguous")
+    }
+    assert outcomes == {"exact": 6.0, "fallback-no-pod": 0.0, "fallback-ambiguous": 0.0}

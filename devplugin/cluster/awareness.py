@@ -85,7 +85,9 @@ class PodAwareness:
         self._claim_seconds = claim_seconds
         self._clock = clock
         self._lock = threading.Lock()
-        self._claims: dict[tuple[DeviceKind, ContainerKey], float] = {}
+        # (kind, container) -> (when, the pod's uid): a namesake pod of
+        # another uid does not inherit its predecessor's claims.
+        self._claims: dict[tuple[DeviceKind, ContainerKey], tuple[float, str]] = {}
         self._pair_seconds = pair_seconds
         self._expected: _Expected | None = None
         self._answered: dict[DeviceKind, _Answered] = {}
@@ -147,8 +149,8 @@ class PodAwareness:
             self._answered[kind] = _Answered(size, owner, now, key)
             # The kubelet gives this container all its resources before the
             # next one: it counts as holding both from now on.
-            self._claims[(kind, key)] = now
-            self._claims[(kind.other, key)] = now
+            self._claims[(kind, key)] = (now, first.pod.uid)
+            self._claims[(kind.other, key)] = (now, first.pod.uid)
             if self._given_locked(key, first.pod.uid, kind.other):
                 # Its other resource came first, all reused from the pod's
                 # init containers (no preference was asked): this completes it.
@@ -247,16 +249,25 @@ class PodAwareness:
         (only,) = answer.candidates
         key = (only.pod.namespace, only.pod.name, only.container.name)
         with self._lock:
-            self._claims[(kind, key)] = now
+            self._claims[(kind, key)] = (now, only.pod.uid)
             self._record_locked(key, only.pod.uid, kind, ids)
         return key, only.pod.uid
 
     def _held(self, kind: DeviceKind) -> frozenset[ContainerKey]:
-        holdings = self._ledger.holdings()
-        polled = {key for key, kinds in holdings.containers.items() if kinds.get(kind)}
+        """Containers holding `kind` now: per the ledger (whose pod-watch rule
+        has dropped ended pods) and the claims made here, both only for the
+        pod of that name alive now."""
+        held = set()
+        for holder in self._ledger.holders():
+            key = holder.container
+            if key is None or not holder.devices[kind]:
+                continue
+            if holder.uid is None or holder.uid == self._cache.uid_of(key[0], key[1]):
+                held.add(key)
         now = self._clock()
         with self._lock:
-            for claim in [c for c, at in self._claims.items() if now - at > self._claim_seconds]:
+            for claim in [c for c, v in self._claims.items() if now - v[0] > self._claim_seconds]:
                 del self._claims[claim]
-            claimed = {key for (k, key) in self._claims if k is kind}
-        return frozenset(polled | claimed)
+            claims = [(key, uid) for (k, key), (_, uid) in self._claims.items() if k is kind]
+        held.update(key for key, uid in claims if uid == self._cache.uid_of(key[0], key[1]))
+        return frozenset(held)
