@@ -198,7 +198,7 @@ def test_a_release_reaches_the_record_within_a_second_of_the_pod_event_not_a_pol
     assert wait_until(lambda: monitor.polls >= 1 and bool(status(api).get("devices")), timeout=10)
     polls = monitor.polls
     latencies = []
-    for index in range(3):
+    for index in range(2):
         name = f"p{index}"
         cluster.kubelet.admit(name, [ContainerRequest("main", {GPU: 2, HCA: 2})])
 

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import logging
 import math
+import socket
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import httpx2
 from lightkube import Client, KubeConfig
@@ -48,7 +50,9 @@ class Heartbeat:
 
 class WatchTransport(httpx2.BaseTransport):
     """Wraps the real transport: watch requests get `watch_read_timeout` as
-    their read timeout; every answer's headers beat the heartbeat."""
+    their read timeout; every answer's headers beat the heartbeat; closing
+    it ends a watch blocked in a read at once (closing a socket does not
+    wake a thread blocked reading it; shutting it down does)."""
 
     def __init__(
         self,
@@ -60,19 +64,44 @@ class WatchTransport(httpx2.BaseTransport):
         self._inner = inner
         self._read_timeout = watch_read_timeout
         self._heartbeat = heartbeat
+        self._lock = threading.Lock()
+        self._watch_stream: Any = None
+        self._closed = False
 
     def handle_request(self, request: httpx2.Request) -> httpx2.Response:
-        if self._read_timeout is not None and request.url.params.get("watch") in ("true", "1"):
+        watch = request.url.params.get("watch") in ("true", "1")
+        if watch and self._read_timeout is not None:
             timeout = dict(request.extensions.get("timeout") or {})
             timeout["read"] = self._read_timeout
             request.extensions = {**request.extensions, "timeout": timeout}
         response = self._inner.handle_request(request)
         if self._heartbeat is not None:
             self._heartbeat.beat()
+        if watch:
+            with self._lock:
+                self._watch_stream = response.extensions.get("network_stream")
+                closed = self._closed
+            if closed:
+                self._end_watch()
         return response
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._end_watch()
         self._inner.close()
+
+    def _end_watch(self) -> None:
+        with self._lock:
+            stream, self._watch_stream = self._watch_stream, None
+        if stream is None:
+            return
+        try:
+            sock = stream.get_extra_info("socket")
+            if isinstance(sock, socket.socket):
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # already gone
 
 
 def make_client(

@@ -41,6 +41,9 @@ class ChurnOutcome:
     optimal: int = 0  # best achievable given what was free
     ideal: int = 0  # best achievable on an empty node
     levels: Counter[str] = field(default_factory=Counter)
+    # Some device was reported Unhealthy during the run (a read past its
+    # deadline on a loaded machine fails closed): pods may not have fit.
+    faults: int = 0
 
     @property
     def optimal_share(self) -> float:
@@ -107,6 +110,12 @@ def run_churn(spec: NodeSpec, seed: int, *, preferred: bool, events: int = 60) -
                 outcome.optimal += 1
             if achieved[0] == best_worst_level(topology, every_gpu, every_hca, gpus, hcas):
                 outcome.ideal += 1
+        outcome.faults = sum(
+            health != "Healthy"
+            for resource in (GPU, HCA)
+            for _, devices in kubelet.history(resource)
+            for health in devices.values()
+        )
     return outcome
 
 
