@@ -118,14 +118,15 @@ class PodAwareness:
             with self._lock:
                 self._answered[kind] = _Answered(size, expected.owner, now, expected.key)
             return Known(expected.first_size, second=True)
-        held = self._held(kind)
 
         def ask() -> Admission:
-            # Only pods still waiting to be admitted can be asking.
+            # Only pods still waiting to be admitted can be asking; who holds
+            # what is read again each time (a namesake may have just arrived).
             waiting = self._cache.waiting()
             return admitting(
-                waiting, resource=resource, other=other, size=size, held=held, waiting=True
-            )
+                waiting, resource=resource, other=other, size=size, held=self._held(kind),
+                waiting=True,
+            )  # fmt: skip
 
         answer = ask()
         if answer.outcome is Outcome.NO_POD and self._wait > 0:
