@@ -135,6 +135,9 @@ class Ledger:
         self._ended: OrderedDict[tuple[str, str], _Ended] = OrderedDict()
         # When a source last confirmed the view (for its age).
         self._confirmed = -math.inf
+        self._holders_cache: tuple[int, tuple[Held, ...]] | None = None
+        # No entry can expire before this (monotonic seconds).
+        self._next_expiry = -math.inf
         self.corrections = 0
         # -- the release view --
         self._holdings = Holdings()
@@ -298,20 +301,28 @@ class Ledger:
             self._expire_locked(self._clock())
             return frozenset(device for (k, device) in self._holds if k is kind)
 
-    def holders(self) -> list[Held]:
-        """Every holder with its devices (sorted), holders known by name first."""
+    def holders(self) -> tuple[Held, ...]:
+        """Every holder with its devices (sorted), holders known by name first
+        (built once per change: the pod-aware preference reads it each time)."""
         with self._lock:
             self._expire_locked(self._clock())
+            cached = self._holders_cache
+            if cached is not None and cached[0] == self._version:
+                return cached[1]
             found: dict[ContainerKey | None, dict[DeviceKind, list[str]]] = {}
             uids: dict[ContainerKey | None, str] = {}
             for (kind, device), hold in self._holds.items():
                 found.setdefault(hold.container, {k: [] for k in DeviceKind})[kind].append(device)
                 if hold.uid is not None:
                     uids[hold.container] = hold.uid
-        return [
-            Held(container, uids.get(container), {k: tuple(sorted(v)) for k, v in kinds.items()})
-            for container, kinds in sorted(found.items(), key=lambda item: item[0] or ("~",))
-        ]
+            built = tuple(
+                Held(
+                    container, uids.get(container), {k: tuple(sorted(v)) for k, v in kinds.items()}
+                )
+                for container, kinds in sorted(found.items(), key=lambda item: item[0] or ("~",))
+            )
+            self._holders_cache = (self._version, built)
+            return built
 
     def age(self) -> float:
         """Seconds since a source last confirmed the view (inf before any)."""
@@ -363,6 +374,9 @@ class Ledger:
         return freed
 
     def _expire_locked(self, now: float) -> None:
+        # Every read passes here: scan only once something can have expired.
+        if now < self._next_expiry:
+            return
         stale = [key for key, at in self._recent.items() if now - at > self._max_age]
         for key in stale:
             del self._recent[key]
@@ -376,3 +390,7 @@ class Ledger:
             del self._holds[key]
         if stale or old:
             self._version += 1
+        # Entries only ever get younger or new: the oldest left sets the next scan.
+        ages = [*self._recent.values()]
+        ages.extend(h.at for h in self._holds.values() if h.source is not Source.POLL)
+        self._next_expiry = (min(ages) if ages else now) + self._max_age
