@@ -22,7 +22,6 @@ gives that shape when empty).
 
 from __future__ import annotations
 
-import json
 import random
 import shutil
 import socket
@@ -35,7 +34,6 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import yaml
 
@@ -46,6 +44,7 @@ from devplugin.testing.churn import free_now
 from devplugin.testing.cluster import GPU, HCA, SimCluster
 from devplugin.testing.kubelet import AdmissionError, ContainerRequest
 from devplugin.testing.layouts import LAYOUTS
+from devplugin.testing.scheduler import choose_node, pending_pod
 from devplugin.topology import Level
 
 NODES = {"hgx": "hgx-h100", "dgx": "dgx-a100", "pcie": "pcie-server", "asym": "asymmetric"}
@@ -107,34 +106,11 @@ def extender_process(api: ApiServerImitation, base: Path) -> Iterator[str]:
         log.close()
 
 
-def _post(url: str, verb: str, body: Any) -> Any:
-    request = urllib.request.Request(
-        f"{url}/scheduler/{verb}", data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"}, method="POST",
-    )  # fmt: skip
-    with urllib.request.urlopen(request, timeout=10) as answer:
-        return json.loads(answer.read())
-
-
 def _fits(nodes: dict[str, SimCluster], gpus: int, hcas: int) -> list[str]:
     return [
         name for name, node in sorted(nodes.items())
         if len(free_now(node.kubelet, GPU)) >= gpus and len(free_now(node.kubelet, HCA)) >= hcas
     ]  # fmt: skip
-
-
-def _by_extender(url: str, fits: list[str], name: str, gpus: int, hcas: int) -> str | None:
-    limits = {k: str(v) for k, v in ((GPU, gpus), (HCA, hcas)) if v}
-    pod = {
-        "metadata": {"name": name, "namespace": "default", "uid": f"pending-{name}"},
-        "spec": {"containers": [{"name": "main", "resources": {"limits": limits}}]},
-    }  # fmt: skip
-    passing = _post(url, "filter", {"Pod": pod, "NodeNames": fits})["NodeNames"]
-    if not passing:
-        return None
-    ranked = _post(url, "prioritize", {"Pod": pod, "NodeNames": passing})
-    top = max(entry["Score"] for entry in ranked)
-    return str(next(entry["Host"] for entry in ranked if entry["Score"] == top))
 
 
 def _least_allocated(
@@ -187,7 +163,8 @@ def run_stream(
                 )
         pod = f"s{seed}-{index}"
         if url is not None:
-            target = _by_extender(url, fits, pod, gpus, hcas)
+            pending = pending_pod(pod, {GPU: gpus, HCA: hcas}, uid=f"pending-{pod}")
+            target = choose_node(url, pending, fits)
         else:
             target = _least_allocated(nodes, fits, gpus, hcas, pick)
         if target is None:

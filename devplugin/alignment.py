@@ -245,24 +245,11 @@ def best_worst_level(
     """The best worst GPU-to-nearest-HCA level any choice of `gpus` GPUs and
     `hcas` HCAs could reach, taking the `must_` devices (which the kubelet
     reuses from the pod's init containers) and the rest from the free ones:
-    exhaustive over the HCA sets (for a given HCA set the best remaining
-    GPUs are simply the nearest ones)."""
-    fixed_g, fixed_h = sorted(set(must_gpus)), sorted(set(must_hcas))
-    candidates = [g for g in free_gpus if g not in fixed_g]
-    others = sorted(h for h in free_hcas if h not in fixed_h)
-    best = Level.SYS
-    for extra in itertools.combinations(others, hcas - len(fixed_h)):
-        chosen = (*fixed_h, *extra)
-
-        def nearest(gpu: str, chosen: tuple[str, ...] = chosen) -> Level:
-            return min(topology.level(gpu, h) for h in chosen)
-
-        floor = max((nearest(g) for g in fixed_g), default=Level.PIX)
-        levels = sorted(nearest(g) for g in candidates)
-        rest = gpus - len(fixed_g)
-        worst = max(floor, levels[rest - 1]) if rest > 0 else floor
-        best = min(best, Level(worst))
-    return best
+    the worst level of `best_alignment`, whose lexicographic optimum has
+    the best worst level there is."""
+    return best_alignment(
+        topology, free_gpus, free_hcas, gpus, hcas, must_gpus=must_gpus, must_hcas=must_hcas
+    )[0]
 
 
 def best_alignment(

@@ -7,14 +7,12 @@ node's kubelet admit the pod."""
 
 from __future__ import annotations
 
-import json
 import socket
 import subprocess
 import sys
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
@@ -23,6 +21,7 @@ from devplugin.alignment import alignment, best_worst_level
 from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.kubelet import ContainerRequest
 from devplugin.testing.layouts import LAYOUTS
+from devplugin.testing.scheduler import choose_node, pending_pod
 from devplugin.topology import Level
 from tests.conftest import GPU, HCA, Cluster
 from tests.waiting import wait_until
@@ -70,15 +69,6 @@ def extender_url(api: ApiServerImitation, tmp_path: Path) -> Iterator[str]:
         process.wait(10)
 
 
-def post(url: str, verb: str, body: Any) -> Any:
-    request = urllib.request.Request(
-        f"{url}/scheduler/{verb}", data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"}, method="POST",
-    )  # fmt: skip
-    with urllib.request.urlopen(request, timeout=10) as answer:
-        return json.loads(answer.read())
-
-
 def schedule(url: str, clusters: dict[str, Cluster], name: str, gpus: int, hcas: int) -> str | None:
     """The kube-scheduler's part: fit by counts, then the extender's filter and
     prioritize; the highest score wins (ties: the first name)."""
@@ -86,20 +76,7 @@ def schedule(url: str, clusters: dict[str, Cluster], name: str, gpus: int, hcas:
         node for node, cluster in sorted(clusters.items())
         if len(free(cluster, GPU)) >= gpus and len(free(cluster, HCA)) >= hcas
     ]  # fmt: skip
-    if not fits:
-        return None
-    limits = {k: str(v) for k, v in ((GPU, gpus), (HCA, hcas)) if v}
-    pod = {
-        "metadata": {"name": name, "namespace": "default", "uid": f"uid-{name}"},
-        "spec": {"containers": [{"name": "main", "resources": {"limits": limits}}]},
-    }  # fmt: skip
-    filtered = post(url, "filter", {"Pod": pod, "NodeNames": fits})
-    passing = filtered["NodeNames"]
-    if not passing:
-        return None
-    ranked = post(url, "prioritize", {"Pod": pod, "NodeNames": passing})
-    best = max(entry["Score"] for entry in ranked)
-    return next(entry["Host"] for entry in ranked if entry["Score"] == best)
+    return choose_node(url, pending_pod(name, {GPU: gpus, HCA: hcas}), fits)
 
 
 @pytest.mark.slow

@@ -12,14 +12,13 @@ import pytest
 from devplugin.alignment import alignment, best_worst_level
 from devplugin.model import DeviceKind
 from devplugin.testing.apiserver import ApiServerImitation
+from devplugin.testing.churn import mixed_pod, reused_first
 from devplugin.testing.kubelet import AdmissionError, ContainerRequest
 from devplugin.testing.layouts import LAYOUTS
 from tests.conftest import GPU, HCA, Cluster
 from tests.waiting import wait_until
 
 Start = Callable[..., Cluster]
-# (GPUs, HCAs) per container: shapes a 1:1 guess gets wrong, and the usual ones.
-SHAPES = [(2, 1), (3, 1), (4, 2), (1, 1), (2, 2), (4, 4), (6, 2)]
 
 
 def free(cluster: Cluster, resource: str) -> set[str]:
@@ -59,28 +58,6 @@ class Share:
     reuse_total: int = 0
 
 
-def pod_shape(rng: random.Random) -> list[ContainerRequest]:
-    """App containers of mixed shapes; some pods with a sidecar or an init
-    container holding devices, some with single-resource containers."""
-    containers = [
-        ContainerRequest(f"c{i}", _req(rng.choice(SHAPES))) for i in range(rng.choice([1, 1, 2]))
-    ]
-    extra = rng.random()
-    if extra < 0.15:
-        containers.insert(0, ContainerRequest("side", _req(rng.choice([(1, 1), (2, 1)])),
-                                              init=True, sidecar=True))  # fmt: skip
-    elif extra < 0.3:
-        containers.insert(0, ContainerRequest("prep", _req(rng.choice([(1, 1), (2, 1), (1, 0)])),
-                                              init=True))  # fmt: skip
-    elif extra < 0.4:
-        containers.append(ContainerRequest("solo", _req(rng.choice([(2, 0), (0, 1)]))))
-    return containers
-
-
-def _req(shape: tuple[int, int]) -> dict[str, int]:
-    return {GPU: shape[0], HCA: shape[1]}
-
-
 def optimal_share(cluster: Cluster, seed: int, events: int = 60) -> Share:
     """Admit and remove a seeded stream of pods; count who got the optimum."""
     rng = random.Random(seed)
@@ -92,7 +69,7 @@ def optimal_share(cluster: Cluster, seed: int, events: int = 60) -> Share:
             cluster.kubelet.remove(live.pop(rng.randrange(len(live))))
             settle(cluster)
             continue
-        requests = pod_shape(rng)
+        requests = mixed_pod(rng)
         free_g, free_h = free(cluster, GPU), free(cluster, HCA)
         if sum(c.requests[GPU] for c in requests) > len(free_g) or sum(
             c.requests[HCA] for c in requests
@@ -115,8 +92,8 @@ def optimal_share(cluster: Cluster, seed: int, events: int = 60) -> Share:
             request = by_name[container.name]
             gpus, hcas = request.requests[GPU], request.requests[HCA]
             got_g, got_h = container.devices.get(GPU, ()), container.devices.get(HCA, ())
-            must_g = _forced(reusable[GPU], gpus)
-            must_h = _forced(reusable[HCA], hcas)
+            must_g = reused_first(reusable[GPU], gpus)
+            must_h = reused_first(reusable[HCA], hcas)
             if gpus and hcas:
                 achieved = alignment(topology, got_g, got_h)
                 assert achieved is not None
@@ -140,11 +117,6 @@ def optimal_share(cluster: Cluster, seed: int, events: int = 60) -> Share:
         cluster.kubelet.remove(name)
     settle(cluster)
     return share
-
-
-def _forced(reusable: set[str], count: int) -> set[str]:
-    """What the kubelet takes from a pod's reusable devices for `count`."""
-    return set(sorted(reusable)[:count]) if count else set()
 
 
 @pytest.mark.slow

@@ -258,8 +258,8 @@ def _judge(
         request = by_name[container.name]
         gpus, hcas = request.requests.get(GPU, 0), request.requests.get(HCA, 0)
         got_g, got_h = container.devices.get(GPU, ()), container.devices.get(HCA, ())
-        must_g = _forced(reusable[GPU], gpus)
-        must_h = _forced(reusable[HCA], hcas)
+        must_g = reused_first(reusable[GPU], gpus)
+        must_h = reused_first(reusable[HCA], hcas)
         if gpus and hcas:
             achieved = alignment(topology, got_g, got_h)
             best = best_alignment(
@@ -282,7 +282,7 @@ def _judge(
                 reusable[resource] -= set(got)
 
 
-def _forced(reusable: set[str], count: int) -> set[str]:
+def reused_first(reusable: set[str], count: int) -> set[str]:
     """What the kubelet takes from a pod's reusable devices for `count`."""
     return set(sorted(reusable)[:count]) if count else set()
 
