@@ -16,14 +16,13 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# The whole suite, slow simulations included (what CI runs). Three workers on
-# two cores: most tests wait on daemons and timers, not on the CPU.
+# The whole suite, slow simulations included (what CI runs), on two workers.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 3
+	$(BIN)/python -m pytest -q -n 2
 
 # Everything but the tests marked slow: the edit-run loop.
 test-quick: $(STAMP)
-	$(BIN)/python -m pytest -q -n 3 -m "not slow"
+	$(BIN)/python -m pytest -q -n 2 -m "not slow"
 
 demo: $(STAMP)
 	$(BIN)/devplugin demo

@@ -191,6 +191,7 @@ def test_kubeconfig_and_node_name_flags_alone_turn_api_access_on(
     )  # fmt: skip
     try:
         assert kubelet.wait_for_devices(GPU, 8, timeout=20)
+        assert kubelet.wait_for_devices(HCA, 8, timeout=20)
         kubelet.admit("job", [ContainerRequest("main", {GPU: 2, HCA: 2})])
 
         def published() -> bool:
