@@ -22,6 +22,8 @@ from typing import Any, Literal
 
 import yaml
 
+from devplugin.cdi import kind_problem
+
 CONFIG_VERSION = "v1"
 
 _RESOURCE_NAME = re.compile(
@@ -105,11 +107,42 @@ class HooksConfig:
     init_phase: Literal["allocate", "pre_start"] = "allocate"
 
 
+# How a container is told about its devices: `envvar` (NVIDIA_VISIBLE_DEVICES;
+# NCCL_IB_HCA is set for HCAs whatever the strategy), `device-nodes` (the
+# device specs in the Allocate answer), `cdi-cri` (CDI device names the
+# kubelet hands the runtime), `cdi-annotations` (the same as cdi.k8s.io/
+# annotations, for kubelets before the CDI field).
+Strategy = Literal["envvar", "device-nodes", "cdi-cri", "cdi-annotations"]
+CDI_STRATEGIES = frozenset({"cdi-cri", "cdi-annotations"})
+DEFAULT_STRATEGY: tuple[Strategy, ...] = ("envvar", "device-nodes")
+
+
+def _strategies(value: Any) -> str | None:
+    if not value:
+        return "must name at least one strategy"
+    if len(set(value)) != len(value):
+        return "names a strategy twice"
+    return None
+
+
+def _cdi_kind(value: Any) -> str | None:
+    return kind_problem(value)
+
+
+def _dirs(value: Any) -> str | None:
+    if not value:
+        return "must name at least one directory"
+    if not all(entry.startswith("/") for entry in value):
+        return "every directory must be an absolute path"
+    return None
+
+
 @dataclass(frozen=True)
 class GpuResourceConfig:
     enabled: bool = True
     name: str = _checked("nvidia.com/gpu", _resource_name)
     hooks: HooksConfig = field(default_factory=HooksConfig)
+    device_list_strategy: tuple[Strategy, ...] = _checked(DEFAULT_STRATEGY, _strategies)
 
 
 @dataclass(frozen=True)
@@ -119,6 +152,20 @@ class HcaResourceConfig:
     # The variable naming the allocated HCAs in the container (NCCL syntax).
     env_var: str = _checked("NCCL_IB_HCA", _env_name)
     hooks: HooksConfig = field(default_factory=HooksConfig)
+    device_list_strategy: tuple[Strategy, ...] = _checked(DEFAULT_STRATEGY, _strategies)
+
+
+@dataclass(frozen=True)
+class CdiConfig:
+    # The kind of the node's GPU spec (NVIDIA's toolkit generates nvidia.com/gpu).
+    gpu_kind: str = _checked("nvidia.com/gpu", _cdi_kind)
+    # How that spec names a GPU: by NVML index (the toolkit's default) or UUID.
+    gpu_device_name: Literal["index", "uuid"] = "index"
+    # The kind of the HCA spec devplugin writes.
+    hca_kind: str = _checked("devplugin.io/hca", _cdi_kind)
+    # Where runtimes read specs; a later directory wins a conflict, and the
+    # HCA spec is written into the last one.
+    spec_dirs: tuple[str, ...] = _checked(("/etc/cdi", "/var/run/cdi"), _dirs)
 
 
 @dataclass(frozen=True)
@@ -306,6 +353,7 @@ class Config:
     health: HealthConfig = field(default_factory=HealthConfig)
     hotplug: HotplugConfig = field(default_factory=HotplugConfig)
     kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
+    cdi: CdiConfig = field(default_factory=CdiConfig)
     lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)
     sharing: SharingConfig = field(default_factory=SharingConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)

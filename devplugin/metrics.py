@@ -28,6 +28,10 @@ Names and labels (all prefixed `devplugin_`):
                                                      current (listed, heard from in time)
     watch_age_seconds{cache}                         gauge, seconds since the cache last
                                                      heard from the API server
+    cdi_undeclared_devices{resource}                 gauge, devices not offered because no
+                                                     CDI spec on the node declares them
+    cdi_refused_specs                                gauge, CDI spec files a runtime would
+                                                     refuse (they declare nothing)
 """
 
 from __future__ import annotations
@@ -147,6 +151,16 @@ class Metrics:
             "Seconds since an API watch cache last heard from the API server",
             ["cache"], registry=registry,
         )  # fmt: skip
+        self.cdi_undeclared = Gauge(
+            "devplugin_cdi_undeclared_devices",
+            "Devices not offered because no CDI spec on the node declares them",
+            ["resource"], registry=registry,
+        )  # fmt: skip
+        self.cdi_refused_specs = Gauge(
+            "devplugin_cdi_refused_specs",
+            "CDI spec files in the spec directories a runtime would refuse",
+            registry=registry,
+        )
         self.check_age = Gauge(
             "devplugin_check_age_seconds",
             "Seconds since the last check that read every device in time",

@@ -122,6 +122,23 @@ class CharDevice:
 
     path: str
     present: bool
+    # (major, minor) as sysfs gives them; None when it does not say.
+    number: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class CdiCatalog:
+    """Which CDI devices the node's spec directories declare, per kind, as a
+    runtime would resolve them (a file it would refuse declares nothing)."""
+
+    dirs: tuple[str, ...] = ()
+    # kind -> device names
+    devices: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    # spec files a runtime would refuse: path -> why
+    refused: Mapping[str, str] = field(default_factory=dict)
+
+    def has(self, kind: str, name: str) -> bool:
+        return name in self.devices.get(kind, ())
 
 
 @dataclass(frozen=True)
@@ -243,6 +260,8 @@ class Inventory:
     gpu_control_nodes: tuple[CharDevice, ...] = ()
     nvml: NvmlStatus = field(default_factory=NvmlStatus)
     pci: Mapping[PciAddress, PciFunction] = field(default_factory=dict)
+    # The CDI spec directories, when a CDI strategy needs them read.
+    cdi: CdiCatalog | None = None
 
 
 @dataclass(frozen=True)

@@ -12,18 +12,20 @@ read the published states and never wait for a scan.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 from devplugin.coordination import Coordinator
 from devplugin.judge import Verdicts, judge, transitions
+from devplugin.lifecycle.cdi_spec import HcaSpecWriter
 from devplugin.lifecycle.cleanup import CleanupManager
 from devplugin.lifecycle.health import HealthTracker
 from devplugin.metrics import Metrics
 from devplugin.model import DeviceKind, Health, Inventory
-from devplugin.resources import HcaResource, Resource, ResourceState
+from devplugin.resources import CDI_UNDECLARED, HcaResource, Resource, ResourceState
 from devplugin.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -63,8 +65,11 @@ class Pipeline:
         metrics: Metrics,
         after_cleanup: bool,
         hca_view: HcaResource | None = None,
+        hca_spec: HcaSpecWriter | None = None,
     ) -> None:
         self._resources = list(resources)
+        # The HCA CDI spec, kept in step with each scan before it is judged.
+        self._hca_spec = hca_spec
         self._health = health
         self._cleanup = cleanup
         self._coordinator = coordinator
@@ -106,7 +111,18 @@ class Pipeline:
                 log.info("device set changed; topology rebuilt")
             self._coordinator.set_topology(Topology.from_inventory(inventory))
             self._topology_key = key
+        unwritten = self._hca_spec.sync(inventory.hcas) if self._hca_spec is not None else {}
         live = {resource.kind: resource.state(inventory) for resource in self._resources}
+        if unwritten and DeviceKind.HCA in live:
+            live[DeviceKind.HCA] = _out(live[DeviceKind.HCA], unwritten)
+        if inventory.cdi is not None:
+            self._metrics.cdi_refused_specs.set(len(inventory.cdi.refused))
+            for resource in self._resources:
+                undeclared = sum(
+                    device.reason.startswith(CDI_UNDECLARED)
+                    for device in live[resource.kind].devices
+                )
+                self._metrics.cdi_undeclared.labels(resource.name).set(undeclared)
         present: list[str] = []
         for kind, state in live.items():
             self._cleanup.present(kind, [device.id for device in state.devices])
@@ -120,6 +136,11 @@ class Pipeline:
             self._current = _Published(inventory, live, current.served, hcas)
             self._judge_locked()
             self.scans += 1
+
+    def stop(self) -> None:
+        """A clean stop: the HCA CDI spec goes (nothing is served by it now)."""
+        if self._hca_spec is not None:
+            self._hca_spec.remove()
 
     def rejudge(self) -> None:
         """Judge again from the last scan (an event changed a verdict)."""
@@ -151,6 +172,17 @@ class Pipeline:
         self._current = _Published(current.inventory, current.live, dict(judgement.served), hcas)
         for kind, device in judgement.cleanups:
             self._cleanup.request_cleanup(kind, device)
+
+
+def _out(state: ResourceState, reasons: Mapping[str, str]) -> ResourceState:
+    """The state with these devices Unhealthy for these reasons."""
+    devices = tuple(
+        dataclasses.replace(device, health=Health.UNHEALTHY, reason=reasons[device.id])
+        if device.id in reasons
+        else device
+        for device in state.devices
+    )
+    return dataclasses.replace(state, devices=devices)
 
 
 def _log_transition(name: str, new: bool, health: Health, device: str, reason: str) -> None:

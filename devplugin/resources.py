@@ -23,8 +23,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from devplugin.cdi import SpecError, annotation_key, qualified, sanitize_device_name
 from devplugin.model import (
     IDS_SHOWN,
+    CdiCatalog,
     CharDevice,
     DeviceKind,
     GpuInfo,
@@ -38,6 +40,8 @@ from devplugin.model import (
 )
 
 GPU_VISIBLE_ENV = "NVIDIA_VISIBLE_DEVICES"
+# How the reason of a GPU no CDI spec names begins.
+CDI_UNDECLARED = "no CDI spec declares"
 
 # The topology-aware choice of physical devices: (candidates, must include,
 # count) -> ids. Resources call it from `choose`.
@@ -59,6 +63,53 @@ class ContainerAllocation:
 
     envs: Mapping[str, str] = field(default_factory=dict)
     devices: tuple[DeviceNode, ...] = ()
+    # Fully qualified CDI device names (cdi-cri) and annotations (cdi-annotations).
+    cdi_devices: tuple[str, ...] = ()
+    annotations: Mapping[str, str] = field(default_factory=dict)
+
+
+ENVVAR, DEVICE_NODES, CDI_CRI, CDI_ANNOTATIONS = (
+    "envvar", "device-nodes", "cdi-cri", "cdi-annotations",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """How a container is told about its devices (`device_list_strategy`):
+    the variable, the device specs, CDI names in the answer's CDI field, and
+    CDI names in `cdi.k8s.io/<plugin>_<id>` annotations. CDI names are
+    `cdi_kind=<name>`; a GPU is named by its NVML index or its UUID."""
+
+    strategy: frozenset[str] = frozenset({ENVVAR, DEVICE_NODES})
+    cdi_kind: str = ""
+    gpu_names: str = "index"
+    # The annotation key's plugin part (by convention vendor.device-type).
+    plugin: str = "devplugin"
+
+    @property
+    def cdi(self) -> bool:
+        return bool(self.strategy & {CDI_CRI, CDI_ANNOTATIONS})
+
+    def answer(
+        self,
+        merged: ContainerAllocation,
+        ids: Sequence[str],
+        *,
+        envs: Mapping[str, str],
+        always: Mapping[str, str] | None = None,
+    ) -> ContainerAllocation:
+        """One container's answer from its devices' merged nodes and CDI
+        names, per strategy (`always`: variables set whatever it is)."""
+        names = merged.cdi_devices
+        annotations: dict[str, str] = {}
+        if CDI_ANNOTATIONS in self.strategy:
+            annotations[annotation_key(self.plugin, ids)] = ",".join(names)
+        return ContainerAllocation(
+            envs={**(envs if ENVVAR in self.strategy else {}), **(always or {})},
+            devices=merged.devices if DEVICE_NODES in self.strategy else (),
+            cdi_devices=names if CDI_CRI in self.strategy else (),
+            annotations=annotations,
+        )
 
 
 @dataclass(frozen=True)
@@ -175,22 +226,27 @@ def check_request(state: ResourceState, ids: Sequence[str]) -> None:
 def merge_allocations(
     first: ContainerAllocation, second: ContainerAllocation
 ) -> ContainerAllocation:
-    """Both allocations in one container: every node once, all variables."""
+    """Both allocations in one container: every node and name once, all
+    variables and annotations."""
     return ContainerAllocation(
         envs={**first.envs, **second.envs},
         devices=tuple(dict.fromkeys((*first.devices, *second.devices))),
+        cdi_devices=tuple(dict.fromkeys((*first.cdi_devices, *second.cdi_devices))),
+        annotations={**first.annotations, **second.annotations},
     )
 
 
-def _merge(
-    state: ResourceState, ids: Sequence[str], envs: Mapping[str, str]
-) -> ContainerAllocation:
+def _merge(state: ResourceState, ids: Sequence[str]) -> ContainerAllocation:
+    """The devices' nodes (and the node-wide ones) and CDI names, each once."""
     nodes: list[DeviceNode] = []
+    names: list[str] = []
     for device_id in ids:
         nodes.extend(state.allocations[device_id].devices)
+        names.extend(state.allocations[device_id].cdi_devices)
     nodes.extend(state.shared_nodes)
-    unique = tuple(dict.fromkeys(nodes))
-    return ContainerAllocation(envs=dict(envs), devices=unique)
+    return ContainerAllocation(
+        devices=tuple(dict.fromkeys(nodes)), cdi_devices=tuple(dict.fromkeys(names))
+    )
 
 
 def _node(char: CharDevice) -> DeviceNode:
@@ -225,18 +281,20 @@ class GpuResource(Exclusive):
     name: str = "nvidia.com/gpu"
     kind: DeviceKind = DeviceKind.GPU
     capabilities: Capabilities = Capabilities(preferred_allocation=True)
+    delivery: Delivery = Delivery()
 
     def state(self, inventory: Inventory) -> ResourceState:
         devices = tuple(
             PluginDevice(
                 id=gpu.uuid,
-                health=Health.UNHEALTHY if gpu.error else Health.HEALTHY,
+                health=Health.UNHEALTHY if reason else Health.HEALTHY,
                 numa_node=gpu.numa_node,
-                reason=f"NVML: {gpu.error}" if gpu.error else "",
+                reason=reason,
             )
             for gpu in inventory.gpus
+            for reason in [self._problem(gpu, inventory.cdi)]
         )
-        allocations = {gpu.uuid: _gpu_allocation(gpu) for gpu in inventory.gpus}
+        allocations = {gpu.uuid: self._allocation(gpu) for gpu in inventory.gpus}
         shared = tuple(_node(node) for node in inventory.gpu_control_nodes if node.present)
         return ResourceState(
             devices=devices,
@@ -247,16 +305,33 @@ class GpuResource(Exclusive):
 
     def allocate(self, state: ResourceState, ids: Sequence[str]) -> ContainerAllocation:
         check_request(state, ids)
-        return _merge(state, ids, {GPU_VISIBLE_ENV: ",".join(ids)})
+        return self.delivery.answer(_merge(state, ids), ids, envs={GPU_VISIBLE_ENV: ",".join(ids)})
+
+    def cdi_name(self, gpu: GpuInfo) -> str:
+        return str(gpu.index) if self.delivery.gpu_names == "index" else gpu.uuid
+
+    def _problem(self, gpu: GpuInfo, catalog: CdiCatalog | None) -> str:
+        if gpu.error:
+            return f"NVML: {gpu.error}"
+        if self.delivery.cdi:
+            # Fail closed: a name no spec declares would fail the container.
+            name, kind = self.cdi_name(gpu), self.delivery.cdi_kind
+            if catalog is None or not catalog.has(kind, name):
+                where = ", ".join(catalog.dirs) if catalog is not None else "(not read)"
+                return f"{CDI_UNDECLARED} {qualified(kind, name)} (in {where})"
+        return ""
+
+    def _allocation(self, gpu: GpuInfo) -> ContainerAllocation:
+        path = f"/dev/nvidia{gpu.minor_number}"
+        names = (
+            (qualified(self.delivery.cdi_kind, self.cdi_name(gpu)),) if self.delivery.cdi else ()
+        )
+        return ContainerAllocation(devices=(DeviceNode(path, path),), cdi_devices=names)
 
 
-def _gpu_allocation(gpu: GpuInfo) -> ContainerAllocation:
-    path = f"/dev/nvidia{gpu.minor_number}"
-    return ContainerAllocation(devices=(DeviceNode(path, path),))
-
-
-def hca_health(hca: HcaInfo) -> tuple[Health, str]:
-    """Healthy when every port is ACTIVE/LinkUp and every device node exists."""
+def hca_health(hca: HcaInfo, *, numbered: bool = False) -> tuple[Health, str]:
+    """Healthy when every port is ACTIVE/LinkUp and every device node exists
+    (`numbered`: with its device number known, which a CDI spec needs)."""
     if hca.error:
         return Health.UNHEALTHY, hca.error
     problems: list[str] = []
@@ -270,6 +345,14 @@ def hca_health(hca: HcaInfo) -> tuple[Health, str]:
     missing = [node.path for node in hca.char_devices if not node.present]
     if missing:
         problems.append(f"missing device nodes: {', '.join(missing)}")
+    if numbered:
+        unknown = [node.path for node in hca.char_devices if node.number is None]
+        if unknown:
+            problems.append(f"no device number in sysfs for {', '.join(unknown)}")
+        try:
+            sanitize_device_name(hca.name)
+        except SpecError as exc:
+            problems.append(str(exc))
     if problems:
         return Health.UNHEALTHY, "; ".join(problems)
     return Health.HEALTHY, ""
@@ -283,19 +366,23 @@ class HcaResource(Exclusive):
     env_var: str = "NCCL_IB_HCA"
     kind: DeviceKind = DeviceKind.HCA
     capabilities: Capabilities = Capabilities(preferred_allocation=True)
+    delivery: Delivery = Delivery()
 
     def state(self, inventory: Inventory) -> ResourceState:
         devices: list[PluginDevice] = []
         allocations: dict[str, ContainerAllocation] = {}
         rdma_cm: list[DeviceNode] = []
         for hca in inventory.hcas:
-            health, reason = hca_health(hca)
+            health, reason = hca_health(hca, numbered=self.delivery.cdi)
             devices.append(PluginDevice(hca.device_id, health, hca.numa_node, reason))
             own = [hca.uverbs] if hca.uverbs is not None else []
             own.extend(hca.umads)
             own.extend(hca.issms)
             allocations[hca.device_id] = ContainerAllocation(
                 devices=tuple(_node(node) for node in own if node.present),
+                cdi_devices=(qualified(self.delivery.cdi_kind, hca_cdi_name(hca)),)
+                if self.delivery.cdi and health is Health.HEALTHY
+                else (),
             )
             if hca.rdma_cm.present and not rdma_cm:
                 rdma_cm.append(_node(hca.rdma_cm))
@@ -309,4 +396,12 @@ class HcaResource(Exclusive):
     def allocate(self, state: ResourceState, ids: Sequence[str]) -> ContainerAllocation:
         check_request(state, ids)
         names = [state.names[device_id] for device_id in ids]
-        return _merge(state, ids, {self.env_var: "=" + ",".join(names)})
+        # The chosen HCAs' names: no CDI spec can carry which were chosen.
+        return self.delivery.answer(
+            _merge(state, ids), ids, envs={}, always={self.env_var: "=" + ",".join(names)}
+        )
+
+
+def hca_cdi_name(hca: HcaInfo) -> str:
+    """The HCA's CDI device name: its ibdev name, made valid (`mlx5_0` is)."""
+    return sanitize_device_name(hca.name)

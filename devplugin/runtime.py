@@ -32,13 +32,14 @@ from devplugin.cluster.events import EventRecorder
 from devplugin.cluster.pods import PodCache
 from devplugin.cluster.publisher import RecordPublisher
 from devplugin.cluster.record import Registration, build_status
-from devplugin.config import Config, HooksConfig, node_name
+from devplugin.config import CDI_STRATEGIES, Config, HooksConfig, node_name
 from devplugin.coordination import Coordinator
 from devplugin.deadline import Deadlines
-from devplugin.discovery import Discoverer, NvmlGpuSource, Roots
+from devplugin.discovery import CdiReader, Discoverer, NvmlGpuSource, Roots
 from devplugin.discovery.udev import HotplugWatcher, udev_monitor
 from devplugin.kubelet import PodResourcesClient, Registrar
 from devplugin.ledger import Ledger
+from devplugin.lifecycle.cdi_spec import HcaSpecWriter
 from devplugin.lifecycle.checkpoint import Checkpoint
 from devplugin.lifecycle.cleanup import CleanupManager
 from devplugin.lifecycle.devices import describe
@@ -50,7 +51,14 @@ from devplugin.model import DeviceKind, Inventory
 from devplugin.node_hooks import ResourceHooks
 from devplugin.pipeline import Pipeline, log_inventory
 from devplugin.podinfo import PodInfo
-from devplugin.resources import Capabilities, GpuResource, HcaResource, Resource, ResourceState
+from devplugin.resources import (
+    Capabilities,
+    Delivery,
+    GpuResource,
+    HcaResource,
+    Resource,
+    ResourceState,
+)
 from devplugin.server import DevicePluginServicer, PluginServer, socket_name
 from devplugin.sharing import SharedResource
 from devplugin.status import StatusServer
@@ -87,9 +95,15 @@ def build_resources(config: Config) -> list[Resource]:
 
     resources: list[Resource] = []
     gpu, hca = config.resources.gpu, config.resources.hca
-    sharing = config.sharing
+    sharing, cdi = config.sharing, config.cdi
     if gpu.enabled:
-        gpu_resource: Resource = GpuResource(name=gpu.name, capabilities=caps(gpu.hooks))
+        gpu_delivery = Delivery(
+            strategy=frozenset(gpu.device_list_strategy), cdi_kind=cdi.gpu_kind,
+            gpu_names=cdi.gpu_device_name, plugin="devplugin.gpu",
+        )  # fmt: skip
+        gpu_resource: Resource = GpuResource(
+            name=gpu.name, capabilities=caps(gpu.hooks), delivery=gpu_delivery
+        )
         if sharing.gpu.replicas > 1:
             gpu_resource = SharedResource(
                 gpu_resource,
@@ -100,9 +114,14 @@ def build_resources(config: Config) -> list[Resource]:
             )
         resources.append(gpu_resource)
     if hca.enabled:
+        hca_delivery = Delivery(
+            strategy=frozenset(hca.device_list_strategy), cdi_kind=cdi.hca_kind,
+            plugin="devplugin.hca",
+        )  # fmt: skip
         hca_resource: Resource = HcaResource(
-            name=hca.name, env_var=hca.env_var, capabilities=caps(hca.hooks)
-        )
+            name=hca.name, env_var=hca.env_var, capabilities=caps(hca.hooks),
+            delivery=hca_delivery,
+        )  # fmt: skip
         if sharing.hca.units > 1:
             hca_resource = SharedResource(
                 hca_resource, sharing.hca.units, policy=sharing.hca.policy
@@ -302,6 +321,8 @@ class Daemon:
                 network = loop is self.pods or loop in self.cluster_loops
                 loop.join(timeout=0.5 if network else 10)
         self.cleanup.join()
+        # A clean stop leaves no CDI spec naming HCAs nobody serves.
+        self.pipeline.stop()
         if self._writer is not None:
             try:
                 self._writer.close()
@@ -318,10 +339,18 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
     paths, health_config = config.paths, config.health
     deadlines = Deadlines(health_config.read_timeout_seconds)
     gpu_lib = nvml_lib if config.resources.gpu.enabled else None
+    gpu_config, hca_config = config.resources.gpu, config.resources.hca
+    # The node's GPU spec is read only when GPUs are handed out by CDI name.
+    reads_cdi = gpu_config.enabled and bool(CDI_STRATEGIES & set(gpu_config.device_list_strategy))
     discoverer = Discoverer(
         Roots(Path(paths.sysfs_root), Path(paths.dev_root)),
         NvmlGpuSource(gpu_lib, deadlines) if gpu_lib is not None else None,
         deadlines,
+        cdi=CdiReader(config.cdi.spec_dirs) if reads_cdi else None,
+    )
+    writes_cdi = hca_config.enabled and bool(CDI_STRATEGIES & set(hca_config.device_list_strategy))
+    hca_spec = (
+        HcaSpecWriter(Path(config.cdi.spec_dirs[-1]), config.cdi.hca_kind) if writes_cdi else None
     )
     resources = build_resources(config)
     names = {resource.kind: resource.name for resource in resources}
@@ -409,6 +438,7 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
         metrics=metrics,
         after_cleanup=health_config.recovery == "after_cleanup",
         hca_view=hca_view,
+        hca_spec=hca_spec,
     )
     xid = (
         XidWatcher(

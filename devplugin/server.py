@@ -75,6 +75,9 @@ def to_proto_allocation(allocation: ContainerAllocation) -> pb.ContainerAllocate
             host_path=node.host_path,
             permissions=node.permissions,
         )
+    response.annotations.update(allocation.annotations)
+    for name in allocation.cdi_devices:
+        response.cdi_devices.add(name=name)
     return response
 
 

@@ -2,7 +2,8 @@
 
 One record per node (`nodedevices.devplugin.io/v1alpha1`, cluster-scoped,
 named after the node). Its status lists every physical device the node
-serves with its health, PCI address, NUMA node and place in the PCIe tree
+serves with its health (and why, when not Healthy), PCI address, NUMA node
+and place in the PCIe tree
 (domain ids from the NUMA node down to its switch), NVLink peers for GPUs;
 every container holding devices with its worst GPU-to-HCA level and, when
 known, its pod's uid (a holder not identified yet has empty names); a summary
@@ -48,13 +49,17 @@ def tree_path(function: PciFunction | None) -> list[str]:
     return path
 
 
-def _health(states: Mapping[DeviceKind, ResourceState], kind: DeviceKind, device: str) -> str:
+def _health(
+    states: Mapping[DeviceKind, ResourceState], kind: DeviceKind, device: str
+) -> dict[str, str]:
+    """`health`, and `reason` when it is not Healthy."""
     state = states.get(kind)
-    if state is None:
-        return Health.UNHEALTHY.value
-    backing = state.backing or state
-    served = backing.device(device)
-    return served.health.value if served is not None else Health.UNHEALTHY.value
+    served = (state.backing or state).device(device) if state is not None else None
+    if served is None:
+        return {"health": Health.UNHEALTHY.value, "reason": "not served"}
+    if served.health is Health.HEALTHY:
+        return {"health": served.health.value}
+    return {"health": served.health.value, "reason": served.reason[:MAX_TEXT]}
 
 
 def build_status(
@@ -75,7 +80,7 @@ def build_status(
             )  # fmt: skip
             devices.append({
                 "id": gpu.uuid, "kind": "gpu",
-                "health": _health(states, DeviceKind.GPU, gpu.uuid),
+                **_health(states, DeviceKind.GPU, gpu.uuid),
                 "pciAddress": str(gpu.pci_address), "numaNode": _numa(gpu.numa_node),
                 "topologyPath": tree_path(gpu.pci), "nvlinkPeers": peers,
             })  # fmt: skip
@@ -83,7 +88,7 @@ def build_status(
         for hca in sorted(inventory.hcas, key=lambda h: h.device_id):
             devices.append({
                 "id": hca.device_id, "kind": "hca",
-                "health": _health(states, DeviceKind.HCA, hca.device_id),
+                **_health(states, DeviceKind.HCA, hca.device_id),
                 "pciAddress": str(hca.pci_address), "numaNode": _numa(hca.numa_node),
                 "topologyPath": tree_path(hca.pci), "name": hca.name[:MAX_TEXT],
             })  # fmt: skip

@@ -10,6 +10,7 @@ from functools import partial
 from pathlib import Path
 
 from devplugin.deadline import Deadlines, Stuck
+from devplugin.discovery.cdi import CdiReader
 from devplugin.discovery.nvml import READ_TIMEOUT, NvmlGpuSource
 from devplugin.discovery.sysfs import (
     DescriptorsExhausted,
@@ -19,7 +20,14 @@ from devplugin.discovery.sysfs import (
     read_hca,
     read_pci_functions,
 )
-from devplugin.model import HcaInfo, Inventory, NvmlStatus, PciAddress, PciFunction
+from devplugin.model import (
+    CdiCatalog,
+    HcaInfo,
+    Inventory,
+    NvmlStatus,
+    PciAddress,
+    PciFunction,
+)
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +51,16 @@ class Discoverer:
     """
 
     def __init__(
-        self, roots: Roots, gpus: NvmlGpuSource | None, deadlines: Deadlines | None = None
+        self,
+        roots: Roots,
+        gpus: NvmlGpuSource | None,
+        deadlines: Deadlines | None = None,
+        *,
+        cdi: CdiReader | None = None,
     ) -> None:
         self._roots = roots
         self._gpus = gpus
+        self._cdi = cdi
         self._deadlines = deadlines if deadlines is not None else Deadlines(READ_TIMEOUT)
         self._warned_unplaced: set[str] = set()
         self._pci: dict[PciAddress, PciFunction] | None = None
@@ -99,8 +113,20 @@ class Discoverer:
             gpu_control_nodes=control,
             nvml=status,
             pci=pci,
+            cdi=self._read_cdi(),
         )
         return self._last
+
+    def _read_cdi(self) -> CdiCatalog | None:
+        if self._cdi is None:
+            return None
+        try:
+            return self._deadlines.call("cdi", self._cdi.read)
+        except Stuck as exc:
+            # The spec files are on the node's own disk; a stuck read keeps
+            # what was last read rather than dropping every GPU at once.
+            log.warning("CDI spec directories: %s; keeping what was read before", exc)
+            return self._last.cdi
 
     def _scan_hcas(self, pci: Mapping[PciAddress, PciFunction]) -> tuple[HcaInfo, ...]:
         sysfs, dev = self._roots.sysfs, self._roots.dev

@@ -160,11 +160,25 @@ def _link_name(path: Path) -> str | None:
         return None
 
 
-def _char_device(dev_root: Path, relative: str) -> CharDevice:
+def _char_device(dev_root: Path, relative: str, class_entry: Path | None = None) -> CharDevice:
+    """A node under /dev; `class_entry` is its sysfs class entry, whose `dev`
+    attribute gives its device number (`231:192`)."""
     return CharDevice(
         path=f"{HOST_DEV}/{relative}",
         present=os.path.exists(dev_root / relative),
+        number=_device_number(class_entry / "dev") if class_entry is not None else None,
     )
+
+
+def _device_number(path: Path) -> tuple[int, int] | None:
+    text = read_text(path)
+    if text is None:
+        return None
+    major, colon, minor = text.partition(":")
+    numbers = (ascii_int(major), ascii_int(minor))
+    if not colon or numbers[0] is None or numbers[1] is None:
+        return None
+    return numbers[0], numbers[1]
 
 
 def gpu_control_nodes(dev_root: Path) -> tuple[CharDevice, ...]:
@@ -289,6 +303,8 @@ def read_hca(
 ) -> HcaInfo:
     """One HCA's attributes, ports and device nodes (the reads that can block)."""
     ib_dir = sysfs_root / "class" / "infiniband" / name
+    verbs_class = sysfs_root / "class" / "infiniband_verbs"
+    mad_class = sysfs_root / "class" / "infiniband_mad"
     uverbs_name = names.verbs.get(name)
     mad = names.mads.get(name, {})
     try:
@@ -305,15 +321,21 @@ def read_hca(
         ports=_read_ports(ib_dir),
         netdevs=netdevs,
         uverbs=(
-            _char_device(dev_root, f"infiniband/{uverbs_name}") if uverbs_name is not None else None
+            _char_device(dev_root, f"infiniband/{uverbs_name}", verbs_class / uverbs_name)
+            if uverbs_name is not None
+            else None
         ),
         umads=tuple(
-            _char_device(dev_root, f"infiniband/{node.name}") for node in mad.get("umad", [])
+            _char_device(dev_root, f"infiniband/{node.name}", mad_class / node.name)
+            for node in mad.get("umad", [])
         ),
         issms=tuple(
-            _char_device(dev_root, f"infiniband/{node.name}") for node in mad.get("issm", [])
+            _char_device(dev_root, f"infiniband/{node.name}", mad_class / node.name)
+            for node in mad.get("issm", [])
         ),
-        rdma_cm=_char_device(dev_root, "infiniband/rdma_cm"),
+        rdma_cm=_char_device(
+            dev_root, "infiniband/rdma_cm", sysfs_root / "class" / "misc" / "rdma_cm"
+        ),
     )
 
 

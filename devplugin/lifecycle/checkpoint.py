@@ -11,10 +11,10 @@ import json
 import logging
 import os
 import stat
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from devplugin.lifecycle.files import write_atomically
 from devplugin.model import DeviceKind
 
 log = logging.getLogger(__name__)
@@ -151,23 +151,6 @@ class Checkpoint:
         return aside
 
     def save(self, state: LifecycleState) -> None:
-        """Write a temporary file, fsync it, rename it over the old one, fsync
-        the directory: a crash leaves either the old or the new file whole."""
-        directory = self.path.parent
-        directory.mkdir(parents=True, exist_ok=True)
+        """Write atomically: a crash leaves either the old or the new file whole."""
         data = json.dumps(state.to_json(), indent=1, sort_keys=True).encode()
-        fd, temporary = tempfile.mkstemp(prefix=self.path.name + ".", dir=directory)
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(temporary, self.path)
-        except BaseException:
-            Path(temporary).unlink(missing_ok=True)
-            raise
-        directory_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(directory_fd)
-        finally:
-            os.close(directory_fd)
+        write_atomically(self.path, data)

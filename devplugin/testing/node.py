@@ -177,7 +177,7 @@ class _Builder:
         self.sysfs.dev_node("nvidia-uvm")
         self.sysfs.dev_node("nvidia-uvm-tools")
         if self.hcas:
-            self.sysfs.dev_node("infiniband/rdma_cm")
+            self.sysfs.rdma_cm()
         fixture = self.base / "nvml.json"
         fixture.write_text(json.dumps(self.fixture(), indent=2) + "\n", encoding="utf-8")
         return BuiltNode(

@@ -88,6 +88,15 @@ class SysfsBuilder:
             _link(directory / "driver", driver_dir)
         return PciNode(directory, address, parent.numa_node, parent.local_cpulist)
 
+    def rdma_cm(self) -> None:
+        """The rdma_cm misc device (its number is the kernel's choice: 10:58 here)."""
+        _write(self.sysfs / "devices" / "virtual" / "misc" / "rdma_cm" / "dev", "10:58")
+        _link(
+            self.sysfs / "class" / "misc" / "rdma_cm",
+            self.sysfs / "devices" / "virtual" / "misc" / "rdma_cm",
+        )
+        self.dev_node("infiniband/rdma_cm")
+
     def dev_node(self, relative: str) -> Path:
         path = self.dev / relative
         path.parent.mkdir(parents=True, exist_ok=True)

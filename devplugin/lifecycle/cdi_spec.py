@@ -1,0 +1,113 @@
+"""The CDI spec devplugin writes for its HCAs (no vendor ships one).
+
+One spec file of kind `hca_kind` in the last (highest priority) spec
+directory: one device per HCA, named by its ibdev name (made valid for
+CDI), whose edits add its uverbs, umad and issm device nodes and
+`rdma_cm`, with the device numbers sysfs gives. It declares the oldest
+`cdiVersion` its contents allow. The check loop calls `sync` with each
+scan's HCAs before they are judged: the file is rewritten (a temporary file
+renamed over it) only when what it would say changed, so an HCA is never
+offered before the spec naming it exists. A daemon that starts again
+rewrites it from what it finds (nothing stale, nothing twice); a clean stop
+removes it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from devplugin.cdi import Node, SpecError, device_spec, kind_problem, sanitize_device_name
+from devplugin.lifecycle.files import write_atomically
+from devplugin.model import HcaInfo
+
+log = logging.getLogger(__name__)
+
+
+def spec_file_name(kind: str) -> str:
+    """`<vendor>-<class>.json`, the name CDI tools give a vendor's spec."""
+    vendor, _, klass = kind.partition("/")
+    return f"{vendor}-{klass}.json"
+
+
+def hca_nodes(hca: HcaInfo) -> list[Node] | None:
+    """The HCA's character device nodes with their numbers, or None when one
+    of them is missing or its number unknown (the HCA is then Unhealthy)."""
+    nodes = []
+    for char in hca.char_devices:
+        if not char.present or char.number is None:
+            return None
+        nodes.append(Node(char.path, *char.number))
+    return nodes
+
+
+class HcaSpecWriter:
+    def __init__(self, directory: Path, kind: str) -> None:
+        problem = kind_problem(kind)
+        if problem:
+            raise ValueError(f"CDI kind {kind!r}: {problem}")
+        self.kind = kind
+        self.path = directory / spec_file_name(kind)
+        self._written: dict[str, Any] | None = None
+        self._failing: str | None = None
+
+    def sync(self, hcas: Sequence[HcaInfo]) -> Mapping[str, str]:
+        """Make the file describe these HCAs. Returns HCA id -> why it may
+        not be offered (no spec entry for it could be written)."""
+        devices: dict[str, list[Node]] = {}
+        problems: dict[str, str] = {}
+        for hca in hcas:
+            nodes = hca_nodes(hca)
+            if nodes is None:
+                continue  # already Unhealthy for the node it lacks
+            try:
+                name = sanitize_device_name(hca.name)
+            except SpecError as exc:
+                problems[hca.device_id] = str(exc)
+                continue
+            if name in devices:
+                problems[hca.device_id] = f"CDI device name {name} is taken by another HCA"
+                continue
+            devices[name] = nodes
+        if not devices:
+            self.remove()
+            return problems
+        document = device_spec(self.kind, devices)
+        if document == self._written:
+            return problems
+        try:
+            if self._on_disk() != document:
+                write_atomically(self.path, json.dumps(document, indent=2).encode())
+        except OSError as exc:
+            reason = f"CDI spec {self.path} not written: {exc.strerror or exc}"
+            if reason != self._failing:
+                log.error("%s", reason)
+                self._failing = reason
+            self._written = None
+            return {**problems, **{hca.device_id: reason for hca in hcas}}
+        self._written = document
+        self._failing = None
+        log.info("CDI spec %s: %d HCAs (%s)", self.path, len(devices), ", ".join(sorted(devices)))
+        return problems
+
+    def remove(self) -> None:
+        """No HCA to describe, or a clean stop: no spec left behind."""
+        self._written = None
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            log.warning("CDI spec %s not removed: %s", self.path, exc.strerror or exc)
+            return
+        log.info("CDI spec %s removed", self.path)
+
+    def _on_disk(self) -> Any:
+        try:
+            return json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
