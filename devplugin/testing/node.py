@@ -132,6 +132,12 @@ class BuiltNode:
                 return hca
         raise KeyError(name)
 
+    def hca_by_id(self, device_id: str) -> BuiltHca:
+        for hca in self.hcas:
+            if hca.device_id == device_id:
+                return hca
+        raise KeyError(device_id)
+
 
 class _Builder:
     def __init__(self, spec: NodeSpec, base: Path) -> None:
