@@ -592,7 +592,9 @@ def _replace_path(node: Any, parts: list[str], value: Any, dotted: str) -> Any:
 
 # Keys the Helm chart sets itself (container paths, the metrics listeners,
 # the checkpoint location); everything else is settable from values.
-CHART_MANAGED = ("version", "paths", "nvml", "metrics", "lifecycle.checkpoint_file")
+CHART_MANAGED = (
+    "version", "paths", "nvml", "metrics", "lifecycle.checkpoint_file", "cdi.spec_dirs",
+)  # fmt: skip
 
 
 def json_schema(cls: Any = Config, where: str = "") -> dict[str, Any]:
@@ -636,6 +638,11 @@ _CHECK_SCHEMA: dict[Any, dict[str, Any]] = {
     _argv: {"items": {"minLength": 1}},
     _xids: {"items": {"minimum": 1, "maximum": 999}},
     _addresses: {"items": {"pattern": r"^.*:[0-9]{1,5}$"}},
+    _strategies: {"minItems": 1, "uniqueItems": True},
+    _cdi_kind: {
+        "pattern": r"^[A-Za-z]([A-Za-z0-9_.-]*[A-Za-z0-9])?/[A-Za-z]([A-Za-z0-9_.-]*[A-Za-z0-9])?$"
+    },
+    _dirs: {"minItems": 1, "items": {"pattern": "^/"}},
 }
 
 

@@ -76,7 +76,15 @@ def values_schema() -> dict[str, Any]:
                 "hostPaths": obj(
                     {
                         key: ABSOLUTE
-                        for key in ("devicePlugins", "podResources", "sys", "dev", "state")
+                        for key in (
+                            "devicePlugins",
+                            "podResources",
+                            "sys",
+                            "dev",
+                            "state",
+                            "cdiStatic",
+                            "cdiDynamic",
+                        )  # fmt: skip
                     }
                 ),
                 "metrics": obj(

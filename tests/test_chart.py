@@ -91,6 +91,12 @@ CASES: dict[str, dict[str, Any]] = {
         "extender": {"enabled": True, "port": 9443, "staleAfterSeconds": 90,
                      "scheduler": {"enabled": True, "weight": 7}},
     },
+    "cdi": {
+        "config": {"resources": {"gpu": {"device_list_strategy": ["cdi-cri"]},
+                                 "hca": {"device_list_strategy": ["cdi-cri", "device-nodes"]}},
+                   "cdi": {"gpu_device_name": "uuid"}},
+        "hostPaths": {"cdiDynamic": "/run/cdi"},
+    },
     "placement": {
         "nodeSelector": {"gpu.example.com/pool": "training"},
         "affinity": {"podAntiAffinity": {}},
@@ -108,6 +114,14 @@ BAD: dict[str, tuple[dict[str, Any], str]] = {
     ),
     "port-out-of-range": ({"metrics": {"port": 70000}}, "port"),
     "chart-managed-path": ({"config": {"paths": {"dev_root": "/x"}}}, "paths"),
+    "chart-managed-cdi-dirs": ({"config": {"cdi": {"spec_dirs": ["/x"]}}}, "spec_dirs"),
+    "unknown-strategy": (
+        {"config": {"resources": {"gpu": {"device_list_strategy": ["cdi"]}}}},
+        "device_list_strategy",
+    ),
+    "no-strategy": (
+        {"config": {"resources": {"hca": {"device_list_strategy": []}}}}, "device_list_strategy"
+    ),
     "bad-recovery": ({"config": {"health": {"recovery": "never"}}}, "recovery"),
     "bad-resource-name": ({"config": {"resources": {"hca": {"name": "hca"}}}}, "name"),
     "unknown-top-level": ({"replicas": 3}, "replicas"),
@@ -142,6 +156,8 @@ def expected_config(values: dict[str, Any]) -> dict[str, Any]:
         "pod_resources_socket": "/var/lib/kubelet/pod-resources/kubelet.sock",
     }
     config["metrics"] = {"enabled": full["metrics"]["enabled"]}
+    paths = full["hostPaths"]
+    config.setdefault("cdi", {})["spec_dirs"] = [paths["cdiStatic"], paths["cdiDynamic"]]
     return config
 
 
@@ -328,6 +344,24 @@ def test_default_install_renders_a_least_privilege_daemonset(
     assert main["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     assert main["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
     assert main["image"] == "ghcr.io/devplugin/devplugin:0.1.0"
+
+
+def test_cdi_directories_are_mounted_only_when_a_strategy_uses_cdi(
+    installs: dict[str, dict[str, Any]],
+) -> None:
+    defaults = container(objects(installs, "defaults"))
+    assert not {m["name"] for m in defaults["volumeMounts"]} & {"cdi-static", "cdi-dynamic"}
+    objs = objects(installs, "cdi")
+    mounts = {m["name"]: m for m in container(objs)["volumeMounts"]}
+    volumes = {v["name"]: v for v in objs["DaemonSet"]["spec"]["template"]["spec"]["volumes"]}
+    # The node's GPU spec is read; the daemon's HCA spec is written.
+    assert mounts["cdi-static"] == {"name": "cdi-static", "mountPath": "/etc/cdi",
+                                    "readOnly": True}  # fmt: skip
+    assert mounts["cdi-dynamic"] == {"name": "cdi-dynamic", "mountPath": "/run/cdi"}
+    assert volumes["cdi-static"]["hostPath"]["path"] == "/etc/cdi"
+    assert volumes["cdi-dynamic"]["hostPath"]["path"] == "/run/cdi"
+    config = yaml.safe_load(objs["ConfigMap"]["data"]["config.yaml"])
+    assert config["cdi"]["spec_dirs"] == ["/etc/cdi", "/run/cdi"]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

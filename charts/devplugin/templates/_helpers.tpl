@@ -57,7 +57,24 @@ app.kubernetes.io/instance: {{ .Release.Name }}
       "device_plugin_dir" "/var/lib/kubelet/device-plugins"
       "pod_resources_socket" "/var/lib/kubelet/pod-resources/kubelet.sock") -}}
 {{- $_ = set $config "metrics" (dict "enabled" .Values.metrics.enabled) -}}
+{{- $cdi := get $config "cdi" | default dict -}}
+{{- $_ = set $cdi "spec_dirs" (list .Values.hostPaths.cdiStatic .Values.hostPaths.cdiDynamic) -}}
+{{- $_ = set $config "cdi" $cdi -}}
 {{- toYaml $config -}}
+{{- end -}}
+
+{{/* "true" when a resource hands its devices out by CDI name. */}}
+{{- define "devplugin.cdiOn" -}}
+{{- $on := false -}}
+{{- $resources := .Values.config.resources | default dict -}}
+{{- range $name := list "gpu" "hca" -}}
+{{- $resource := get $resources $name | default dict -}}
+{{- $strategy := $resource.device_list_strategy | default list -}}
+{{- if or (has "cdi-cri" $strategy) (has "cdi-annotations" $strategy) -}}
+{{- $on = true -}}
+{{- end -}}
+{{- end -}}
+{{- $on -}}
 {{- end -}}
 
 {{/* The second scheduler's KubeSchedulerConfiguration: one profile, the extender. */}}
