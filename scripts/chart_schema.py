@@ -40,6 +40,9 @@ PROBE = obj(
 )
 
 
+HOST_PATHS = ("devicePlugins", "podResources", "sys", "dev", "state", "cdiStatic", "cdiDynamic")
+
+
 def values_schema() -> dict[str, Any]:
     return {
         "$schema": "http://json-schema.org/draft-07/schema#",
@@ -73,20 +76,7 @@ def values_schema() -> dict[str, Any]:
                 "privileged": BOOL,
                 "hostNetwork": BOOL,
                 "resources": ANY_OBJECT,
-                "hostPaths": obj(
-                    {
-                        key: ABSOLUTE
-                        for key in (
-                            "devicePlugins",
-                            "podResources",
-                            "sys",
-                            "dev",
-                            "state",
-                            "cdiStatic",
-                            "cdiDynamic",
-                        )  # fmt: skip
-                    }
-                ),
+                "hostPaths": obj({key: ABSOLUTE for key in HOST_PATHS}),
                 "metrics": obj(
                     {
                         "enabled": BOOL,
