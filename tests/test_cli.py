@@ -157,6 +157,11 @@ def test_demo_runs_the_main_job_and_cleans_up(sock_dir: Path) -> None:
     assert "kubelet sees nvidia.com/gpu: 8 devices, 8 healthy" in text
     assert "NCCL_IB_HCA==" in text
     assert "re-registered" in text
+    # CDI names for both kinds, and what a runtime resolves them to.
+    assert "cdi    nvidia.com/gpu=" in text
+    assert "cdi    devplugin.io/hca=mlx5_" in text
+    assert "a CDI runtime resolves trainer-b/main's 8 names to:" in text
+    assert "device /dev/infiniband/rdma_cm 10:58" in text
     # The cluster's view: the node's record and an event per pod.
     assert "kubectl get nodedevices" in text
     assert "demo-node" in text

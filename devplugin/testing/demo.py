@@ -4,9 +4,11 @@ Builds an 8-GPU, 8-HCA node (sysfs tree, /dev tree, NVML fixture) in a
 temporary directory, starts the daemon against the in-process kubelet
 simulator and the API server imitation (the simulator creates each pod there
 before admitting it, as a scheduler's binding would), admits a few pods,
-prints what each container got, the node's NodeDevices record and the
-events on the pods, restarts the kubelet to show re-registration, and
-cleans up.
+prints what each container got (device nodes and variables, and CDI names:
+the node has the GPU spec NVIDIA's toolkit would write, the daemon writes
+its HCA spec), what a CDI runtime resolves one pod's names to, the node's
+NodeDevices record and the events on the pods, restarts the kubelet to show
+re-registration, and cleans up.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from devplugin.config import Config, override
 from devplugin.report import topo_text
 from devplugin.runtime import build
 from devplugin.testing.apiserver import ApiServerImitation
+from devplugin.testing.cdi import CdiRuntime, nvidia_like_spec, write_spec
 from devplugin.testing.fake_nvml import FakeNvml
 from devplugin.testing.kubelet import AdmissionError, ContainerRequest, KubeletSimulator, PodResult
 from devplugin.testing.node import build_node, hgx_node
@@ -30,6 +33,7 @@ from devplugin.topology import Topology
 
 GPU = "nvidia.com/gpu"
 HCA = "rdma/hca"
+STRATEGY = ["envvar", "device-nodes", "cdi-cri"]
 
 PODS: list[tuple[str, list[ContainerRequest]]] = [
     # One HCA for two GPUs: the shape is read from the pod, not guessed.
@@ -56,6 +60,26 @@ def _print_pod(pod: PodResult, topology: Topology, out: Callable[[str], None]) -
                 out(f"      env    {key}={value}")
             for spec in response.devices:
                 out(f"      device {spec.host_path} ({spec.permissions})")
+            for cdi in response.cdi_devices:
+                out(f"      cdi    {cdi.name}")
+
+
+def _print_resolved(pod: PodResult, runtime: CdiRuntime, out: Callable[[str], None]) -> None:
+    """What a CDI runtime makes of the pod's names (as containerd 2.x would)."""
+    for container in pod.containers:
+        names = [d.name for r in container.order for d in container.responses[r].cdi_devices]
+        runtime.refresh()
+        edits = runtime.resolve(names)
+        out(f"a CDI runtime resolves {pod.name}/{container.name}'s {len(names)} names to:")
+        shown: set[str] = set()
+        for node in edits.device_nodes:
+            if node["path"] in shown:
+                continue  # a runtime adds each path once
+            shown.add(node["path"])
+            number = f" {node['major']}:{node['minor']}" if "major" in node else ""
+            out(f"  device {node['path']}{number}")
+        for mount in edits.mounts:
+            out(f"  mount  {mount['hostPath']}")
 
 
 def run_demo(out: Callable[[str], None] = print, workdir: Path | None = None) -> int:
@@ -69,6 +93,9 @@ def run_demo(out: Callable[[str], None] = print, workdir: Path | None = None) ->
         kubeconfig = base / "kubeconfig"
         kubeconfig.write_text(json.dumps(api.kubeconfig()))
         api.put("nodes", {"metadata": {"name": "demo-node"}})
+        # The GPU spec NVIDIA's toolkit would have written on this node.
+        cdi_dirs = [base / "etc-cdi", base / "run-cdi"]
+        write_spec(cdi_dirs[0], "nvidia.yaml", nvidia_like_spec(node))
         kubelet = KubeletSimulator(
             plugin_dir, pod_resources, seed=7, api=api, node_name="demo-node"
         )
@@ -87,6 +114,10 @@ def run_demo(out: Callable[[str], None] = print, workdir: Path | None = None) ->
                 "kubernetes.kubeconfig": str(kubeconfig),
                 "kubernetes.node_name": "demo-node",
                 "kubernetes.record_min_interval_seconds": 0.2,
+                # Device nodes and variables as ever, and CDI names besides.
+                "resources.gpu.device_list_strategy": STRATEGY,
+                "resources.hca.device_list_strategy": STRATEGY,
+                "cdi.spec_dirs": [str(d) for d in cdi_dirs],
             },
         )
         daemon = build(config, FakeNvml.from_file(node.fixture))
@@ -107,12 +138,16 @@ def run_demo(out: Callable[[str], None] = print, workdir: Path | None = None) ->
                 healthy = sum(1 for device in devices.values() if device.health == "Healthy")
                 out(f"kubelet sees {resource}: {len(devices)} devices, {healthy} healthy")
             out("")
+            admitted: list[PodResult] = []
             for name, containers in PODS:
                 try:
-                    _print_pod(kubelet.admit(name, containers), daemon.coordinator.topology, out)
+                    admitted.append(kubelet.admit(name, containers))
                 except AdmissionError as exc:
                     out(f"pod {name} not admitted: {exc}")
                     return 1
+                _print_pod(admitted[-1], daemon.coordinator.topology, out)
+            out("")
+            _print_resolved(admitted[-1], CdiRuntime(cdi_dirs), out)
             out("")
             _print_cluster_view(api, len(PODS), out)
             out("")
