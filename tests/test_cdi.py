@@ -294,8 +294,10 @@ def yaml_text(data: Any) -> str:
 
 
 def hca_spec(tmp_path: Path) -> dict[str, Any]:
-    files = sorted(dirs(tmp_path)[1].glob("*"))
-    assert [f.name for f in files] == ["devplugin.io-hca.json"]  # one file, no leftovers
+    # What a runtime reads: one file, no leftovers (a write in progress is a
+    # hidden temporary file, which no runtime reads).
+    files = sorted(f for f in dirs(tmp_path)[1].iterdir() if not f.name.startswith("."))
+    assert [f.name for f in files] == ["devplugin.io-hca.json"]
     loaded: dict[str, Any] = json.loads(files[0].read_text())
     return loaded
 
@@ -330,6 +332,9 @@ def test_the_hca_spec_follows_hotplug_and_restarts_and_goes_at_a_clean_stop(
     # A restart (a new daemon on the same node): the same one file, written again.
     cluster.daemon.stop()
     assert not list(dirs(tmp_path)[1].glob("*.json"))  # a clean stop leaves none
+    # A daemon that was killed left one naming an HCA that is gone since.
+    stale = device_spec("devplugin.io/hca", {"mlx5_99": [Node("/dev/infiniband/uverbs99", 1, 2)]})
+    write_spec(dirs(tmp_path)[1], "devplugin.io-hca.json", stale)
     again, _ = cdi_cluster(start_cluster, tmp_path, "hgx-h100", CDI_BOTH, **settings)
     assert spec_names(tmp_path) == {hca.name for hca in again.node.hcas}
 
