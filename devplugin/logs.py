@@ -9,6 +9,9 @@ import time
 from typing import TextIO
 
 _RESERVED = frozenset(vars(logging.makeLogRecord({})))
+# The HTTP client logs a line per request at INFO: thousands an hour from the
+# watches and record writes. They are shown only when debugging.
+CHATTY = ("httpx2", "httpx", "httpcore2", "httpcore")
 
 
 class JsonFormatter(logging.Formatter):
@@ -41,3 +44,5 @@ def setup_logging(fmt: str = "text", level: str = "info", stream: TextIO | None 
         root.removeHandler(existing)
     root.addHandler(handler)
     root.setLevel(level.upper())
+    for name in CHATTY:
+        logging.getLogger(name).setLevel(logging.DEBUG if level == "debug" else logging.WARNING)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +14,7 @@ from devplugin.cli import main
 from devplugin.cluster.client import make_client
 from devplugin.cluster.pods import RawPod
 from devplugin.config import ConfigError, KubernetesConfig, node_name, parse_config
+from devplugin.logs import setup_logging
 from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.node import build_node, hgx_node
 from tests.conftest import Cluster
@@ -122,3 +124,27 @@ def test_without_api_access_the_daemon_serves_as_before(start_cluster: Start) ->
     )
     assert cluster.daemon.pods is None
     assert len(cluster.kubelet.devices("nvidia.com/gpu")) == 8
+
+
+@pytest.mark.parametrize(("level", "shown"), [("info", False), ("debug", True)])
+def test_the_http_clients_request_lines_show_only_when_debugging(
+    api: ApiServerImitation, tmp_path: Path, level: str, shown: bool
+) -> None:
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump(api.kubeconfig()))
+    stream = io.StringIO()
+    root = logging.getLogger()
+    handlers, root_level = list(root.handlers), root.level
+    setup_logging("text", level, stream)
+    try:
+        client = make_client(KubernetesConfig(enabled=True, kubeconfig=str(kubeconfig)))
+        assert client is not None
+        list(client.list(RawPod, namespace="*"))
+        client.close()
+    finally:
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+        for handler in handlers:
+            root.addHandler(handler)
+        root.setLevel(root_level)
+    assert ("HTTP Request: GET" in stream.getvalue()) is shown
