@@ -92,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--request-timeout-seconds", type=float, default=5.0,
         help="every API request gives up after this long (default 5)",
     )  # fmt: skip
+    extender.add_argument(
+        "--lease-namespace", default=os.environ.get("POD_NAMESPACE") or "default",
+        help="where the node daemons' heartbeat Leases are (default: $POD_NAMESPACE or default)",
+    )  # fmt: skip
     extender.add_argument("--gpu-resource", default="nvidia.com/gpu")
     extender.add_argument("--hca-resource", default="rdma/hca")
     extender.add_argument("--log-format", choices=["text", "json"], default="text")
@@ -273,7 +277,7 @@ def cmd_extender(args: argparse.Namespace) -> int:
     try:
         _, server, caches = serve(
             kube, address, stale_after=args.stale_after_seconds, tls=tls,
-            names=(args.gpu_resource, args.hca_resource),
+            names=(args.gpu_resource, args.hca_resource), lease_namespace=args.lease_namespace,
         )  # fmt: skip
     except (OSError, ValueError, RuntimeError) as exc:
         log.error("cannot start: %s", exc)

@@ -282,8 +282,15 @@ class KubernetesConfig:
     # At most one record write per this many seconds (changes are batched).
     record_min_interval_seconds: float = _checked(1.0, _positive)
     # Read the record back this often even without a change (a deleted
-    # record is recreated).
+    # record is recreated). It is written only when its content changes.
     record_resync_seconds: float = _checked(30.0, _positive)
+    # The node's liveness: a small Lease renewed every lease_renew_seconds,
+    # promising the next renewal within lease_duration_seconds (the extender
+    # treats the record as stale past that). Its namespace: this one, or
+    # $POD_NAMESPACE, or "default".
+    lease_namespace: str = ""
+    lease_renew_seconds: float = _checked(10.0, _positive)
+    lease_duration_seconds: int = _checked(40, _at_least_one)
 
 
 @dataclass(frozen=True)
@@ -518,6 +525,10 @@ def check_hooks(config: Config) -> None:
 def node_name(config: Config) -> str:
     """The node this daemon runs on: the config (or --node-name), else NODE_NAME."""
     return config.kubernetes.node_name or os.environ.get("NODE_NAME", "")
+
+
+def lease_namespace(config: Config) -> str:
+    return config.kubernetes.lease_namespace or os.environ.get("POD_NAMESPACE", "") or "default"
 
 
 def check_kubernetes(config: Config) -> None:

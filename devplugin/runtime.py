@@ -29,10 +29,11 @@ from devplugin.checks import CheckLoop, Requests
 from devplugin.cluster.awareness import PodAwareness
 from devplugin.cluster.client import Heartbeat, make_client
 from devplugin.cluster.events import EventRecorder
+from devplugin.cluster.lease import LeaseKeeper
 from devplugin.cluster.pods import PodCache
 from devplugin.cluster.publisher import RecordPublisher
 from devplugin.cluster.record import Registration, build_status
-from devplugin.config import CDI_STRATEGIES, Config, HooksConfig, node_name
+from devplugin.config import CDI_STRATEGIES, Config, HooksConfig, lease_namespace, node_name
 from devplugin.coordination import Coordinator
 from devplugin.deadline import Deadlines
 from devplugin.discovery import CdiReader, Discoverer, NvmlGpuSource, Roots
@@ -516,6 +517,7 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
         on_register=lambda name: metrics.registrations.labels(name).inc(),
     )
     publisher: RecordPublisher | None = None
+    lease: LeaseKeeper | None = None
     if writer is not None and config.kubernetes.node_devices:
         status = partial(
             _record_status, pipeline, records, ledger=ledger, coordinator=coordinator,
@@ -530,6 +532,11 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
             metrics=metrics,
         )
         ledger.listen(publisher.poke)
+        lease = LeaseKeeper(
+            writer, node_name(config), lease_namespace(config),
+            renew=config.kubernetes.lease_renew_seconds,
+            duration=config.kubernetes.lease_duration_seconds,
+        )  # fmt: skip
     return Daemon(
         config,
         discoverer=discoverer,
@@ -545,7 +552,7 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
         xid=xid,
         hotplug_monitor=hotplug_monitor,
         pods=pods,
-        cluster_loops=[loop for loop in (events, publisher) if loop is not None],
+        cluster_loops=[loop for loop in (events, publisher, lease) if loop is not None],
         writer=writer,
     )
 

@@ -303,7 +303,7 @@ def test_default_install_renders_a_least_privilege_daemonset(
     objs = objects(installs, "defaults")
     assert set(objs) == {
         "ConfigMap", "DaemonSet", "ServiceAccount", "ClusterRole", "ClusterRoleBinding",
-        "CustomResourceDefinition",
+        "Role", "RoleBinding", "CustomResourceDefinition",
     }  # fmt: skip
     daemonset = objs["DaemonSet"]
     spec = daemonset["spec"]["template"]["spec"]
@@ -495,6 +495,14 @@ def test_the_daemon_gets_api_access_with_the_least_rights_that_work(
             "namespace": objs["ServiceAccount"]["metadata"]["namespace"],
         }
     ]
+    # The heartbeat: its own Lease, in its own namespace only.
+    assert env["POD_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    lease_role = objs["Role"]
+    namespace = objs["ServiceAccount"]["metadata"]["namespace"]
+    assert lease_role["metadata"]["namespace"] == namespace
+    assert lease_role["rules"] == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                                    "verbs": ["get", "create", "update"]}]  # fmt: skip
+    assert objs["RoleBinding"]["roleRef"]["name"] == lease_role["metadata"]["name"]
     crd = objs["CustomResourceDefinition"]
     assert crd["metadata"]["name"] == "nodedevices.devplugin.io"
     shipped = yaml.safe_load((CHART / "crds" / "nodedevices.yaml").read_text())
@@ -533,6 +541,10 @@ def test_the_extender_and_a_second_scheduler_profile(installs: dict[str, dict[st
         ("devplugin.io", "nodedevices"): ["get", "list", "watch"],
         ("", "pods"): ["get", "list", "watch"],
     }  # fmt: skip
+    leases = found[("Role", "extender-devplugin-extender-leases")]
+    assert leases["rules"][0]["resources"] == ["leases"]
+    assert sorted(leases["rules"][0]["verbs"]) == ["get", "list", "watch"]
+    assert f"--lease-namespace={leases['metadata']['namespace']}" in main["args"]
     config = yaml.safe_load(
         found[("ConfigMap", "extender-devplugin-scheduler")]["data"]["scheduler-config.yaml"]
     )

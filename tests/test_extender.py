@@ -173,6 +173,37 @@ def test_pods_without_devices_and_nodes_without_fresh_records_pass_and_score_zer
     assert {e["Host"]: e["Score"] for e in ranked} == {"fresh": 10, "old": 0, "gone": 0}
 
 
+def lease(api: ApiServerImitation, node: str, age: float, namespace: str = "default") -> None:
+    renewed = time.strftime("%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime(time.time() - age))
+    api.put("leases", {
+        "metadata": {"name": f"devplugin-{node}", "namespace": namespace,
+                     "labels": {"devplugin.io/node": node}},
+        "spec": {"holderIdentity": node, "leaseDurationSeconds": 40, "renewTime": renewed},
+    })  # fmt: skip
+
+
+def test_a_records_freshness_is_its_daemons_lease_not_its_last_write(
+    api: ApiServerImitation, tmp_path: Path, extender: Running
+) -> None:
+    # Records are written only when they change: an old `updated` says nothing.
+    put_record(api, "alive", "hgx-h100", tmp_path, age=3600)
+    put_record(api, "dead", "hgx-h100", tmp_path, age=5)
+    lease(api, "alive", age=2)
+    lease(api, "dead", age=300)  # its daemon stopped renewing
+    lease(api, "elsewhere", age=1, namespace="other")  # another namespace: not watched
+    synced(extender, {"alive", "dead"})
+    assert wait_until(lambda: {"alive", "dead"} <= set(extender[0].leases.items()), timeout=10)
+    assert "elsewhere" not in extender[0].leases.items()
+    args = {"Pod": pod("t", [{GPU: 2, HCA: 2}]), "NodeNames": ["alive", "dead"]}
+    _code, ranked = call(extender, "prioritize", args)
+    assert {e["Host"]: e["Score"] for e in ranked} == {"alive": 10, "dead": 0}
+    lease(api, "dead", age=0)  # back
+    assert wait_until(
+        lambda: {e["Host"]: e["Score"] for e in call(extender, "prioritize", args)[1]}["dead"] > 0,
+        timeout=5,
+    )
+
+
 def test_pods_bound_but_not_yet_in_the_record_take_their_devices_first(
     api: ApiServerImitation, tmp_path: Path, extender: Running
 ) -> None:

@@ -239,3 +239,37 @@ def test_under_churn_the_record_is_written_at_most_once_a_second_and_lands(
     written = writes._value.get() - before
     assert written <= int(elapsed) + 1, (written, elapsed)
     assert written >= 2  # it did follow along, not only at the end
+
+
+def test_an_idle_daemon_renews_its_lease_and_never_rewrites_its_record(
+    start_cluster: Start, api: ApiServerImitation
+) -> None:
+    api.put("nodes", {"metadata": {"name": "node-1", "uid": "node-uid-1"}})
+    cluster = start_cluster(hgx_node(), api=api, **{
+        "kubernetes.lease_renew_seconds": 0.2, "kubernetes.record_resync_seconds": 0.3,
+        "kubernetes.lease_namespace": "gpu-infra",
+    })  # fmt: skip
+    registered = [{"type": "Registered", "status": "True"}]
+    assert wait_until(
+        lambda: (
+            [{k: c[k] for k in ("type", "status")} for c in status(api).get("conditions", [])]
+            == registered
+        ),
+        timeout=10,
+    )
+    lease = next(loop for loop in cluster.daemon.cluster_loops if hasattr(loop, "renewals"))
+    assert wait_until(lambda: lease.renewals >= 2, timeout=10)
+    writes = len([r for r in api.requests if r[0] == "PUT" and "nodedevices" in r[1]])
+    renewals = lease.renewals
+    # Idle for a while: read back several times, renewed many, written never.
+    assert wait_until(lambda: lease.renewals >= renewals + 8, timeout=10)
+    assert len([r for r in api.requests if r[0] == "PUT" and "nodedevices" in r[1]]) == writes
+    found = api.get("leases", "devplugin-node-1", "gpu-infra")
+    assert found is not None
+    assert found["metadata"]["labels"] == {"devplugin.io/node": "node-1"}
+    assert found["spec"]["holderIdentity"] == "node-1"
+    assert found["spec"]["leaseDurationSeconds"] == 40
+    assert found["metadata"]["ownerReferences"][0]["kind"] == "Node"
+    # A change is still written at once.
+    cluster.kubelet.admit("p", [ContainerRequest("main", {GPU: 1})])
+    assert wait_until(lambda: status(api)["summary"]["gpusFree"] == 7, timeout=5)

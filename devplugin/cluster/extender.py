@@ -36,10 +36,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from lightkube import Client
+from lightkube import operators as op
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from devplugin.allocator import Allocator
 from devplugin.cluster.client import Heartbeat, make_client
+from devplugin.cluster.lease import NODE_LABEL, Lease, parse_micro_time
 from devplugin.cluster.pods import PodCache
 from devplugin.cluster.publisher import NodeDevices
 from devplugin.cluster.watch import Incomplete, WatchCache
@@ -99,6 +101,28 @@ def record_entry(data: Mapping[str, Any]) -> tuple[str, Record]:
     return node.name, Record(node, version, updated, Allocator(node.topology))
 
 
+@dataclass(frozen=True)
+class NodeLease:
+    """A node daemon's heartbeat (cluster/lease.py)."""
+
+    renewed: float | None  # wall-clock seconds of spec.renewTime
+    duration: float
+
+
+def lease_entry(data: Mapping[str, Any]) -> tuple[str, NodeLease]:
+    meta, spec = data.get("metadata"), data.get("spec")
+    if not isinstance(meta, dict) or not isinstance(spec, dict):
+        raise ValueError("metadata and spec must be objects")
+    labels = meta.get("labels")
+    node = labels.get(NODE_LABEL) if isinstance(labels, dict) else None
+    duration = spec.get("leaseDurationSeconds")
+    if not isinstance(node, str) or not node:
+        raise ValueError(f"no {NODE_LABEL} label")
+    if not isinstance(duration, int) or isinstance(duration, bool) or duration < 1:
+        raise ValueError("spec.leaseDurationSeconds must be a positive integer")
+    return node, NodeLease(parse_micro_time(spec.get("renewTime")), float(duration))
+
+
 class ExtenderMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -138,6 +162,7 @@ class Extender:
         records: WatchCache[Record],
         pods: PodCache,
         *,
+        leases: WatchCache[NodeLease] | None = None,
         gpu: str = "nvidia.com/gpu",
         hca: str = "rdma/hca",
         stale_after: float = 120.0,
@@ -146,10 +171,11 @@ class Extender:
     ) -> None:
         self.records = records
         self.pods = pods
+        self.leases = leases
         self.gpu, self.hca = gpu, hca
         self.stale_after = stale_after
         self.metrics = metrics or ExtenderMetrics()
-        for cache in (records, pods):
+        for cache in self._caches():
             self.metrics.watch_current.labels(cache.name).set_function(partial(_current, cache))
             self.metrics.watch_age.labels(cache.name).set_function(cache.age)
         self._wall = wall
@@ -246,12 +272,25 @@ class Extender:
         return shape, requirement
 
     def _fresh(self, name: str) -> Record | None:
+        """The node's record while its daemon is alive: its Lease renewed
+        within the duration it promised (a daemon without a Lease, an older
+        one, rewrites its record instead: then `updated` is judged)."""
         record = self.records.items().get(name)
-        if record is None or record.updated is None:
+        if record is None:
             return None
-        if self._wall() - record.updated > self.stale_after:
+        lease = self.leases.items().get(name) if self.leases is not None else None
+        if lease is not None and lease.renewed is not None:
+            alive = self._wall() - lease.renewed <= lease.duration
+            return record if alive else None
+        if record.updated is None or self._wall() - record.updated > self.stale_after:
             return None
         return record
+
+    def _caches(self) -> list[WatchCache[Any]]:
+        caches: list[WatchCache[Any]] = [self.records, self.pods]
+        if self.leases is not None:
+            caches.append(self.leases)
+        return caches
 
     def _outcome(self, name: str, record: Record, pod: PodInfo, shape: Shape) -> Outcome:
         # The pod watch beats the record: a holder it saw end holds nothing.
@@ -324,7 +363,9 @@ class Extender:
     def ready(self) -> tuple[bool, str]:
         """Ready while both caches are current: a frozen view must not steer
         pods (with `ignorable: true` the scheduler goes on without us)."""
-        for cache, what in ((self.records, "NodeDevices records"), (self.pods, "pods")):
+        named = {"nodedevices": "NodeDevices records", "pods": "pods", "leases": "node Leases"}
+        for cache in self._caches():
+            what = named.get(cache.name, cache.name)
             if not cache.synced.is_set():
                 return False, f"{what} not listed yet"
             if not cache.current:
@@ -361,6 +402,19 @@ def record_cache(
         client, NodeDevices, record_entry, name="nodedevices", namespaced=False,
         backoff_max=kube.watch_backoff_max_seconds, server_timeout=kube.watch_timeout_seconds,
         read_margin=kube.request_timeout_seconds, heartbeat=heartbeat,
+    )  # fmt: skip
+
+
+def lease_cache(
+    client: Client, namespace: str, kube: KubernetesConfig | None = None,
+    heartbeat: Heartbeat | None = None,
+) -> WatchCache[NodeLease]:  # fmt: skip
+    kube = kube or KubernetesConfig()
+    return WatchCache(
+        client, Lease, lease_entry, name="leases", namespaced=True, namespace=namespace,
+        labels={NODE_LABEL: op.exists()}, backoff_max=kube.watch_backoff_max_seconds,
+        server_timeout=kube.watch_timeout_seconds, read_margin=kube.request_timeout_seconds,
+        heartbeat=heartbeat,
     )  # fmt: skip
 
 
@@ -533,6 +587,7 @@ def serve(
     stale_after: float,
     tls: tuple[str, str] | None = None,
     names: Sequence[str] = ("nvidia.com/gpu", "rdma/hca"),
+    lease_namespace: str = "default",
 ) -> tuple[Extender, ExtenderServer, list[WatchCache[Any]]]:
     """Wire and start the caches (each on its own client, whose transport
     tells it when the server last answered) and the HTTP server (the CLI's
@@ -544,12 +599,16 @@ def serve(
             raise RuntimeError("no Kubernetes API access")
         return client
 
-    beats = Heartbeat(), Heartbeat()
+    beats = Heartbeat(), Heartbeat(), Heartbeat()
     records = record_cache(connect(beats[0]), kube, beats[0])
     pods = pod_cache(connect(beats[1]), kube, beats[1])
-    extender = Extender(records, pods, gpu=names[0], hca=names[1], stale_after=stale_after)
+    leases = lease_cache(connect(beats[2]), lease_namespace, kube, beats[2])
+    extender = Extender(
+        records, pods, leases=leases, gpu=names[0], hca=names[1], stale_after=stale_after
+    )
     server = ExtenderServer(extender, address, tls=tls)
-    records.start()
-    pods.start()
+    caches: list[WatchCache[Any]] = [records, pods, leases]
+    for cache in caches:
+        cache.start()
     server.start()
-    return extender, server, [records, pods]
+    return extender, server, caches

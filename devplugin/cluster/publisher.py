@@ -12,8 +12,9 @@ between, so the record is read again and the write retried. A record that
 is missing (never created, or deleted) is created, owned by the Node when
 the Node can be read, so it goes away with the node. Every `resync` seconds
 the record is read even without a change, which is how a deleted record
-comes back, and written again: `updated` is a heartbeat the scheduler
-extender judges the record's age by. Errors back off; the daemon's RPCs never wait on any of this.
+comes back; it is written only when what it says changed (the daemon's
+liveness is a small Lease, `lease.py`). Errors back off; the daemon's RPCs
+never wait on any of this.
 """
 
 from __future__ import annotations
@@ -138,11 +139,10 @@ class RecordPublisher:
             return False
         if self._version is None or due_read:
             self._read_or_create()
-            # Unchanged, but rewritten once per resync anyway: `updated` is the
-            # heartbeat the scheduler extender judges a record's age by.
-            heartbeat = now - self._last_write >= self._resync
+            # Written only when its content changes: liveness is the Lease's
+            # job, not a rewrite of the whole record.
             self._pending = status != self._written
-            if not self._pending and not heartbeat:
+            if not self._pending:
                 return False
         self._write(status)
         return True

@@ -64,6 +64,8 @@ class WatchCache(Generic[T]):
         name: str,
         namespaced: bool,
         fields: Mapping[str, str] | None = None,
+        labels: Mapping[str, Any] | None = None,
+        namespace: str = "*",
         backoff_initial: float = 0.2,
         backoff_max: float = 10.0,
         server_timeout: float = 30.0,
@@ -77,6 +79,8 @@ class WatchCache(Generic[T]):
         self.name = name
         self._namespaced = namespaced
         self._fields = dict(fields) if fields else None
+        self._labels = dict(labels) if labels else None
+        self._namespace = namespace
         self._backoff_initial = backoff_initial
         self._backoff_max = max(backoff_max, backoff_initial)
         self._server_timeout = max(1, math.ceil(server_timeout))
@@ -275,9 +279,11 @@ class WatchCache(Generic[T]):
     def _scope(self) -> dict[str, Any]:
         scope: dict[str, Any] = {}
         if self._namespaced:
-            scope["namespace"] = "*"
+            scope["namespace"] = self._namespace
         if self._fields:
             scope["fields"] = self._fields
+        if self._labels:
+            scope["labels"] = self._labels
         return scope
 
     def _parse(self, obj: Any) -> tuple[str, T] | None:

@@ -8,7 +8,9 @@ the requested resourceVersion was compacted away); writes with a stale
 only `status`; `fieldSelector=spec.nodeName=X` and `metadata.name=X` filter.
 
 Served resources: pods (namespaced), events (namespaced), nodes (cluster),
-and `nodedevices.devplugin.io/v1alpha1` (cluster, with status).
+`nodedevices.devplugin.io/v1alpha1` (cluster, with status) and
+`leases.coordination.k8s.io/v1` (namespaced). `labelSelector` filters by
+`key` (exists) and `key=value`.
 
 Fault injection for the clients' error paths: `delay` (seconds added to
 every request), `fail_next(n, code)` (the next n requests answer `code`),
@@ -52,6 +54,9 @@ KINDS = {
     ("api/v1", "nodes"): Kind("api/v1", "nodes", "Node", False, status=True),
     ("apis/devplugin.io/v1alpha1", "nodedevices"): Kind(
         "apis/devplugin.io/v1alpha1", "nodedevices", "NodeDevices", False, status=True
+    ),
+    ("apis/coordination.k8s.io/v1", "leases"): Kind(
+        "apis/coordination.k8s.io/v1", "leases", "Lease", True
     ),
 }
 
@@ -314,6 +319,15 @@ class ApiServerImitation:
             for part in field.split("."):
                 node = node.get(part) if isinstance(node, dict) else None
             if (node or "") != value:
+                return False
+        found = meta.get("labels")
+        labels: dict[str, Any] = found if isinstance(found, dict) else {}
+        for term in filter(None, query.get("labelSelector", "").split(",")):
+            key, equals, value = term.partition("=")
+            if not equals:  # `key`: the label exists
+                if key not in labels:
+                    return False
+            elif labels.get(key) != value.lstrip("="):
                 return False
         return True
 

@@ -1,0 +1,193 @@
+"""The node daemon's heartbeat: one small Lease, renewed every few seconds.
+
+Kubernetes moved the kubelet's own heartbeat from the Node object to a Lease
+for the reason this exists: rewriting a multi-kilobyte record every half
+minute on thousands of nodes is a steady stream of etcd writes, each fanned
+out to every watcher, for no change at all. The NodeDevices record is now
+written only when its content changes; this Lease (`coordination.k8s.io/v1`,
+named `devplugin-<node>`, labelled `devplugin.io/node=<node>`, owned by the
+Node) says the daemon is alive. `spec.renewTime` is stamped at each renewal
+and `spec.leaseDurationSeconds` promises the next one within that long; the
+scheduler extender treats a node's record as stale past it.
+
+One loop owns the writes: a PUT with the Lease's resourceVersion every
+`renew` seconds (a conflict or a missing Lease is read or created again),
+errors backed off. Nothing else waits on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+from lightkube import ApiError, Client
+from lightkube.generic_resource import create_namespaced_resource
+
+from devplugin.cluster.publisher import RawNode
+
+log = logging.getLogger(__name__)
+
+Lease = create_namespaced_resource("coordination.k8s.io", "v1", "Lease", "leases")
+_LEASE: Any = Lease
+NODE_LABEL = "devplugin.io/node"
+
+
+def lease_name(node: str) -> str:
+    return f"devplugin-{node}"
+
+
+def micro_time(when: datetime | None = None) -> str:
+    """A MicroTime as the API writes it (RFC 3339, microseconds, UTC)."""
+    return (when or datetime.now(UTC)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def parse_micro_time(text: object) -> float | None:
+    """Seconds since the epoch of a (Micro)Time, or None."""
+    if not isinstance(text, str):
+        return None
+    for layout in ("%Y-%m-%dT%H:%M:%S.%fZ", "%Y-%m-%dT%H:%M:%SZ"):
+        try:
+            return datetime.strptime(text, layout).replace(tzinfo=UTC).timestamp()
+        except ValueError:
+            continue
+    return None
+
+
+class LeaseKeeper:
+    def __init__(
+        self,
+        client: Client,
+        node: str,
+        namespace: str,
+        *,
+        renew: float = 10.0,
+        duration: int = 40,
+        backoff_max: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._client = client
+        self._node = node
+        self._namespace = namespace
+        self._renew = renew
+        self._duration = duration
+        self._backoff_max = backoff_max
+        self._clock = clock
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._version: str | None = None
+        self._failing: str | None = None
+        self.renewals = 0
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="lease", daemon=True)
+        self._thread.start()
+
+    def signal_stop(self) -> None:
+        self._stop.set()
+
+    def join(self, timeout: float) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        log.info(
+            "Lease %s/%s: renewed every %.0fs (valid %ds)",
+            self._namespace, lease_name(self._node), self._renew, self._duration,
+        )  # fmt: skip
+        backoff = 0.0
+        while not self._stop.is_set():
+            try:
+                self.renew_once()
+                backoff = 0.0
+                if self._failing is not None:
+                    log.info("Lease renewed again")
+                    self._failing = None
+                wait = self._renew
+            except Exception as exc:  # noqa: BLE001 - network, API: all mean retry
+                backoff = min(self._backoff_max, max(1.0, backoff * 2))
+                message = f"{type(exc).__name__}: {exc}"[:300]
+                if message != self._failing:
+                    log.warning("Lease not renewed (%s); retrying", message)
+                    self._failing = message
+                self._version = None
+                wait = min(backoff, self._renew)
+            self._stop.wait(wait)
+        log.info("Lease keeper stopped")
+
+    def renew_once(self) -> None:
+        """One renewal: PUT with the known version; read or create on need."""
+        for attempt in range(3):
+            if self._version is None:
+                self._read_or_create()
+            body = self._body()
+            try:
+                written = self._client.replace(body)
+            except ApiError as exc:
+                if exc.status.code in (404, 409) and attempt < 2:
+                    self._version = None
+                    continue
+                raise
+            self._version = _version_of(written)
+            self.renewals += 1
+            return
+
+    def _body(self) -> Any:
+        return _LEASE(
+            apiVersion="coordination.k8s.io/v1", kind="Lease",
+            metadata={"name": lease_name(self._node), "namespace": self._namespace,
+                      "labels": {NODE_LABEL: self._node}, "resourceVersion": self._version},
+            spec={"holderIdentity": self._node, "leaseDurationSeconds": self._duration,
+                  "renewTime": micro_time()},
+        )  # fmt: skip
+
+    def _read_or_create(self) -> None:
+        try:
+            found = self._client.get(Lease, lease_name(self._node), namespace=self._namespace)
+        except ApiError as exc:
+            if exc.status.code != 404:
+                raise
+            found = self._create()
+        self._version = _version_of(found)
+
+    def _create(self) -> Any:
+        metadata: dict[str, Any] = {
+            "name": lease_name(self._node), "namespace": self._namespace,
+            "labels": {NODE_LABEL: self._node},
+        }  # fmt: skip
+        owner = self._node_owner()
+        if owner is not None:
+            metadata["ownerReferences"] = [owner]
+        body = _LEASE(
+            apiVersion="coordination.k8s.io/v1", kind="Lease", metadata=metadata,
+            spec={"holderIdentity": self._node, "leaseDurationSeconds": self._duration,
+                  "acquireTime": micro_time(), "renewTime": micro_time()},
+        )  # fmt: skip
+        try:
+            return self._client.create(body)
+        except ApiError as exc:
+            if exc.status.code != 409:
+                raise
+            return self._client.get(Lease, lease_name(self._node), namespace=self._namespace)
+
+    def _node_owner(self) -> dict[str, Any] | None:
+        try:
+            node = _as_dict(self._client.get(RawNode, self._node))
+        except ApiError:
+            return None
+        uid = node.get("metadata", {}).get("uid")
+        if not isinstance(uid, str) or not uid:
+            return None
+        return {"apiVersion": "v1", "kind": "Node", "name": self._node, "uid": uid}
+
+
+def _as_dict(obj: Any) -> dict[str, Any]:
+    data = obj.to_dict() if hasattr(obj, "to_dict") else obj
+    return data if isinstance(data, dict) else {}
+
+
+def _version_of(obj: Any) -> str | None:
+    return str(_as_dict(obj).get("metadata", {}).get("resourceVersion") or "") or None
