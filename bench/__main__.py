@@ -28,6 +28,11 @@ deletions between. Goal: at every cadence at least 98% of GPU+HCA pods at
 the best level free anywhere at that moment, and a higher share at the
 cluster-wide ideal than default placement on the same stream.
 
+Fleet (`bench/fleet.py`): what each node's daemon costs the API server,
+requests and bytes per node per minute, idle and with a pod every 10 s.
+Goal: idle, at most one write a minute to records; under churn, record
+writes follow the changes within the 1/s budget.
+
 NVLink layouts: every GPU and HCA size on DGX-1, two DGX-1 meshes, PCIe
 trees of 16, 32 and 64 GPUs with NVLink bridges between neighbouring
 switches, and the 8-GPU NVSwitch node with two NUMA nodes, end to end as
@@ -64,6 +69,7 @@ import grpc
 
 from bench.cluster import cluster_bench
 from bench.cluster_live import live_cluster_bench
+from bench.fleet import fleet_bench
 from devplugin.allocator import (
     Allocator,
     Request,
@@ -644,12 +650,18 @@ def main() -> int:
         help="the cluster run with real daemons and the extender (alone unless --node or "
         "--nvlink names more; a full run includes it, --quick leaves it out)",
     )  # fmt: skip
+    parser.add_argument(
+        "--fleet", action="store_true",
+        help="API traffic per node, idle and under churn (alone unless others are named; "
+        "a full run includes it, --quick leaves it out)",
+    )  # fmt: skip
     args = parser.parse_args()
     iterations, warmup = (20, 5) if args.quick else (args.iterations, 50)
-    selected = args.node is not None or args.nvlink is not None or args.cluster
+    selected = args.node is not None or args.nvlink is not None or args.cluster or args.fleet
     nodes = [n for n in GOALS_MS if n in (args.node or ([] if selected else GOALS_MS))]
     layouts = args.nvlink or ([] if selected else list(NVLINK_LAYOUTS))
     live = args.cluster or not (selected or args.quick)
+    fleet = args.fleet or not (selected or args.quick)
     setup_logging("text", "error")
     base = Path(tempfile.mkdtemp(prefix="dpb-", dir="/tmp"))
     failed = False
@@ -667,6 +679,10 @@ def main() -> int:
             if nodes or layouts:
                 print()
             failed |= not live_cluster_bench(quick=args.quick)
+        if fleet:
+            if nodes or layouts or live:
+                print()
+            failed |= not fleet_bench(quick=args.quick)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     return 1 if failed else 0

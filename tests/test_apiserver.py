@@ -126,3 +126,27 @@ def test_injected_failures_cuts_and_delays(api: ApiServerImitation, client: Clie
     # lightkube re-opens a watch the server ended cleanly: a new request arrives.
     count = sum("watch" in path for _, path in api.requests)
     assert wait_until(lambda: sum("watch" in path for _, path in api.requests) > count)
+
+
+def test_traffic_is_counted_by_resource_and_verb(api: ApiServerImitation, client: Client) -> None:
+    """What the fleet bench reports: requests and bytes each way per
+    (resource, verb), watch events included."""
+    created = client.create(NodeDevices(metadata={"name": "node-1"}, spec={"x": 1}))
+    client.get(NodeDevices, "node-1")
+    client.replace(NodeDevices(metadata=created.metadata, spec={"x": 2}), "node-1")
+    list(client.list(NodeDevices))
+    events = client.watch(RawPod, namespace="*", resource_version="100")
+    api.put("pods", pod("a", "node-1"))
+    next(iter(events))
+    traffic = api.traffic
+    assert traffic[("nodedevices", "create")][0] == 1
+    assert traffic[("nodedevices", "update")][0] == 1
+    assert traffic[("nodedevices", "get")][0] == 1
+    assert traffic[("nodedevices", "list")][0] == 1
+    # A write's body is counted in, its answer out; a read sends no body.
+    assert traffic[("nodedevices", "create")][1] > 20
+    assert traffic[("nodedevices", "create")][2] > traffic[("nodedevices", "create")][1] // 2
+    assert traffic[("nodedevices", "get")][1] == 0
+    watched = traffic[("pods", "watch")]
+    assert watched[0] == 1
+    assert watched[2] > len('{"type":"ADDED"}')

@@ -96,6 +96,9 @@ class ApiServerImitation:
         self._failures: list[int] = []
         self.delay = 0.0
         self.requests: list[tuple[str, str]] = []
+        # (resource plural, verb) -> [requests, bytes received, bytes sent];
+        # verbs: list, watch, get, create, update, patch, delete.
+        self.traffic: dict[tuple[str, str], list[int]] = {}
         self._server: ThreadingHTTPServer | None = None
         self._address: tuple[str, int] | None = None
         self._thread: threading.Thread | None = None
@@ -281,14 +284,26 @@ class ApiServerImitation:
             return
         try:
             route = self._route(parts.path)
-            if method == "GET" and query.get("watch") in ("1", "true"):
+            watch = method == "GET" and query.get("watch") in ("1", "true")
+            verb = _verb(method, route[2] is None, watch)
+            self._count(route[0].plural, verb, received=len(body))
+            if watch:
                 self._watch(handler, route, query)
                 return
             code, answer = self._answer(method, route, query, body, handler.headers)
         except ApiError as exc:
             _send(handler, exc.code, status_body(exc.code, exc.reason, str(exc)))
             return
-        _send(handler, code, answer)
+        self._count(route[0].plural, verb, sent=_send(handler, code, answer), request=False)
+
+    def _count(
+        self, plural: str, verb: str, *, received: int = 0, sent: int = 0, request: bool = True
+    ) -> None:
+        with self._cond:
+            entry = self.traffic.setdefault((plural, verb), [0, 0, 0])
+            entry[0] += request
+            entry[1] += received
+            entry[2] += sent
 
     def _route(self, path: str) -> tuple[Kind, str, str | None, bool]:
         """(kind, namespace, name, status subresource) for a path."""
@@ -475,7 +490,8 @@ class ApiServerImitation:
                         self._cut != cut or time.monotonic() >= deadline or since < self._compacted
                     )
                 for event in pending:
-                    _chunk(handler, {"type": event.type, "object": event.obj})
+                    sent = _chunk(handler, {"type": event.type, "object": event.obj})
+                    self._count(kind.plural, "watch", sent=sent, request=False)
                     since = event.version
                 if ended and not pending:
                     break
@@ -507,19 +523,31 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def _send(handler: BaseHTTPRequestHandler, code: int, body: Obj) -> None:
+def _verb(method: str, collection: bool, watch: bool) -> str:
+    if watch:
+        return "watch"
+    if method == "GET":
+        return "list" if collection else "get"
+    return {"POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}.get(
+        method, method.lower()
+    )
+
+
+def _send(handler: BaseHTTPRequestHandler, code: int, body: Obj) -> int:
     data = json.dumps(body).encode()
     handler.send_response(code)
     handler.send_header("Content-Type", "application/json")
     handler.send_header("Content-Length", str(len(data)))
     handler.end_headers()
     handler.wfile.write(data)
+    return len(data)
 
 
-def _chunk(handler: BaseHTTPRequestHandler, event: Obj) -> None:
+def _chunk(handler: BaseHTTPRequestHandler, event: Obj) -> int:
     data = json.dumps(event).encode() + b"\n"
     handler.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
     handler.wfile.flush()
+    return len(data)
 
 
 def _chunk_end(handler: BaseHTTPRequestHandler) -> None:
