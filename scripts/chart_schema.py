@@ -93,7 +93,7 @@ def values_schema() -> dict[str, Any]:
                 ),
                 "probes": obj({"liveness": PROBE, "readiness": PROBE}),
                 "serviceAccount": obj({"create": BOOL, "name": STRING, "annotations": ANY_OBJECT}),
-                "rbac": obj({"create": BOOL}),
+                "rbac": obj({"create": BOOL, "nodeRestriction": BOOL}),
                 "extender": obj(
                     {
                         "enabled": BOOL,
@@ -107,7 +107,13 @@ def values_schema() -> dict[str, Any]:
                             {
                                 "enabled": BOOL,
                                 "schedulerName": {"type": "string", "minLength": 1},
-                                "image": {"type": "string", "minLength": 1},
+                                "image": obj(
+                                    {
+                                        "repository": {"type": "string", "minLength": 1},
+                                        "tag": STRING,
+                                    },
+                                    required=["repository"],
+                                ),
                                 "weight": {"type": "integer", "minimum": 1, "maximum": 100},
                                 "resources": ANY_OBJECT,
                             }

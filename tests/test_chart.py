@@ -97,6 +97,12 @@ CASES: dict[str, dict[str, Any]] = {
                    "cdi": {"gpu_device_name": "uuid"}},
         "hostPaths": {"cdiDynamic": "/run/cdi"},
     },
+    "managed-cluster": {"extender": {"enabled": True, "scheduler": {"enabled": True}}},
+    "pinned-scheduler": {
+        "extender": {"enabled": True, "scheduler": {"enabled": True, "image": {
+            "repository": "mirror.example.com/kube-scheduler", "tag": "v1.33.5"}}},
+    },
+    "no-node-restriction": {"rbac": {"nodeRestriction": False}},
     "placement": {
         "nodeSelector": {"gpu.example.com/pool": "training"},
         "affinity": {"podAntiAffinity": {}},
@@ -105,6 +111,16 @@ CASES: dict[str, dict[str, Any]] = {
         "image": {"repository": "registry.example.com/devplugin", "tag": "1.2.3"},
     },
 }  # fmt: skip
+
+# The cluster a case installs into, where it is not the default one
+# (v1.31.0, serving every API the chart uses).
+OLD = {"kubeVersion": "v1.29.9", "without": ["admissionregistration.k8s.io/v1"]}
+CLUSTERS: dict[str, dict[str, Any]] = {
+    "managed-cluster": {"kubeVersion": "v1.34.2-eks-4f9b2c1"},
+    "pinned-scheduler": {"kubeVersion": "v1.34.2"},
+    "old-cluster": OLD,
+    "no-node-restriction": OLD,
+}
 
 BAD: dict[str, tuple[dict[str, Any], str]] = {
     "unknown-config-key": ({"config": {"resources": {"gpu": {"nmae": "x/y"}}}}, "nmae"),
@@ -250,7 +266,10 @@ def _helm_environment() -> str:
 
 
 def run_helm(python: str, cases: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    payload = json.dumps([{"name": name, "values": values} for name, values in cases.items()])
+    entries = [
+        {"name": name, "values": values, **CLUSTERS.get(name, {})} for name, values in cases.items()
+    ]
+    payload = json.dumps(entries)
     result = subprocess.run(
         [python, str(RENDER), str(CHART)],
         input=payload, capture_output=True, text=True, timeout=300, check=False,
@@ -304,6 +323,7 @@ def test_default_install_renders_a_least_privilege_daemonset(
     assert set(objs) == {
         "ConfigMap", "DaemonSet", "ServiceAccount", "ClusterRole", "ClusterRoleBinding",
         "Role", "RoleBinding", "CustomResourceDefinition",
+        "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
     }  # fmt: skip
     daemonset = objs["DaemonSet"]
     spec = daemonset["spec"]["template"]["spec"]
@@ -571,3 +591,143 @@ def test_the_extender_and_a_second_scheduler_profile(installs: dict[str, dict[st
             "extension-apiserver-authentication-reader"} <= bindings  # fmt: skip
     # Off by default.
     assert not any("extender" in o["metadata"]["name"] for o in installs["defaults"]["objects"])
+
+
+# -- least privilege: each node's daemon writes only its own node's objects -------------
+
+POLICY_NAME = "defaults-devplugin-node-restriction"  # the release is named after its case
+
+
+def _daemon_user(objs: dict[str, dict[str, Any]], node: str | None) -> dict[str, Any]:
+    account = objs["ServiceAccount"]["metadata"]
+    extra = {"authentication.kubernetes.io/node-name": [node]} if node else {}
+    return {
+        "username": f"system:serviceaccount:{account['namespace']}:{account['name']}",
+        "extra": extra,
+    }
+
+
+def _request(
+    user: dict[str, Any], operation: str, group: str, resource: str, sub: str = ""
+) -> dict[str, Any]:
+    return {"operation": operation, "userInfo": user, "subResource": sub,
+            "resource": {"group": group, "version": "v1", "resource": resource}}  # fmt: skip
+
+
+def _record(node: str, label: str | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": node, "labels": {"devplugin.io/node": label or node}}
+    return {"apiVersion": "devplugin.io/v1alpha1", "kind": "NodeDevices", "metadata": meta,
+            "status": {"devices": []}}  # fmt: skip
+
+
+def _lease(name: str, label: str) -> dict[str, Any]:
+    return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": name, "namespace": "devplugin-system",
+                         "labels": {"devplugin.io/node": label}},
+            "spec": {"holderIdentity": label, "leaseDurationSeconds": 40}}  # fmt: skip
+
+
+def test_the_node_restriction_policy_is_installed_and_bound(
+    installs: dict[str, dict[str, Any]],
+) -> None:
+    found = {(o["kind"], o["metadata"]["name"]): o for o in installs["defaults"]["objects"]}
+    policy = found[("ValidatingAdmissionPolicy", POLICY_NAME)]
+    assert policy["spec"]["failurePolicy"] == "Fail"
+    binding = found[("ValidatingAdmissionPolicyBinding", POLICY_NAME)]
+    assert binding["spec"] == {"policyName": POLICY_NAME, "validationActions": ["Deny"]}
+    # Off on request (a cluster older than 1.30 serves no such API) ...
+    assert not any(
+        o["kind"].startswith("ValidatingAdmissionPolicy")
+        for o in installs["no-node-restriction"]["objects"]
+    )
+    # ... and without RBAC from the chart there is no account to restrict.
+    assert not any(
+        o["kind"].startswith("ValidatingAdmissionPolicy")
+        for o in installs["own-service-account"]["objects"]
+    )
+
+
+def test_an_old_cluster_must_turn_the_node_restriction_off_knowingly(helm_python: str) -> None:
+    result = run_helm(helm_python, {"old-cluster": {}})["old-cluster"]
+    assert not result["ok"]
+    assert "rbac.nodeRestriction" in result["error"]
+
+
+def test_the_policy_refuses_another_nodes_record_and_admits_the_nodes_own(
+    installs: dict[str, dict[str, Any]],
+) -> None:
+    from tests.admission_policy import judge
+
+    objs = {(o["kind"], o["metadata"]["name"]): o for o in installs["defaults"]["objects"]}
+    policy = objs[("ValidatingAdmissionPolicy", POLICY_NAME)]
+    daemon = objects(installs, "defaults")
+    node_a = _daemon_user(daemon, "node-a")
+    records = ("devplugin.io", "nodedevices")
+
+    # Its own record: created, its status written, deleted.
+    assert judge(policy, _request(node_a, "CREATE", *records), _record("node-a")).allowed
+    own = judge(policy, _request(node_a, "UPDATE", *records, "status"), _record("node-a"),
+                _record("node-a"))  # fmt: skip
+    assert own.applies
+    assert own.allowed
+    assert judge(policy, _request(node_a, "DELETE", *records), None, _record("node-a")).allowed
+
+    # Another node's record: not created, not rewritten, not deleted.
+    for operation, sub, new, old in [
+        ("CREATE", "", _record("node-b"), None),
+        ("UPDATE", "status", _record("node-b"), _record("node-b")),
+        ("UPDATE", "", _record("node-b"), _record("node-b")),
+        ("DELETE", "", None, _record("node-b")),
+    ]:
+        verdict = judge(policy, _request(node_a, operation, *records, sub), new, old)
+        assert verdict.applies
+        assert not verdict.allowed, (operation, sub)
+        assert "node-a may write only its own NodeDevices record, not node-b" in verdict.message
+    # Its own name but claiming another node by label (what the extender keys by).
+    spoof = judge(policy, _request(node_a, "CREATE", *records), _record("node-a", "node-b"))
+    assert not spoof.allowed
+    assert "may not label an object for node node-b" in spoof.message
+
+    # Heartbeats: its own Lease only.
+    leases = ("coordination.k8s.io", "leases")
+    lease_a = _lease("devplugin-node-a", "node-a")
+    assert judge(policy, _request(node_a, "UPDATE", *leases), lease_a, lease_a).allowed
+    lease_b = _lease("devplugin-node-b", "node-b")
+    other = judge(policy, _request(node_a, "UPDATE", *leases), lease_b, lease_b)
+    assert not other.allowed
+    assert "only the Lease devplugin-node-a, not devplugin-node-b" in other.message
+    forged = judge(policy, _request(node_a, "UPDATE", *leases),
+                   _lease("devplugin-node-a", "node-b"), lease_a)  # fmt: skip
+    assert not forged.allowed
+
+    # A token bound to no node (a long-lived secret token): refused outright.
+    unbound = _daemon_user(daemon, None)
+    verdict = judge(policy, _request(unbound, "CREATE", *records), _record("node-a"))
+    assert not verdict.allowed
+    assert "names no node" in verdict.message
+
+    # Anyone else (an operator, a controller) is not this policy's business.
+    admin = {"username": "kubernetes-admin", "extra": {}}
+    record_b = _record("node-b")
+    verdict = judge(policy, _request(admin, "UPDATE", *records), record_b, record_b)
+    assert not verdict.applies
+    assert verdict.allowed
+    # Nor are the daemon's other writes (Events on pods).
+    event = {"metadata": {"name": "x", "namespace": "default"}}
+    assert not judge(policy, _request(node_a, "CREATE", "", "events"), event).applies
+
+
+def test_the_second_schedulers_image_follows_the_cluster(
+    installs: dict[str, dict[str, Any]],
+) -> None:
+    def image(case: str) -> str:
+        found = {(o["kind"], o["metadata"]["name"]): o for o in installs[case]["objects"]}
+        deployment = found[("Deployment", f"{case}-devplugin-scheduler")]
+        (kube,) = deployment["spec"]["template"]["spec"]["containers"]
+        value: str = kube["image"]
+        return value
+
+    assert image("extender") == "registry.k8s.io/kube-scheduler:v1.31.0"
+    # A vendor's build suffix is dropped: the registry has the plain release only.
+    assert image("managed-cluster") == "registry.k8s.io/kube-scheduler:v1.34.2"
+    assert image("pinned-scheduler") == "mirror.example.com/kube-scheduler:v1.33.5"

@@ -17,6 +17,7 @@ import json
 import sys
 import threading
 import uuid
+from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlparse
@@ -43,15 +44,25 @@ RESOURCES: dict[str, list[tuple[str, str, bool]]] = {
     "apiextensions.k8s.io/v1": [
         ("customresourcedefinitions", "CustomResourceDefinition", False),
     ],
+    "admissionregistration.k8s.io/v1": [
+        ("validatingadmissionpolicies", "ValidatingAdmissionPolicy", False),
+        ("validatingadmissionpolicybindings", "ValidatingAdmissionPolicyBinding", False),
+    ],
 }
 VERBS = ["create", "delete", "get", "list", "patch", "update", "watch"]
 
 
 class Store:
-    def __init__(self) -> None:
+    """What the server holds, and which cluster it plays: its version (what
+    `.Capabilities.KubeVersion` becomes) and the group/versions it serves
+    (`.Capabilities.APIVersions`)."""
+
+    def __init__(self, kube_version: str = "v1.31.0", without: Sequence[str] = ()) -> None:
         self.lock = threading.Lock()
         self.objects: dict[tuple[str, str, str, str], dict[str, Any]] = {}
         self.version = 1
+        self.kube_version = kube_version
+        self.served = {gv: kinds for gv, kinds in RESOURCES.items() if gv not in without}
 
 
 def resource_list(group_version: str) -> dict[str, Any]:
@@ -67,9 +78,9 @@ def resource_list(group_version: str) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def group_list() -> dict[str, Any]:
+def group_list(served: Sequence[str]) -> dict[str, Any]:
     groups = []
-    for group_version in RESOURCES:
+    for group_version in served:
         if "/" not in group_version:
             continue
         group, version = group_version.split("/")
@@ -114,7 +125,7 @@ def make_handler(store: Store) -> type[BaseHTTPRequestHandler]:
             namespace = None
             if rest[:1] == ["namespaces"] and len(rest) >= 3:
                 namespace, rest = rest[1], rest[2:]
-            if not rest or group_version not in RESOURCES:
+            if not rest or group_version not in store.served:
                 return None
             return group_version, namespace, rest[0], rest[1] if len(rest) > 1 else None
 
@@ -127,18 +138,20 @@ def make_handler(store: Store) -> type[BaseHTTPRequestHandler]:
         def do_GET(self) -> None:
             path = urlparse(self.path).path.rstrip("/")
             if path == "/version":
-                return self._reply(200, {"major": "1", "minor": "31", "gitVersion": "v1.31.0",
+                major, minor = store.kube_version.lstrip("v").split(".")[:2]
+                return self._reply(200, {"major": major, "minor": minor,
+                                         "gitVersion": store.kube_version,
                                          "platform": "linux/amd64"})  # fmt: skip
             if path == "/api":
                 return self._reply(200, {"kind": "APIVersions", "versions": ["v1"],
                                          "serverAddressByClientCIDRs": []})  # fmt: skip
             if path == "/apis":
-                return self._reply(200, group_list())
+                return self._reply(200, group_list(list(store.served)))
             if path == "/api/v1":
                 return self._reply(200, resource_list("v1"))
             if path.startswith("/apis/") and path.count("/") == 3:
                 group_version = path[len("/apis/") :]
-                if group_version in RESOURCES:
+                if group_version in store.served:
                     return self._reply(200, resource_list(group_version))
             if path == "/_objects":
                 with store.lock:
@@ -231,8 +244,10 @@ def make_handler(store: Store) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-def serve(port: int = 0) -> tuple[ThreadingHTTPServer, Store]:
-    store = Store()
+def serve(
+    port: int = 0, kube_version: str = "v1.31.0", without: Sequence[str] = ()
+) -> tuple[ThreadingHTTPServer, Store]:
+    store = Store(kube_version, without)
     server = ThreadingHTTPServer(("127.0.0.1", port), make_handler(store))
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()

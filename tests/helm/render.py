@@ -1,8 +1,9 @@
 """Install the chart with the real Helm engine, once per case.
 
 Runs inside its own Python 3.12 environment (helm-sdkpy needs it): reads a
-JSON list of {"name", "values"} cases from stdin, installs the chart for
-each against a fresh fake API server, and prints one JSON list of results:
+JSON list of {"name", "values"} cases from stdin (each may also name the
+cluster's "kubeVersion" and group/versions it serves "without"), installs
+the chart for each against a fresh fake API server, and prints one JSON list of results:
 {"name", "ok", "objects" | "error"}. `lint` as second argument runs
 `helm lint` on the chart instead.
 
@@ -34,8 +35,11 @@ def kubeconfig(port: int) -> str:
     )
 
 
-def install(chart: str, name: str, values: dict[str, Any]) -> dict[str, Any]:
-    server, _ = serve()
+def install(chart: str, case: dict[str, Any]) -> dict[str, Any]:
+    name, values = case["name"], case["values"]
+    server, _ = serve(
+        kube_version=case.get("kubeVersion", "v1.31.0"), without=case.get("without", ())
+    )
     port = server.server_address[1]
     try:
         config = helm.Configuration(namespace="devplugin-system", kubeconfig=kubeconfig(port))
@@ -59,7 +63,7 @@ def main() -> int:
         print(json.dumps(result))
         return 0
     cases = json.load(sys.stdin)
-    print(json.dumps([install(chart, case["name"], case["values"]) for case in cases]))
+    print(json.dumps([install(chart, case) for case in cases]))
     return 0
 
 

@@ -103,3 +103,18 @@ extenders:
       - name: {{ .Values.config.resources.hca.name }}
         ignoredByScheduler: false
 {{- end -}}
+
+{{/* The second scheduler's image: the pinned tag, or the cluster's vX.Y.Z
+     (managed clusters report e.g. v1.34.2-eks-1a2b3c or v1.33.1+k3s1, and
+     registry.k8s.io publishes only the plain release tags). */}}
+{{- define "devplugin.schedulerImage" -}}
+{{- $image := .Values.extender.scheduler.image -}}
+{{- $tag := $image.tag -}}
+{{- if not $tag -}}
+{{- $tag = regexFind "^v[0-9]+\\.[0-9]+\\.[0-9]+" .Capabilities.KubeVersion.Version -}}
+{{- if not $tag -}}
+{{- fail (printf "extender.scheduler.image.tag: cannot read a release from the cluster's version %q; set the tag" .Capabilities.KubeVersion.Version) -}}
+{{- end -}}
+{{- end -}}
+{{- printf "%s:%s" $image.repository $tag -}}
+{{- end -}}
