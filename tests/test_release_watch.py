@@ -101,6 +101,35 @@ def test_an_init_containers_devices_stay_the_pods_until_it_ends(
     assert {r["env"]["DEVPLUGIN_DEVICE_IDS"] for r in runs(log)} == prep_hcas
 
 
+def test_an_init_containers_devices_stay_the_pods_even_when_the_watch_lagged_its_allocate(
+    start_cluster: Start, api: ApiServerImitation, tmp_path: Path
+) -> None:
+    # The pod reaches the watch only after the kubelet allocated for it, so the
+    # daemon could not name the init container's pod: PodResources' silence
+    # about those HCAs still proves nothing while a live pod's init container
+    # asks for HCAs.
+    cluster, log = hca_cleaning(start_cluster, api, tmp_path)
+    kubelet = cluster.kubelet
+    pods = cluster.daemon.pods
+    assert pods is not None
+    assert wait_until(lambda: pods.current)
+    api.hold_watches()
+    pod = kubelet.admit("p", [
+        ContainerRequest("prep", {HCA: 2}, init=True),
+        ContainerRequest("main", {GPU: 2}),
+    ])  # fmt: skip
+    prep_hcas = set(pod.container("prep").devices[HCA])
+    assert not any(p.name == "p" for p in pods.pods().values())
+    api.release_watches()
+    assert wait_until(lambda: any(p.name == "p" for p in pods.pods().values()))
+    polls_pass(cluster, 6)
+    assert runs(log) == []
+    assert prep_hcas <= cluster.daemon.cleanup.in_use(DeviceKind.HCA)
+    kubelet.remove("p")
+    assert wait_until(lambda: len(runs(log)) == 2, timeout=10)
+    assert {r["env"]["DEVPLUGIN_DEVICE_IDS"] for r in runs(log)} == prep_hcas
+
+
 def test_a_sidecar_holds_its_devices_and_app_containers_reuse_an_init_containers(
     start_cluster: Start, api: ApiServerImitation
 ) -> None:

@@ -210,6 +210,9 @@ class PodAwareness:
     def ended(self, owner: Owner) -> bool | None:
         return self._cache.ended(owner)
 
+    def init_claimant(self, resource: str) -> bool | None:
+        return self._cache.init_claimant(resource)
+
     def holder_of(self, kind: DeviceKind, ids: Sequence[str]) -> tuple[ContainerKey, str] | None:
         """The container (and its pod's uid) an Allocate is for: the container
         its preference was asked for, or (no preference asked) the one

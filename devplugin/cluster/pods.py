@@ -152,6 +152,18 @@ class PodCache(WatchCache[PodInfo]):
         info = self._by_name.get((namespace, pod))
         return info.uid if info is not None else None
 
+    def init_claimant(self, resource: str) -> bool | None:
+        """Whether a live pod here has a run-once init container asking for
+        `resource` (its devices stay the pod's, unlisted by PodResources);
+        None while the cache is not in sync with the API server."""
+        if not self.current:
+            return None
+        return any(
+            not pod.terminal
+            and any(c.requests.get(resource) and not c.sidecar for c in pod.init_containers)
+            for pod in self._by_name.values()
+        )
+
     def ended(self, owner: tuple[str, str, str | None]) -> bool | None:
         """Whether the pod is gone (or replaced by a namesake) or finished; None
         while the cache is not in sync with the API server."""

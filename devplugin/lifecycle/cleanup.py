@@ -63,6 +63,10 @@ class PodWitness(Protocol):
     def ended(self, owner: Owner) -> bool | None:
         """Whether the pod is gone or finished; None when the watch cannot tell."""
 
+    def init_claimant(self, resource: str) -> bool | None:
+        """Whether a live pod on this node has a (run-once) init container
+        asking for `resource`; None when the watch cannot tell."""
+
 
 @dataclass
 class _Job:
@@ -131,6 +135,11 @@ class CleanupManager:
         self._witness = witness
         self._owners: dict[tuple[DeviceKind, str], Owner] = {}
         self._held_back: set[tuple[DeviceKind, str]] = set()
+        # Allocated while the pod watch could not name the pod (it lagged the
+        # kubelet). PodResources never lists a finished init container, so
+        # its absence there proves nothing while some live pod on this node
+        # has an init container asking for the resource.
+        self._unnamed: set[tuple[DeviceKind, str]] = set()
         self.runs = 0
 
     # -- lifecycle -------------------------------------------------------------
@@ -274,8 +283,11 @@ class CleanupManager:
                 # can tell, else PodResources will say.
                 if owner is not None:
                     self._owners[(kind, device)] = owner
+                    self._unnamed.discard((kind, device))
                 else:
                     self._owners.pop((kind, device), None)
+                    if self._witness is not None:
+                        self._unnamed.add((kind, device))
                 self._held_back.discard((kind, device))
             self._save_locked({(kind, device) for device in ids})
 
@@ -298,6 +310,7 @@ class CleanupManager:
         owners = self._holders() if count else {}
         with self._cond:
             self._owners.update(owners)
+            self._unnamed -= owners.keys()
             for kind in DeviceKind:
                 effective = taken[kind]
                 if count:
@@ -320,6 +333,7 @@ class CleanupManager:
                     self._assigned[kind].discard(device)
                     self._unverified.discard(key)
                     self._owners.pop(key, None)
+                    self._unnamed.discard(key)
                     self._held_back.discard(key)
                     changed = True
                     touched.add(key)
@@ -351,8 +365,24 @@ class CleanupManager:
     def _pod_ended_locked(self, key: tuple[DeviceKind, str]) -> bool:
         """Whether a device PodResources no longer shows may be released."""
         owner = self._owners.get(key)
-        if self._witness is None or owner is None:
-            return True  # no pod watch, or never seen held: PodResources decides
+        if self._witness is None:
+            return True  # no pod watch: PodResources decides
+        if owner is None:
+            if key not in self._unnamed:
+                return True  # never seen held by a named pod: PodResources decides
+            claimed = self._witness.init_claimant(self._names.get(key[0], key[0].value))
+            if claimed is False:
+                return True
+            if key not in self._held_back:
+                self._held_back.add(key)
+                log.info(
+                    "%s: %s not listed by PodResources; its pod was not known when it was "
+                    "allocated and %s; not released",
+                    self._names.get(key[0], key[0].value), key[1],
+                    "a running pod's init container asks for this resource"
+                    if claimed else "the pod watch is down",
+                )  # fmt: skip
+            return False
         ended = self._witness.ended(owner)
         if ended:
             return True
@@ -541,6 +571,7 @@ class CleanupManager:
                 self._missing.pop((kind, device), None)
                 self._unverified.discard((kind, device))
                 self._owners.pop((kind, device), None)
+                self._unnamed.discard((kind, device))
                 # Clean now, whatever the checkpoint says about it.
                 self._unsaved.discard((kind, device))
             else:

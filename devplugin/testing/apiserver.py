@@ -15,7 +15,9 @@ Served resources: pods (namespaced), events (namespaced), nodes (cluster),
 Fault injection for the clients' error paths: `delay` (seconds added to
 every request), `fail_next(n, code)` (the next n requests answer `code`),
 `cut_watches()` (every open watch ends), `compact()` (older versions are
-Gone), and stopping the server altogether.
+Gone), `hold_watches()` / `release_watches()` (watches deliver nothing new
+meanwhile, as a lagging API server or watch cache would; lists and writes go
+on), and stopping the server altogether.
 """
 
 from __future__ import annotations
@@ -93,6 +95,8 @@ class ApiServerImitation:
         self._version = 100
         self._compacted = 0
         self._cut = 0
+        # Watches deliver no event newer than this (None: all).
+        self._held_at: int | None = None
         self._failures: list[int] = []
         self.delay = 0.0
         self.requests: list[tuple[str, str]] = []
@@ -153,6 +157,19 @@ class ApiServerImitation:
         with self._cond:
             self._cut += 1
             self._cond.notify_all()
+
+    def hold_watches(self) -> None:
+        """Watches deliver nothing newer than now until `release_watches`."""
+        with self._cond:
+            self._held_at = self._version
+
+    def release_watches(self) -> None:
+        with self._cond:
+            self._held_at = None
+            self._cond.notify_all()
+
+    def _visible(self, version: int) -> bool:
+        return self._held_at is None or version <= self._held_at
 
     def compact(self) -> int:
         """Forget every event so far: a watch from an older version is Gone."""
@@ -422,7 +439,7 @@ class ApiServerImitation:
         """Something for a watch at `since`: an event, a cut, or a compaction."""
         return (
             self._cut != cut
-            or any(e.version > since for e in self._events)
+            or any(e.version > since and self._visible(e.version) for e in self._events)
             or since < self._compacted
         )
 
@@ -475,7 +492,9 @@ class ApiServerImitation:
             scanned = since
             while True:
                 with self._cond:
-                    fresh = [e for e in self._events if e.version > scanned]
+                    fresh = [
+                        e for e in self._events if e.version > scanned and self._visible(e.version)
+                    ]
                     pending = [
                         e for e in fresh
                         if e.kind is kind and self._matches(e.obj, kind, namespace, query)
