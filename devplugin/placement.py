@@ -156,8 +156,40 @@ def _strings(value: list[Any], where: str) -> list[str]:
     return value
 
 
+@dataclass(frozen=True)
+class ParsedRecord:
+    """A record's content, read in time linear in its devices; the topology
+    (more than linear to build) comes apart, once per distinct `layout_key`."""
+
+    name: str
+    # Everything the topology is built from: equal keys, equal topologies.
+    layout_key: tuple[Any, ...]
+    gpus: tuple[GpuInfo, ...]
+    hcas: tuple[HcaInfo, ...]
+    free: Mapping[DeviceKind, frozenset[str]]
+    healthy: Mapping[DeviceKind, frozenset[str]]
+    holdings: tuple[Holding, ...]
+
+    def node(self, topology: Topology) -> NodeState:
+        return NodeState(
+            name=self.name,
+            topology=topology,
+            free=self.free,
+            total={DeviceKind.GPU: len(self.gpus), DeviceKind.HCA: len(self.hcas)},
+            holders=frozenset((h.namespace, h.pod) for h in self.holdings),
+            holdings=self.holdings,
+            healthy=self.healthy,
+        )
+
+
 def node_from_record(record: Mapping[str, Any]) -> NodeState:
-    """The node a NodeDevices record describes; ValueError when it is not one.
+    """The node a NodeDevices record describes; ValueError when it is not one."""
+    parsed = parse_record(record)
+    return parsed.node(Topology(parsed.gpus, parsed.hcas))
+
+
+def parse_record(record: Mapping[str, Any]) -> ParsedRecord:
+    """A NodeDevices record's content; ValueError when it is not one.
     Strict: a field of the wrong type anywhere refuses the whole record (a
     node described wrongly must not steer pods)."""
     meta = record.get("metadata")
@@ -170,6 +202,7 @@ def node_from_record(record: Mapping[str, Any]) -> NodeState:
     allocations = _field(status, "allocations", list, "status", [])
     gpus: list[GpuInfo] = []
     hcas: list[HcaInfo] = []
+    layout: list[tuple[Any, ...]] = []
     healthy: dict[DeviceKind, set[str]] = {kind: set() for kind in DeviceKind}
     for i, entry in enumerate(devices):
         if not isinstance(entry, dict):
@@ -194,6 +227,7 @@ def node_from_record(record: Mapping[str, Any]) -> NodeState:
                 links = _field(peer, "links", int, f"{where}.nvlinkPeers[{j}]")
                 if peer_id in index_of and links > 0:
                     peers.append((index_of[peer_id], links))
+            layout.append((device_id, str(address), tuple(path), numa, tuple(peers)))
             gpus.append(
                 GpuInfo(
                     index=index_of[device_id], uuid=device_id, name="", pci_address=address,
@@ -206,6 +240,7 @@ def node_from_record(record: Mapping[str, Any]) -> NodeState:
             if device_id != str(address):
                 raise ValueError(f"HCA {device_id!r} is not named by its PCI address")
             name = _field(entry, "name", str, where, device_id) or device_id
+            layout.append((device_id, str(address), tuple(path), numa, name))
             hcas.append(
                 HcaInfo(
                     name=name, pci_address=address, pci=function,
@@ -219,7 +254,6 @@ def node_from_record(record: Mapping[str, Any]) -> NodeState:
         if health == "Healthy":
             healthy[kind_value].add(device_id)
     held: set[str] = set()
-    holders: set[tuple[str, str]] = set()
     holdings: list[Holding] = []
     for i, allocation in enumerate(allocations):
         where = f"status.allocations[{i}]"
@@ -230,17 +264,15 @@ def node_from_record(record: Mapping[str, Any]) -> NodeState:
         pod = _field(allocation, "pod", str, where, "")
         uid = _field(allocation, "podUID", str, where, "")
         held.update(ids)
-        holders.add((namespace, pod))
         holdings.append(Holding(namespace, pod, uid or None, ids))
-    topology = Topology(gpus, hcas)
-    return NodeState(
+    return ParsedRecord(
         name=meta["name"],
-        topology=topology,
+        layout_key=tuple(layout),
+        gpus=tuple(gpus),
+        hcas=tuple(hcas),
         free={kind: frozenset(healthy[kind] - held) for kind in DeviceKind},
-        total={DeviceKind.GPU: len(gpus), DeviceKind.HCA: len(hcas)},
-        holders=frozenset(holders),
-        holdings=tuple(holdings),
         healthy={kind: frozenset(ids) for kind, ids in healthy.items()},
+        holdings=tuple(holdings),
     )
 
 

@@ -59,6 +59,11 @@ def pod(name: str, containers: list[dict[str, int]], **annotations: str) -> dict
 
 @pytest.fixture
 def extender(api: ApiServerImitation, tmp_path: Path) -> Iterator[Running]:
+    yield from running_extender(api, tmp_path)
+
+
+def running_extender(api: ApiServerImitation, tmp_path: Path) -> Iterator[Running]:
+    """The extender, serving on a free local port, over the API imitation."""
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(yaml.safe_dump(api.kubeconfig()))
     kube = KubernetesConfig(enabled=True, kubeconfig=str(kubeconfig))

@@ -13,11 +13,17 @@ the field names are the Go names):
 * POST /scheduler/prioritize: ExtenderArgs -> HostPriorityList
   [{Host, Score}], Score 0..10.
 
-A node without a record, or whose record is older than `stale_after`, is
-never filtered (scheduling must not stop because a daemon is down) and
-scores 0. Results are memoised per (node, record version, pods pending
-there, pod shape), so a prioritize after a filter for the same pod costs a
-dictionary lookup. Nothing here waits on the network: the caches are read.
+A node without a record, whose daemon's Lease has run out, or whose large
+layout is still being built, is never filtered (scheduling must not stop
+because a daemon is down) and scores 0. Work follows events, not requests
+(`views.py`): a record or pod change makes that node's view be rebuilt on
+its next use, each pod shape placed once; a call then costs a few lookups
+per node. Nothing here waits on the network: the caches are read.
+
+Requests are bounded: bodies up to MAX_BODY, at most IN_FLIGHT_BYTES of
+them decoded at once, CONCURRENT calls handled at once with a listen
+backlog of BACKLOG; JSON that cannot be decoded (nested too deeply
+included) is a 400.
 """
 
 from __future__ import annotations
@@ -27,7 +33,6 @@ import logging
 import ssl
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
@@ -39,33 +44,39 @@ from lightkube import Client
 from lightkube import operators as op
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from devplugin.allocator import Allocator
 from devplugin.cluster.client import Heartbeat, make_client
 from devplugin.cluster.lease import NODE_LABEL, Lease, parse_micro_time
 from devplugin.cluster.pods import PodCache
 from devplugin.cluster.publisher import NodeDevices
+from devplugin.cluster.views import Layouts, NodeViews, parse_record
 from devplugin.cluster.watch import Incomplete, WatchCache
 from devplugin.config import KubernetesConfig
-from devplugin.model import DeviceKind
 from devplugin.placement import (
-    Holding,
-    NodeState,
     Outcome,
+    ParsedRecord,
     Requirement,
     Shape,
     check,
-    node_from_record,
-    place,
     requirement_of,
     scores,
     shape_of,
 )
-from devplugin.podinfo import PodInfo, parse_pod
+from devplugin.podinfo import ContainerInfo, PodInfo, parse_pod
 
 log = logging.getLogger(__name__)
 
-MAX_BODY = 32 << 20  # a Nodes list of a few thousand nodes
-MEMO = 8192
+# Request bodies. A NodeNames call (the chart's scheduler profile is
+# nodeCacheCapable) is about 20 bytes a node; a full Nodes list about 5 KiB a
+# node, and decoded it takes about ten times its size. The chart's limit is
+# 512 MiB: bodies at most MAX_BODY, and at most IN_FLIGHT_BYTES of bodies
+# read and decoded at once (a larger one waits its turn, up to BODY_WAIT
+# seconds, then gets a 503), keep requests within about 200 MiB of it.
+MAX_BODY = 16 << 20
+IN_FLIGHT_BYTES = 20 << 20
+BODY_WAIT = 10.0
+# Calls handled at once (each holds a thread); the rest queue in the backlog.
+CONCURRENT = 8
+BACKLOG = 128
 MAX_REASON = 256
 
 
@@ -73,21 +84,48 @@ class BadRequest(ValueError):
     pass
 
 
+class Busy(RuntimeError):
+    """Too much request data in flight: answered 503, the scheduler retries."""
+
+
+class Budget:
+    """Bytes of request bodies in flight (a request larger than the whole
+    budget runs alone)."""
+
+    def __init__(self, total: int) -> None:
+        self._total = total
+        self._used = 0
+        self._cond = threading.Condition()
+
+    def take(self, amount: int, wait: float) -> bool:
+        amount = min(amount, self._total)
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._used + amount <= self._total, wait):
+                return False
+            self._used += amount
+            return True
+
+    def give(self, amount: int) -> None:
+        with self._cond:
+            self._used -= min(amount, self._total)
+            self._cond.notify_all()
+
+
 @dataclass(frozen=True)
 class Record:
     """One node's record as the extender uses it."""
 
-    node: NodeState
+    parsed: ParsedRecord
     version: str
     updated: float | None  # wall-clock seconds of status.updated
-    allocator: Allocator
 
 
-def record_entry(data: Mapping[str, Any]) -> tuple[str, Record]:
+def record_entry(layouts: Layouts, data: Mapping[str, Any]) -> tuple[str, Record]:
+    """Parse a record (linear in its devices) and see its layout built."""
     if not data.get("status"):
         # Created, its first status not written yet (the daemon does both).
         raise Incomplete("no status yet")
-    node = node_from_record(data)
+    parsed = parse_record(data)
     meta = data.get("metadata") or {}
     status = data.get("status") or {}
     updated = None
@@ -98,7 +136,8 @@ def record_entry(data: Mapping[str, Any]) -> tuple[str, Record]:
         except ValueError:
             updated = None
     version = str(meta.get("resourceVersion") or "")
-    return node.name, Record(node, version, updated, Allocator(node.topology))
+    layouts.want(parsed)
+    return parsed.name, Record(parsed, version, updated)
 
 
 @dataclass(frozen=True)
@@ -168,6 +207,7 @@ class Extender:
         stale_after: float = 120.0,
         metrics: ExtenderMetrics | None = None,
         wall: Callable[[], float] = time.time,
+        layouts: Layouts | None = None,
     ) -> None:
         self.records = records
         self.pods = pods
@@ -179,8 +219,13 @@ class Extender:
             self.metrics.watch_current.labels(cache.name).set_function(partial(_current, cache))
             self.metrics.watch_age.labels(cache.name).set_function(cache.age)
         self._wall = wall
-        self._lock = threading.Lock()
-        self._memo: OrderedDict[tuple[Any, ...], Outcome] = OrderedDict()
+        self.layouts = layouts if layouts is not None else Layouts()
+        self.views = NodeViews(
+            self.layouts, on_node=pods.on_node, generation=pods.generation,
+            has_ended=pods.has_ended, gpu=gpu, hca=hca,
+        )  # fmt: skip
+        self._hit = self.metrics.memo.labels("hit")
+        self._miss = self.metrics.memo.labels("miss")
 
     # -- the verbs ---------------------------------------------------------------
     def filter(self, args: Mapping[str, Any]) -> dict[str, Any]:
@@ -189,22 +234,32 @@ class Extender:
         failed: dict[str, str] = {}
         unresolvable: dict[str, str] = {}
         passing: list[str] = []
-        for name in names:
-            if not shape.wants_devices:
-                passing.append(name)
-                continue
-            record = self._fresh(name)
-            if record is None:
-                passing.append(name)  # no (fresh) record: never block scheduling on it
-                continue
-            reason = check(self._outcome(name, record, pod, shape), requirement)
-            if reason is None:
-                passing.append(name)
-                continue
-            # Whether evicting pods could ever help: the empty node's answer.
-            never = check(self._empty_outcome(name, record, shape), requirement)
-            target = unresolvable if never is not None else failed
-            target[name] = f"devplugin: {reason}"[:MAX_REASON]
+        if not shape.wants_devices:
+            passing = list(names)
+        else:
+            now, hits = self._wall(), 0
+            for name in names:
+                record = self._fresh(name, now)
+                outcome, hit = (
+                    self.views.outcome(record.parsed, record, shape, pod.uid)
+                    if record is not None
+                    else (None, False)
+                )
+                hits += hit
+                if outcome is None:
+                    passing.append(name)  # no usable record: never block scheduling on it
+                    continue
+                reason = check(outcome, requirement)
+                if reason is None:
+                    passing.append(name)
+                    continue
+                assert record is not None
+                # Whether evicting pods could ever help: the empty node's answer.
+                empty = self.views.empty_outcome(record.parsed, record, shape)
+                never = check(empty, requirement) if empty is not None else None
+                target = unresolvable if never is not None else failed
+                target[name] = f"devplugin: {reason}"[:MAX_REASON]
+            self._count(hits, len(names))
         result: dict[str, Any] = {
             "FailedNodes": failed, "FailedAndUnresolvableNodes": unresolvable, "Error": "",
         }  # fmt: skip
@@ -224,11 +279,24 @@ class Extender:
         if not shape.wants_devices:
             return [{"Host": name, "Score": 0} for name in names]
         outcomes: dict[str, Outcome | None] = {}
+        now, hits = self._wall(), 0
         for name in names:
-            record = self._fresh(name)
-            outcomes[name] = self._outcome(name, record, pod, shape) if record else None
+            record = self._fresh(name, now)
+            if record is None:
+                outcomes[name] = None
+                continue
+            outcomes[name], hit = self.views.outcome(record.parsed, record, shape, pod.uid)
+            hits += hit
+        self._count(hits, len(names))
         ranked = scores(outcomes)
         return [{"Host": name, "Score": ranked[name]} for name in names]
+
+    def _count(self, hits: int, asked: int) -> None:
+        # Counted once per call: a counter per node would cost more than the lookup.
+        if hits:
+            self._hit.inc(hits)
+        if asked - hits:
+            self._miss.inc(asked - hits)
 
     # -- pieces ------------------------------------------------------------------------
     def _args(
@@ -271,18 +339,19 @@ class Extender:
             raise BadRequest(f"Pod annotations: {exc}") from exc
         return shape, requirement
 
-    def _fresh(self, name: str) -> Record | None:
+    def _fresh(self, name: str, now: float | None = None) -> Record | None:
         """The node's record while its daemon is alive: its Lease renewed
         within the duration it promised (a daemon without a Lease, an older
         one, rewrites its record instead: then `updated` is judged)."""
-        record = self.records.items().get(name)
+        record = self.records.get(name)
         if record is None:
             return None
-        lease = self.leases.items().get(name) if self.leases is not None else None
+        if now is None:
+            now = self._wall()
+        lease = self.leases.get(name) if self.leases is not None else None
         if lease is not None and lease.renewed is not None:
-            alive = self._wall() - lease.renewed <= lease.duration
-            return record if alive else None
-        if record.updated is None or self._wall() - record.updated > self.stale_after:
+            return record if now - lease.renewed <= lease.duration else None
+        if record.updated is None or now - record.updated > self.stale_after:
             return None
         return record
 
@@ -291,74 +360,6 @@ class Extender:
         if self.leases is not None:
             caches.append(self.leases)
         return caches
-
-    def _outcome(self, name: str, record: Record, pod: PodInfo, shape: Shape) -> Outcome:
-        # The pod watch beats the record: a holder it saw end holds nothing.
-        ended = tuple(
-            holding for holding in record.node.holdings
-            if holding.pod and self.pods.has_ended(holding.uid, holding.namespace, holding.pod)
-        )  # fmt: skip
-        pending = self._pending(name, record, pod, ended)
-        key = (
-            name, record.version, tuple((h.namespace, h.pod, h.uid) for h in ended),
-            tuple(p.uid for p, _ in pending), shape,
-        )  # fmt: skip
-        with self._lock:
-            found = self._memo.get(key)
-            if found is not None:
-                self._memo.move_to_end(key)
-        if found is not None:
-            self.metrics.memo.labels("hit").inc()
-            return found
-        self.metrics.memo.labels("miss").inc()
-        node = record.node.without(ended) if ended else record.node
-        for _, pending_shape in pending:
-            # Pods bound here that the record does not show yet: placed first.
-            ahead = self._place(node, record.allocator, pending_shape)
-            if ahead.fits and ahead.free_after is not None:
-                node = replace(node, free=ahead.free_after)
-        outcome = self._place(node, record.allocator, shape)
-        self._remember(key, outcome)
-        return outcome
-
-    def _empty_outcome(self, name: str, record: Record, shape: Shape) -> Outcome:
-        """The pod on the node with nothing held (memoised like `_outcome`)."""
-        key = ("empty", name, record.version, shape)
-        with self._lock:
-            found = self._memo.get(key)
-        if found is None:
-            empty = replace(record.node, free=_everything(record.node))
-            found = self._place(empty, record.allocator, shape)
-            self._remember(key, found)
-        return found
-
-    def _remember(self, key: tuple[Any, ...], outcome: Outcome) -> None:
-        with self._lock:
-            self._memo[key] = outcome
-            while len(self._memo) > MEMO:
-                self._memo.popitem(last=False)
-
-    @staticmethod
-    def _place(node: NodeState, allocator: Allocator, shape: Shape) -> Outcome:
-        return place(node, shape, allocator)
-
-    def _pending(
-        self, name: str, record: Record, pod: PodInfo, ended: tuple[Holding, ...]
-    ) -> list[tuple[PodInfo, Shape]]:
-        """Pods bound here that the record does not show holding (a namesake
-        of a pod the record shows is another pod)."""
-        uids = {h.uid for h in record.node.holdings if h.uid is not None and h not in ended}
-        names = {
-            (h.namespace, h.pod) for h in record.node.holdings if h.uid is None and h not in ended
-        }
-        found = []
-        for other in self.pods.on_node(name):
-            if other.uid == pod.uid or other.uid in uids or (other.namespace, other.name) in names:
-                continue
-            shape = shape_of(other, self.gpu, self.hca)
-            if shape.wants_devices:
-                found.append((other, shape))
-        return found
 
     def ready(self) -> tuple[bool, str]:
         """Ready while both caches are current: a frozen view must not steer
@@ -375,17 +376,15 @@ class Extender:
         return True, ""
 
     def count_records(self) -> None:
-        fresh = sum(1 for name in self.records.items() if self._fresh(name) is not None)
+        records = self.records.items()
+        now = self._wall()
+        fresh = sum(1 for name in records if self._fresh(name, now) is not None)
         self.metrics.records.labels("fresh").set(fresh)
-        self.metrics.records.labels("stale").set(len(self.records.items()) - fresh)
+        self.metrics.records.labels("stale").set(len(records) - fresh)
 
 
 def _current(cache: WatchCache[Any]) -> float:
     return 1.0 if cache.current else 0.0
-
-
-def _everything(node: NodeState) -> Mapping[DeviceKind, frozenset[str]]:
-    return {kind: node.topology.id_set(kind) for kind in DeviceKind}
 
 
 def _node_name(node: Mapping[str, Any]) -> str | None:
@@ -394,12 +393,34 @@ def _node_name(node: Mapping[str, Any]) -> str | None:
     return name if isinstance(name, str) and name else None
 
 
+def placement_pod(names: Sequence[str], pod: PodInfo) -> PodInfo | None:
+    """What placement reads of a pod: None for a pod without device requests;
+    else its containers' requests for the two resources only, no annotations."""
+    wanted = set(names)
+
+    def trim(containers: tuple[ContainerInfo, ...]) -> tuple[ContainerInfo, ...]:
+        return tuple(
+            ContainerInfo(c.name, {k: v for k, v in c.requests.items() if k in wanted}, c.sidecar)
+            for c in containers
+        )
+
+    every = pod.init_containers + pod.containers
+    if not any(v for c in every for k, v in c.requests.items() if k in wanted):
+        return None
+    return replace(
+        pod, init_containers=trim(pod.init_containers), containers=trim(pod.containers),
+        annotations={},
+    )  # fmt: skip
+
+
 def record_cache(
-    client: Client, kube: KubernetesConfig | None = None, heartbeat: Heartbeat | None = None
-) -> WatchCache[Record]:
+    client: Client, kube: KubernetesConfig | None = None, heartbeat: Heartbeat | None = None,
+    layouts: Layouts | None = None,
+) -> WatchCache[Record]:  # fmt: skip
     kube = kube or KubernetesConfig()
     return WatchCache(
-        client, NodeDevices, record_entry, name="nodedevices", namespaced=False,
+        client, NodeDevices, partial(record_entry, layouts or Layouts()), name="nodedevices",
+        namespaced=False,
         backoff_max=kube.watch_backoff_max_seconds, server_timeout=kube.watch_timeout_seconds,
         read_margin=kube.request_timeout_seconds, heartbeat=heartbeat,
     )  # fmt: skip
@@ -419,13 +440,14 @@ def lease_cache(
 
 
 def pod_cache(
-    client: Client, kube: KubernetesConfig | None = None, heartbeat: Heartbeat | None = None
-) -> PodCache:
+    client: Client, kube: KubernetesConfig | None = None, heartbeat: Heartbeat | None = None,
+    names: Sequence[str] = ("nvidia.com/gpu", "rdma/hca"),
+) -> PodCache:  # fmt: skip
     kube = kube or KubernetesConfig()
     return PodCache(
         client, None, backoff_max=kube.watch_backoff_max_seconds,
         server_timeout=kube.watch_timeout_seconds, read_margin=kube.request_timeout_seconds,
-        heartbeat=heartbeat,
+        heartbeat=heartbeat, keep=partial(placement_pod, names),
     )  # fmt: skip
 
 
@@ -475,6 +497,7 @@ class _Server(ThreadingHTTPServer):
     only its thread, never the accept loop."""
 
     daemon_threads = True
+    request_queue_size = BACKLOG
 
     def __init__(
         self,
@@ -502,6 +525,8 @@ def _handler(extender: Extender, timeout: float) -> type[BaseHTTPRequestHandler]
         "/scheduler/filter": extender.filter,
         "/scheduler/prioritize": extender.prioritize,
     }
+    slots = threading.BoundedSemaphore(CONCURRENT)
+    budget = Budget(IN_FLIGHT_BYTES)
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -517,13 +542,21 @@ def _handler(extender: Extender, timeout: float) -> type[BaseHTTPRequestHandler]
                 self._send(404, {"Error": f"no such verb: {path[:100]}"})
                 return
             name = path.rsplit("/", 1)[1]
+            with slots:
+                self._serve(name, verb)
+
+        def _serve(self, name: str, verb: Callable[[Mapping[str, Any]], Any]) -> None:
             started = time.perf_counter()
             try:
-                body = self._body()
-                answer = verb(body)
+                answer = self._call(verb)
             except BadRequest as exc:
                 extender.metrics.requests.labels(name, "bad-request").inc()
                 self._send(400, {"Error": str(exc)[: MAX_REASON * 4]})
+                return
+            except Busy as exc:
+                extender.metrics.requests.labels(name, "busy").inc()
+                self.close_connection = True  # the body was not read
+                self._send(503, {"Error": str(exc)})
                 return
             except Exception as exc:  # answer, log, keep serving
                 log.exception("extender %s failed", name)
@@ -532,7 +565,7 @@ def _handler(extender: Extender, timeout: float) -> type[BaseHTTPRequestHandler]
                 return
             extender.metrics.seconds.labels(name).observe(time.perf_counter() - started)
             extender.metrics.requests.labels(name, "ok").inc()
-            self._send(200, answer)
+            self._raw(200, answer, "application/json")
 
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
@@ -548,18 +581,37 @@ def _handler(extender: Extender, timeout: float) -> type[BaseHTTPRequestHandler]
             else:
                 self._text(404, "not found\n")
 
-        def _body(self) -> Any:
+        def _call(self, verb: Callable[[Mapping[str, Any]], Any]) -> Any:
+            """Read, decode and answer within the body budget (the decoded
+            body and the answer built from it live only this long)."""
             length_text = self.headers.get("Content-Length")
             if length_text is None or not length_text.isdigit():
+                self.close_connection = True
                 raise BadRequest("Content-Length required")
             length = int(length_text)
             if length > MAX_BODY:
-                raise BadRequest(f"body larger than {MAX_BODY} bytes")
-            raw = self.rfile.read(length)
+                self.close_connection = True
+                raise BadRequest(
+                    f"body larger than {MAX_BODY} bytes (a scheduler sending whole Nodes "
+                    "should be nodeCacheCapable)"
+                )
+            if not budget.take(length, BODY_WAIT):
+                raise Busy(f"too many large requests at once; retry ({length} bytes waiting)")
             try:
-                return json.loads(raw)
-            except (ValueError, UnicodeDecodeError) as exc:
-                raise BadRequest(f"body is not JSON: {str(exc)[:100]}") from exc
+                raw = self.rfile.read(length)
+                try:
+                    body = json.loads(raw)
+                except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+                    reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+                    raise BadRequest(f"body is not JSON: {reason[:100]}") from exc
+                del raw
+                try:
+                    answer = verb(body)
+                    return json.dumps(answer).encode()
+                except RecursionError as exc:
+                    raise BadRequest("a value nested too deeply") from exc
+            finally:
+                budget.give(length)
 
         def _send(self, code: int, body: Any) -> None:
             self._raw(code, json.dumps(body).encode(), "application/json")
@@ -600,12 +652,14 @@ def serve(
         return client
 
     beats = Heartbeat(), Heartbeat(), Heartbeat()
-    records = record_cache(connect(beats[0]), kube, beats[0])
-    pods = pod_cache(connect(beats[1]), kube, beats[1])
+    layouts = Layouts()
+    records = record_cache(connect(beats[0]), kube, beats[0], layouts)
+    pods = pod_cache(connect(beats[1]), kube, beats[1], names)
     leases = lease_cache(connect(beats[2]), lease_namespace, kube, beats[2])
     extender = Extender(
-        records, pods, leases=leases, gpu=names[0], hca=names[1], stale_after=stale_after
-    )
+        records, pods, leases=leases, gpu=names[0], hca=names[1], stale_after=stale_after,
+        layouts=layouts,
+    )  # fmt: skip
     server = ExtenderServer(extender, address, tls=tls)
     caches: list[WatchCache[Any]] = [records, pods, leases]
     for cache in caches:

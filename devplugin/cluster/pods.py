@@ -10,6 +10,12 @@ namesake with another uid is another pod) is told to `on_ended` listeners
 on the cache's thread before the snapshot without it is swapped in, so a
 reader that waited for a later pod sees everything derived from the end.
 The uids of recently ended pods are kept (bounded) for `has_ended`.
+
+Each event updates the indexes for that pod alone (its name, its node's
+list, the waiting set), so a cluster-wide cache of tens of thousands of
+pods pays per event what one pod costs. With `keep`, only the pods it
+returns are held (the extender keeps pods with device requests, trimmed to
+the fields placement reads).
 """
 
 from __future__ import annotations
@@ -17,13 +23,14 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
 from lightkube import Client
 from lightkube.generic_resource import create_namespaced_resource
 
 from devplugin.cluster.client import Heartbeat
-from devplugin.cluster.watch import WatchCache
+from devplugin.cluster.watch import Incomplete, WatchCache
 from devplugin.podinfo import PodInfo, parse_pod
 
 # Pods as plain dicts: the shape is checked here, so one odd pod cannot stop
@@ -40,6 +47,20 @@ def pod_entry(data: Mapping[str, Any]) -> tuple[str, PodInfo]:
     return pod.uid, pod
 
 
+Keep = Callable[[PodInfo], PodInfo | None]
+
+
+def _kept(keep: Keep, data: Mapping[str, Any]) -> tuple[str, PodInfo]:
+    pod = keep(parse_pod(data))
+    if pod is None:
+        raise Incomplete("not kept")  # skipped silently: nothing here needs it
+    return pod.uid, pod
+
+
+def _order(pod: PodInfo) -> tuple[str, str, str]:
+    return (pod.created, pod.namespace, pod.name)
+
+
 class PodCache(WatchCache[PodInfo]):
     """The pods on one node (`node`), or on every node (`node=None`)."""
 
@@ -54,9 +75,11 @@ class PodCache(WatchCache[PodInfo]):
         read_margin: float = 5.0,
         heartbeat: Heartbeat | None = None,
         clock: Callable[[], float] = time.monotonic,
+        keep: Keep | None = None,
     ) -> None:
+        parse = partial(_kept, keep) if keep is not None else pod_entry
         super().__init__(
-            client, RawPod, pod_entry, name="pods", namespaced=True,
+            client, RawPod, parse, name="pods", namespaced=True,
             fields={"spec.nodeName": node} if node else None,
             backoff_initial=backoff_initial, backoff_max=backoff_max,
             server_timeout=server_timeout, read_margin=read_margin, heartbeat=heartbeat,
@@ -66,9 +89,16 @@ class PodCache(WatchCache[PodInfo]):
         self._started_listeners: list[Callable[[PodInfo], None]] = []
         self._ended: OrderedDict[str, PodInfo] = OrderedDict()
         self._ended_names: dict[tuple[str, str], str] = {}
-        self._waiting: tuple[PodInfo, ...] = ()
-        self._by_node: Mapping[str, tuple[PodInfo, ...]] = {}
-        self._by_name: Mapping[tuple[str, str], PodInfo] = {}
+        # Pods not past admission, by uid; `waiting()` sorts them once per change.
+        self._waiting: dict[str, PodInfo] = {}
+        self._waiting_sorted: tuple[PodInfo, ...] | None = ()
+        # Live (not finished) pods per node, oldest first: one node's tuple is
+        # rebuilt when one of its pods changes.
+        self._by_node: dict[str, tuple[PodInfo, ...]] = {}
+        # Per (namespace, name): the pods of that name by uid, newest last.
+        self._named: dict[tuple[str, str], dict[str, PodInfo]] = {}
+        # Bumped for a node whenever its pods change (readers key memos on it).
+        self._node_generation: dict[str, int] = {}
 
     def pods(self) -> Mapping[str, PodInfo]:
         """uid -> pod, as of the last event (an immutable snapshot)."""
@@ -76,8 +106,25 @@ class PodCache(WatchCache[PodInfo]):
 
     def waiting(self) -> tuple[PodInfo, ...]:
         """Pods not yet past admission (not started, finished or deleting),
-        oldest first: sorted once per change here, not in every RPC."""
-        return self._waiting
+        oldest first: sorted at most once per change, not in every RPC."""
+        found = self._waiting_sorted
+        if found is None:
+            with self._cond:
+                found = self._waiting_sorted
+                if found is None:
+                    found = tuple(sorted(self._waiting.values(), key=_order))
+                    self._waiting_sorted = found
+        return found
+
+    def generation(self, node: str) -> int:
+        """A number that changes whenever a pod on `node` changes."""
+        return self._node_generation.get(node, 0)
+
+    def _by_name(self, namespace: str, name: str) -> PodInfo | None:
+        same = self._named.get((namespace, name))
+        if not same:
+            return None
+        return next(reversed(same.values()))
 
     def on_node(self, node: str) -> tuple[PodInfo, ...]:
         """The pods bound to `node` and not finished, oldest first (indexed
@@ -97,16 +144,17 @@ class PodCache(WatchCache[PodInfo]):
         recent ends only (bounded). Without a uid, by name: a pod of that name
         ended and no pod of that name is live now."""
         if uid is None:
-            live = self._by_name.get((namespace, name))
+            live = self._by_name(namespace, name)
             if live is not None:
                 return live.terminal
             return (namespace, name) in self._ended_names
         if uid in self._ended:
             return True
-        pod = self.items().get(uid)
+        pod = self.get(uid)
         return pod is not None and pod.terminal
 
     def changed(self, key: str, before: PodInfo | None, after: PodInfo | None) -> None:
+        self._index(key, before, after)
         ended = None
         if before is not None and after is None:
             if not before.terminal:
@@ -131,25 +179,37 @@ class PodCache(WatchCache[PodInfo]):
             if self._ended_names.get((gone.namespace, gone.name)) == gone.uid:
                 del self._ended_names[(gone.namespace, gone.name)]
 
-    def published(self, items: Mapping[str, PodInfo]) -> None:
-        self._by_name = {(p.namespace, p.name): p for p in items.values()}
-        by_node: dict[str, list[PodInfo]] = {}
-        for pod in items.values():
-            if pod.node and not pod.terminal:
-                by_node.setdefault(pod.node, []).append(pod)
-        self._by_node = {
-            node: tuple(sorted(pods, key=lambda p: (p.created, p.namespace, p.name)))
-            for node, pods in by_node.items()
-        }
-        self._waiting = tuple(
-            sorted(
-                (p for p in items.values() if not (p.started or p.terminal or p.deleting)),
-                key=lambda p: (p.created, p.namespace, p.name),
-            )
-        )
+    def _index(self, uid: str, before: PodInfo | None, after: PodInfo | None) -> None:
+        """Move one pod's entries in the indexes (on the cache's thread; the
+        per-node tuples are replaced whole, so readers never see one half-built)."""
+        with self._cond:
+            if before is not None:
+                same = self._named.get((before.namespace, before.name))
+                if same is not None:
+                    same.pop(uid, None)
+                    if not same:
+                        del self._named[(before.namespace, before.name)]
+            if after is not None:
+                self._named.setdefault((after.namespace, after.name), {})[uid] = after
+            waiting = after is not None and not (after.started or after.terminal or after.deleting)
+            if waiting and after is not None:
+                self._waiting[uid] = after
+                self._waiting_sorted = None
+            elif self._waiting.pop(uid, None) is not None:
+                self._waiting_sorted = None
+            for node in {p.node for p in (before, after) if p is not None and p.node}:
+                pods = [p for p in self._by_node.get(node, ()) if p.uid != uid]
+                if after is not None and after.node == node and not after.terminal:
+                    pods.append(after)
+                    pods.sort(key=_order)
+                if pods:
+                    self._by_node[node] = tuple(pods)
+                else:
+                    self._by_node.pop(node, None)
+                self._node_generation[node] = self._node_generation.get(node, 0) + 1
 
     def uid_of(self, namespace: str, pod: str) -> str | None:
-        info = self._by_name.get((namespace, pod))
+        info = self._by_name(namespace, pod)
         return info.uid if info is not None else None
 
     def init_claimant(self, resource: str) -> bool | None:
@@ -161,7 +221,7 @@ class PodCache(WatchCache[PodInfo]):
         return any(
             not pod.terminal
             and any(c.requests.get(resource) and not c.sidecar for c in pod.init_containers)
-            for pod in self._by_name.values()
+            for pod in self.items().values()
         )
 
     def ended(self, owner: tuple[str, str, str | None]) -> bool | None:
@@ -170,7 +230,7 @@ class PodCache(WatchCache[PodInfo]):
         if not self.current:
             return None
         namespace, name, uid = owner
-        info = self._by_name.get((namespace, name))
+        info = self._by_name(namespace, name)
         if info is None or uid not in (None, info.uid):
             return True  # gone, or replaced by a namesake
         return info.terminal

@@ -19,6 +19,12 @@ do without the API.
 
 An object that `parse` refuses, whatever is wrong with it, is skipped with
 one log line per name; the others keep flowing.
+
+An event costs O(1): the object is put into (or taken out of) the map in
+place, under the lock, and subclasses update what they derive for that one
+key (`changed`). Hot readers look keys up (`get`); `items()` hands out an
+immutable copy, made at most once per change, for the rare reader that
+walks everything.
 """
 
 from __future__ import annotations
@@ -89,7 +95,9 @@ class WatchCache(Generic[T]):
         self._heartbeat = heartbeat
         self._clock = clock
         self._cond = threading.Condition()
-        self._items: Mapping[str, T] = MappingProxyType({})
+        self._items: dict[str, T] = {}
+        # The copy `items()` last handed out; None once a change made it old.
+        self._snapshot: Mapping[str, T] | None = MappingProxyType({})
         self._version: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -109,8 +117,22 @@ class WatchCache(Generic[T]):
 
     # -- reads ---------------------------------------------------------------------
     def items(self) -> Mapping[str, T]:
-        """key -> value, as of the last event (an immutable snapshot)."""
-        return self._items
+        """key -> value, as of the last event (an immutable snapshot; a copy
+        after each change, so hot paths use `get`)."""
+        snapshot = self._snapshot
+        if snapshot is None:
+            with self._cond:
+                snapshot = self._snapshot
+                if snapshot is None:
+                    snapshot = self._snapshot = MappingProxyType(dict(self._items))
+        return snapshot
+
+    def get(self, key: str) -> T | None:
+        """One object by key (O(1), no copy)."""
+        return self._items.get(key)
+
+    def __len__(self) -> int:
+        return len(self._items)
 
     def age(self) -> float:
         """Seconds since the last sign of life from the server (inf before any)."""
@@ -236,7 +258,11 @@ class WatchCache(Generic[T]):
                 self._safely(self.changed, key, before, after)
         self._listed = True
         self._alive()
-        self._publish(items)
+        with self._cond:
+            self._items = items
+            self._snapshot = None
+            self._cond.notify_all()
+        self._tell()
         self.synced.set()
 
     def _watch(self) -> None:
@@ -257,16 +283,19 @@ class WatchCache(Generic[T]):
             if parsed is None:
                 continue
             key, value = parsed
-            items = dict(self._items)
-            before = items.get(key)
-            if kind == "DELETED":
-                items.pop(key, None)
-                after = None
-            else:
-                items[key] = after = value
-            if before != after:
-                self._safely(self.changed, key, before, after)
-            self._publish(items)
+            before = self._items.get(key)
+            after = None if kind == "DELETED" else value
+            if before == after:
+                continue
+            self._safely(self.changed, key, before, after)
+            with self._cond:
+                if after is None:
+                    self._items.pop(key, None)
+                else:
+                    self._items[key] = after
+                self._snapshot = None
+                self._cond.notify_all()
+            self._tell()
 
     def _alive(self) -> None:
         self._alive_at = self._clock()
@@ -305,11 +334,7 @@ class WatchCache(Generic[T]):
                 )  # fmt: skip
             return None
 
-    def _publish(self, items: dict[str, T]) -> None:
-        self._safely(self.published, items)
-        with self._cond:
-            self._items = MappingProxyType(items)
-            self._cond.notify_all()
+    def _tell(self) -> None:
         for listener in self._listeners:
             self._safely(listener)
 
@@ -321,13 +346,9 @@ class WatchCache(Generic[T]):
 
     # -- for subclasses ----------------------------------------------------------------
     def changed(self, key: str, before: T | None, after: T | None) -> None:
-        """One object changed (None: absent), before the snapshot holding the
-        change is swapped in: whoever waits on the cache then sees what
-        subclasses derived from it."""
-
-    def published(self, items: Mapping[str, T]) -> None:
-        """Subclasses derive what their readers need, once per change (before
-        the snapshot is swapped in)."""
+        """One object changed (None: absent), before the map holds the change:
+        whoever waits on the cache then sees what subclasses derived from it.
+        Called on the cache's thread only; O(1) work here keeps events O(1)."""
 
 
 def _as_dict(obj: Any) -> dict[str, Any]:

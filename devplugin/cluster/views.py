@@ -1,0 +1,266 @@
+"""The extender's per-node placement views: work per event, not per request.
+
+A NodeDevices record is parsed on the record cache's thread, in time linear
+in its devices (`parse_record`); the part that costs more than linear, the
+topology and its allocator, is built only when a node's layout (its
+devices, PCIe paths and NVLinks) is new, and for a large layout on a
+builder thread of its own, so one big record never holds up the others.
+Health and holder changes, the common ones, reuse the layout.
+
+A node's view is the record's node with the holders the pod watch saw end
+given back and the pods bound there that the record does not show yet
+placed first. It is built on the first request after the record, the
+node's pods or its layout changed, and answers each pod shape once
+(lazily); later requests read it. Nothing here touches the network.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from devplugin.allocator import Allocator
+from devplugin.model import DeviceKind
+from devplugin.placement import NodeState, Outcome, ParsedRecord, Shape, place, shape_of
+from devplugin.placement import parse_record as placement_record
+from devplugin.podinfo import PodInfo
+from devplugin.topology import Topology
+
+log = logging.getLogger(__name__)
+
+# A record describing more than this is refused (the CRD's own limit on
+# status.devices); so is one with more allocations than MAX_ALLOCATIONS.
+MAX_DEVICES = 1024
+MAX_ALLOCATIONS = 4096
+# Layouts up to this many devices are built inline on the record cache's
+# thread (about a millisecond for a 16-device node); larger ones go to the
+# builder, and the node counts as having no record until theirs is ready.
+INLINE_DEVICES = 128
+# Pod shapes answered per view at most (the oldest answers are dropped).
+SHAPES_PER_VIEW = 32
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What placement needs that changes only with the node's hardware."""
+
+    key: tuple[Any, ...]
+    topology: Topology
+    allocator: Allocator
+
+
+def parse_record(record: Mapping[str, Any]) -> ParsedRecord:
+    """ValueError when the record is not one, or larger than the limits (one
+    log line from the cache; the node then counts as having no record)."""
+    status = record.get("status")
+    if isinstance(status, dict):
+        devices, allocations = status.get("devices"), status.get("allocations")
+        if isinstance(devices, list) and len(devices) > MAX_DEVICES:
+            raise ValueError(f"{len(devices)} devices; at most {MAX_DEVICES} are read")
+        if isinstance(allocations, list) and len(allocations) > MAX_ALLOCATIONS:
+            raise ValueError(f"{len(allocations)} allocations; at most {MAX_ALLOCATIONS} are read")
+    return placement_record(record)
+
+
+class Layouts:
+    """Each node's current layout, built once per distinct layout."""
+
+    def __init__(self, on_ready: Callable[[str], None] = lambda node: None) -> None:
+        self._lock = threading.Lock()
+        self._by_node: dict[str, Layout] = {}
+        self._wanted: dict[str, tuple[Any, ...]] = {}
+        self._queue: queue.SimpleQueue[tuple[str, ParsedRecord] | None] = queue.SimpleQueue()
+        self._on_ready = on_ready
+        self._thread: threading.Thread | None = None
+        self.built = 0
+
+    def get(self, node: str, key: tuple[Any, ...]) -> Layout | None:
+        layout = self._by_node.get(node)
+        return layout if layout is not None and layout.key == key else None
+
+    def want(self, record: ParsedRecord) -> None:
+        """Make sure the record's layout is (or will be) built: on this thread
+        when small, else on the builder's."""
+        if self.get(record.name, record.layout_key) is not None:
+            return
+        if len(record.gpus) + len(record.hcas) <= INLINE_DEVICES:
+            self._store(record.name, _build(record))
+            return
+        with self._lock:
+            if self._wanted.get(record.name) == record.layout_key:
+                return
+            self._wanted[record.name] = record.layout_key
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="layouts", daemon=True)
+                self._thread.start()
+        self._queue.put((record.name, record))
+
+    def forget(self, node: str) -> None:
+        with self._lock:
+            self._by_node.pop(node, None)
+            self._wanted.pop(node, None)
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+    def _store(self, node: str, layout: Layout) -> None:
+        with self._lock:
+            self._by_node[node] = layout
+            self.built += 1
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            node, record = item
+            with self._lock:
+                if self._wanted.get(node) != record.layout_key:
+                    continue  # superseded by a newer layout, or forgotten
+            try:
+                layout = _build(record)
+            except Exception:
+                log.exception("node %s: its topology could not be built", node)
+                continue
+            with self._lock:
+                if self._wanted.get(node) != record.layout_key:
+                    continue
+                del self._wanted[node]
+            self._store(node, layout)
+            self._on_ready(node)
+
+
+def _build(record: ParsedRecord) -> Layout:
+    topology = Topology(record.gpus, record.hcas)
+    return Layout(record.layout_key, topology, Allocator(topology))
+
+
+@dataclass
+class _View:
+    record: object
+    generation: int
+    layout: Layout
+    node: NodeState
+    pending: frozenset[str]  # uids of the pods placed ahead
+    outcomes: dict[Shape, Outcome] = field(default_factory=dict)
+    empty: dict[Shape, Outcome] = field(default_factory=dict)
+
+
+class NodeViews:
+    """Placement answers per node and pod shape, rebuilt per change."""
+
+    def __init__(
+        self,
+        layouts: Layouts,
+        *,
+        on_node: Callable[[str], tuple[PodInfo, ...]],
+        generation: Callable[[str], int],
+        has_ended: Callable[[str | None, str, str], bool],
+        gpu: str,
+        hca: str,
+    ) -> None:
+        self._layouts = layouts
+        self._on_node = on_node
+        self._generation = generation
+        self._has_ended = has_ended
+        self._gpu, self._hca = gpu, hca
+        self._views: dict[str, _View] = {}
+        self.builds = 0
+
+    def forget(self, node: str) -> None:
+        self._views.pop(node, None)
+
+    def outcome(
+        self, record: ParsedRecord, token: object, shape: Shape, asking: str
+    ) -> tuple[Outcome | None, bool]:
+        """The pod's outcome on the node (None while the node's layout is
+        being built), and whether it was answered before. `token` is the
+        record's identity (a new record object means a new record); `asking`
+        is the uid of the pod being scheduled."""
+        view = self._view(record, token)
+        if view is None:
+            return None, False
+        if asking in view.pending:
+            # The pod itself is bound there already (a retry): place the
+            # others without it; not kept, it is rare.
+            return self._compute(record, view.layout, shape, exclude=asking), False
+        found = view.outcomes.get(shape)
+        if found is not None:
+            return found, True
+        outcome = place(view.node, shape, view.layout.allocator)
+        _keep(view.outcomes, shape, replace(outcome, free_after=None))
+        return outcome, False
+
+    def empty_outcome(self, record: ParsedRecord, token: object, shape: Shape) -> Outcome | None:
+        """The pod on the node with nothing held."""
+        view = self._view(record, token)
+        if view is None:
+            return None
+        found = view.empty.get(shape)
+        if found is None:
+            everything = {kind: view.layout.topology.id_set(kind) for kind in DeviceKind}
+            empty = replace(view.node, free=everything)
+            found = replace(place(empty, shape, view.layout.allocator), free_after=None)
+            _keep(view.empty, shape, found)
+        return found
+
+    def _view(self, record: ParsedRecord, token: object) -> _View | None:
+        name = record.name
+        generation = self._generation(name)
+        view = self._views.get(name)
+        if view is not None and view.record is token and view.generation == generation:
+            return view
+        layout = self._layouts.get(name, record.layout_key)
+        if layout is None:
+            return None
+        node, pending = self._effective(record, layout, exclude=None)
+        empty = (
+            view.empty
+            if view is not None and view.record is token and view.layout is layout
+            else {}
+        )
+        fresh = _View(token, generation, layout, node, pending, empty=empty)
+        self._views[name] = fresh
+        self.builds += 1
+        return fresh
+
+    def _effective(
+        self, record: ParsedRecord, layout: Layout, exclude: str | None
+    ) -> tuple[NodeState, frozenset[str]]:
+        node = record.node(layout.topology)
+        # The pod watch beats the record: a holder it saw end holds nothing.
+        ended = tuple(
+            h for h in record.holdings if h.pod and self._has_ended(h.uid, h.namespace, h.pod)
+        )
+        if ended:
+            node = node.without(ended)
+        live = [h for h in record.holdings if h not in ended]
+        uids = {h.uid for h in live if h.uid is not None}
+        names = {(h.namespace, h.pod) for h in live if h.uid is None}
+        placed: list[str] = []
+        for other in self._on_node(record.name):
+            if other.uid == exclude or other.uid in uids or (other.namespace, other.name) in names:
+                continue
+            shape = shape_of(other, self._gpu, self._hca)
+            if not shape.wants_devices:
+                continue
+            # Bound here, not in the record yet: placed first, as its daemon will.
+            ahead = place(node, shape, layout.allocator)
+            placed.append(other.uid)
+            if ahead.fits and ahead.free_after is not None:
+                node = replace(node, free=ahead.free_after)
+        return node, frozenset(placed)
+
+    def _compute(self, record: ParsedRecord, layout: Layout, shape: Shape, exclude: str) -> Outcome:
+        node, _ = self._effective(record, layout, exclude=exclude)
+        return place(node, shape, layout.allocator)
+
+
+def _keep(answers: dict[Shape, Outcome], shape: Shape, outcome: Outcome) -> None:
+    if len(answers) >= SHAPES_PER_VIEW:
+        answers.pop(next(iter(answers)))
+    answers[shape] = outcome
