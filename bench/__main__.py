@@ -33,6 +33,14 @@ requests and bytes per node per minute, idle and with a pod every 10 s.
 Goal: idle, at most one write a minute to records; under churn, record
 writes follow the changes within the 1/s budget.
 
+Extender at scale (`bench/extender_scale.py`): `devplugin extender` as its
+own process at 100, 1,000 and 5,000 nodes with 20 bound pods per node and 9
+pod shapes: startup, memory, filter+prioritize p50/p99 warm and right after
+record changes, a bound pod counted under 60 pod updates a second, a
+1,024-device record's parse, and peak memory under 8 concurrent maximum-size
+requests. Goals: p99 < 50 ms at 1,000 nodes, counted within 1 s, parsed in
+< 100 ms, peak under the chart's 512 MiB.
+
 NVLink layouts: every GPU and HCA size on DGX-1, two DGX-1 meshes, PCIe
 trees of 16, 32 and 64 GPUs with NVLink bridges between neighbouring
 switches, and the 8-GPU NVSwitch node with two NUMA nodes, end to end as
@@ -69,6 +77,7 @@ import grpc
 
 from bench.cluster import cluster_bench
 from bench.cluster_live import live_cluster_bench
+from bench.extender_scale import extender_scale_bench
 from bench.fleet import fleet_bench
 from devplugin.allocator import (
     Allocator,
@@ -651,17 +660,26 @@ def main() -> int:
         "--nvlink names more; a full run includes it, --quick leaves it out)",
     )  # fmt: skip
     parser.add_argument(
+        "--extender", action="store_true",
+        help="the extender at 100 / 1,000 / 5,000 nodes (alone unless others are named; a "
+        "full run includes it; with --quick, 100 nodes only)",
+    )  # fmt: skip
+    parser.add_argument(
         "--fleet", action="store_true",
         help="API traffic per node, idle and under churn (alone unless others are named; "
         "a full run includes it, --quick leaves it out)",
     )  # fmt: skip
     args = parser.parse_args()
     iterations, warmup = (20, 5) if args.quick else (args.iterations, 50)
-    selected = args.node is not None or args.nvlink is not None or args.cluster or args.fleet
+    selected = (
+        args.node is not None or args.nvlink is not None or args.cluster or args.fleet
+        or args.extender
+    )  # fmt: skip
     nodes = [n for n in GOALS_MS if n in (args.node or ([] if selected else GOALS_MS))]
     layouts = args.nvlink or ([] if selected else list(NVLINK_LAYOUTS))
     live = args.cluster or not (selected or args.quick)
     fleet = args.fleet or not (selected or args.quick)
+    scale = args.extender or not (selected or args.quick)
     setup_logging("text", "error")
     base = Path(tempfile.mkdtemp(prefix="dpb-", dir="/tmp"))
     failed = False
@@ -683,6 +701,10 @@ def main() -> int:
             if nodes or layouts or live:
                 print()
             failed |= not fleet_bench(quick=args.quick)
+        if scale:
+            if nodes or layouts or live or fleet:
+                print()
+            failed |= not extender_scale_bench(quick=args.quick)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     return 1 if failed else 0

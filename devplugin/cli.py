@@ -283,10 +283,13 @@ def cmd_extender(args: argparse.Namespace) -> int:
         log.error("cannot start: %s", exc)
         return 1
     log.info("scheduler extender serving on %s:%d", *server.address)
-    settle_heap()
+    settled = False
     try:
-        while not stop.wait(1.0):
-            pass
+        while not stop.wait(0.5):
+            if not settled and all(cache.synced.is_set() for cache in caches):
+                # After the first lists: what decoding them left behind goes.
+                settle_heap()
+                settled = True
     finally:
         server.stop()
         for cache in caches:

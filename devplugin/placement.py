@@ -156,6 +156,10 @@ def _strings(value: list[Any], where: str) -> list[str]:
     return value
 
 
+# Canonical GPU names, made once: every record shares the same strings.
+_CANONICAL = tuple(f"gpu{i}" for i in range(4096))
+
+
 @dataclass(frozen=True)
 class ParsedRecord:
     """A record's content, read in time linear in its devices; the topology
@@ -169,13 +173,14 @@ class ParsedRecord:
     free: Mapping[DeviceKind, frozenset[str]]
     healthy: Mapping[DeviceKind, frozenset[str]]
     holdings: tuple[Holding, ...]
+    total: Mapping[DeviceKind, int]
 
     def node(self, topology: Topology) -> NodeState:
         return NodeState(
             name=self.name,
             topology=topology,
             free=self.free,
-            total={DeviceKind.GPU: len(self.gpus), DeviceKind.HCA: len(self.hcas)},
+            total=self.total,
             holders=frozenset((h.namespace, h.pod) for h in self.holdings),
             holdings=self.holdings,
             healthy=self.healthy,
@@ -188,10 +193,15 @@ def node_from_record(record: Mapping[str, Any]) -> NodeState:
     return parsed.node(Topology(parsed.gpus, parsed.hcas))
 
 
-def parse_record(record: Mapping[str, Any]) -> ParsedRecord:
+def parse_record(record: Mapping[str, Any], *, canonical: bool = False) -> ParsedRecord:
     """A NodeDevices record's content; ValueError when it is not one.
     Strict: a field of the wrong type anywhere refuses the whole record (a
-    node described wrongly must not steer pods)."""
+    node described wrongly must not steer pods).
+
+    `canonical`: GPUs are named by their place in the record (`gpu0`, ...)
+    instead of their UUIDs, here and in the holdings. HCAs are named by PCI
+    address already, so nodes of one model then have equal layouts and can
+    share one topology (placement never reports device names)."""
     meta = record.get("metadata")
     status = record.get("status")
     if not isinstance(meta, dict) or not isinstance(meta.get("name"), str):
@@ -209,6 +219,7 @@ def parse_record(record: Mapping[str, Any]) -> ParsedRecord:
             raise ValueError(f"status.devices[{i}] must be an object")
     gpu_entries = [d for d in devices if d.get("kind") == "gpu"]
     index_of = {str(d.get("id")): i for i, d in enumerate(gpu_entries)}
+    named = {uuid: _CANONICAL[i] for uuid, i in index_of.items()} if canonical else {}
     for i, entry in enumerate(devices):
         where = f"status.devices[{i}]"
         device_id = _field(entry, "id", str, where)
@@ -227,11 +238,12 @@ def parse_record(record: Mapping[str, Any]) -> ParsedRecord:
                 links = _field(peer, "links", int, f"{where}.nvlinkPeers[{j}]")
                 if peer_id in index_of and links > 0:
                     peers.append((index_of[peer_id], links))
+            device_id = named.get(device_id, device_id)
             layout.append((device_id, str(address), tuple(path), numa, tuple(peers)))
             gpus.append(
                 GpuInfo(
-                    index=index_of[device_id], uuid=device_id, name="", pci_address=address,
-                    minor_number=index_of[device_id], memory_total_mib=0,
+                    index=index_of[entry["id"]], uuid=device_id, name="", pci_address=address,
+                    minor_number=index_of[entry["id"]], memory_total_mib=0,
                     nvlink_peers=tuple(peers), pci=function,
                 )
             )  # fmt: skip
@@ -259,7 +271,8 @@ def parse_record(record: Mapping[str, Any]) -> ParsedRecord:
         where = f"status.allocations[{i}]"
         if not isinstance(allocation, dict):
             raise ValueError(f"{where} must be an object")
-        ids = frozenset(_strings(_field(allocation, "devices", list, where), f"{where}.devices"))
+        listed = _strings(_field(allocation, "devices", list, where), f"{where}.devices")
+        ids = frozenset(named.get(d, d) for d in listed)
         namespace = _field(allocation, "namespace", str, where, "")
         pod = _field(allocation, "pod", str, where, "")
         uid = _field(allocation, "podUID", str, where, "")
@@ -273,6 +286,7 @@ def parse_record(record: Mapping[str, Any]) -> ParsedRecord:
         free={kind: frozenset(healthy[kind] - held) for kind in DeviceKind},
         healthy={kind: frozenset(ids) for kind, ids in healthy.items()},
         holdings=tuple(holdings),
+        total={DeviceKind.GPU: len(gpus), DeviceKind.HCA: len(hcas)},
     )
 
 

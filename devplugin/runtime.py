@@ -13,6 +13,7 @@ every one first, then joining each: no stop waits out another's interval.
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import logging
 import os
@@ -77,6 +78,17 @@ def settle_heap() -> None:
     20-30 ms, paid by whichever kubelet call it landed in."""
     gc.collect()
     gc.freeze()
+    _trim_malloc()
+
+
+def _trim_malloc() -> None:
+    """Give the C heap's free pages back to the system (glibc only): a start-up
+    that decoded large lists leaves them resident otherwise."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 # How long start waits for the XID watcher to register the first GPU set.

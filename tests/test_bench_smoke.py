@@ -44,3 +44,18 @@ def test_bench_quick_run_reports_optimal_answers() -> None:
     assert all(line.rstrip().endswith("optimal") for line in rows)
     assert "== dgx-1 (linked search): worst p99" in nvlink
     assert "searches past the budget 0" in nvlink
+
+
+def test_bench_extender_quick_run_measures_every_line() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--extender"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [line.split() for line in result.stdout.splitlines() if line.startswith("   100 ")]
+    assert len(rows) == 1
+    startup, rss, peak = float(rows[0][1]), float(rows[0][2]), float(rows[0][-1])
+    assert 0 < startup < 60
+    assert 0 < rss <= peak < 512
+    assert "a 1,024-device record parses in" in result.stdout
+    assert "== extender:" in result.stdout

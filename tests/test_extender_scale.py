@@ -90,7 +90,7 @@ def test_a_health_or_holder_change_reuses_the_layout_and_a_large_one_is_built_ap
     ready: list[str] = []
     layouts = Layouts(on_ready=ready.append)
     small = parse_record(hgx_record("s"))
-    layouts.want(small)
+    small_kept = layouts.want(small)
     assert layouts.get("s", small.layout_key) is not None  # small: built at once
     assert layouts.built == 1
     changed = parse_record(
@@ -99,6 +99,16 @@ def test_a_health_or_holder_change_reuses_the_layout_and_a_large_one_is_built_ap
     assert changed.layout_key == small.layout_key
     layouts.want(changed)
     assert layouts.built == 1  # the same hardware: the same topology
+    # Another node of the same model (its own GPU UUIDs): the same layout, shared.
+    twin = hgx_record("t")
+    for device in twin["status"]["devices"]:  # type: ignore[index]
+        device["id"] = device["id"].replace("GPU-0", "GPU-f")
+        for peer in device.get("nvlinkPeers", []):
+            peer["id"] = peer["id"].replace("GPU-0", "GPU-f")
+    kept = layouts.want(parse_record(twin))
+    assert layouts.built == 1
+    assert kept.gpus == ()
+    assert kept.layout_key is small_kept.layout_key
     rewired = parse_record(hgx_record("s", per_switch=4))
     assert rewired.layout_key != small.layout_key
     layouts.want(rewired)

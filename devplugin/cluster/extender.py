@@ -136,8 +136,7 @@ def record_entry(layouts: Layouts, data: Mapping[str, Any]) -> tuple[str, Record
         except ValueError:
             updated = None
     version = str(meta.get("resourceVersion") or "")
-    layouts.want(parsed)
-    return parsed.name, Record(parsed, version, updated)
+    return parsed.name, Record(layouts.want(parsed), version, updated)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -63,15 +64,19 @@ def parse_record(record: Mapping[str, Any]) -> ParsedRecord:
             raise ValueError(f"{len(devices)} devices; at most {MAX_DEVICES} are read")
         if isinstance(allocations, list) and len(allocations) > MAX_ALLOCATIONS:
             raise ValueError(f"{len(allocations)} allocations; at most {MAX_ALLOCATIONS} are read")
-    return placement_record(record)
+    return placement_record(record, canonical=True)
 
 
 class Layouts:
-    """Each node's current layout, built once per distinct layout."""
+    """Each node's current layout, built once per distinct layout: records
+    name GPUs canonically, so the nodes of one model share one."""
 
     def __init__(self, on_ready: Callable[[str], None] = lambda node: None) -> None:
         self._lock = threading.Lock()
         self._by_node: dict[str, Layout] = {}
+        self._shared: weakref.WeakValueDictionary[tuple[Any, ...], Layout] = (
+            weakref.WeakValueDictionary()
+        )
         self._wanted: dict[str, tuple[Any, ...]] = {}
         self._queue: queue.SimpleQueue[tuple[str, ParsedRecord] | None] = queue.SimpleQueue()
         self._on_ready = on_ready
@@ -82,22 +87,31 @@ class Layouts:
         layout = self._by_node.get(node)
         return layout if layout is not None and layout.key == key else None
 
-    def want(self, record: ParsedRecord) -> None:
+    def want(self, record: ParsedRecord) -> ParsedRecord:
         """Make sure the record's layout is (or will be) built: on this thread
-        when small, else on the builder's."""
-        if self.get(record.name, record.layout_key) is not None:
-            return
+        when small, else on the builder's. Returns the record to keep: its
+        devices dropped (the layout has them) and its key the shared one."""
+        found = self.get(record.name, record.layout_key)
+        if found is None:
+            with self._lock:
+                found = self._shared.get(record.layout_key)
+                if found is not None:
+                    self._by_node[record.name] = found
+        if found is not None:
+            return _slim(record, found.key)
         if len(record.gpus) + len(record.hcas) <= INLINE_DEVICES:
-            self._store(record.name, _build(record))
-            return
+            layout = _build(record)
+            self._store(record.name, layout)
+            return _slim(record, layout.key)
         with self._lock:
             if self._wanted.get(record.name) == record.layout_key:
-                return
+                return _slim(record, record.layout_key)
             self._wanted[record.name] = record.layout_key
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="layouts", daemon=True)
                 self._thread.start()
         self._queue.put((record.name, record))
+        return _slim(record, record.layout_key)
 
     def forget(self, node: str) -> None:
         with self._lock:
@@ -110,6 +124,7 @@ class Layouts:
     def _store(self, node: str, layout: Layout) -> None:
         with self._lock:
             self._by_node[node] = layout
+            self._shared[layout.key] = layout
             self.built += 1
 
     def _run(self) -> None:
@@ -132,6 +147,10 @@ class Layouts:
                 del self._wanted[node]
             self._store(node, layout)
             self._on_ready(node)
+
+
+def _slim(record: ParsedRecord, key: tuple[Any, ...]) -> ParsedRecord:
+    return replace(record, layout_key=key, gpus=(), hcas=())
 
 
 def _build(record: ParsedRecord) -> Layout:

@@ -22,6 +22,7 @@ on), and stopping the server altogether.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import copy
 import json
@@ -83,6 +84,10 @@ def status_body(code: int, reason: str, message: str) -> Obj:
         "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
         "message": message, "reason": reason, "code": code,
     }  # fmt: skip
+
+
+def _event_version(event: _Event) -> int:
+    return event.version
 
 
 class ApiServerImitation:
@@ -170,6 +175,15 @@ class ApiServerImitation:
 
     def _visible(self, version: int) -> bool:
         return self._held_at is None or version <= self._held_at
+
+    def _first_visible_after(self, since: int) -> int | None:
+        """The index of the first event newer than `since` that watches may
+        see (events are kept in version order: a bisection, not a scan, so a
+        bench with a hundred thousand objects stays quick)."""
+        index = bisect.bisect_right(self._events, since, key=_event_version)
+        if index < len(self._events) and self._visible(self._events[index].version):
+            return index
+        return None
 
     def compact(self) -> int:
         """Forget every event so far: a watch from an older version is Gone."""
@@ -439,7 +453,7 @@ class ApiServerImitation:
         """Something for a watch at `since`: an event, a cut, or a compaction."""
         return (
             self._cut != cut
-            or any(e.version > since and self._visible(e.version) for e in self._events)
+            or self._first_visible_after(since) is not None
             or since < self._compacted
         )
 
@@ -492,9 +506,12 @@ class ApiServerImitation:
             scanned = since
             while True:
                 with self._cond:
-                    fresh = [
-                        e for e in self._events if e.version > scanned and self._visible(e.version)
-                    ]
+                    first = self._first_visible_after(scanned)
+                    fresh = (
+                        []
+                        if first is None
+                        else [e for e in self._events[first:] if self._visible(e.version)]
+                    )
                     pending = [
                         e for e in fresh
                         if e.kind is kind and self._matches(e.obj, kind, namespace, query)
