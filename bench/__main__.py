@@ -41,6 +41,10 @@ record changes, a bound pod counted under 60 pod updates a second, a
 requests. Goals: p99 < 50 ms at 1,000 nodes, counted within 1 s, parsed in
 < 100 ms, peak under the chart's 512 MiB.
 
+Idle (`bench/idle.py`): `devplugin run` with production defaults behind the
+kubelet simulator on 8 and 64 GPUs, CPU over 60 s once settled, RSS and
+threads. Goals: at most 1% of a core and 64 MiB on 8 GPUs, 2% on 64.
+
 NVLink layouts: every GPU and HCA size on DGX-1, two DGX-1 meshes, PCIe
 trees of 16, 32 and 64 GPUs with NVLink bridges between neighbouring
 switches, and the 8-GPU NVSwitch node with two NUMA nodes, end to end as
@@ -79,6 +83,7 @@ from bench.cluster import cluster_bench
 from bench.cluster_live import live_cluster_bench
 from bench.extender_scale import extender_scale_bench
 from bench.fleet import fleet_bench
+from bench.idle import idle_bench
 from devplugin.allocator import (
     Allocator,
     Request,
@@ -665,6 +670,11 @@ def main() -> int:
         "full run includes it; with --quick, 100 nodes only)",
     )  # fmt: skip
     parser.add_argument(
+        "--idle", action="store_true",
+        help="an idle daemon's CPU, memory and threads on 8 and 64 GPUs (alone unless others "
+        "are named; a full run includes it, --quick leaves it out)",
+    )  # fmt: skip
+    parser.add_argument(
         "--fleet", action="store_true",
         help="API traffic per node, idle and under churn (alone unless others are named; "
         "a full run includes it, --quick leaves it out)",
@@ -673,13 +683,14 @@ def main() -> int:
     iterations, warmup = (20, 5) if args.quick else (args.iterations, 50)
     selected = (
         args.node is not None or args.nvlink is not None or args.cluster or args.fleet
-        or args.extender
+        or args.extender or args.idle
     )  # fmt: skip
     nodes = [n for n in GOALS_MS if n in (args.node or ([] if selected else GOALS_MS))]
     layouts = args.nvlink or ([] if selected else list(NVLINK_LAYOUTS))
     live = args.cluster or not (selected or args.quick)
     fleet = args.fleet or not (selected or args.quick)
     scale = args.extender or not (selected or args.quick)
+    idle = args.idle or not (selected or args.quick)
     setup_logging("text", "error")
     base = Path(tempfile.mkdtemp(prefix="dpb-", dir="/tmp"))
     failed = False
@@ -705,6 +716,10 @@ def main() -> int:
             if nodes or layouts or live or fleet:
                 print()
             failed |= not extender_scale_bench(quick=args.quick)
+        if idle:
+            if nodes or layouts or live or fleet or scale:
+                print()
+            failed |= not idle_bench(quick=args.quick)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     return 1 if failed else 0

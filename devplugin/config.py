@@ -190,7 +190,8 @@ class NvmlConfig:
 
 @dataclass(frozen=True)
 class DiscoveryConfig:
-    rescan_interval_seconds: float = _checked(5.0, _positive)
+    # The safety net under udev events (and the only hotplug source without udev).
+    rescan_interval_seconds: float = _checked(30.0, _positive)
 
 
 @dataclass(frozen=True)
@@ -233,7 +234,9 @@ class PodResourcesConfig:
 @dataclass(frozen=True)
 class HealthConfig:
     # Light health checks (HCA ports, device nodes, NVML handles) this often.
-    interval_seconds: float = _checked(1.0, _positive)
+    # GPU faults arrive between checks as NVML events; an HCA port's state
+    # has no event in sysfs, so this bounds how late a port going down is seen.
+    interval_seconds: float = _checked(5.0, _positive)
     # How an unhealthy device comes back: after `good_checks` consecutive
     # good checks, or only after its cleanup hook succeeds.
     recovery: Literal["auto", "after_cleanup"] = "auto"

@@ -2,15 +2,18 @@
 
 A call into NVML for a GPU that fell off the bus, or a read of a sysfs
 attribute whose driver hangs, can block forever; Python cannot interrupt it.
-So each read runs on a worker thread of its own key (one key per device, or
-per system-wide source) and the caller waits at most `timeout` seconds. A
-call that has not returned is abandoned, not killed: its worker stays
-blocked, and until it returns every later call for that key fails at once
-with `Stuck`, without starting another thread. The number of threads is
-therefore bounded by the number of keys, whatever the hardware does.
+So each read runs on a worker thread and the caller waits at most `timeout`
+seconds. A call that has not returned is abandoned, not killed: its worker
+stays blocked, and until it returns every later call for the same key (one
+key per device, or per system-wide source) fails at once with `Stuck`,
+without occupying another thread.
 
-Workers are daemon threads: a blocked one never keeps the process from
-exiting.
+Workers are a small shared pool, not a thread per key: a node with 64 GPUs
+idles on the same few threads as one with 8. A worker is added only when
+every worker is busy (some read is wedged), so a wedged read never delays
+the others, and the pool never holds more threads than keys with a call in
+flight plus POOL idle ones. Workers are daemon threads: a blocked one never
+keeps the process from exiting.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 log = logging.getLogger(__name__)
@@ -57,39 +59,49 @@ class _Call(Generic[T]):
             self.done.set()
 
 
-@dataclass
-class _Worker:
-    key: str
-    inbox: queue.SimpleQueue[_Call[object] | None]
-    busy_since: float | None = None
+# Idle workers kept; more are started only while all are busy.
+POOL = 2
+# A worker above POOL that has had nothing to do this long exits.
+IDLE_EXIT = 30.0
 
 
 class Deadlines:
-    """Keyed calls with a timeout; one worker thread per key, created lazily."""
+    """Keyed calls with a timeout, on a small pool of worker threads."""
 
     def __init__(self, timeout: float, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.timeout = timeout
         self._clock = clock
         self._lock = threading.Lock()
-        self._workers: dict[str, _Worker] = {}
+        self._inbox: queue.SimpleQueue[tuple[str, _Call[object]] | None] = queue.SimpleQueue()
+        # key -> when its call in flight started (a key has at most one).
+        self._busy: dict[str, float] = {}
+        self._workers = 0
+        self._idle = 0
         self._closed = False
 
+    @property
+    def threads(self) -> int:
+        """Worker threads alive now."""
+        return self._workers
+
     def call(self, key: str, fn: Callable[[], T], timeout: float | None = None) -> T:
-        """`fn()` on `key`'s worker; raises Stuck when it does not return in time
+        """`fn()` on a worker; raises Stuck when it does not return in time
         (or when an earlier call on `key` still has not), else what fn raised."""
         limit = self.timeout if timeout is None else timeout
+        call: _Call[T] = _Call(fn)
         with self._lock:
             if self._closed:
                 raise RuntimeError("deadlines closed")
-            worker = self._workers.get(key)
-            if worker is not None and worker.busy_since is not None:
-                raise Stuck(key, worker.busy_since, limit)
-            if worker is None:
-                worker = self._spawn(key)
+            since = self._busy.get(key)
+            if since is not None:
+                raise Stuck(key, since, limit)
             started = self._clock()
-            worker.busy_since = started
-        call: _Call[T] = _Call(fn)
-        worker.inbox.put(call)  # type: ignore[arg-type]
+            self._busy[key] = started
+            if self._idle == 0:
+                self._spawn_locked()
+            else:
+                self._idle -= 1
+        self._inbox.put((key, call))  # type: ignore[arg-type]
         if not call.done.wait(limit):
             log.warning("%s: hardware read has not returned after %gs; abandoned", key, limit)
             raise Stuck(key, started, limit)
@@ -101,39 +113,40 @@ class Deadlines:
         """Keys whose last call has been running longer than the timeout -> since."""
         now = self._clock()
         with self._lock:
-            return {
-                key: worker.busy_since
-                for key, worker in self._workers.items()
-                if worker.busy_since is not None and now - worker.busy_since >= self.timeout
-            }
+            return {key: since for key, since in self._busy.items() if now - since >= self.timeout}
 
     def close(self) -> None:
         """Ask every idle worker to exit; blocked ones exit when their call returns."""
         with self._lock:
             self._closed = True
-            workers = list(self._workers.values())
-            self._workers.clear()
-        for worker in workers:
-            worker.inbox.put(None)
+            workers = self._workers
+        for _ in range(workers):
+            self._inbox.put(None)
 
-    def _spawn(self, key: str) -> _Worker:
-        worker = _Worker(key, queue.SimpleQueue())
-        self._workers[key] = worker
-        threading.Thread(
-            target=self._serve, args=(worker,), name=f"read-{key}", daemon=True
-        ).start()
-        return worker
+    def _spawn_locked(self) -> None:
+        self._workers += 1
+        threading.Thread(target=self._serve, name="hw-read", daemon=True).start()
 
-    def _serve(self, worker: _Worker) -> None:
+    def _serve(self) -> None:
         while True:
-            call = worker.inbox.get()
-            if call is None:
+            try:
+                item = self._inbox.get(timeout=IDLE_EXIT)
+            except queue.Empty:
+                with self._lock:
+                    if self._idle > POOL:
+                        self._idle -= 1
+                        self._workers -= 1
+                        return
+                continue
+            if item is None:
+                with self._lock:
+                    self._workers -= 1
                 return
+            key, call = item
             call.run()
             with self._lock:
-                late = worker.busy_since is not None and (
-                    self._clock() - worker.busy_since > self.timeout
-                )
-                worker.busy_since = None
+                since = self._busy.pop(key, None)
+                late = since is not None and self._clock() - since > self.timeout
+                self._idle += 1
             if late:
-                log.info("%s: a read abandoned earlier has returned", worker.key)
+                log.info("%s: a read abandoned earlier has returned", key)

@@ -24,7 +24,7 @@ XID_CRITICAL = 0x8
 DOUBLE_BIT_ECC = 0x2
 TIMEOUT = 10
 # Event waits are not interruptible; this bounds how long a stop waits.
-WAIT_MS = 100
+WAIT_MS = 250
 
 
 def _text(value: object) -> str:

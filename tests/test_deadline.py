@@ -1,0 +1,61 @@
+"""Reads with deadlines run on a small shared pool: threads do not grow with
+devices, and a wedged read is still caught and never holds up the others."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from devplugin.deadline import POOL, Deadlines, Stuck
+from tests.waiting import wait_until
+
+
+def test_sixty_four_devices_are_read_on_the_same_few_threads() -> None:
+    deadlines = Deadlines(5.0)
+    try:
+        for _ in range(3):
+            for device in range(64):
+                assert deadlines.call(f"gpu{device}", lambda d=device: d * 2) == device * 2
+        assert deadlines.threads <= POOL
+    finally:
+        deadlines.close()
+
+
+def test_a_wedged_read_is_caught_holds_one_thread_and_others_go_on() -> None:
+    deadlines = Deadlines(0.2)
+    release = threading.Event()
+    try:
+        with pytest.raises(Stuck):
+            deadlines.call("gpu3", release.wait)  # wedged: abandoned at the deadline
+        # The same device again: refused at once, no second thread for it.
+        with pytest.raises(Stuck):
+            deadlines.call("gpu3", lambda: True)
+        # Every other device is read as usual meanwhile.
+        for device in range(16):
+            assert deadlines.call(f"gpu{device}-ok", lambda: "fine") == "fine"
+        assert wait_until(lambda: "gpu3" in deadlines.stuck(), timeout=2)
+        assert deadlines.threads <= POOL + 1  # the wedged one, plus the pool
+        release.set()  # the read returns: the device is read again
+        assert wait_until(lambda: "gpu3" not in deadlines.stuck(), timeout=2)
+        assert wait_until(lambda: _answers(deadlines, "gpu3"), timeout=2)
+    finally:
+        release.set()
+        deadlines.close()
+
+
+def _answers(deadlines: Deadlines, key: str) -> bool:
+    try:
+        return bool(deadlines.call(key, lambda: True))
+    except Stuck:
+        return False
+
+
+def test_an_error_in_a_read_reaches_its_caller_and_the_pool_survives() -> None:
+    deadlines = Deadlines(1.0)
+    try:
+        with pytest.raises(OSError, match="gone"):
+            deadlines.call("hca0", lambda: (_ for _ in ()).throw(OSError("gone")))
+        assert deadlines.call("hca0", lambda: 7) == 7
+    finally:
+        deadlines.close()
