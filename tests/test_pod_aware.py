@@ -174,3 +174,33 @@ def test_an_app_container_reusing_an_init_containers_gpu_is_planned_around_it(
     assert achieved is not None
     best = best_worst_level(topology, free_g, free_h, 2, 1, must_gpus=prep[GPU])
     assert achieved[0] == best, (prep, main)
+
+
+@pytest.mark.parametrize("order", [(GPU, HCA), (HCA, GPU)], ids=["gpu-first", "hca-first"])
+def test_a_pod_reaching_the_watch_between_a_containers_two_calls_still_pairs_them(
+    start_cluster: Start, api: ApiServerImitation, order: tuple[str, str]
+) -> None:
+    # The watch lags the kubelet: the first call names no pod, its Allocate no
+    # holder. The pod arrives before the second call, which must still be
+    # planned against what the first got, not as a new container's first.
+    cluster = start_cluster(LAYOUTS["hgx-h100"](), api=api)
+    pods = cluster.daemon.pods
+    assert pods is not None
+    assert wait_until(lambda: pods.current)
+    topology = cluster.daemon.coordinator.topology
+    free_g, free_h = free(cluster, GPU), free(cluster, HCA)
+    api.hold_watches()
+
+    def caught_up(container: str, resource: str) -> None:
+        if resource == order[0]:
+            api.release_watches()
+            assert wait_until(lambda: any(p.name == "p" for p in pods.pods().values()))
+
+    cluster.kubelet.between_resources = caught_up
+    pod = cluster.kubelet.admit("p", [ContainerRequest("main", {GPU: 2, HCA: 2})], order=order)
+    main = pod.container("main").devices
+    achieved = alignment(topology, main[GPU], main[HCA])
+    assert achieved is not None
+    fixed = {"must_gpus": main[GPU]} if order[0] == GPU else {"must_hcas": main[HCA]}
+    best = best_worst_level(topology, free_g, free_h, 2, 2, **fixed)
+    assert achieved[0] == best, main

@@ -95,6 +95,8 @@ class PodAwareness:
         # container -> kind -> the devices its Allocate got
         # (a namesake pod of another uid starts afresh)
         self._given: dict[ContainerKey, tuple[str, dict[DeviceKind, frozenset[str]]]] = {}
+        # The last Allocate no container could be named for: (kind, ids, when).
+        self._unclaimed: tuple[DeviceKind, frozenset[str], float] | None = None
 
     def identify(self, kind: DeviceKind, size: int) -> Known | None:
         resource, other = self._names.get(kind), self._names.get(kind.other)
@@ -156,10 +158,34 @@ class PodAwareness:
                 # Its other resource came first, all reused from the pod's
                 # init containers (no preference was asked): this completes it.
                 return Known(partners, second=True)
+            adopted = self._adopt_locked(kind.other, partners, now) if partners else frozenset()
+            if adopted:
+                self._record_locked(key, first.pod.uid, kind.other, tuple(adopted))
+                return Known(partners, second=True)
             if partners > 0:
                 self._expected = _Expected(kind.other, partners, size, now, owner, key)
             forced = self._reused_locked(first.pod, first.container.name, kind.other)
         return Known(partners, forced=forced if partners > 0 else frozenset())
+
+    def _unclaimed_allocate(self, kind: DeviceKind, ids: Sequence[str], now: float) -> None:
+        with self._lock:
+            self._unclaimed = (kind, frozenset(ids), now)
+
+    def _adopt_locked(self, kind: DeviceKind, partners: int, now: float) -> frozenset[str]:
+        """The devices of `kind` the last Allocate gave when no pod could be
+        named for it (the watch lagged the kubelet), if that was within the
+        pairing window and of `partners` devices: then the container the
+        watch now names asked for them first, and this call is its second."""
+        found = self._unclaimed
+        if (
+            found is None
+            or found[0] is not kind
+            or len(found[1]) != partners
+            or now - found[2] > self._pair_seconds
+        ):
+            return frozenset()
+        self._unclaimed = None
+        return found[1]
 
     def _given_locked(self, key: ContainerKey, uid: str, kind: DeviceKind) -> frozenset[str]:
         found = self._given.get(key)
@@ -226,6 +252,7 @@ class PodAwareness:
                 and now - answered.at <= self._claim_seconds
             ):
                 self._record_locked(answered.key, str(answered.owner[2]), kind, ids)
+                self._unclaimed = None  # the kubelet has moved on to a named container
                 return answered.key, str(answered.owner[2])
             expected = self._expected
             if (
@@ -243,12 +270,14 @@ class PodAwareness:
                 return expected.key, str(expected.owner[2])
         resource, other = self._names.get(kind), self._names.get(kind.other)
         if resource is None or other is None or not self._cache.current:
+            self._unclaimed_allocate(kind, ids, now)
             return None
         answer = admitting(
             self._cache.waiting(), resource=resource, other=other,
             size=len(ids), held=self._held(kind), waiting=True,
         )  # fmt: skip
         if answer.outcome is not Outcome.EXACT or len(answer.candidates) != 1:
+            self._unclaimed_allocate(kind, ids, now)
             return None
         (only,) = answer.candidates
         key = (only.pod.namespace, only.pod.name, only.container.name)

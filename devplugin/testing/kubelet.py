@@ -279,6 +279,9 @@ class KubeletSimulator:
         self.blank_pod_resources = False
         # (namespace, pod, container) of non-restartable init containers.
         self._init_only: set[tuple[str, str, str]] = set()
+        # Called after each resource of a container is allocated (container,
+        # resource): tests change the world between a container's two calls.
+        self.between_resources: Callable[[str, str], None] | None = None
         self.restarts = 0
         # Where pods are created before admission (as the scheduler binds them).
         self.api = api
@@ -523,6 +526,8 @@ class KubeletSimulator:
                 with self._cond:
                     self._allocating -= 1
                     self._cond.notify_all()
+            if self.between_resources is not None:
+                self.between_resources(container.name, resource)
         return result
 
     def _allocate(
