@@ -126,16 +126,24 @@ def test_with_the_pod_cache_every_container_gets_the_optimum(
 ) -> None:
     blind = start_cluster(LAYOUTS[layout](), **{"pod_resources.min_interval_seconds": 0.01})
     before = [optimal_share(blind, seed) for seed in range(3)]
-    # What is measured is the plan made knowing the pod: on a starved CI core the
-    # watch can lag the kubelet past the default 0.1 s wait, which is the
-    # fallback's business (tested apart), so the wait is generous here.
+    # What is measured is the plan made knowing the pod: the kubelet admits each
+    # pod once the daemon's watch has it (on a starved CI core the watch can lag
+    # the simulator by more than the wait; that case is tested apart).
     aware = start_cluster(
-        LAYOUTS[layout](), api=api,
-        **{"pod_resources.min_interval_seconds": 0.01, "kubernetes.pod_wait_seconds": 2.0},
-    )  # fmt: skip
+        LAYOUTS[layout](), api=api, **{"pod_resources.min_interval_seconds": 0.01}
+    )
+    watched(aware)
     after = [optimal_share(aware, seed) for seed in range(3)]
     assert sum(run.total for run in after) > 0
-    assert all(run.optimal == run.total for run in after), (before, after)
+    outcomes = {
+        f"{resource} {sample.labels['outcome']}": sample.value
+        for resource in (GPU, HCA)
+        for metric in aware.daemon.metrics.registry.collect()
+        if metric.name == "devplugin_pod_aware_choices"
+        for sample in metric.samples
+        if sample.labels.get("resource") == resource and sample.name.endswith("_total")
+    }
+    assert all(run.optimal == run.total for run in after), (after, outcomes)
     assert sum(run.reuse_total for run in after) > 0
     assert all(run.reuse_optimal == run.reuse_total for run in after), (before, after)
     metrics = aware.daemon.metrics.pod_aware
@@ -146,6 +154,17 @@ def test_with_the_pod_cache_every_container_gets_the_optimum(
             f"\n{layout}: optimal without the pod cache {pct(before)}, with it {pct(after)}; "
             f"containers reusing init devices {pct(before, True)} -> {pct(after, True)}"
         )
+
+
+def watched(cluster: Cluster) -> None:
+    """The kubelet admits a pod only once the daemon's pod watch has it."""
+    pods = cluster.daemon.pods
+    assert pods is not None
+
+    def seen(namespace: str, name: str) -> None:
+        assert wait_until(lambda: pods.uid_of(namespace, name) is not None, timeout=10)
+
+    cluster.kubelet.after_bind = seen
 
 
 def pct(runs: list[Share], reuse: bool = False) -> str:
@@ -162,6 +181,7 @@ def test_an_app_container_reusing_an_init_containers_gpu_is_planned_around_it(
     # The kubelet gives `main` the GPU `prep` got, whatever is preferred:
     # main's HCA (asked first or second) must sit best for that GPU plus one more.
     cluster = start_cluster(LAYOUTS[layout](), api=api)
+    watched(cluster)
     topology = cluster.daemon.coordinator.topology
     free_g, free_h = free(cluster, GPU), free(cluster, HCA)
     pod = cluster.kubelet.admit("p", [

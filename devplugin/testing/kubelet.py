@@ -282,6 +282,10 @@ class KubeletSimulator:
         # Called after each resource of a container is allocated (container,
         # resource): tests change the world between a container's two calls.
         self.between_resources: Callable[[str, str], None] | None = None
+        # Called once a pod is in the API, before its admission (namespace,
+        # pod): a test can let the daemon's watch see it first, as a kubelet
+        # that learns of the pod from the same API server usually does.
+        self.after_bind: Callable[[str, str], None] | None = None
         self.restarts = 0
         # Where pods are created before admission (as the scheduler binds them).
         self.api = api
@@ -467,6 +471,8 @@ class KubeletSimulator:
             created = self._created
         if self.api is not None:
             self.api.put("pods", self._pod_object(namespace, pod, containers, created))
+            if self.after_bind is not None:
+                self.after_bind(namespace, pod)
         results: list[ContainerResult] = []
         ordered = [c for c in containers if c.init] + [c for c in containers if not c.init]
         # resource -> devices of finished init containers, reused first.
