@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -46,6 +48,7 @@ def test_bench_quick_run_reports_optimal_answers() -> None:
     assert "searches past the budget 0" in nvlink
 
 
+@pytest.mark.slow
 def test_bench_extender_quick_run_measures_every_line() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "bench", "--quick", "--extender"],
