@@ -578,10 +578,6 @@ class Allocator:
         if 0 < t.nodes[0].depth <= DOMAIN_DEPTH:  # pragma: no cover - the root is no domain
             self._spread_copies[0] += 1
         self._node_level = [int(node.level) for node in t.nodes]
-        # Per class, the other classes from nearest to farthest (cost terms).
-        self._by_distance = [
-            sorted(range(len(t.classes)), key=row.__getitem__) for row in t.class_level
-        ]
         # NVLink graphs the tree cannot express: the fold that carries the
         # counts of linked classes until their links are inside (None when
         # those would be too many to carry; then the bounded search).
@@ -661,10 +657,13 @@ class Allocator:
         cost = [0] * nclasses
         cost_partner = {class_of[d] for d in _cost_partner(request)}
         if cost_partner:
+            # The level to the nearest partner is the level of the deepest
+            # domain that holds one: walk up from each class to it.
+            paths, node_level = t.class_path, self._node_level
+            holding = {node for q in cost_partner for node in paths[q]}
             for c in range(nclasses):
                 if cap[c]:
-                    row = t.class_level[c]
-                    cost[c] = next(row[q] for q in self._by_distance[c] if q in cost_partner)
+                    cost[c] = next(node_level[n] for n in paths[c] if n in holding)
         # Free devices per domain before the choice, and partners per subtree.
         free = [0] * len(t.nodes)
         targets = [0] * len(t.nodes)
@@ -704,9 +703,13 @@ class Allocator:
         cap, must, cost = inputs.cap, inputs.must, inputs.cost
         if _coverage_mode(request):
             # Every partner needs a candidate within the threshold.
-            usable = [c for c in range(len(cap)) if cap[c]]
+            paths, node_level = t.class_path, self._node_level
+            holding = {node for c in range(len(cap)) if cap[c] for node in paths[c]}
             partners = [c for c in range(len(cap)) if inputs.partner[c]]
-            return max((min(t.class_level[q][c] for c in usable) for q in partners), default=0)
+            return max(
+                (next(node_level[n] for n in paths[q] if n in holding) for q in partners),
+                default=0,
+            )
         bound = max((cost[c] for c in range(len(cap)) if must[c]), default=0)
         by_cost = sorted((cost[c], cap[c]) for c in range(len(cap)) if cap[c])
         have = 0

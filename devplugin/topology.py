@@ -246,9 +246,6 @@ class Topology:
             order.append(node)
             stack.extend(self.nodes[node].children)
         self.postorder: tuple[int, ...] = tuple(reversed(order))
-        self.class_level = tuple(
-            tuple(self._class_level(a, b) for b in self.classes) for a in self.classes
-        )
         self.cross_score, self.tree_exact = self._cross_scores()
 
     def _path(self, node: int) -> tuple[int, ...]:
@@ -258,9 +255,6 @@ class Topology:
             path.append(current)
             current = self.nodes[current].parent
         return tuple(path)
-
-    def _class_level(self, a: DeviceClass, b: DeviceClass) -> Level:
-        return self.level(a.devices[0], b.devices[0]) if a.index != b.index else Level.PIX
 
     def _split_classes(self, members: list[str]) -> list[tuple[DeviceKind, list[str], int]]:
         """Interchangeable groups within one switch.
