@@ -116,7 +116,6 @@ class Record:
     """One node's record as the extender uses it."""
 
     parsed: ParsedRecord
-    version: str
     updated: float | None  # wall-clock seconds of status.updated
 
 
@@ -126,7 +125,6 @@ def record_entry(layouts: Layouts, data: Mapping[str, Any]) -> tuple[str, Record
         # Created, its first status not written yet (the daemon does both).
         raise Incomplete("no status yet")
     parsed = parse_record(data)
-    meta = data.get("metadata") or {}
     status = data.get("status") or {}
     updated = None
     stamp = status.get("updated") if isinstance(status, dict) else None
@@ -135,8 +133,7 @@ def record_entry(layouts: Layouts, data: Mapping[str, Any]) -> tuple[str, Record
             updated = datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
         except ValueError:
             updated = None
-    version = str(meta.get("resourceVersion") or "")
-    return parsed.name, Record(layouts.want(parsed), version, updated)
+    return parsed.name, Record(layouts.want(parsed), updated)
 
 
 @dataclass(frozen=True)

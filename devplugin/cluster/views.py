@@ -113,11 +113,6 @@ class Layouts:
         self._queue.put((record.name, record))
         return _slim(record, record.layout_key)
 
-    def forget(self, node: str) -> None:
-        with self._lock:
-            self._by_node.pop(node, None)
-            self._wanted.pop(node, None)
-
     def stop(self) -> None:
         self._queue.put(None)
 
@@ -135,7 +130,7 @@ class Layouts:
             node, record = item
             with self._lock:
                 if self._wanted.get(node) != record.layout_key:
-                    continue  # superseded by a newer layout, or forgotten
+                    continue  # superseded by a newer layout
             try:
                 layout = _build(record)
             except Exception:
@@ -189,9 +184,6 @@ class NodeViews:
         self._gpu, self._hca = gpu, hca
         self._views: dict[str, _View] = {}
         self.builds = 0
-
-    def forget(self, node: str) -> None:
-        self._views.pop(node, None)
 
     def outcome(
         self, record: ParsedRecord, token: object, shape: Shape, asking: str
