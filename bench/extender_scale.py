@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import socket
 import statistics
 import subprocess
@@ -42,6 +41,7 @@ from typing import Any
 
 import yaml
 
+from bench.proc import status_field, terminate
 from devplugin.cluster.extender import MAX_BODY
 from devplugin.cluster.views import parse_record
 from devplugin.testing.apiserver import ApiServerImitation
@@ -106,10 +106,7 @@ def _free_port() -> int:
 
 
 def _rss_mib(pid: int, field_name: str = "VmRSS") -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field_name + ":"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+    return status_field(pid, field_name) / 1024
 
 
 class Client:
@@ -119,7 +116,7 @@ class Client:
     def ready(self) -> bool:
         try:
             with urllib.request.urlopen(f"{self.base}/readyz", timeout=5) as answer:
-                return answer.status == 200
+                return bool(answer.status == 200)
         except (urllib.error.URLError, OSError):
             return False
 
@@ -185,11 +182,7 @@ def _measure(count: int, rounds: int, base: Path, churn: bool) -> Scale:
         _big_bodies(client, names, process.pid, result)
     finally:
         if process is not None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                process.kill()
+            terminate(process, 10)
         api.stop()
     return result
 
@@ -197,7 +190,8 @@ def _measure(count: int, rounds: int, base: Path, churn: bool) -> Scale:
 def _after_changes(
     api: ApiServerImitation, client: Client, names: list[str], rounds: int, result: Scale
 ) -> None:
-    rng = random.Random(count_seed := len(names))
+    seed = len(names)
+    rng = random.Random(seed)
     full: set[str] = set()
     body = _args("changes", (2, 2), names)
     version = 2
@@ -214,7 +208,7 @@ def _after_changes(
         took, filtered = client.pair(body)
         failed = set(filtered["FailedNodes"]) | set(filtered["FailedAndUnresolvableNodes"])
         if failed != full:
-            raise RuntimeError(f"the extender missed record changes (seed {count_seed})")
+            raise RuntimeError(f"the extender missed record changes (seed {seed})")
         result.changed.append(took)
     for name in full:  # back as they were
         api.put("nodedevices", _record(name, HOLDERS, version))
@@ -301,8 +295,8 @@ def _big_bodies(client: Client, names: list[str], pid: int, result: Scale) -> No
 def parse_ms() -> float:
     """The slowest of the 1,024-device records: median of five parses."""
     worst = 0.0
-    for shape in ({"per_switch": 4, "mesh": 8}, {"per_switch": 1, "mesh": 64}):
-        record = hgx_record("big", gpus=512, hcas=512, **shape)
+    for per_switch, mesh in ((4, 8), (1, 64)):
+        record = hgx_record("big", gpus=512, hcas=512, per_switch=per_switch, mesh=mesh)
         times = []
         for _ in range(5):
             started = time.perf_counter()

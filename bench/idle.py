@@ -12,7 +12,6 @@ Goals: 8 GPUs at most 1% of a core and 64 MiB; 64 GPUs at most 2%.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import yaml
 
+from bench.proc import status_field, terminate
 from devplugin.testing.kubelet import ContainerRequest, KubeletSimulator
 from devplugin.testing.layouts import LAYOUTS
 from devplugin.testing.node import build_node
@@ -34,13 +34,6 @@ def _cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     ticks = int(fields[11]) + int(fields[12])  # utime, stime
     return ticks / os.sysconf("SC_CLK_TCK")
-
-
-def _status(pid: int, name: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(name + ":"):
-            return int(line.split()[1])
-    return 0
 
 
 def measure(layout: str, window: float, base: Path) -> tuple[float, float, int, int]:
@@ -80,13 +73,10 @@ def measure(layout: str, window: float, base: Path) -> tuple[float, float, int, 
         cpu0, wall0 = _cpu_seconds(process.pid), time.monotonic()
         time.sleep(window)
         cpu = (_cpu_seconds(process.pid) - cpu0) / (time.monotonic() - wall0) * 100
-        return cpu, _status(process.pid, "VmRSS") / 1024, _status(process.pid, "Threads"), gpus
+        rss = status_field(process.pid, "VmRSS") / 1024
+        return cpu, rss, status_field(process.pid, "Threads"), gpus
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        terminate(process, 15)
         kubelet.stop()
 
 

@@ -45,9 +45,9 @@ def hgx_record(
     for i in range(hcas):
         switch = i // per_switch
         devices.append({
-            "id": _address(2, i), "kind": "hca", "name": f"mlx5_{i}",
-            "health": "Unhealthy" if _address(2, i) in bad else "Healthy",
-            "pciAddress": _address(2, i), "numaNode": int(path(switch)[0][4:]),
+            "id": hca_id(i), "kind": "hca", "name": f"mlx5_{i}",
+            "health": "Unhealthy" if hca_id(i) in bad else "Healthy",
+            "pciAddress": hca_id(i), "numaNode": int(path(switch)[0][4:]),
             "topologyPath": path(switch),
         })  # fmt: skip
     allocations = [
