@@ -116,6 +116,7 @@ class Record:
     """One node's record as the extender uses it."""
 
     parsed: ParsedRecord
+    version: str  # the record's resourceVersion: which one the extender holds
     updated: float | None  # wall-clock seconds of status.updated
 
 
@@ -133,7 +134,9 @@ def record_entry(layouts: Layouts, data: Mapping[str, Any]) -> tuple[str, Record
             updated = datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
         except ValueError:
             updated = None
-    return parsed.name, Record(layouts.want(parsed), updated)
+    meta = data.get("metadata") or {}
+    version = str(meta.get("resourceVersion") or "")
+    return parsed.name, Record(layouts.want(parsed), version, updated)
 
 
 @dataclass(frozen=True)
