@@ -64,6 +64,8 @@ import itertools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from itertools import chain, repeat
+from operator import add, sub
 from typing import Any
 
 from devplugin.model import DeviceKind, Refused, shown_ids
@@ -397,20 +399,85 @@ def planned_request(request: Request, candidates: frozenset[str], plan: Iterable
     )
 
 
+# A class or subtree that takes nothing, at no cost (never mutated).
+_NOTHING: list[int] = [0]
+
+
+def _convolve(first: list[int], second: list[int], low: int, high: int, inf: int) -> list[int]:
+    """out[s] = min over a + b = s of first[a] + second[b], for s <= high
+    (both at least two long); slots under `low` may be left infinite (nobody
+    needs them). Whole rows go through map() so the inner loop runs in C."""
+    if len(second) == 2 or len(first) == 2:
+        if len(second) != 2:
+            first, second = second, first
+        zero, one = second
+        out = list(
+            map(
+                min,
+                chain(map(add, first, repeat(zero)), (inf,)),
+                chain((inf,), map(add, first, repeat(one))),
+            )
+        )
+        del out[high + 1 :]
+        return out
+    out = [inf] * (high + 1)
+    half = inf >> 1
+    width = len(first)
+    for taken, value in enumerate(second):
+        if value >= half:
+            continue
+        start, stop = max(low - taken, 0), min(width, high - taken + 1)
+        if start < stop:
+            at, to = start + taken, stop + taken
+            out[at:to] = map(min, out[at:to], map(add, first[start:stop], repeat(value)))
+    return out
+
+
+@dataclass(frozen=True)
+class _FoldTables:
+    """What the tree fold reads per request kind, built once per topology.
+
+    GPU pair scores decompose over the tree: a pair parting at node N scores
+    cross[N], so the connectivity of a choice is the sum over nodes of
+    C(k_N, 2) * (cross[N] - cross[parent]) plus, per class, C(k_c, 2) *
+    (internal - cross[its node]), where k is how many were taken below. Each
+    node then adds one row after its merge instead of a term per pair of
+    counts inside it."""
+
+    classes: tuple[int, ...]  # the classes of this kind
+    # Per class and cost level (0-5), the value of taking k of it.
+    class_values: tuple[tuple[list[int], ...], ...]
+    # Per node, the connectivity row added after its merge (None: nothing).
+    node_penalty: tuple[list[int] | None, ...]
+
+
 class _OutOfTime(Exception):
     """The linked fold passed the request's budget."""
 
 
 @dataclass
 class _Inputs:
-    """Per-request arrays, indexed by class or by domain node."""
+    """Per-request arrays, indexed by class (per node where named)."""
 
     cap: list[int]  # candidates per class
     must: list[int]  # must-include devices per class
     cost: list[int]  # level to the partner set per class (cost modes)
     partner: list[int]  # partner devices per class
-    free: list[int]  # free devices (both kinds) per node, before the choice
-    targets: list[int]  # partner devices per subtree
+    other: list[int]  # free devices of the other kind per class
+
+    def per_node(self, topology: Topology) -> tuple[list[int], list[int]]:
+        """Free devices (both kinds) per node before the choice, and partners
+        per subtree (the tree fold sums these as it goes; the linked fold
+        reads them here)."""
+        free = [0] * len(topology.nodes)
+        targets = [0] * len(topology.nodes)
+        for c, path in enumerate(topology.class_path):
+            room, pending = self.cap[c] + self.other[c], self.partner[c]
+            if room or pending:
+                for node in path:
+                    free[node] += room
+                    targets[node] += pending
+        return free, targets
 
 
 # The time a GPU search on an NVLink graph the tree cannot express may take.
@@ -578,10 +645,55 @@ class Allocator:
         if 0 < t.nodes[0].depth <= DOMAIN_DEPTH:  # pragma: no cover - the root is no domain
             self._spread_copies[0] += 1
         self._node_level = [int(node.level) for node in t.nodes]
+        # Larger than any value a choice can have, by a margin no sum of
+        # negative terms can close: "no such choice" in the fold's rows.
+        self._inf = 4 * weights[0] * (2 * bounds[0] + 1)
+        # Devices (both kinds) under each node: the spread rows' length.
+        under = [0] * len(t.nodes)
+        for klass in t.classes:
+            for node in t.class_path[klass.index]:
+                under[node] += len(klass.devices)
+        self._spread_rows: list[list[int] | None] = [
+            [j * j * copies * self._w_spread for j in range(under[node] + 1)] if copies else None
+            for node, copies in enumerate(self._spread_copies)
+        ]
+        self._tables = {kind: self._fold_tables(kind) for kind in DeviceKind}
         # NVLink graphs the tree cannot express: the fold that carries the
         # counts of linked classes until their links are inside (None when
         # those would be too many to carry; then the bounded search).
         self._linked = None if t.tree_exact else _LinkedPlan.build(t, self._order, self._node_items)
+
+    def _fold_tables(self, kind: DeviceKind) -> _FoldTables:
+        t = self.topology
+        gpu = kind is DeviceKind.GPU
+        w_total, w_conn = self._w_total, self._w_conn
+        parent = [0] * len(t.nodes)
+        for node in self._order:
+            for is_class, item in self._node_items[node]:
+                if not is_class:
+                    parent[item] = node
+        cross = [t.cross_score[node] if gpu else 0 for node in range(len(t.nodes))]
+        classes = tuple(k.index for k in t.classes if k.kind is kind)
+        class_values: list[tuple[list[int], ...]] = [()] * len(t.classes)
+        of_kind = [0] * len(t.nodes)
+        for c in classes:
+            klass = t.classes[c]
+            step = klass.internal_score - cross[klass.node] if gpu else 0
+            class_values[c] = tuple(
+                [k * per * w_total - step * (k * (k - 1) // 2) * w_conn
+                 for k in range(len(klass.devices) + 1)]
+                for per in range(6)
+            )  # fmt: skip
+            for node in t.class_path[c]:
+                of_kind[node] += len(klass.devices)
+        penalty: list[list[int] | None] = [None] * len(t.nodes)
+        for node in self._order:
+            step = cross[node] - (cross[parent[node]] if node else 0)
+            if step:
+                penalty[node] = [
+                    -step * (k * (k - 1) // 2) * w_conn for k in range(of_kind[node] + 1)
+                ]
+        return _FoldTables(classes, tuple(class_values), tuple(penalty))
 
     # -- public --------------------------------------------------------------
     def choose(self, request: Request) -> Choice:
@@ -654,27 +766,25 @@ class Allocator:
             must[class_of[device]] += 1
         for device in request.partner:
             partner[class_of[device]] += 1
+        other = [0] * nclasses
+        for device in request.other_free:
+            other[class_of[device]] += 1
         cost = [0] * nclasses
         cost_partner = {class_of[d] for d in _cost_partner(request)}
         if cost_partner:
             # The level to the nearest partner is the level of the deepest
             # domain that holds one: walk up from each class to it.
             paths, node_level = t.class_path, self._node_level
-            holding = {node for q in cost_partner for node in paths[q]}
+            holding: set[int] = set()
+            for q in cost_partner:
+                holding.update(paths[q])
             for c in range(nclasses):
                 if cap[c]:
-                    cost[c] = next(node_level[n] for n in paths[c] if n in holding)
-        # Free devices per domain before the choice, and partners per subtree.
-        free = [0] * len(t.nodes)
-        targets = [0] * len(t.nodes)
-        for c in range(nclasses):
-            for node in t.class_path[c]:
-                free[node] += cap[c]
-                targets[node] += partner[c]
-        for device in request.other_free:
-            for node in t.class_path[class_of[device]]:
-                free[node] += 1
-        inputs = _Inputs(cap, must, cost, partner, free, targets)
+                    for node in paths[c]:
+                        if node in holding:
+                            cost[c] = node_level[node]
+                            break
+        inputs = _Inputs(cap, must, cost, partner, other)
         support = _support_mode(request)
         if support:
             thresholds: Iterable[int] = range(1, 6)
@@ -722,126 +832,133 @@ class Allocator:
     def _fold(
         self, request: Request, threshold: int, inputs: _Inputs
     ) -> tuple[int, dict[int, int]] | None:
+        """The tree fold: per node, the best value for each count taken below
+        it (`self._inf` and above: no such choice). GPU pair scores are
+        charged per node as C(k, 2) times the score's step from the parent
+        (see `_FoldTables`), so the merges themselves are plain (min, +)
+        convolutions, done in C by map() over whole rows."""
         t = self.topology
+        tables = self._tables[request.kind]
         cap, must, cost = inputs.cap, inputs.must, inputs.cost
-        partner, free, targets = inputs.partner, inputs.free, inputs.targets
+        partner, other = inputs.partner, inputs.other
         size = request.size
-        kind = request.kind
+        inf = self._inf
         coverage = _coverage_mode(request)
         support = _support_mode(request)
-        w_total, w_conn, w_spread = self._w_total, self._w_conn, self._w_spread
-        w_reach = self._w_reach
-        gpu = kind is DeviceKind.GPU
-        cross = t.cross_score
         # Cost levels above the threshold are infeasible only when the
         # threshold bounds the chosen devices' own levels.
         prune = not coverage and not support
         # The value of one partner first covered at each level (index = level).
-        cover_unit: list[int | None] = [0] * 6
+        cover_unit = [0] * 6
         if coverage:
-            cover_unit = [None if level > threshold else level * w_total for level in range(6)]
+            cover_unit = [inf if level > threshold else level * self._w_total for level in range(6)]
         elif support:
             for depth_level in range(1, 6):
-                gain = -w_reach if depth_level <= threshold else 0
+                gain = -self._w_reach if depth_level <= threshold else 0
                 for w, bound_level in zip(self._w_support, SUPPORT_LEVELS, strict=True):
                     if depth_level <= bound_level:
                         gain -= w
                 cover_unit[depth_level] = gain
 
-        class_values: list[list[int | None]] = []
-        for klass in t.classes:
-            c = klass.index
-            if klass.kind is not kind or not cap[c]:
-                class_values.append([0])
+        class_values: list[list[int]] = [_NOTHING] * len(t.classes)
+        # Per node: how many the classes below it could take at most.
+        capacity = [0] * len(t.nodes)
+        total = 0
+        for c in tables.classes:
+            if not cap[c]:
                 continue
-            high = min(cap[c], size)
-            values: list[int | None] = [None] * (high + 1)
-            per = cost[c]
-            internal = klass.internal_score if gpu else 0
-            for k in range(must[c], high + 1):
-                if k and prune and per > threshold:
-                    break
-                values[k] = k * per * w_total - internal * (k * (k - 1) // 2) * w_conn
-            class_values.append(values)
+            per, need = cost[c], must[c]
+            if prune and per > threshold:
+                values = _NOTHING if not need else [inf]
+            else:
+                values = tables.class_values[c][per][: min(cap[c], size) + 1]
+                if need:
+                    values = [inf] * need + values[need:]
+            class_values[c] = values
+            total += len(values) - 1
 
-        node_values: list[list[int | None]] = [[] for _ in t.nodes]
-        backs: list[list[tuple[bool, int, list[int]]]] = [[] for _ in t.nodes]
-        node_items, level_of, copies = self._node_items, self._node_level, self._spread_copies
+        node_values: list[list[int]] = [_NOTHING] * len(t.nodes)
+        # Per node: free devices (both kinds) and partners below it.
+        free = [0] * len(t.nodes)
+        targets = [0] * len(t.nodes)
+        # Per node, the merges that took something: (item, its row, the
+        # row before it, the merged row), for walking back.
+        steps_of: list[list[tuple[bool, int, list[int], list[int], list[int]]]] = [
+            [] for _ in t.nodes
+        ]
+        node_items, level_of = self._node_items, self._node_level
+        node_penalty, spread_rows = tables.node_penalty, self._spread_rows
         for node in self._order:
             unit = cover_unit[level_of[node]]
-            pair_weight = cross[node] * w_conn if gpu else 0
-            current: list[int | None] = [0]
-            zero: int | None = 0
-            steps: list[tuple[bool, int, list[int]]] = []
+            current = _NOTHING
+            zero = below = room = waiting = 0
+            steps = steps_of[node]
             for is_class, item in node_items[node]:
                 if is_class:
                     values, pending = class_values[item], partner[item]
+                    room += cap[item] + other[item]
                 else:
                     values, pending = node_values[item], targets[item]
+                    room += free[item]
+                if pending:
+                    waiting += pending
+                elif values is _NOTHING:
+                    continue  # takes nothing, costs nothing
                 first = values[0]
-                if zero is not None:
-                    zero = None if first is None else zero + first
+                zero += first
                 # When this item takes nothing, its partners are covered here.
-                adjusted: int | None
-                if first is None:
-                    adjusted = None
-                elif pending:
-                    adjusted = None if unit is None else first + pending * unit
-                else:
-                    adjusted = first
+                adjusted = first + pending * unit if pending else first
                 width = len(values)
                 if width == 1:
                     # Takes nothing whatever happens: no choice to record.
-                    if adjusted is None:
-                        current = [None] * len(current)
-                    elif adjusted:
-                        current = [None if v is None else v + adjusted for v in current]
+                    if adjusted:
+                        current = list(map(add, current, repeat(adjusted, len(current))))
                     continue
-                limit = min(size, len(current) + width - 2)
-                merged: list[int | None] = [None] * (limit + 1)
-                back = [0] * (limit + 1)
-                for k1, v1 in enumerate(current):
-                    if v1 is None:
-                        continue
-                    if adjusted is not None:
-                        value = v1 + adjusted
-                        best = merged[k1]
-                        if best is None or value < best:
-                            merged[k1] = value
-                            back[k1] = 0
-                    cross_k1 = pair_weight * k1
-                    for k2 in range(1, min(width, limit - k1 + 1)):
-                        v2 = values[k2]
-                        if v2 is None:
-                            continue
-                        value = v1 + v2 - cross_k1 * k2
-                        slot = k1 + k2
-                        best = merged[slot]
-                        if best is None or value < best:
-                            merged[slot] = value
-                            back[slot] = k2
+                row = values if adjusted == first else [adjusted, *values[1:]]
+                below += width - 1 if is_class else capacity[item]
+                high = min(size, len(current) + width - 2)
+                if len(current) == 1:
+                    base = current[0]
+                    merged = list(map(add, row[: high + 1], repeat(base))) if base else row
+                else:
+                    # Counts the rest of the tree could not make up to
+                    # `size` are never used: start the merge above them.
+                    merged = _convolve(current, row, size - (total - below), high, inf)
+                steps.append((is_class, item, row, current, merged))
                 current = merged
-                steps.append((is_class, item, back))
-            current[0] = zero
-            if copies[node]:
-                room = free[node]
-                weight = copies[node] * w_spread
-                for k, entry in enumerate(current):
-                    if entry is not None:
-                        left = room - k
-                        current[k] = entry - left * left * weight
+            free[node], targets[node], capacity[node] = room, waiting, below
+            if current[0] != zero:
+                current = [zero, *current[1:]]
+            penalty = node_penalty[node]
+            spread = spread_rows[node]
+            if spread is not None:
+                count = len(current)
+                # spread[room - k] for k = 0 .. count - 1
+                squares = spread[room : room - count : -1] if room >= count else spread[room::-1]
+                if penalty is None:
+                    current = list(map(sub, current, squares))
+                else:
+                    current = list(map(sub, map(add, current, penalty), squares))
+            elif penalty is not None:
+                current = list(map(add, current, penalty))
             node_values[node] = current
-            backs[node] = steps
         root = node_values[0]
-        best_value = root[size] if len(root) > size else None
-        if best_value is None:
+        best_value = root[size] if len(root) > size else inf
+        if best_value >= inf >> 1:
             return None
         counts: dict[int, int] = {}
         stack = [(0, size)]
         while stack:
             node, k = stack.pop()
-            for is_class, item, back in reversed(backs[node]):
-                take = back[k] if k < len(back) else 0
+            for is_class, item, row, before, merged in reversed(steps_of[node]):
+                if not k:
+                    break
+                goal = merged[k]
+                # The largest count of this item that reaches the best value
+                # (the tie-break the forward pass had when it kept the first).
+                take = min(k, len(row) - 1)
+                while k - take >= len(before) or before[k - take] + row[take] != goal:
+                    take -= 1
                 if take:
                     if is_class:
                         counts[item] = take
@@ -862,7 +979,8 @@ class Allocator:
         (see `_LinkedPlan`): per state, the best value for each count (None:
         no such choice). Raises _OutOfTime past `deadline`."""
         t = self.topology
-        cap, must, cost, free = inputs.cap, inputs.must, inputs.cost, inputs.free
+        cap, must, cost = inputs.cap, inputs.must, inputs.cost
+        free, _ = inputs.per_node(t)
         size = request.size
         w_total, w_conn, w_spread = self._w_total, self._w_conn, self._w_spread
         Row = list[int | None]

@@ -263,7 +263,9 @@ class Topology:
         the connected components of the NVLink graph inside the switch, each
         kept whole when it is a clique of one link count and its members see
         the same NVLinks outside it; otherwise its GPUs stand alone (and the
-        allocator adds the NVLinks the tree cannot express itself).
+        allocator adds the NVLinks the tree cannot express itself). GPUs with
+        no NVLink inside the switch form one class per pattern of NVLinks
+        outside it (on a PCIe-only node: one class per switch).
         """
         hcas = [m for m in members if self.kind[m] is DeviceKind.HCA]
         gpus = sorted(m for m in members if self.kind[m] is DeviceKind.GPU)
@@ -272,6 +274,8 @@ class Topology:
             groups.append((DeviceKind.HCA, hcas, 0))
         seen: set[str] = set()
         outside = [g.uuid for g in self.gpus]
+        alone: dict[tuple[int, ...], list[str]] = {}
+        inside = set(gpus)
         for gpu in gpus:
             if gpu in seen:
                 continue
@@ -290,13 +294,23 @@ class Topology:
                 tuple(self.nvlinks(member, x) for x in outside if x not in component)
                 for member in component
             }
-            if len(scores) <= 1 and len(external) == 1:
-                internal = scores.pop() if scores else PCIE_SCORE[Level.PIX]
-                groups.append((DeviceKind.GPU, component, internal))
+            if len(component) == 1:
+                # Alone in its component: no NVLink to any GPU of this switch.
+                links = tuple(self.nvlinks(gpu, x) for x in outside if x not in inside)
+                alone.setdefault(links, []).append(gpu)
+            elif len(scores) <= 1 and len(external) == 1:
+                groups.append((DeviceKind.GPU, component, scores.pop()))
             else:
                 groups.extend(
                     (DeviceKind.GPU, [member], PCIE_SCORE[Level.PIX]) for member in component
                 )
+        # GPUs with no NVLink inside the switch and the same NVLinks outside
+        # are interchangeable: every pair among them is plain PIX. One class
+        # for them keeps PCIe-only switches (four or eight GPUs each) to one
+        # fold item instead of one per GPU.
+        groups.extend(
+            (DeviceKind.GPU, members, PCIE_SCORE[Level.PIX]) for members in alone.values()
+        )
         return groups
 
     def _cross_scores(self) -> tuple[tuple[int, ...], bool]:

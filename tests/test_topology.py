@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from devplugin.model import PciAddress, PciFunction, PciPath
+from devplugin.model import GpuInfo, PciAddress, PciFunction, PciPath
 from devplugin.report import topo_matrix, topo_text
 from devplugin.testing.node import build_node
 from devplugin.topology import Level, Topology, pci_level
@@ -156,3 +156,38 @@ def test_topology_object_shares_levels_by_device_id(tmp_path: Path) -> None:
     assert topology.link(gpu0, gpu1).label == "NV12"
     assert topology.level(gpu0, gpu1) is Level.PXB
     assert topology.numa_node(hca0) == 0
+
+
+def _gpu(index: int, port: str, peers: tuple[tuple[int, int], ...] = ()) -> GpuInfo:
+    address = f"0000:{0x20 + index:02x}:00.0"
+    return GpuInfo(
+        index=index,
+        uuid=f"GPU-{index}",
+        name="gpu",
+        pci_address=PciAddress.parse(address),
+        minor_number=index,
+        memory_total_mib=1,
+        nvlink_peers=peers,
+        pci=fn("pci0000:10", RP, UP, port, address),
+    )
+
+
+def test_gpus_of_one_switch_without_nvlinks_are_one_class() -> None:
+    # GPUs 0-2 sit on one switch with no NVLink at all; GPU 3 shares their
+    # switch but has a bridge to GPU 4 on another switch, so it is not
+    # interchangeable with them.
+    gpus = [
+        _gpu(0, "0000:12:00.0"),
+        _gpu(1, "0000:12:01.0"),
+        _gpu(2, "0000:12:02.0"),
+        _gpu(3, "0000:12:03.0", ((4, 2),)),
+        GpuInfo(
+            4, "GPU-4", "gpu", PciAddress.parse("0000:30:00.0"), 4, 1, ((3, 2),),
+            fn("pci0000:10", RP, "0000:30:00.0"),
+        ),
+    ]  # fmt: skip
+    topology = Topology(gpus, [])
+    groups = sorted(klass.devices for klass in topology.classes)
+    assert groups == [("GPU-0", "GPU-1", "GPU-2"), ("GPU-3",), ("GPU-4",)]
+    plain = next(k for k in topology.classes if len(k.devices) == 3)
+    assert plain.internal_score == topology.score("GPU-0", "GPU-1") == 50
