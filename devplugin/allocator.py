@@ -434,6 +434,17 @@ def _convolve(first: list[int], second: list[int], low: int, high: int, inf: int
 
 
 @dataclass(frozen=True)
+class _FoldNode:
+    """One node of the compressed tree as a fold of one kind walks it."""
+
+    node: int
+    level: int
+    children: tuple[int, ...]  # child nodes (their lowest kept node)
+    mine: tuple[int, ...]  # classes of the kind being chosen
+    others: tuple[int, ...]  # classes of the other kind (free room, partners)
+
+
+@dataclass(frozen=True)
 class _FoldTables:
     """What the tree fold reads per request kind, built once per topology.
 
@@ -442,8 +453,10 @@ class _FoldTables:
     C(k_N, 2) * (cross[N] - cross[parent]) plus, per class, C(k_c, 2) *
     (internal - cross[its node]), where k is how many were taken below. Each
     node then adds one row after its merge instead of a term per pair of
-    counts inside it."""
+    counts inside it. A node no pair parts at takes its parent's score, so
+    it adds nothing."""
 
+    walk: tuple[_FoldNode, ...]  # children before parents
     classes: tuple[int, ...]  # the classes of this kind
     # Per class and cost level (0-5), the value of taking k of it.
     class_values: tuple[tuple[list[int], ...], ...]
@@ -608,8 +621,8 @@ class Allocator:
         weights = [1] * len(bounds)
         for i in range(len(bounds) - 2, -1, -1):
             weights[i] = weights[i + 1] * (2 * bounds[i + 1] + 1)
-        self._bounds = bounds
-        self._weights = weights
+        # Decoding peels the components off from the last (spread) to the second.
+        self._digits = [(2 * bounds[i] + 1, bounds[i]) for i in range(len(bounds) - 1, 0, -1)]
         self._w_reach, self._w_total, self._w_conn = weights[0], weights[1], weights[2]
         self._w_support = weights[3:7]
         self._w_spread = weights[7]
@@ -668,11 +681,32 @@ class Allocator:
         gpu = kind is DeviceKind.GPU
         w_total, w_conn = self._w_total, self._w_conn
         parent = [0] * len(t.nodes)
+        walk: list[_FoldNode] = []
         for node in self._order:
+            children: list[int] = []
+            mine: list[int] = []
+            others: list[int] = []
             for is_class, item in self._node_items[node]:
                 if not is_class:
                     parent[item] = node
-        cross = [t.cross_score[node] if gpu else 0 for node in range(len(t.nodes))]
+                    children.append(item)
+                elif t.classes[item].kind is kind:
+                    mine.append(item)
+                else:
+                    others.append(item)
+            walk.append(
+                _FoldNode(node, self._node_level[node], tuple(children), tuple(mine), tuple(others))
+            )
+        # The score of pairs parting at each node; where none part (one
+        # child holds every GPU below), the parent's, so the step is zero.
+        parting = [False] * len(t.nodes)
+        for node, score in enumerate(t.cross_score):
+            parting[node] = bool(score)
+        cross = [0] * len(t.nodes)
+        if gpu:
+            for node in reversed(self._order):  # parents before children
+                up = cross[parent[node]] if node else 0
+                cross[node] = t.cross_score[node] if parting[node] else up
         classes = tuple(k.index for k in t.classes if k.kind is kind)
         class_values: list[tuple[list[int], ...]] = [()] * len(t.classes)
         of_kind = [0] * len(t.nodes)
@@ -693,7 +727,7 @@ class Allocator:
                 penalty[node] = [
                     -step * (k * (k - 1) // 2) * w_conn for k in range(of_kind[node] + 1)
                 ]
-        return _FoldTables(classes, tuple(class_values), tuple(penalty))
+        return _FoldTables(tuple(walk), classes, tuple(class_values), tuple(penalty))
 
     # -- public --------------------------------------------------------------
     def choose(self, request: Request) -> Choice:
@@ -813,21 +847,57 @@ class Allocator:
         cap, must, cost = inputs.cap, inputs.must, inputs.cost
         if _coverage_mode(request):
             # Every partner needs a candidate within the threshold.
-            paths, node_level = t.class_path, self._node_level
-            holding = {node for c in range(len(cap)) if cap[c] for node in paths[c]}
-            partners = [c for c in range(len(cap)) if inputs.partner[c]]
-            return max(
-                (next(node_level[n] for n in paths[q] if n in holding) for q in partners),
-                default=0,
-            )
-        bound = max((cost[c] for c in range(len(cap)) if must[c]), default=0)
-        by_cost = sorted((cost[c], cap[c]) for c in range(len(cap)) if cap[c])
-        have = 0
-        for level, count in by_cost:
-            have += count
-            if have >= request.size:
+            paths, node_level, partner = t.class_path, self._node_level, inputs.partner
+            holding: set[int] = set()
+            for c in self._tables[request.kind].classes:
+                if cap[c]:
+                    holding.update(paths[c])
+            bound = 0
+            for q, pending in enumerate(partner):
+                if pending:
+                    for node in paths[q]:
+                        if node in holding:
+                            bound = max(bound, node_level[node])
+                            break
+            return bound
+        bound = 0
+        have = [0] * 6
+        for c in self._tables[request.kind].classes:
+            if cap[c]:
+                have[cost[c]] += cap[c]
+                if must[c] and cost[c] > bound:
+                    bound = cost[c]
+        count = 0
+        for level, more in enumerate(have):
+            count += more
+            if count >= request.size:
                 return max(bound, level)
         return 5  # pragma: no cover - validate() guarantees capacity
+
+    @staticmethod
+    def _merge(
+        steps: list[tuple[bool, int, list[int], list[int], list[int]]],
+        is_class: bool,
+        item: int,
+        current: list[int],
+        row: list[int],
+        *,
+        size: int,
+        rest: int,
+        inf: int,
+    ) -> list[int]:
+        """Fold one item's row into the node's row so far (recorded in
+        `steps` for the walk back). `rest`: how many the items not merged
+        yet could take at most."""
+        if len(current) == 1:
+            # The first item that can take something: its row as it is.
+            merged = row[: size + 1] if current[0] == 0 else list(map(add, row, repeat(current[0])))
+        else:
+            high = min(size, len(current) + len(row) - 2)
+            # Counts the rest could not make up to `size` are never used.
+            merged = _convolve(current, row, size - rest, high, inf)
+        steps.append((is_class, item, row, current, merged))
+        return merged
 
     def _fold(
         self, request: Request, threshold: int, inputs: _Inputs
@@ -886,47 +956,58 @@ class Allocator:
         steps_of: list[list[tuple[bool, int, list[int], list[int], list[int]]]] = [
             [] for _ in t.nodes
         ]
-        node_items, level_of = self._node_items, self._node_level
         node_penalty, spread_rows = tables.node_penalty, self._spread_rows
-        for node in self._order:
-            unit = cover_unit[level_of[node]]
+        for fold_node in tables.walk:
+            node = fold_node.node
+            unit = cover_unit[fold_node.level]
             current = _NOTHING
-            zero = below = room = waiting = 0
+            # `shift`: added to every count (items that take nothing whatever
+            # happens); `zero`: the value when the whole node takes nothing,
+            # its partners then covered further up, not here.
+            zero = shift = below = room = waiting = 0
             steps = steps_of[node]
-            for is_class, item in node_items[node]:
-                if is_class:
-                    values, pending = class_values[item], partner[item]
-                    room += cap[item] + other[item]
-                else:
-                    values, pending = node_values[item], targets[item]
-                    room += free[item]
-                if pending:
-                    waiting += pending
-                elif values is _NOTHING:
-                    continue  # takes nothing, costs nothing
+            for child in fold_node.children:
+                values, pending = node_values[child], targets[child]
+                room += free[child]
                 first = values[0]
                 zero += first
-                # When this item takes nothing, its partners are covered here.
-                adjusted = first + pending * unit if pending else first
-                width = len(values)
-                if width == 1:
-                    # Takes nothing whatever happens: no choice to record.
-                    if adjusted:
-                        current = list(map(add, current, repeat(adjusted, len(current))))
-                    continue
-                row = values if adjusted == first else [adjusted, *values[1:]]
-                below += width - 1 if is_class else capacity[item]
-                high = min(size, len(current) + width - 2)
-                if len(current) == 1:
-                    base = current[0]
-                    merged = list(map(add, row[: high + 1], repeat(base))) if base else row
+                if pending:
+                    waiting += pending
+                    # When this child takes nothing, its partners are covered here.
+                    adjusted = first + pending * unit
+                    row = [adjusted, *values[1:]] if len(values) > 1 else _NOTHING
                 else:
-                    # Counts the rest of the tree could not make up to
-                    # `size` are never used: start the merge above them.
-                    merged = _convolve(current, row, size - (total - below), high, inf)
-                steps.append((is_class, item, row, current, merged))
-                current = merged
+                    adjusted, row = first, values
+                if len(values) == 1:
+                    shift += adjusted
+                    continue
+                below += capacity[child]
+                current = self._merge(
+                    steps, False, child, current, row, size=size, rest=total - below, inf=inf
+                )
+            for c in fold_node.mine:
+                values = class_values[c]
+                room += cap[c]
+                if values is _NOTHING:
+                    continue
+                first = values[0]
+                zero += first
+                if len(values) == 1:
+                    shift += first
+                    continue
+                below += len(values) - 1
+                current = self._merge(
+                    steps, True, c, current, values, size=size, rest=total - below, inf=inf
+                )
+            for c in fold_node.others:
+                room += other[c]
+                pending = partner[c]
+                if pending:
+                    waiting += pending
+                    shift += pending * unit
             free[node], targets[node], capacity[node] = room, waiting, below
+            if shift:
+                current = list(map(add, current, repeat(shift)))
             if current[0] != zero:
                 current = [zero, *current[1:]]
             penalty = node_penalty[node]
@@ -1095,19 +1176,25 @@ class Allocator:
         self, request: Request, candidates: frozenset[str], counts: dict[int, int]
     ) -> tuple[str, ...]:
         ids: list[str] = []
+        classes, must = self.topology.classes, request.must_include
         for c, count in sorted(counts.items()):
-            members = [d for d in self.topology.classes[c].devices if d in candidates]
-            members.sort(key=lambda d: (d not in request.must_include, d))
+            devices = classes[c].devices  # sorted
+            if len(devices) == 1:
+                ids.append(devices[0])
+                continue
+            members = [d for d in devices if d in candidates]
+            if must and not must.isdisjoint(members):
+                # Must-include devices first: they are taken whatever the count.
+                members = [d for d in members if d in must] + [d for d in members if d not in must]
             ids.extend(members[:count])
         return tuple(ids)
 
     def _decode(self, value: int, threshold: int, support: bool) -> Score:
         digits: list[int] = []
         rest = value
-        for i in range(len(self._weights) - 1, 0, -1):
-            base = 2 * self._bounds[i] + 1
+        for base, bound in self._digits:
             digit = rest % base
-            if digit > self._bounds[i]:
+            if digit > bound:
                 digit -= base
             digits.append(digit)
             rest = (rest - digit) // base
