@@ -65,8 +65,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import chain, repeat
-from operator import add, sub
-from typing import Any
+from operator import add
+from typing import Any, NamedTuple
 
 from devplugin.model import DeviceKind, Refused, shown_ids
 from devplugin.topology import DOMAIN_DEPTH, NVLINK_SCORE, PCIE_SCORE, Level, Topology
@@ -79,8 +79,9 @@ class Role(enum.Enum):
     SECOND = "second"  # the other resource was just chosen: partner = those devices
 
 
-@dataclass(frozen=True)
-class Request:
+class Request(NamedTuple):
+    """One container's request for devices of one kind, as the objective sees it."""
+
     kind: DeviceKind
     available: frozenset[str]
     size: int
@@ -102,8 +103,9 @@ class Request:
         return min(wanted, len(self.partner))
 
 
-@dataclass(frozen=True)
-class Score:
+class Score(NamedTuple):
+    """The objective's terms for one answer (see the module docstring)."""
+
     worst: int
     total: int
     connectivity: int
@@ -123,8 +125,9 @@ class Score:
         )
 
 
-@dataclass(frozen=True)
-class Choice:
+class Choice(NamedTuple):
+    """An answer and its score."""
+
     ids: tuple[str, ...]
     score: Score
     # GPUs first with fewer HCAs expected: the HCAs the GPUs were placed near.
@@ -423,6 +426,13 @@ def _convolve(first: list[int], second: list[int], low: int, high: int, inf: int
     out = [inf] * (high + 1)
     half = inf >> 1
     width = len(first)
+    if low <= 0 and high == width + len(second) - 2:
+        # Every slot wanted: each row lands whole.
+        for taken, value in enumerate(second):
+            if value < half:
+                to = taken + width
+                out[taken:to] = map(min, out[taken:to], map(add, first, repeat(value)))
+        return out
     for taken, value in enumerate(second):
         if value >= half:
             continue
@@ -462,6 +472,10 @@ class _FoldTables:
     class_values: tuple[tuple[list[int], ...], ...]
     # Per node, the connectivity row added after its merge (None: nothing).
     node_penalty: tuple[list[int] | None, ...]
+    # Per node, by free devices below it: the connectivity and spread rows
+    # added together after its merge (None per node: nothing to add; per
+    # room: not built yet). Filled as rooms are met.
+    finish: tuple[list[list[int] | None] | None, ...]
 
 
 class _OutOfTime(Exception):
@@ -492,6 +506,10 @@ class _Inputs:
                     targets[node] += pending
         return free, targets
 
+
+# Finishing rows (see `_FoldTables.finish`) up to this long are kept: at
+# most this many squared per node, a few hundred KiB for 128 devices.
+FINISH_CACHED = 129
 
 # The time a GPU search on an NVLink graph the tree cannot express may take.
 SEARCH_BUDGET = 0.2
@@ -666,6 +684,7 @@ class Allocator:
         for klass in t.classes:
             for node in t.class_path[klass.index]:
                 under[node] += len(klass.devices)
+        self._under = under
         self._spread_rows: list[list[int] | None] = [
             [j * j * copies * self._w_spread for j in range(under[node] + 1)] if copies else None
             for node, copies in enumerate(self._spread_copies)
@@ -727,7 +746,24 @@ class Allocator:
                 penalty[node] = [
                     -step * (k * (k - 1) // 2) * w_conn for k in range(of_kind[node] + 1)
                 ]
-        return _FoldTables(tuple(walk), classes, tuple(class_values), tuple(penalty))
+        finish: list[list[list[int] | None] | None] = [
+            [None] * (self._under[node] + 1)
+            if spread is not None or penalty[node] is not None
+            else None
+            for node, spread in enumerate(self._spread_rows)
+        ]
+        return _FoldTables(tuple(walk), classes, tuple(class_values), tuple(penalty), tuple(finish))
+
+    def _finish_row(self, tables: _FoldTables, node: int, room: int) -> list[int]:
+        """What a node adds to taking k below it, for k up to `room`: its
+        connectivity term and its spread term with `room` free before."""
+        penalty = tables.node_penalty[node]
+        spread = self._spread_rows[node]
+        count = room + 1 if penalty is None else min(room + 1, len(penalty))
+        row = list(penalty[:count]) if penalty is not None else [0] * count
+        if spread is not None:
+            row = [value - spread[room - k] for k, value in enumerate(row)]
+        return row
 
     # -- public --------------------------------------------------------------
     def choose(self, request: Request) -> Choice:
@@ -886,16 +922,12 @@ class Allocator:
         rest: int,
         inf: int,
     ) -> list[int]:
-        """Fold one item's row into the node's row so far (recorded in
-        `steps` for the walk back). `rest`: how many the items not merged
-        yet could take at most."""
-        if len(current) == 1:
-            # The first item that can take something: its row as it is.
-            merged = row[: size + 1] if current[0] == 0 else list(map(add, row, repeat(current[0])))
-        else:
-            high = min(size, len(current) + len(row) - 2)
-            # Counts the rest could not make up to `size` are never used.
-            merged = _convolve(current, row, size - rest, high, inf)
+        """Fold one item's row into the node's row so far (both at least two
+        long; recorded in `steps` for the walk back). `rest`: how many the
+        items not merged yet could take at most."""
+        high = min(size, len(current) + len(row) - 2)
+        # Counts the rest could not make up to `size` are never used.
+        merged = _convolve(current, row, size - rest, high, inf)
         steps.append((is_class, item, row, current, merged))
         return merged
 
@@ -956,7 +988,7 @@ class Allocator:
         steps_of: list[list[tuple[bool, int, list[int], list[int], list[int]]]] = [
             [] for _ in t.nodes
         ]
-        node_penalty, spread_rows = tables.node_penalty, self._spread_rows
+        finish = tables.finish
         for fold_node in tables.walk:
             node = fold_node.node
             unit = cover_unit[fold_node.level]
@@ -982,9 +1014,13 @@ class Allocator:
                     shift += adjusted
                     continue
                 below += capacity[child]
-                current = self._merge(
-                    steps, False, child, current, row, size=size, rest=total - below, inf=inf
-                )
+                if current is _NOTHING:
+                    steps.append((False, child, row, current, row))
+                    current = row
+                else:
+                    current = self._merge(
+                        steps, False, child, current, row, size=size, rest=total - below, inf=inf
+                    )
             for c in fold_node.mine:
                 values = class_values[c]
                 room += cap[c]
@@ -996,9 +1032,13 @@ class Allocator:
                     shift += first
                     continue
                 below += len(values) - 1
-                current = self._merge(
-                    steps, True, c, current, values, size=size, rest=total - below, inf=inf
-                )
+                if current is _NOTHING:
+                    steps.append((True, c, values, current, values))
+                    current = values
+                else:
+                    current = self._merge(
+                        steps, True, c, current, values, size=size, rest=total - below, inf=inf
+                    )
             for c in fold_node.others:
                 room += other[c]
                 pending = partner[c]
@@ -1010,18 +1050,14 @@ class Allocator:
                 current = list(map(add, current, repeat(shift)))
             if current[0] != zero:
                 current = [zero, *current[1:]]
-            penalty = node_penalty[node]
-            spread = spread_rows[node]
-            if spread is not None:
-                count = len(current)
-                # spread[room - k] for k = 0 .. count - 1
-                squares = spread[room : room - count : -1] if room >= count else spread[room::-1]
-                if penalty is None:
-                    current = list(map(sub, current, squares))
-                else:
-                    current = list(map(sub, map(add, current, penalty), squares))
-            elif penalty is not None:
-                current = list(map(add, current, penalty))
+            ends = finish[node]
+            if ends is not None:
+                end = ends[room]
+                if end is None:
+                    end = self._finish_row(tables, node, room)
+                    if len(end) <= FINISH_CACHED:
+                        ends[room] = end
+                current = list(map(add, current, end))
             node_values[node] = current
         root = node_values[0]
         best_value = root[size] if len(root) > size else inf
