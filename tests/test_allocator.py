@@ -14,6 +14,7 @@ from devplugin.allocator import (
     Choice,
     Request,
     Role,
+    _convolve,
     evaluate,
     exhaustive,
     plan_request,
@@ -315,3 +316,28 @@ def test_under_nvswitch_equal_links_leave_the_choice_to_the_socket(size: int) ->
         Request(GPU, frozenset(gpus), size, partner=free, other_free=free, expected=size)
     )
     assert len({topology.numa_node(g) for g in paired.ids}) == 1
+
+
+def test_row_merge_equals_brute_force_min_plus() -> None:
+    """The fold's merge of two rows (infinite entries included) against the
+    definition, over every slot it promises: low..high."""
+    inf = 1 << 100
+    rng = random.Random(7)
+    for _ in range(3000):
+        first = [rng.choice([inf, rng.randint(-50, 50)]) for _ in range(rng.randint(2, 9))]
+        second = [rng.choice([inf, rng.randint(-50, 50)]) for _ in range(rng.randint(2, 9))]
+        high = rng.randint(0, len(first) + len(second) - 2)
+        low = rng.randint(-3, high)
+        out = _convolve(first, second, low, high, inf)
+        assert len(out) == high + 1
+        for slot in range(max(low, 0), high + 1):
+            sums = [
+                first[a] + second[slot - a]
+                for a in range(len(first))
+                if 0 <= slot - a < len(second)
+            ]
+            best = min(sums)
+            if best >= inf >> 1:
+                assert out[slot] >= inf >> 1, (first, second, low, high, slot)
+            else:
+                assert out[slot] == best, (first, second, low, high, slot)
