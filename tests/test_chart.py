@@ -280,8 +280,23 @@ def run_helm(python: str, cases: dict[str, dict[str, Any]]) -> dict[str, dict[st
 
 
 @pytest.fixture(scope="session")
-def installs(helm_python: str) -> dict[str, dict[str, Any]]:
-    return run_helm(helm_python, CASES)
+def installs(
+    helm_python: str, tmp_path_factory: pytest.TempPathFactory, worker_id: str
+) -> dict[str, dict[str, Any]]:
+    # Rendering every case takes about 24 s of Helm: under xdist the first
+    # worker to get here renders for all of them (the run's shared base
+    # directory), the others wait on the lock and read its result.
+    if worker_id == "master":
+        return run_helm(helm_python, CASES)
+    shared = tmp_path_factory.getbasetemp().parent / "helm-installs.json"
+    with shared.with_suffix(".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if shared.exists():
+            found: dict[str, dict[str, Any]] = json.loads(shared.read_text())
+            return found
+        rendered = run_helm(helm_python, CASES)
+        shared.write_text(json.dumps(rendered))
+        return rendered
 
 
 def objects(installs: dict[str, dict[str, Any]], case: str) -> dict[str, dict[str, Any]]:
