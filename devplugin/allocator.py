@@ -935,7 +935,7 @@ class Allocator:
         self, request: Request, threshold: int, inputs: _Inputs
     ) -> tuple[int, dict[int, int]] | None:
         """The tree fold: per node, the best value for each count taken below
-        it (`self._inf` and above: no such choice). GPU pair scores are
+        it (half of `self._inf` or more: no such choice). GPU pair scores are
         charged per node as C(k, 2) times the score's step from the parent
         (see `_FoldTables`), so the merges themselves are plain (min, +)
         convolutions, done in C by map() over whole rows."""
