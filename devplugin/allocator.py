@@ -922,12 +922,15 @@ class Allocator:
         rest: int,
         inf: int,
     ) -> list[int]:
-        """Fold one item's row into the node's row so far (both at least two
-        long; recorded in `steps` for the walk back). `rest`: how many the
-        items not merged yet could take at most."""
-        high = min(size, len(current) + len(row) - 2)
-        # Counts the rest could not make up to `size` are never used.
-        merged = _convolve(current, row, size - rest, high, inf)
+        """Fold one item's row (at least two long) into the node's row so far
+        (`_NOTHING` before the first; recorded in `steps` for the walk back).
+        `rest`: how many the items not merged yet could take at most."""
+        if current is _NOTHING:
+            merged = row  # the first item that can take something, as it is
+        else:
+            high = min(size, len(current) + len(row) - 2)
+            # Counts the rest could not make up to `size` are never used.
+            merged = _convolve(current, row, size - rest, high, inf)
         steps.append((is_class, item, row, current, merged))
         return merged
 
@@ -1014,13 +1017,9 @@ class Allocator:
                     shift += adjusted
                     continue
                 below += capacity[child]
-                if current is _NOTHING:
-                    steps.append((False, child, row, current, row))
-                    current = row
-                else:
-                    current = self._merge(
-                        steps, False, child, current, row, size=size, rest=total - below, inf=inf
-                    )
+                current = self._merge(
+                    steps, False, child, current, row, size=size, rest=total - below, inf=inf
+                )
             for c in fold_node.mine:
                 values = class_values[c]
                 room += cap[c]
@@ -1032,13 +1031,9 @@ class Allocator:
                     shift += first
                     continue
                 below += len(values) - 1
-                if current is _NOTHING:
-                    steps.append((True, c, values, current, values))
-                    current = values
-                else:
-                    current = self._merge(
-                        steps, True, c, current, values, size=size, rest=total - below, inf=inf
-                    )
+                current = self._merge(
+                    steps, True, c, current, values, size=size, rest=total - below, inf=inf
+                )
             for c in fold_node.others:
                 room += other[c]
                 pending = partner[c]
