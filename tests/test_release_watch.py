@@ -8,7 +8,7 @@ from pathlib import Path
 
 from devplugin.model import DeviceKind
 from devplugin.testing.apiserver import ApiServerImitation
-from devplugin.testing.kubelet import ContainerRequest
+from devplugin.testing.kubelet import ContainerRequest, KubeletSimulator
 from devplugin.testing.node import hgx_node
 from tests.conftest import GPU, HCA, Cluster
 from tests.test_hooks import hook, runs
@@ -32,6 +32,27 @@ def polls_pass(cluster: Cluster, count: int) -> None:
     monitor = cluster.daemon.monitor
     target = monitor.polls + count
     assert wait_until(lambda: (monitor.poke() or True) and monitor.polls >= target, timeout=10)
+
+
+def admit_init_and_main(kubelet: KubeletSimulator) -> set[str]:
+    """Pod "p": an init container with two HCAs, then a main one with two
+    GPUs. The init container's HCAs."""
+    pod = kubelet.admit("p", [
+        ContainerRequest("prep", {HCA: 2}, init=True),
+        ContainerRequest("main", {GPU: 2}),
+    ])  # fmt: skip
+    return set(pod.container("prep").devices[HCA])
+
+
+def held_until_the_pod_ends(cluster: Cluster, log: Path, prep_hcas: set[str]) -> None:
+    """The init container's HCAs are not cleaned through several polls that
+    do not list them, and are cleaned, exactly they, once pod "p" ends."""
+    polls_pass(cluster, 6)
+    assert runs(log) == []
+    assert prep_hcas <= cluster.daemon.cleanup.in_use(DeviceKind.HCA)
+    cluster.kubelet.remove("p")
+    assert wait_until(lambda: len(runs(log)) == 2, timeout=10)
+    assert {r["env"]["DEVPLUGIN_DEVICE_IDS"] for r in runs(log)} == prep_hcas
 
 
 def test_briefly_empty_pod_resources_never_cleans_a_running_pods_devices(
@@ -87,18 +108,8 @@ def test_an_init_containers_devices_stay_the_pods_until_it_ends(
     # PodResources never lists a finished init container, but the kubelet
     # keeps its devices for the pod: they must not be cleaned under it.
     cluster, log = hca_cleaning(start_cluster, api, tmp_path)
-    kubelet = cluster.kubelet
-    pod = kubelet.admit("p", [
-        ContainerRequest("prep", {HCA: 2}, init=True),
-        ContainerRequest("main", {GPU: 2}),
-    ])  # fmt: skip
-    prep_hcas = set(pod.container("prep").devices[HCA])
-    polls_pass(cluster, 6)
-    assert runs(log) == []
-    assert prep_hcas <= cluster.daemon.cleanup.in_use(DeviceKind.HCA)
-    kubelet.remove("p")
-    assert wait_until(lambda: len(runs(log)) == 2, timeout=10)
-    assert {r["env"]["DEVPLUGIN_DEVICE_IDS"] for r in runs(log)} == prep_hcas
+    prep_hcas = admit_init_and_main(cluster.kubelet)
+    held_until_the_pod_ends(cluster, log, prep_hcas)
 
 
 def test_an_init_containers_devices_stay_the_pods_even_when_the_watch_lagged_its_allocate(
@@ -109,25 +120,15 @@ def test_an_init_containers_devices_stay_the_pods_even_when_the_watch_lagged_its
     # about those HCAs still proves nothing while a live pod's init container
     # asks for HCAs.
     cluster, log = hca_cleaning(start_cluster, api, tmp_path)
-    kubelet = cluster.kubelet
     pods = cluster.daemon.pods
     assert pods is not None
     assert wait_until(lambda: pods.current)
     api.hold_watches()
-    pod = kubelet.admit("p", [
-        ContainerRequest("prep", {HCA: 2}, init=True),
-        ContainerRequest("main", {GPU: 2}),
-    ])  # fmt: skip
-    prep_hcas = set(pod.container("prep").devices[HCA])
+    prep_hcas = admit_init_and_main(cluster.kubelet)
     assert not any(p.name == "p" for p in pods.pods().values())
     api.release_watches()
     assert wait_until(lambda: any(p.name == "p" for p in pods.pods().values()))
-    polls_pass(cluster, 6)
-    assert runs(log) == []
-    assert prep_hcas <= cluster.daemon.cleanup.in_use(DeviceKind.HCA)
-    kubelet.remove("p")
-    assert wait_until(lambda: len(runs(log)) == 2, timeout=10)
-    assert {r["env"]["DEVPLUGIN_DEVICE_IDS"] for r in runs(log)} == prep_hcas
+    held_until_the_pod_ends(cluster, log, prep_hcas)
 
 
 def test_a_sidecar_holds_its_devices_and_app_containers_reuse_an_init_containers(
