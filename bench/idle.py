@@ -40,18 +40,8 @@ def measure(layout: str, window: float, base: Path) -> tuple[float, float, int, 
     """(CPU % of a core, RSS MiB, threads, GPUs) of an idle daemon."""
     node = build_node(LAYOUTS[layout](), base / layout)
     sockets = base / f"{layout}-s"
-    config = {
-        "version": "v1",
-        "paths": {
-            "sysfs_root": str(node.sysfs_root),
-            "dev_root": str(node.dev_root),
-            "device_plugin_dir": str(sockets / "dp"),
-            "pod_resources_socket": str(sockets / "pr" / "kubelet.sock"),
-        },
-        "nvml": {"fixture": str(node.fixture)},
-        "lifecycle": {"checkpoint_file": str(base / f"{layout}-checkpoint.json")},
-        "metrics": {"addresses": ["127.0.0.1:0"]},
-    }
+    # Production defaults otherwise: that is what is measured.
+    config = node.run_config(sockets, base / f"{layout}-checkpoint.json")
     path = base / f"{layout}.yaml"
     path.write_text(yaml.safe_dump(config))
     kubelet = KubeletSimulator(sockets / "dp", sockets / "pr" / "kubelet.sock")

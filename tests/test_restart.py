@@ -48,21 +48,10 @@ def daemon_config(
     resources: dict[str, object],
 ) -> Path:  # fmt: skip
     """A config file for a daemon run as a subprocess against a simulated node."""
-    config = {
-        "version": "v1",
-        "paths": {
-            "sysfs_root": str(node.sysfs_root),
-            "dev_root": str(node.dev_root),
-            "device_plugin_dir": str(sock_dir / "dp"),
-            "pod_resources_socket": str(sock_dir / "pr" / "kubelet.sock"),
-        },
-        "nvml": {"fixture": str(node.fixture)},
-        "resources": resources,
-        "health": {"interval_seconds": 0.2},
-        "pod_resources": {"poll_interval_seconds": 0.3, "min_interval_seconds": 0.05},
-        "lifecycle": {"checkpoint_file": str(checkpoint)},
-        "metrics": {"addresses": ["127.0.0.1:0"]},
-    }
+    config = node.run_config(sock_dir, checkpoint)
+    config["resources"] = resources
+    config["health"] = {"interval_seconds": 0.2}
+    config["pod_resources"] = {"poll_interval_seconds": 0.3, "min_interval_seconds": 0.05}
     path.write_text(yaml.safe_dump(config))
     return path
 

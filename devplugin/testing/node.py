@@ -138,6 +138,24 @@ class BuiltNode:
                 return hca
         raise KeyError(device_id)
 
+    def run_config(self, sock_dir: Path, checkpoint: Path) -> dict[str, object]:
+        """The v1 config file content for `devplugin run` on this node: its
+        sysfs, dev and NVML fixture, the kubelet sockets under `sock_dir`
+        (dp/ and pr/kubelet.sock, as the kubelet simulator serves them), and
+        metrics on a free port. Callers add the sections they need."""
+        return {
+            "version": "v1",
+            "paths": {
+                "sysfs_root": str(self.sysfs_root),
+                "dev_root": str(self.dev_root),
+                "device_plugin_dir": str(sock_dir / "dp"),
+                "pod_resources_socket": str(sock_dir / "pr" / "kubelet.sock"),
+            },
+            "nvml": {"fixture": str(self.fixture)},
+            "lifecycle": {"checkpoint_file": str(checkpoint)},
+            "metrics": {"addresses": ["127.0.0.1:0"]},
+        }
+
 
 class _Builder:
     def __init__(self, spec: NodeSpec, base: Path) -> None:
