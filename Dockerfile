@@ -4,11 +4,16 @@
 ARG PYTHON=3.11
 
 FROM python:${PYTHON}-slim AS build
+# A C compiler for the allocator's compiled fold (this stage only).
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY devplugin ./devplugin
-# Our wheel and every dependency's, so the final stage installs offline.
-RUN python -m pip wheel --no-cache-dir --wheel-dir /wheels .
+# Our wheel and every dependency's, so the final stage installs offline; the
+# build fails rather than produce a wheel without the compiled fold.
+RUN DEVPLUGIN_REQUIRE_NATIVE=1 python -m pip wheel --no-cache-dir --wheel-dir /wheels .
 
 FROM python:${PYTHON}-slim
 ARG VERSION=0.1.0

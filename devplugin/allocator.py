@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -71,7 +72,24 @@ from typing import Any, NamedTuple
 from devplugin.model import DeviceKind, Refused, shown_ids
 from devplugin.topology import DOMAIN_DEPTH, NVLINK_SCORE, PCIE_SCORE, Level, Topology
 
+try:
+    from devplugin import _foldc
+except ImportError:  # pragma: no cover - the extension is built by every install here
+    _foldc = None  # type: ignore[assignment]
+
+log = logging.getLogger(__name__)
+
 SUPPORT_LEVELS = (Level.PIX, Level.PXB, Level.PHB, Level.NODE)
+
+# The compiled fold computes on signed 128-bit integers; it takes a topology
+# only when every value a fold can reach stays below 2**NATIVE_BITS (the
+# weights grow with the device count: 80 devices need about 90 bits).
+NATIVE_BITS = 126
+
+
+def native_fold_available() -> bool:
+    """Whether the compiled tree fold was built (see setup.py)."""
+    return _foldc is not None
 
 
 class Role(enum.Enum):
@@ -613,6 +631,7 @@ class Allocator:
         *,
         budget: float = SEARCH_BUDGET,
         on_budget: Callable[[], None] | None = None,
+        native: bool = True,
     ) -> None:
         self.topology = topology
         self._budget = budget
@@ -690,6 +709,10 @@ class Allocator:
             for node, copies in enumerate(self._spread_copies)
         ]
         self._tables = {kind: self._fold_tables(kind) for kind in DeviceKind}
+        # The compiled fold per kind (None: the Python fold).
+        self._native: dict[DeviceKind, _foldc.Tables | None] = {
+            kind: self._native_tables(kind) if native else None for kind in DeviceKind
+        }
         # NVLink graphs the tree cannot express: the fold that carries the
         # counts of linked classes until their links are inside (None when
         # those would be too many to carry; then the bounded search).
@@ -753,6 +776,44 @@ class Allocator:
             for node, spread in enumerate(self._spread_rows)
         ]
         return _FoldTables(tuple(walk), classes, tuple(class_values), tuple(penalty), tuple(finish))
+
+    def _native_tables(self, kind: DeviceKind) -> _foldc.Tables | None:
+        """The compiled fold's copy of `kind`'s tables, or None where it was
+        not built or a fold's values could pass 128 bits."""
+        if _foldc is None:
+            return None
+        t, tables = self.topology, self._tables[kind]
+        rows: list[Iterable[int]] = [
+            *(row for per in tables.class_values for row in per),
+            *(row for row in tables.node_penalty if row is not None),
+            *(row for row in self._spread_rows if row is not None),
+        ]
+        largest = max(
+            [self._inf, 5 * self._w_total, self._w_reach + sum(self._w_support)]
+            + [abs(value) for row in rows for value in row]
+        )
+        # A fold's value is a sum of at most this many terms, each a table
+        # entry, the infinity or a partner count times a level's unit.
+        terms = 2 * len(t.classes) + 4 * len(t.nodes) + 4
+        if (largest * (len(t.kind) + 1) * terms).bit_length() > NATIVE_BITS:
+            return None
+        return _foldc.Tables(
+            len(t.nodes),
+            [(n.node, n.level, n.children, n.mine, n.others) for n in tables.walk],
+            [values or None for values in tables.class_values],
+            tables.node_penalty,
+            self._spread_rows,
+            self._inf,
+            self._w_total,
+            self._w_reach,
+            self._w_support,
+            [int(level) for level in SUPPORT_LEVELS],
+        )
+
+    @property
+    def fold(self) -> str:
+        """Which tree fold answers: "native" (compiled) or "python"."""
+        return "native" if any(self._native.values()) else "python"
 
     def _finish_row(self, tables: _FoldTables, node: int, room: int) -> list[int]:
         """What a node adds to taking k below it, for k up to `room`: its
@@ -935,6 +996,26 @@ class Allocator:
         return merged
 
     def _fold(
+        self, request: Request, threshold: int, inputs: _Inputs
+    ) -> tuple[int, dict[int, int]] | None:
+        """The tree fold, compiled where it was built (the same values and
+        choices as `_fold_python`; the tests compare them)."""
+        native = self._native[request.kind]
+        if native is None:
+            return self._fold_python(request, threshold, inputs)
+        mode = 1 if _coverage_mode(request) else 2 if _support_mode(request) else 0
+        try:
+            return native.fold(
+                inputs.cap, inputs.must, inputs.cost, inputs.partner, inputs.other,
+                request.size, threshold, mode,
+            )  # fmt: skip
+        except RuntimeError:  # pragma: no cover - a defect in the C fold
+            # Keep answering, exactly, with the Python fold from now on.
+            log.exception("the compiled fold failed; using the Python fold")
+            self._native[request.kind] = None
+            return self._fold_python(request, threshold, inputs)
+
+    def _fold_python(
         self, request: Request, threshold: int, inputs: _Inputs
     ) -> tuple[int, dict[int, int]] | None:
         """The tree fold: per node, the best value for each count taken below

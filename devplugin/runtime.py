@@ -26,6 +26,7 @@ from typing import Any
 from lightkube import Client
 
 from devplugin.alignment import AlignmentMonitor, holders_report
+from devplugin.allocator import native_fold_available
 from devplugin.checks import CheckLoop, Requests
 from devplugin.cluster.awareness import PodAwareness
 from devplugin.cluster.client import Heartbeat, make_client
@@ -232,6 +233,12 @@ class Daemon:
             ", ".join(record.resource.name for record in self.records),
             config.paths.device_plugin_dir, config.paths.sysfs_root, config.paths.dev_root,
         )  # fmt: skip
+        if not native_fold_available():
+            log.warning(
+                "the allocator's compiled fold (devplugin/_foldc.c) is not built, so "
+                "preferred allocations use the Python fold: the same answers, several "
+                "times slower (install with a C compiler present to build it)"
+            )
         # RPC handlers share the interpreter with the check loop; a short GIL
         # switch interval keeps a scan from delaying a kubelet call by more
         # than half a millisecond (the default slice is 5 ms).

@@ -24,7 +24,7 @@ from devplugin.allocator import (
 from devplugin.model import DeviceKind, Refused
 from devplugin.testing.layouts import LAYOUTS
 from devplugin.testing.node import devices_from_spec
-from devplugin.testing.random_topology import random_spec
+from devplugin.testing.random_topology import random_requests, random_spec
 from devplugin.topology import PCIE_SCORE, Level, Topology
 
 GPU, HCA = DeviceKind.GPU, DeviceKind.HCA
@@ -134,29 +134,10 @@ def test_randomized_corpus_equals_exhaustive() -> None:
         allocator = Allocator(topology)
         gpu_ids = [g.uuid for g in gpus]
         hca_ids = [h.device_id for h in hcas]
-        for _ in range(4):
-            kind = rng.choice([GPU, HCA])
-            same, other = (gpu_ids, hca_ids) if kind is GPU else (hca_ids, gpu_ids)
-            if not same:
-                continue
-            available = [d for d in same if rng.random() < 0.8] or same[:1]
-            size = rng.randint(1, len(available))
-            must = frozenset(rng.sample(available, rng.randint(0, min(2, size))))
-            role = rng.choice([Role.FIRST, Role.SECOND])
-            expected = rng.choice([None, 0, 1, 2, size, size + 1])
-            other_free = [d for d in other if rng.random() < 0.7]
-            if role is Role.SECOND and other:
-                partner = frozenset(rng.sample(other, rng.randint(1, len(other))))
-                other_free = [d for d in other_free if d not in partner]
-            else:
-                partner = frozenset(other_free)
-            request = Request(
-                kind, frozenset(available), size, must, role, partner, frozenset(other_free),
-                expected,
-            )  # fmt: skip
+        for request in random_requests(rng, gpu_ids, hca_ids, 4):
             check(topology, allocator, request)
             cases += 1
-    assert cases > 4000
+    assert cases == 6000
 
 
 def joint_optimum(

@@ -1,4 +1,5 @@
-"""The Dockerfile: multi-stage, wheel-installed, no build tools, OCI labels."""
+"""The Dockerfile: multi-stage, wheel-installed (the compiled fold built in the
+first stage), no build tools in the final one, OCI labels."""
 
 from __future__ import annotations
 
@@ -35,6 +36,16 @@ def test_final_stage_installs_the_wheel_offline_and_keeps_no_build_tools() -> No
     assert "pip install" in commands
     for tool in ("gcc", "build-essential", "apt-get", "apk", "git ", "make "):
         assert tool not in commands, tool
+
+
+def test_build_stage_compiles_the_fold_and_refuses_a_wheel_without_it() -> None:
+    build = stages()[0]
+    assert "gcc" in build
+    assert "COPY pyproject.toml setup.py" in build
+    assert "DEVPLUGIN_REQUIRE_NATIVE=1 python -m pip wheel" in build
+    setup = (ROOT / "setup.py").read_text()
+    assert "optional=not REQUIRED" in setup
+    assert "**/*.so" in (ROOT / ".dockerignore").read_text()  # never a host-built module
 
 
 def test_entrypoint_and_labels() -> None:

@@ -1,9 +1,12 @@
-"""Seeded random node layouts, for the allocator's randomized equality corpus."""
+"""Seeded random node layouts and allocator requests, for the randomized
+equality corpora."""
 
 from __future__ import annotations
 
 import random
 
+from devplugin.allocator import Request, Role
+from devplugin.model import DeviceKind
 from devplugin.testing.node import Child, Gpu, Hca, NodeSpec, Port, RootComplex, Switch
 
 
@@ -56,3 +59,32 @@ def _count(spec: NodeSpec) -> int:
         return total
 
     return sum(walk(root.children) for root in spec.roots)
+
+
+def random_requests(
+    rng: random.Random, gpu_ids: list[str], hca_ids: list[str], count: int
+) -> list[Request]:
+    """`count` requests in every mode: either kind, either role, must-include,
+    the partner count known or not, some devices busy."""
+    requests: list[Request] = []
+    while len(requests) < count:
+        kind = rng.choice([DeviceKind.GPU, DeviceKind.HCA])
+        same, other = (gpu_ids, hca_ids) if kind is DeviceKind.GPU else (hca_ids, gpu_ids)
+        if not same:
+            continue
+        available = [d for d in same if rng.random() < 0.8] or same[:1]
+        size = rng.randint(1, len(available))
+        must = frozenset(rng.sample(available, rng.randint(0, min(2, size))))
+        role = rng.choice([Role.FIRST, Role.SECOND])
+        expected = rng.choice([None, 0, 1, 2, size, size + 1])
+        other_free = [d for d in other if rng.random() < 0.7]
+        if role is Role.SECOND and other:
+            partner = frozenset(rng.sample(other, rng.randint(1, len(other))))
+            other_free = [d for d in other_free if d not in partner]
+        else:
+            partner = frozenset(other_free)
+        requests.append(
+            Request(kind, frozenset(available), size, must, role, partner,
+                    frozenset(other_free), expected)
+        )  # fmt: skip
+    return requests

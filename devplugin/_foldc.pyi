@@ -1,0 +1,27 @@
+from collections.abc import Sequence
+
+class Tables:
+    def __init__(
+        self,
+        nnodes: int,
+        walk: Sequence[tuple[int, int, Sequence[int], Sequence[int], Sequence[int]]],
+        class_values: Sequence[Sequence[Sequence[int]] | None],
+        penalty: Sequence[Sequence[int] | None],
+        spread: Sequence[Sequence[int] | None],
+        inf: int,
+        w_total: int,
+        w_reach: int,
+        w_support: Sequence[int],
+        support_levels: Sequence[int],
+    ) -> None: ...
+    def fold(
+        self,
+        cap: list[int],
+        must: list[int],
+        cost: list[int],
+        partner: list[int],
+        other: list[int],
+        size: int,
+        threshold: int,
+        mode: int,
+    ) -> tuple[int, dict[int, int]] | None: ...

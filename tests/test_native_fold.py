@@ -1,0 +1,101 @@
+"""The compiled tree fold (devplugin/_foldc.c) answers exactly as the Python
+fold: the same devices, score and plan for every request, on the named
+layouts and a seeded random corpus; it steps aside where 128 bits could
+overflow, and it refuses malformed input with an exception, not a crash."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from devplugin import allocator as allocator_module
+from devplugin.allocator import Allocator, Request, native_fold_available
+from devplugin.model import DeviceKind
+from devplugin.testing.layouts import LAYOUTS
+from devplugin.testing.node import devices_from_spec
+from devplugin.testing.random_topology import random_requests, random_spec
+from devplugin.topology import Topology
+
+GPU, HCA = DeviceKind.GPU, DeviceKind.HCA
+
+
+def pair(topology: Topology) -> tuple[Allocator, Allocator]:
+    native, python = Allocator(topology), Allocator(topology, native=False)
+    assert python.fold == "python"
+    return native, python
+
+
+def test_the_compiled_fold_is_built_by_the_install() -> None:
+    # `make` installs the package with setup.py's extension; a silent
+    # fallback here would leave the C fold untested.
+    assert native_fold_available()
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_named_layouts_answer_the_same_both_ways(name: str) -> None:
+    gpus, hcas = devices_from_spec(LAYOUTS[name]())
+    topology = Topology(gpus, hcas)
+    native, python = pair(topology)
+    assert native.fold == "native"
+    rng = random.Random(name)
+    requests = random_requests(rng, [g.uuid for g in gpus], [h.device_id for h in hcas], 60)
+    # Every size from everything free, where GPUs first plan their HCAs.
+    free_hcas = frozenset(h.device_id for h in hcas)
+    every = frozenset(g.uuid for g in gpus)
+    requests += [
+        Request(GPU, every, size, partner=free_hcas, other_free=free_hcas, expected=expected)
+        for size in range(1, len(gpus) + 1)
+        for expected in (None, max(1, size // 2))
+    ]
+    for request in requests:
+        assert native.choose(request) == python.choose(request), request
+
+
+def test_random_nodes_answer_the_same_both_ways() -> None:
+    cases = 0
+    for seed in range(300):
+        rng = random.Random(50_000 + seed)
+        gpus, hcas = devices_from_spec(random_spec(rng, max_gpus=24))
+        topology = Topology(gpus, hcas)
+        native, python = pair(topology)
+        for request in random_requests(rng, [g.uuid for g in gpus], [h.device_id for h in hcas], 6):
+            assert native.choose(request) == python.choose(request), (seed, request)
+            cases += 1
+    assert cases == 1800
+
+
+def test_a_topology_whose_values_could_pass_128_bits_keeps_the_python_fold(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gpus, hcas = devices_from_spec(LAYOUTS["hgx-h100"]())
+    topology = Topology(gpus, hcas)
+    monkeypatch.setattr(allocator_module, "NATIVE_BITS", 40)
+    narrow = Allocator(topology)
+    assert narrow.fold == "python"
+    free = frozenset(h.device_id for h in hcas)
+    request = Request(GPU, frozenset(g.uuid for g in gpus), 4, partner=free, other_free=free)
+    monkeypatch.undo()
+    assert narrow.choose(request) == Allocator(topology).choose(request)
+
+
+def test_malformed_input_raises_instead_of_crashing() -> None:
+    from devplugin import _foldc
+
+    gpus, hcas = devices_from_spec(LAYOUTS["hgx-h100"]())
+    tables = Allocator(Topology(gpus, hcas))._native[GPU]
+    assert tables is not None
+    classes = len(Topology(gpus, hcas).classes)
+    good = [1] * classes
+    with pytest.raises(ValueError, match="cap: expected"):
+        tables.fold([1], good, good, good, good, 1, 0, 0)
+    with pytest.raises(ValueError, match="out of range"):
+        tables.fold([-1] * classes, good, good, good, good, 1, 0, 0)
+    with pytest.raises(ValueError, match="cost: a level is at most 5"):
+        tables.fold(good, good, [9] * classes, good, good, 1, 0, 0)
+    with pytest.raises(ValueError, match="size, threshold or mode"):
+        tables.fold(good, good, good, good, good, 1, 0, 7)
+    with pytest.raises(ValueError, match="six rows per class"):
+        _foldc.Tables(1, [], [[[0]]], [None], [None], 1, 1, 1, [1, 1, 1, 1], [1, 2, 3, 4])
+    with pytest.raises(ValueError, match="node or level out of range"):
+        _foldc.Tables(1, [(3, 0, (), (), ())], [], [None], [None], 1, 1, 1, [1] * 4, [1] * 4)
