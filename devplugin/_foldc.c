@@ -17,6 +17,9 @@
 
 typedef __int128 i128;
 
+/* Components of a value past the first (see Allocator._decode). */
+#define NDIGITS 7
+
 /* ---- conversions ------------------------------------------------------ */
 
 static int to_i128(PyObject *obj, i128 *out) {
@@ -133,6 +136,8 @@ typedef struct {
     Py_ssize_t *penalty_len, *spread_len;
     i128 inf, w_total, w_reach, w_support[4];
     int support_levels[4];
+    /* The mixed-radix digits (base, bound), last component first. */
+    int64_t digit_base[NDIGITS], digit_bound[NDIGITS];
     /* Scratch reused by every call (the GIL is held throughout a call). */
     i128 *arena;
     size_t arena_cap;
@@ -212,12 +217,13 @@ static int tuple_ints(PyObject *obj, int **out, int *count, int limit, const cha
 static int Tables_init(Tables *self, PyObject *args, PyObject *kwargs) {
     int nnodes;
     PyObject *walk, *class_values, *penalty, *spread, *inf, *w_total, *w_reach;
-    PyObject *w_support, *support_levels;
+    PyObject *w_support, *support_levels, *digits;
     static char *names[] = {"nnodes", "walk", "class_values", "penalty", "spread", "inf",
-                            "w_total", "w_reach", "w_support", "support_levels", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iOOOOOOOOO", names, &nnodes, &walk,
+                            "w_total", "w_reach", "w_support", "support_levels", "digits",
+                            NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iOOOOOOOOOO", names, &nnodes, &walk,
                                      &class_values, &penalty, &spread, &inf, &w_total, &w_reach,
-                                     &w_support, &support_levels))
+                                     &w_support, &support_levels, &digits))
         return -1;
     tables_free_parts(self);
     if (nnodes <= 0) {
@@ -245,6 +251,30 @@ static int Tables_init(Tables *self, PyObject *args, PyObject *kwargs) {
         Py_DECREF(fast);
     }
     if (ints_of(support_levels, self->support_levels, 4, "support_levels") < 0) return -1;
+    {
+        PyObject *fast = PySequence_Fast(digits, "digits");
+        if (fast == NULL) return -1;
+        if (PySequence_Fast_GET_SIZE(fast) != NDIGITS) {
+            Py_DECREF(fast);
+            PyErr_SetString(PyExc_ValueError, "digits: expected 7 (base, bound) pairs");
+            return -1;
+        }
+        for (int i = 0; i < NDIGITS; i++) {
+            long long base, bound;
+            if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "LL", &base, &bound)) {
+                Py_DECREF(fast);
+                return -1;
+            }
+            if (base != 2 * bound + 1 || bound < 0) {
+                Py_DECREF(fast);
+                PyErr_SetString(PyExc_ValueError, "digits: a base is twice its bound plus one");
+                return -1;
+            }
+            self->digit_base[i] = base;
+            self->digit_bound[i] = bound;
+        }
+        Py_DECREF(fast);
+    }
 
     /* Classes. */
     PyObject *classes = PySequence_Fast(class_values, "class_values");
@@ -444,7 +474,8 @@ static Py_ssize_t convolve(const i128 *first, Py_ssize_t lf, const i128 *second,
 
 /* fold(cap, must, cost, partner, other, size, threshold, mode)
  * mode: 0 plain (prune by threshold), 1 coverage, 2 support.
- * Returns None (no choice within the threshold) or (value, {class: count}). */
+ * Returns None (no choice within the threshold) or (value, {class: count},
+ * the value's eight components, first to last). */
 static PyObject *Tables_fold(Tables *self, PyObject *args) {
     PyObject *cap_o, *must_o, *cost_o, *partner_o, *other_o;
     int size, threshold, mode;
@@ -719,14 +750,40 @@ static PyObject *Tables_fold(Tables *self, PyObject *args) {
                 k -= take_n;
             }
         }
-        PyObject *value = from_i128(best);
-        if (value == NULL) {
+        /* The components, peeled off as Allocator._decode_python does:
+         * balanced digits in (-base/2, base/2], the first component last. */
+        PyObject *parts = PyTuple_New(NDIGITS + 1);
+        if (parts == NULL) {
             Py_DECREF(counts);
             goto out_counts;
         }
-        result = PyTuple_Pack(2, value, counts);
+        i128 rest = best;
+        for (int i = 0; i < NDIGITS; i++) {
+            i128 base = self->digit_base[i];
+            i128 digit = rest % base;
+            if (digit < 0) digit += base;
+            if (digit > self->digit_bound[i]) digit -= base;
+            rest = (rest - digit) / base;
+            PyTuple_SET_ITEM(parts, NDIGITS - i, PyLong_FromLongLong((long long)digit));
+        }
+        PyTuple_SET_ITEM(parts, 0, from_i128(rest));
+        for (int i = 0; i <= NDIGITS; i++) {
+            if (PyTuple_GET_ITEM(parts, i) == NULL) {
+                Py_DECREF(parts);
+                Py_DECREF(counts);
+                goto out_counts;
+            }
+        }
+        PyObject *value = from_i128(best);
+        if (value == NULL) {
+            Py_DECREF(parts);
+            Py_DECREF(counts);
+            goto out_counts;
+        }
+        result = PyTuple_Pack(3, value, counts, parts);
         Py_DECREF(value);
         Py_DECREF(counts);
+        Py_DECREF(parts);
         goto out_counts;
     walk_error:
         Py_DECREF(counts);
@@ -749,7 +806,8 @@ out:
 
 static PyMethodDef Tables_methods[] = {
     {"fold", (PyCFunction)Tables_fold, METH_VARARGS,
-     "fold(cap, must, cost, partner, other, size, threshold, mode) -> None | (value, counts)"},
+     "fold(cap, must, cost, partner, other, size, threshold, mode)"
+     " -> None | (value, counts, components)"},
     {NULL, NULL, 0, NULL},
 };
 

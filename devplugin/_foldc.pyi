@@ -13,6 +13,7 @@ class Tables:
         w_reach: int,
         w_support: Sequence[int],
         support_levels: Sequence[int],
+        digits: Sequence[tuple[int, int]],
     ) -> None: ...
     def fold(
         self,
@@ -24,4 +25,4 @@ class Tables:
         size: int,
         threshold: int,
         mode: int,
-    ) -> tuple[int, dict[int, int]] | None: ...
+    ) -> tuple[int, dict[int, int], tuple[int, ...]] | None: ...

@@ -808,6 +808,7 @@ class Allocator:
             self._w_reach,
             self._w_support,
             [int(level) for level in SUPPORT_LEVELS],
+            self._digits,
         )
 
     @property
@@ -932,8 +933,8 @@ class Allocator:
                 found = self._fold(request, threshold, inputs)
             if found is None:
                 continue
-            value, counts = found
-            score = self._decode(value, threshold, support)
+            value, counts, parts = found
+            score = self._decode(parts or self._components(value), threshold, support)
             if support and score.reach < request.expected_partners:
                 continue
             return Choice(self._materialize(request, candidates, counts), score)
@@ -997,7 +998,7 @@ class Allocator:
 
     def _fold(
         self, request: Request, threshold: int, inputs: _Inputs
-    ) -> tuple[int, dict[int, int]] | None:
+    ) -> tuple[int, dict[int, int], tuple[int, ...] | None] | None:
         """The tree fold, compiled where it was built (the same values and
         choices as `_fold_python`; the tests compare them)."""
         native = self._native[request.kind]
@@ -1017,7 +1018,7 @@ class Allocator:
 
     def _fold_python(
         self, request: Request, threshold: int, inputs: _Inputs
-    ) -> tuple[int, dict[int, int]] | None:
+    ) -> tuple[int, dict[int, int], tuple[int, ...] | None] | None:
         """The tree fold: per node, the best value for each count taken below
         it (half of `self._inf` or more: no such choice). GPU pair scores are
         charged per node as C(k, 2) times the score's step from the parent
@@ -1158,7 +1159,7 @@ class Allocator:
                     else:
                         stack.append((item, take))
                 k -= take
-        return best_value, counts
+        return best_value, counts, None  # components decoded by the caller
 
     def _fold_linked(
         self,
@@ -1167,7 +1168,7 @@ class Allocator:
         inputs: _Inputs,
         plan: _LinkedPlan,
         deadline: float,
-    ) -> tuple[int, dict[int, int]] | None:
+    ) -> tuple[int, dict[int, int], tuple[int, ...] | None] | None:
         """The tree fold for GPUs on NVLink graphs the tree cannot express
         (see `_LinkedPlan`): per state, the best value for each count (None:
         no such choice). Raises _OutOfTime past `deadline`."""
@@ -1282,7 +1283,7 @@ class Allocator:
                     else:
                         stack.append((step.item, s2, taken))
                 state, k = s1, k - taken
-        return best_value, counts
+        return best_value, counts, None  # components decoded by the caller
 
     def _materialize(
         self, request: Request, candidates: frozenset[str], counts: dict[int, int]
@@ -1301,7 +1302,9 @@ class Allocator:
             ids.extend(members[:count])
         return tuple(ids)
 
-    def _decode(self, value: int, threshold: int, support: bool) -> Score:
+    def _components(self, value: int) -> tuple[int, ...]:
+        """A value's eight components, first to last (the compiled fold
+        returns the same with its value)."""
         digits: list[int] = []
         rest = value
         for base, bound in self._digits:
@@ -1311,7 +1314,11 @@ class Allocator:
             digits.append(digit)
             rest = (rest - digit) // base
         digits.append(rest)
-        neg_reach, total, neg_conn, s1, s2, s3, s4, neg_spread = reversed(digits)
+        return tuple(reversed(digits))
+
+    @staticmethod
+    def _decode(parts: tuple[int, ...], threshold: int, support: bool) -> Score:
+        neg_reach, total, neg_conn, s1, s2, s3, s4, neg_spread = parts
         return Score(
             worst=threshold,
             total=total,

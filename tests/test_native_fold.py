@@ -96,6 +96,10 @@ def test_malformed_input_raises_instead_of_crashing() -> None:
     with pytest.raises(ValueError, match="size, threshold or mode"):
         tables.fold(good, good, good, good, good, 1, 0, 7)
     with pytest.raises(ValueError, match="six rows per class"):
-        _foldc.Tables(1, [], [[[0]]], [None], [None], 1, 1, 1, [1, 1, 1, 1], [1, 2, 3, 4])
+        _foldc.Tables(1, [], [[[0]]], [None], [None], 1, 1, 1, [1] * 4, [1] * 4, [(3, 1)] * 7)
     with pytest.raises(ValueError, match="node or level out of range"):
-        _foldc.Tables(1, [(3, 0, (), (), ())], [], [None], [None], 1, 1, 1, [1] * 4, [1] * 4)
+        _foldc.Tables(
+            1, [(3, 0, (), (), ())], [], [None], [None], 1, 1, 1, [1] * 4, [1] * 4, [(3, 1)] * 7
+        )
+    with pytest.raises(ValueError, match="twice its bound plus one"):
+        _foldc.Tables(1, [], [], [None], [None], 1, 1, 1, [1] * 4, [1] * 4, [(4, 1)] * 7)
