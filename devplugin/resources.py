@@ -19,7 +19,7 @@ HCA resource (default `rdma/hca`)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -181,7 +181,7 @@ class Resource(Protocol):
     def allocate(self, state: ResourceState, ids: Sequence[str]) -> ContainerAllocation: ...
 
     def choose(
-        self, available: Sequence[str], must: Sequence[str], size: int, pick: Pick
+        self, available: Collection[str], must: Collection[str], size: int, pick: Pick
     ) -> list[str]:
         """The served ids to prefer for one container."""
         ...
@@ -269,7 +269,7 @@ class Exclusive:
         check_ids(state, ids)
 
     def choose(
-        self, available: Sequence[str], must: Sequence[str], size: int, pick: Pick
+        self, available: Collection[str], must: Collection[str], size: int, pick: Pick
     ) -> list[str]:
         return list(pick(frozenset(available), frozenset(must), size))
 

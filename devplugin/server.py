@@ -6,7 +6,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -424,10 +424,14 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         # ones are listed while other replicas are held).
         exclusive = self.resource.reuse_proves_release
         for container in request.container_requests:
-            if exclusive and coordinator.observe_available(
-                kind, container.available_deviceIDs, container.must_include_deviceIDs
-            ):
-                self._corrected()
+            listed: Collection[str] = container.available_deviceIDs
+            must: Collection[str] = container.must_include_deviceIDs
+            if exclusive:
+                # Sets once, for the holdings and the choice (shared resources
+                # keep the kubelet's order for their replicas).
+                listed, must = frozenset(listed), frozenset(must)
+                if coordinator.observe_available(kind, listed, must):
+                    self._corrected()
             # Who is being admitted (the oracle reads a cache; it may wait
             # briefly for a pod to arrive).
             known = (
@@ -438,12 +442,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
             roles: list[Role] = []
             pick = _Picker(coordinator, kind, known, roles)
             try:
-                ids = self.resource.choose(
-                    list(container.available_deviceIDs),
-                    list(container.must_include_deviceIDs),
-                    container.allocation_size,
-                    pick,
-                )
+                ids = self.resource.choose(listed, must, container.allocation_size, pick)
             except Refused as exc:
                 if self._metrics is not None:
                     self._metrics.preferred.labels(self.resource.name, "-", "refused").inc()

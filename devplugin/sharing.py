@@ -16,7 +16,7 @@ device is released when no container holds any of its replicas.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
 from devplugin.model import DeviceKind, Inventory, Refused, shown_ids
@@ -107,7 +107,7 @@ class SharedResource:
         return self.inner.allocate(state.backing, physical_ids(ids))
 
     def choose(
-        self, available: Sequence[str], must: Sequence[str], size: int, pick: Pick
+        self, available: Collection[str], must: Collection[str], size: int, pick: Pick
     ) -> list[str]:
         """The replicas for one container; `pick` chooses physical devices
         (the topology-aware allocator)."""
@@ -170,7 +170,7 @@ class SharedResource:
 
 
 def _fill(
-    free: dict[str, list[str]], chosen: list[str], must: Sequence[str], size: int, *, packed: bool
+    free: dict[str, list[str]], chosen: list[str], must: Collection[str], size: int, *, packed: bool
 ) -> list[str]:
     """Replica ids from the chosen physical devices, must-include first.
 
