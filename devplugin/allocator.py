@@ -83,7 +83,7 @@ SUPPORT_LEVELS = (Level.PIX, Level.PXB, Level.PHB, Level.NODE)
 
 # The compiled fold computes on signed 128-bit integers; it takes a topology
 # only when every value a fold can reach stays below 2**NATIVE_BITS (the
-# weights grow with the device count: 80 devices need about 90 bits).
+# weights grow with the device count: 96 devices need about 106 bits).
 NATIVE_BITS = 126
 
 
