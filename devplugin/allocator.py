@@ -83,7 +83,8 @@ SUPPORT_LEVELS = (Level.PIX, Level.PXB, Level.PHB, Level.NODE)
 
 # The compiled fold computes on signed 128-bit integers; it takes a topology
 # only when every value a fold can reach stays below 2**NATIVE_BITS (the
-# weights grow with the device count: 96 devices need about 106 bits).
+# weights grow with the device count: the 96 devices of 64-gpu-bridged need
+# 105 bits, and each doubling of the devices adds about 12).
 NATIVE_BITS = 126
 
 
