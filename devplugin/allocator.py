@@ -784,19 +784,12 @@ class Allocator:
         if _foldc is None:
             return None
         t, tables = self.topology, self._tables[kind]
-        rows: list[Iterable[int]] = [
-            *(row for per in tables.class_values for row in per),
-            *(row for row in tables.node_penalty if row is not None),
-            *(row for row in self._spread_rows if row is not None),
-        ]
-        largest = max(
-            [self._inf, 5 * self._w_total, self._w_reach + sum(self._w_support)]
-            + [abs(value) for row in rows for value in row]
-        )
         # A fold's value is a sum of at most this many terms, each a table
-        # entry, the infinity or a partner count times a level's unit.
+        # entry, the infinity or a partner count times a level's unit; the
+        # infinity is larger than any of the others (the weights' bounds
+        # cover every component), so it bounds each term's factor.
         terms = 2 * len(t.classes) + 4 * len(t.nodes) + 4
-        if (largest * (len(t.kind) + 1) * terms).bit_length() > NATIVE_BITS:
+        if (self._inf * (len(t.kind) + 1) * terms).bit_length() > NATIVE_BITS:
             return None
         return _foldc.Tables(
             len(t.nodes),

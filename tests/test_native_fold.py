@@ -65,6 +65,24 @@ def test_random_nodes_answer_the_same_both_ways() -> None:
     assert cases == 1800
 
 
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_the_infinity_bounds_every_term_the_width_check_counts(name: str) -> None:
+    # The 128-bit check multiplies the infinity by the number of terms: that
+    # holds only while no table entry or level unit is larger.
+    gpus, hcas = devices_from_spec(LAYOUTS[name]())
+    allocator = Allocator(Topology(gpus, hcas))
+    inf = allocator._inf
+    rows = [row for row in allocator._spread_rows if row is not None]
+    for kind in (GPU, HCA):
+        tables = allocator._tables[kind]
+        rows += [row for per in tables.class_values for row in per]
+        rows += [row for row in tables.node_penalty if row is not None]
+    assert rows
+    assert max(abs(value) for row in rows for value in row) < inf
+    assert 5 * allocator._w_total < inf
+    assert allocator._w_reach + sum(allocator._w_support) < inf
+
+
 def test_a_topology_whose_values_could_pass_128_bits_keeps_the_python_fold(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
