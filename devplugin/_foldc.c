@@ -8,7 +8,11 @@
  * keeps the Python fold.
  *
  * The GIL is held for the whole call: a fold takes microseconds, and holding
- * it lets one scratch arena per Tables serve every call without locks. */
+ * it lets one scratch arena per Tables serve calls without locks. Building
+ * the answer allocates Python objects; should that ever run a collection
+ * whose finalizer folds again, or lets another thread in (not seen: 3.11
+ * takes these objects from free lists, 3.12 collects only between
+ * bytecodes), the second call takes an arena of its own. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -141,6 +145,7 @@ typedef struct {
     /* Scratch reused by every call (the GIL is held throughout a call). */
     i128 *arena;
     size_t arena_cap;
+    int arena_busy; /* a call is using the arena */
 } Tables;
 
 static void tables_free_parts(Tables *t) {
@@ -493,6 +498,8 @@ static PyObject *Tables_fold(Tables *self, PyObject *args) {
     const int nn = self->nnodes, nc = self->nclasses;
     const i128 inf = self->inf;
     PyObject *result = NULL;
+    i128 *own_arena = NULL; /* set when another call holds the shared arena */
+    int holds_arena = 0;
 
     /* Per-call integer scratch: five class arrays, four node arrays. */
     int *ints = PyMem_Malloc(sizeof(int) * (size_t)(5 * nc + 4 * nn + 2));
@@ -532,22 +539,30 @@ static PyObject *Tables_fold(Tables *self, PyObject *args) {
      * must-include prefixes, children rows with partners covered, merges,
      * and each node's finished row), each at most size + 1 long, plus the
      * class rows' own lengths. */
-    {
-        size_t need = 0;
-        for (int c = 0; c < nc; c++) need += (size_t)self->class_len[c] + (size_t)must[c] + 1;
-        need += (size_t)(2 * nsteps_max + 2 * nn + 2) * (size_t)(size + 2);
-        if (need > self->arena_cap) {
-            i128 *grown = PyMem_Realloc(self->arena, sizeof(i128) * need);
-            if (grown == NULL) {
-                PyErr_NoMemory();
-                goto out_counts;
-            }
-            self->arena = grown;
-            self->arena_cap = need;
+    size_t need = 0;
+    for (int c = 0; c < nc; c++) need += (size_t)self->class_len[c] + (size_t)must[c] + 1;
+    need += (size_t)(2 * nsteps_max + 2 * nn + 2) * (size_t)(size + 2);
+    if (self->arena_busy) {
+        own_arena = PyMem_Malloc(sizeof(i128) * need);
+        if (own_arena == NULL) {
+            PyErr_NoMemory();
+            goto out_counts;
         }
+    } else if (need > self->arena_cap) {
+        i128 *grown = PyMem_Realloc(self->arena, sizeof(i128) * need);
+        if (grown == NULL) {
+            PyErr_NoMemory();
+            goto out_counts;
+        }
+        self->arena = grown;
+        self->arena_cap = need;
     }
-    i128 *arena = self->arena;
-    size_t acap = self->arena_cap, used = 0;
+    if (own_arena == NULL) {
+        self->arena_busy = 1;
+        holds_arena = 1;
+    }
+    i128 *arena = own_arena != NULL ? own_arena : self->arena;
+    size_t acap = own_arena != NULL ? need : self->arena_cap, used = 0;
 
     const int coverage = mode == 1, support = mode == 2, prune = mode == 0;
     i128 cover_unit[6] = {0, 0, 0, 0, 0, 0};
@@ -795,6 +810,8 @@ overrun:
     PyErr_SetString(PyExc_RuntimeError, "fold: scratch bound exceeded");
 out_counts:
     PyMem_Free(step_count);
+    PyMem_Free(own_arena);
+    if (holds_arena) self->arena_busy = 0;
 out:
     PyMem_Free(ints);
     PyMem_Free(class_rows);
