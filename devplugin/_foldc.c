@@ -579,6 +579,13 @@ static PyObject *Tables_fold(Tables *self, PyObject *args) {
     }
 
     Row nothing = {ZERO_ROW, 1, 1};
+    /* A child the walk has not reached yet (malformed tables) reads as
+     * taking nothing rather than as stray memory. */
+    for (int n = 0; n < nn; n++) {
+        node_values[n] = nothing;
+        free_[n] = targets[n] = capacity[n] = 0;
+        step_start[n] = step_count[n] = 0;
+    }
     Py_ssize_t total = 0;
     for (int c = 0; c < nc; c++) {
         class_rows[c] = nothing;

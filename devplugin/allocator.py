@@ -696,6 +696,12 @@ class Allocator:
         if 0 < t.nodes[0].depth <= DOMAIN_DEPTH:  # pragma: no cover - the root is no domain
             self._spread_copies[0] += 1
         self._node_level = [int(node.level) for node in t.nodes]
+        # Per class, the nodes from it to the root as bits. A child's index is
+        # above its parent's, so the deepest node two paths share is the
+        # highest bit they have in common.
+        self._path_bits = [sum(1 << node for node in path) for path in t.class_path]
+        # Per class, its device when it has only one.
+        self._alone = [k.devices[0] if len(k.devices) == 1 else None for k in t.classes]
         # Larger than any value a choice can have, by a margin no sum of
         # negative terms can close: "no such choice" in the fold's rows.
         self._inf = 4 * weights[0] * (2 * bounds[0] + 1)
@@ -881,35 +887,30 @@ class Allocator:
         self, request: Request, candidates: frozenset[str], deadline: float | None = None
     ) -> Choice:
         t = self.topology
-        class_of = t.class_of
+        class_of = t.class_of.__getitem__
         nclasses = len(t.classes)
         cap = [0] * nclasses
         must = [0] * nclasses
         partner = [0] * nclasses
-        for device in candidates:
-            cap[class_of[device]] += 1
-        for device in request.must_include:
-            must[class_of[device]] += 1
-        for device in request.partner:
-            partner[class_of[device]] += 1
         other = [0] * nclasses
-        for device in request.other_free:
-            other[class_of[device]] += 1
+        for tally, devices in (
+            (cap, candidates), (must, request.must_include), (partner, request.partner),
+            (other, request.other_free),
+        ):  # fmt: skip
+            for c in map(class_of, devices):
+                tally[c] += 1
         cost = [0] * nclasses
-        cost_partner = {class_of[d] for d in _cost_partner(request)}
+        cost_partner = set(map(class_of, _cost_partner(request)))
         if cost_partner:
             # The level to the nearest partner is the level of the deepest
-            # domain that holds one: walk up from each class to it.
-            paths, node_level = t.class_path, self._node_level
-            holding: set[int] = set()
+            # domain that holds one (the root holds them all).
+            bits, node_level = self._path_bits, self._node_level
+            holding = 0
             for q in cost_partner:
-                holding.update(paths[q])
+                holding |= bits[q]
             for c in range(nclasses):
                 if cap[c]:
-                    for node in paths[c]:
-                        if node in holding:
-                            cost[c] = node_level[node]
-                            break
+                    cost[c] = node_level[(bits[c] & holding).bit_length() - 1]
         inputs = _Inputs(cap, must, cost, partner, other)
         support = _support_mode(request)
         if support:
@@ -935,22 +936,20 @@ class Allocator:
         raise Refused("no feasible allocation", invalid_argument=False)  # pragma: no cover
 
     def _lower_bound(self, request: Request, inputs: _Inputs, cost_partner: set[int]) -> int:
-        t = self.topology
         cap, must, cost = inputs.cap, inputs.must, inputs.cost
         if _coverage_mode(request):
             # Every partner needs a candidate within the threshold.
-            paths, node_level, partner = t.class_path, self._node_level, inputs.partner
-            holding: set[int] = set()
+            bits, node_level, partner = self._path_bits, self._node_level, inputs.partner
+            holding = 0
             for c in self._tables[request.kind].classes:
                 if cap[c]:
-                    holding.update(paths[c])
+                    holding |= bits[c]
             bound = 0
             for q, pending in enumerate(partner):
                 if pending:
-                    for node in paths[q]:
-                        if node in holding:
-                            bound = max(bound, node_level[node])
-                            break
+                    shared = bits[q] & holding
+                    if shared:
+                        bound = max(bound, node_level[shared.bit_length() - 1])
             return bound
         bound = 0
         have = [0] * 6
@@ -1282,6 +1281,10 @@ class Allocator:
     def _materialize(
         self, request: Request, candidates: frozenset[str], counts: dict[int, int]
     ) -> tuple[str, ...]:
+        alone = self._alone
+        if all(alone[c] is not None for c in counts):
+            # One device per class (every class on most PCIe layouts).
+            return tuple(alone[c] for c in sorted(counts))  # type: ignore[misc]
         ids: list[str] = []
         classes, must = self.topology.classes, request.must_include
         for c, count in sorted(counts.items()):
