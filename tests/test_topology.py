@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
 
 from devplugin.model import GpuInfo, PciAddress, PciFunction, PciPath
 from devplugin.report import topo_matrix, topo_text
-from devplugin.testing.node import build_node
+from devplugin.testing.layouts import LAYOUTS
+from devplugin.testing.node import build_node, devices_from_spec
+from devplugin.testing.random_topology import random_spec
 from devplugin.topology import Level, Topology, pci_level
 from tests.test_discovery_sysfs import nested_spec, scan
 
@@ -191,3 +194,18 @@ def test_gpus_of_one_switch_without_nvlinks_are_one_class() -> None:
     assert groups == [("GPU-0", "GPU-1", "GPU-2"), ("GPU-3",), ("GPU-4",)]
     plain = next(k for k in topology.classes if len(k.devices) == 3)
     assert plain.internal_score == topology.score("GPU-0", "GPU-1") == 50
+
+
+def test_every_domain_node_comes_after_its_parent() -> None:
+    # The allocator finds the deepest domain two devices share as the highest
+    # node index on both paths; that needs children numbered after parents.
+    specs = [make() for make in LAYOUTS.values()]
+    specs += [random_spec(random.Random(seed), max_gpus=16) for seed in range(50)]
+    for spec in specs:
+        topology = Topology(*devices_from_spec(spec))
+        assert len(topology.nodes) > 1
+        for node in topology.nodes:
+            if node.parent is not None:
+                assert node.index > node.parent
+        for path in topology.class_path:
+            assert list(path) == sorted(path, reverse=True)  # deepest first
