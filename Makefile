@@ -8,7 +8,7 @@ PROTOS := proto/devplugin/api/deviceplugin_v1beta1.proto proto/devplugin/api/pod
 .PHONY: install test test-quick demo bench proto lint chart-schema image clean
 
 # setup.py and the C source too: the editable install compiles the allocator's fold.
-$(STAMP): pyproject.toml setup.py devplugin/_foldc.c
+$(STAMP): pyproject.toml setup.py devplugin/policy/_foldc.c
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "devplugin needs Python >= 3.11")'
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip

@@ -1,4 +1,4 @@
-"""The one compiled part: the allocator's tree fold (devplugin/_foldc.c).
+"""The one compiled part: the allocator's tree fold (devplugin/policy/_foldc.c).
 
 Optional by default: where it cannot be built the package still installs,
 the allocator uses its Python fold (the same answers, slower) and the daemon
@@ -16,8 +16,8 @@ REQUIRED = os.environ.get("DEVPLUGIN_REQUIRE_NATIVE") == "1"
 setup(
     ext_modules=[
         Extension(
-            "devplugin._foldc",
-            sources=["devplugin/_foldc.c"],
+            "devplugin.policy._foldc",
+            sources=["devplugin/policy/_foldc.c"],
             extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Werror=implicit"],
             optional=not REQUIRED,
         )

@@ -84,7 +84,12 @@ from bench.cluster_live import live_cluster_bench
 from bench.extender_scale import extender_scale_bench
 from bench.fleet import fleet_bench
 from bench.idle import idle_bench
-from devplugin.allocator import (
+from devplugin.api import deviceplugin_v1beta1_pb2 as pb
+from devplugin.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
+from devplugin.config import Config, override
+from devplugin.logs import setup_logging
+from devplugin.model import DeviceKind
+from devplugin.policy.allocator import (
     Allocator,
     Request,
     Role,
@@ -93,12 +98,7 @@ from devplugin.allocator import (
     plan_request,
     planned_request,
 )
-from devplugin.allocator import validate as validate_request
-from devplugin.api import deviceplugin_v1beta1_pb2 as pb
-from devplugin.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
-from devplugin.config import Config, override
-from devplugin.logs import setup_logging
-from devplugin.model import DeviceKind
+from devplugin.policy.allocator import validate as validate_request
 from devplugin.runtime import Daemon, build, settle_heap
 from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.fake_nvml import FakeNvml

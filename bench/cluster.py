@@ -25,17 +25,17 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from devplugin.allocator import Allocator
 from devplugin.cluster.record import Registration, build_status
 from devplugin.deadline import Deadlines
 from devplugin.discovery import Discoverer, NvmlGpuSource, Roots
 from devplugin.model import DeviceKind, Health, PluginDevice
-from devplugin.placement import NodeState, Outcome, Shape, node_from_record, place, scores
+from devplugin.policy.allocator import Allocator
+from devplugin.policy.placement import NodeState, Outcome, Shape, node_from_record, place, scores
+from devplugin.policy.topology import Level
 from devplugin.resources import ResourceState
 from devplugin.testing.fake_nvml import FakeNvml
 from devplugin.testing.layouts import LAYOUTS
 from devplugin.testing.node import build_node
-from devplugin.topology import Level
 
 # (layout, how many) for the 16-node cluster.
 MIX = [("hgx-h100", 6), ("pcie-server", 6), ("asymmetric", 4)]

@@ -39,13 +39,13 @@ import yaml
 
 from bench.cluster import SHAPES, WEIGHTS
 from devplugin.alignment import alignment, best_worst_level
+from devplugin.policy.topology import Level
 from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.churn import free_now
 from devplugin.testing.cluster import GPU, HCA, SimCluster
 from devplugin.testing.kubelet import AdmissionError, ContainerRequest
 from devplugin.testing.layouts import LAYOUTS
 from devplugin.testing.scheduler import choose_node, pending_pod
-from devplugin.topology import Level
 
 NODES = {"hgx": "hgx-h100", "dgx": "dgx-a100", "pcie": "pcie-server", "asym": "asymmetric"}
 # (seconds between arrivals, arrivals)

@@ -21,7 +21,7 @@ import enum
 from collections.abc import Iterable, Set
 from dataclasses import dataclass
 
-from devplugin.podinfo import ContainerInfo, PodInfo
+from devplugin.policy.podinfo import ContainerInfo, PodInfo
 
 # (namespace, pod, container)
 ContainerKey = tuple[str, str, str]

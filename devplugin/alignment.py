@@ -23,9 +23,9 @@ from devplugin.kubelet import PodResourcesClient
 from devplugin.ledger import Held, Holdings, Ledger
 from devplugin.metrics import Metrics
 from devplugin.model import DeviceKind
+from devplugin.policy.topology import Level, Topology
 from devplugin.rpc import rpc_failure
 from devplugin.sharing import physical_ids
-from devplugin.topology import Level, Topology
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import yaml
 
-from devplugin.cdi import kind_problem
+from devplugin.policy.cdi import kind_problem
 
 CONFIG_VERSION = "v1"
 

@@ -42,10 +42,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from math import comb
 
-from devplugin.allocator import SEARCH_BUDGET, Allocator, Choice, Request, Role
 from devplugin.ledger import Ledger
 from devplugin.model import DeviceKind
-from devplugin.topology import Topology
+from devplugin.policy.allocator import SEARCH_BUDGET, Allocator, Choice, Request, Role
+from devplugin.policy.topology import Topology
 
 log = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ from devplugin.lifecycle.cleanup import CleanupManager
 from devplugin.lifecycle.health import HealthTracker
 from devplugin.metrics import Metrics
 from devplugin.model import DeviceKind, Health, Inventory
+from devplugin.policy.topology import Topology
 from devplugin.resources import CDI_UNDECLARED, HcaResource, Resource, ResourceState
-from devplugin.topology import Topology
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,6 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from devplugin.cdi import SpecError, annotation_key, qualified, sanitize_device_name
 from devplugin.model import (
     IDS_SHOWN,
     CdiCatalog,
@@ -38,6 +37,7 @@ from devplugin.model import (
     shown,
     shown_ids,
 )
+from devplugin.policy.cdi import SpecError, annotation_key, qualified, sanitize_device_name
 
 GPU_VISIBLE_ENV = "NVIDIA_VISIBLE_DEVICES"
 # How the reason of a GPU no CDI spec names begins.

@@ -26,7 +26,6 @@ from typing import Any
 from lightkube import Client
 
 from devplugin.alignment import AlignmentMonitor, holders_report
-from devplugin.allocator import native_fold_available
 from devplugin.checks import CheckLoop, Requests
 from devplugin.cluster.awareness import PodAwareness
 from devplugin.cluster.client import Heartbeat, make_client
@@ -53,7 +52,8 @@ from devplugin.metrics import Metrics
 from devplugin.model import DeviceKind, Inventory
 from devplugin.node_hooks import ResourceHooks
 from devplugin.pipeline import Pipeline, log_inventory
-from devplugin.podinfo import PodInfo
+from devplugin.policy.allocator import native_fold_available
+from devplugin.policy.podinfo import PodInfo
 from devplugin.resources import (
     Capabilities,
     Delivery,
@@ -235,7 +235,7 @@ class Daemon:
         )  # fmt: skip
         if not native_fold_available():
             log.warning(
-                "the allocator's compiled fold (devplugin/_foldc.c) is not built, so "
+                "the allocator's compiled fold (devplugin/policy/_foldc.c) is not built, so "
                 "preferred allocations use the Python fold: the same answers, several "
                 "times slower (install with a C compiler present to build it)"
             )

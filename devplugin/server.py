@@ -14,12 +14,12 @@ from typing import Any, NoReturn, Protocol
 
 import grpc
 
-from devplugin.allocator import Role
 from devplugin.api import deviceplugin_v1beta1_pb2 as pb
 from devplugin.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from devplugin.coordination import Coordinator, Known
 from devplugin.metrics import Metrics
 from devplugin.model import DeviceKind, Refused, shown, shown_ids
+from devplugin.policy.allocator import Role
 from devplugin.resources import (
     ContainerAllocation,
     Resource,

@@ -7,7 +7,7 @@ from types import MappingProxyType
 import pytest
 
 from devplugin.admission import Outcome, admitting
-from devplugin.podinfo import ContainerInfo, PodInfo
+from devplugin.policy.podinfo import ContainerInfo, PodInfo
 
 GPU, HCA = "nvidia.com/gpu", "rdma/hca"
 
@@ -129,7 +129,7 @@ def test_a_started_pod_is_past_admission() -> None:
 def test_started_is_read_from_phase_and_container_states(
     status: dict[str, object], started: bool
 ) -> None:
-    from devplugin.podinfo import parse_pod
+    from devplugin.policy.podinfo import parse_pod
 
     obj = {"metadata": {"uid": "u", "namespace": "n", "name": "x"},
            "spec": {"containers": []}, "status": status}  # fmt: skip

@@ -9,7 +9,8 @@ from functools import cache
 
 import pytest
 
-from devplugin.allocator import (
+from devplugin.model import DeviceKind, Refused
+from devplugin.policy.allocator import (
     Allocator,
     Choice,
     Request,
@@ -21,11 +22,10 @@ from devplugin.allocator import (
     planned_request,
     validate,
 )
-from devplugin.model import DeviceKind, Refused
+from devplugin.policy.topology import PCIE_SCORE, Level, Topology
 from devplugin.testing.layouts import LAYOUTS
 from devplugin.testing.node import devices_from_spec
 from devplugin.testing.random_topology import random_requests, random_spec
-from devplugin.topology import PCIE_SCORE, Level, Topology
 
 GPU, HCA = DeviceKind.GPU, DeviceKind.HCA
 TABLE_LAYOUTS = ["dgx-a100", "hgx-h100", "pcie-server", "asymmetric", "16-gpu"]

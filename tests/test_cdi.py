@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from devplugin.api import deviceplugin_v1beta1_pb2 as pb
-from devplugin.cdi import (
+from devplugin.policy.cdi import (
     Node,
     SpecError,
     annotation_key,

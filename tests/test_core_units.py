@@ -6,16 +6,16 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
-from devplugin.allocator import Role
 from devplugin.coordination import Coordinator
 from devplugin.kubelet import KUBELET_SOCKET, Registrar
 from devplugin.ledger import Holdings, Ledger
 from devplugin.model import DeviceKind
+from devplugin.policy.allocator import Role
+from devplugin.policy.topology import Topology
 from devplugin.resources import GpuResource, ResourceState
 from devplugin.server import DevicePluginServicer, PluginServer
 from devplugin.testing.layouts import LAYOUTS
 from devplugin.testing.node import devices_from_spec
-from devplugin.topology import Topology
 
 GPU, HCA = DeviceKind.GPU, DeviceKind.HCA
 

@@ -20,8 +20,8 @@ from devplugin.alignment import ContainerAlignment
 from devplugin.cluster.extender import Extender, ExtenderServer, serve
 from devplugin.cluster.watch import WatchCache
 from devplugin.config import KubernetesConfig
+from devplugin.policy.topology import Level
 from devplugin.testing.apiserver import ApiServerImitation
-from devplugin.topology import Level
 from tests.test_placement import inventory, record
 from tests.waiting import wait_until
 

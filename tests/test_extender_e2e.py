@@ -18,11 +18,11 @@ import pytest
 import yaml
 
 from devplugin.alignment import alignment, best_worst_level
+from devplugin.policy.topology import Level
 from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.kubelet import ContainerRequest
 from devplugin.testing.layouts import LAYOUTS
 from devplugin.testing.scheduler import choose_node, pending_pod
-from devplugin.topology import Level
 from tests.conftest import GPU, HCA, Cluster
 from tests.waiting import wait_until
 

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from devplugin.discovery import Discoverer, NvmlGpuSource, Roots
+from devplugin.policy.topology import Topology
 from devplugin.testing.fake_nvml import FakeNvml
 from devplugin.testing.layouts import LAYOUTS
 from devplugin.testing.node import build_node, devices_from_spec
-from devplugin.topology import Topology
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))

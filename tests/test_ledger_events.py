@@ -6,9 +6,9 @@ from __future__ import annotations
 from devplugin.coordination import Coordinator
 from devplugin.ledger import ENDED_LIMIT, Holdings, Ledger
 from devplugin.model import DeviceKind
+from devplugin.policy.topology import Topology
 from devplugin.testing.layouts import LAYOUTS
 from devplugin.testing.node import devices_from_spec
-from devplugin.topology import Topology
 from tests.test_core_units import Clock
 
 GPU, HCA = DeviceKind.GPU, DeviceKind.HCA

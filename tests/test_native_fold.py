@@ -1,4 +1,4 @@
-"""The compiled tree fold (devplugin/_foldc.c) answers exactly as the Python
+"""The compiled tree fold (devplugin/policy/_foldc.c) answers exactly as the Python
 fold: the same devices, score and plan for every request, on the named
 layouts and a seeded random corpus; it steps aside where 128 bits could
 overflow, and it refuses malformed input with an exception, not a crash."""
@@ -9,13 +9,13 @@ import random
 
 import pytest
 
-from devplugin import allocator as allocator_module
-from devplugin.allocator import Allocator, Request, native_fold_available
 from devplugin.model import DeviceKind
+from devplugin.policy import allocator as allocator_module
+from devplugin.policy.allocator import Allocator, Request, native_fold_available
+from devplugin.policy.topology import Topology
 from devplugin.testing.layouts import LAYOUTS
 from devplugin.testing.node import devices_from_spec
 from devplugin.testing.random_topology import random_requests, random_spec
-from devplugin.topology import Topology
 
 GPU, HCA = DeviceKind.GPU, DeviceKind.HCA
 
@@ -98,7 +98,7 @@ def test_a_topology_whose_values_could_pass_128_bits_keeps_the_python_fold(
 
 
 def test_malformed_input_raises_instead_of_crashing() -> None:
-    from devplugin import _foldc
+    from devplugin.policy import _foldc
 
     gpus, hcas = devices_from_spec(LAYOUTS["hgx-h100"]())
     tables = Allocator(Topology(gpus, hcas))._native[GPU]

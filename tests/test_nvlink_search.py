@@ -11,7 +11,10 @@ import random
 
 import pytest
 
-from devplugin.allocator import (
+from devplugin.coordination import Coordinator
+from devplugin.ledger import Ledger
+from devplugin.model import DeviceKind
+from devplugin.policy.allocator import (
     Allocator,
     Request,
     evaluate,
@@ -19,13 +22,10 @@ from devplugin.allocator import (
     planned_request,
     validate,
 )
-from devplugin.coordination import Coordinator
-from devplugin.ledger import Ledger
-from devplugin.model import DeviceKind
+from devplugin.policy.topology import Topology
 from devplugin.testing.layouts import LAYOUTS
 from devplugin.testing.node import NodeSpec, devices_from_spec
 from devplugin.testing.random_topology import random_spec
-from devplugin.topology import Topology
 
 GPU, HCA = DeviceKind.GPU, DeviceKind.HCA
 

@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 
 from devplugin.alignment import best_worst_level
-from devplugin.allocator import Allocator
 from devplugin.cluster.record import Registration, build_status
 from devplugin.deadline import Deadlines
 from devplugin.discovery import Discoverer, NvmlGpuSource, Roots
 from devplugin.model import DeviceKind, Health, Inventory, PluginDevice
-from devplugin.placement import (
+from devplugin.policy.allocator import Allocator
+from devplugin.policy.placement import (
     Requirement,
     Shape,
     check,
@@ -25,12 +25,12 @@ from devplugin.placement import (
     scores,
     shape_of,
 )
-from devplugin.podinfo import ContainerInfo, PodInfo
+from devplugin.policy.podinfo import ContainerInfo, PodInfo
+from devplugin.policy.topology import Level, Topology
 from devplugin.resources import ResourceState
 from devplugin.testing.fake_nvml import FakeNvml
 from devplugin.testing.layouts import LAYOUTS
 from devplugin.testing.node import build_node
-from devplugin.topology import Level, Topology
 
 GPU, HCA = "nvidia.com/gpu", "rdma/hca"
 

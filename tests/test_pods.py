@@ -10,7 +10,7 @@ import pytest
 from lightkube import Client, KubeConfig
 
 from devplugin.cluster.pods import PodCache
-from devplugin.podinfo import parse_pod
+from devplugin.policy.podinfo import parse_pod
 from devplugin.testing.apiserver import ApiServerImitation
 from tests.waiting import wait_until
 

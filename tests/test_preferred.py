@@ -13,10 +13,10 @@ import pytest
 from devplugin.alignment import alignment
 from devplugin.api import deviceplugin_v1beta1_pb2 as pb
 from devplugin.model import DeviceKind
+from devplugin.policy.topology import Level, Topology
 from devplugin.testing.kubelet import ContainerRequest, KubeletSimulator
 from devplugin.testing.layouts import LAYOUTS
 from devplugin.testing.node import DOWN, hgx_node
-from devplugin.topology import Level, Topology
 from tests.conftest import GPU, HCA, Cluster
 
 Start = Callable[..., Cluster]

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from devplugin.model import GpuInfo, PciAddress, PciFunction, PciPath
+from devplugin.policy.topology import Level, Topology, pci_level
 from devplugin.report import topo_matrix, topo_text
 from devplugin.testing.layouts import LAYOUTS
 from devplugin.testing.node import build_node, devices_from_spec
 from devplugin.testing.random_topology import random_spec
-from devplugin.topology import Level, Topology, pci_level
 from tests.test_discovery_sysfs import nested_spec, scan
 
 

@@ -34,7 +34,7 @@ from devplugin.ledger import Ledger
 from devplugin.lifecycle.cleanup import Owner
 from devplugin.metrics import Metrics
 from devplugin.model import DeviceKind
-from devplugin.podinfo import PodInfo
+from devplugin.policy.podinfo import PodInfo
 
 log = logging.getLogger(__name__)
 

@@ -51,7 +51,7 @@ from devplugin.cluster.publisher import NodeDevices
 from devplugin.cluster.views import Layouts, NodeViews, parse_record
 from devplugin.cluster.watch import Incomplete, WatchCache
 from devplugin.config import KubernetesConfig
-from devplugin.placement import (
+from devplugin.policy.placement import (
     Outcome,
     ParsedRecord,
     Requirement,
@@ -61,7 +61,7 @@ from devplugin.placement import (
     scores,
     shape_of,
 )
-from devplugin.podinfo import ContainerInfo, PodInfo, parse_pod
+from devplugin.policy.podinfo import ContainerInfo, PodInfo, parse_pod
 
 log = logging.getLogger(__name__)
 

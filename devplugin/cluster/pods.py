@@ -31,7 +31,7 @@ from lightkube.generic_resource import create_namespaced_resource
 
 from devplugin.cluster.client import Heartbeat
 from devplugin.cluster.watch import Incomplete, WatchCache
-from devplugin.podinfo import PodInfo, parse_pod
+from devplugin.policy.podinfo import PodInfo, parse_pod
 
 # Pods as plain dicts: the shape is checked here, so one odd pod cannot stop
 # the decoding of a whole list or watch.

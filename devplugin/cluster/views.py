@@ -24,12 +24,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from devplugin.allocator import Allocator
 from devplugin.model import DeviceKind
-from devplugin.placement import NodeState, Outcome, ParsedRecord, Shape, place, shape_of
-from devplugin.placement import parse_record as placement_record
-from devplugin.podinfo import PodInfo
-from devplugin.topology import Topology
+from devplugin.policy.allocator import Allocator
+from devplugin.policy.placement import NodeState, Outcome, ParsedRecord, Shape, place, shape_of
+from devplugin.policy.placement import parse_record as placement_record
+from devplugin.policy.podinfo import PodInfo
+from devplugin.policy.topology import Topology
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import yaml
 
-from devplugin.cdi import Spec, SpecError, validate_spec
 from devplugin.model import CdiCatalog
+from devplugin.policy.cdi import Spec, SpecError, validate_spec
 
 log = logging.getLogger(__name__)
 

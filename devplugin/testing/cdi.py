@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from devplugin.cdi import Spec, SpecError, split_qualified, validate_spec
+from devplugin.policy.cdi import Spec, SpecError, split_qualified, validate_spec
 from devplugin.testing.node import BuiltNode
 
 LIBS = "/usr/lib/x86_64-linux-gnu"

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from devplugin.alignment import alignment, best_alignment, best_worst_level
 from devplugin.model import DeviceKind
+from devplugin.policy.topology import Level, Topology
 from devplugin.testing.cluster import GPU, HCA, SimCluster
 from devplugin.testing.kubelet import (
     AdmissionError,
@@ -27,7 +28,6 @@ from devplugin.testing.kubelet import (
     PodResult,
 )
 from devplugin.testing.node import NodeSpec
-from devplugin.topology import Level, Topology
 
 # (GPUs, HCAs) per container, with weights: mostly GPUDirect pairs, some
 # shared-NIC shapes, some single-resource pods.

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from devplugin.alignment import alignment
 from devplugin.config import Config, override
+from devplugin.policy.topology import Topology
 from devplugin.report import topo_text
 from devplugin.runtime import build
 from devplugin.testing.apiserver import ApiServerImitation
@@ -29,7 +30,6 @@ from devplugin.testing.cdi import CdiRuntime, nvidia_like_spec, write_spec
 from devplugin.testing.fake_nvml import FakeNvml
 from devplugin.testing.kubelet import AdmissionError, ContainerRequest, KubeletSimulator, PodResult
 from devplugin.testing.node import build_node, hgx_node
-from devplugin.topology import Topology
 
 GPU = "nvidia.com/gpu"
 HCA = "rdma/hca"

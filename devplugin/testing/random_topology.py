@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import random
 
-from devplugin.allocator import Request, Role
 from devplugin.model import DeviceKind
+from devplugin.policy.allocator import Request, Role
 from devplugin.testing.node import Child, Gpu, Hca, NodeSpec, Port, RootComplex, Switch
 
 

@@ -70,10 +70,10 @@ from operator import add
 from typing import Any, NamedTuple
 
 from devplugin.model import DeviceKind, Refused, shown_ids
-from devplugin.topology import DOMAIN_DEPTH, NVLINK_SCORE, PCIE_SCORE, Level, Topology
+from devplugin.policy.topology import DOMAIN_DEPTH, NVLINK_SCORE, PCIE_SCORE, Level, Topology
 
 try:
-    from devplugin import _foldc
+    from devplugin.policy import _foldc
 except ImportError:  # pragma: no cover - the extension is built by every install here
     _foldc = None  # type: ignore[assignment]
 

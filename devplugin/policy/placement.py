@@ -18,7 +18,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from devplugin.allocator import Allocator, Request, Role
 from devplugin.model import (
     CharDevice,
     DeviceKind,
@@ -29,8 +28,9 @@ from devplugin.model import (
     PciPath,
     Refused,
 )
-from devplugin.podinfo import ContainerInfo, PodInfo
-from devplugin.topology import DOMAIN_DEPTH, Level, Topology
+from devplugin.policy.allocator import Allocator, Request, Role
+from devplugin.policy.podinfo import ContainerInfo, PodInfo
+from devplugin.policy.topology import DOMAIN_DEPTH, Level, Topology
 
 ALIGNMENT_ANNOTATION = "devplugin.io/alignment"
 POLICY_ANNOTATION = "devplugin.io/alignment-policy"

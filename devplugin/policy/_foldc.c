@@ -837,7 +837,7 @@ static PyMethodDef Tables_methods[] = {
 
 static PyTypeObject TablesType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "devplugin._foldc.Tables",
+    .tp_name = "devplugin.policy._foldc.Tables",
     .tp_basicsize = sizeof(Tables),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "One kind's fold tables for one topology.",
@@ -849,7 +849,7 @@ static PyTypeObject TablesType = {
 
 static struct PyModuleDef foldc_module = {
     PyModuleDef_HEAD_INIT,
-    .m_name = "devplugin._foldc",
+    .m_name = "devplugin.policy._foldc",
     .m_doc = "The allocator's tree fold on 128-bit integers.",
     .m_size = -1,
 };
