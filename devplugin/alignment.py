@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import grpc
 
 from devplugin.coordination import Coordinator
-from devplugin.kubelet import PodResourcesClient
+from devplugin.frontends.deviceplugin.kubelet import PodResourcesClient
 from devplugin.ledger import Held, Holdings, Ledger
 from devplugin.metrics import Metrics
 from devplugin.model import DeviceKind

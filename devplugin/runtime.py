@@ -39,7 +39,8 @@ from devplugin.coordination import Coordinator
 from devplugin.deadline import Deadlines
 from devplugin.discovery import CdiReader, Discoverer, NvmlGpuSource, Roots
 from devplugin.discovery.udev import HotplugWatcher, udev_monitor
-from devplugin.kubelet import PodResourcesClient, Registrar
+from devplugin.frontends.deviceplugin.kubelet import PodResourcesClient, Registrar
+from devplugin.frontends.deviceplugin.server import DevicePluginServicer, PluginServer, socket_name
 from devplugin.ledger import Ledger
 from devplugin.lifecycle.cdi_spec import HcaSpecWriter
 from devplugin.lifecycle.checkpoint import Checkpoint
@@ -62,7 +63,6 @@ from devplugin.resources import (
     Resource,
     ResourceState,
 )
-from devplugin.server import DevicePluginServicer, PluginServer, socket_name
 from devplugin.sharing import SharedResource
 from devplugin.status import StatusServer
 

@@ -7,13 +7,13 @@ import itertools
 from pathlib import Path
 
 from devplugin.coordination import Coordinator
-from devplugin.kubelet import KUBELET_SOCKET, Registrar
+from devplugin.frontends.deviceplugin.kubelet import KUBELET_SOCKET, Registrar
+from devplugin.frontends.deviceplugin.server import DevicePluginServicer, PluginServer
 from devplugin.ledger import Holdings, Ledger
 from devplugin.model import DeviceKind
 from devplugin.policy.allocator import Role
 from devplugin.policy.topology import Topology
 from devplugin.resources import GpuResource, ResourceState
-from devplugin.server import DevicePluginServicer, PluginServer
 from devplugin.testing.layouts import LAYOUTS
 from devplugin.testing.node import devices_from_spec
 

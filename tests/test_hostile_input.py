@@ -18,7 +18,7 @@ import pytest
 
 from devplugin.api import deviceplugin_v1beta1_pb2 as pb
 from devplugin.cli import main
-from devplugin.server import MAX_DETAIL, socket_name
+from devplugin.frontends.deviceplugin.server import MAX_DETAIL, socket_name
 from devplugin.status import MAX_CONNECTIONS
 from devplugin.testing.node import build_node, hgx_node
 from tests.conftest import GPU, HCA, Cluster
@@ -57,7 +57,7 @@ def test_allocate_with_hostile_ids_gets_a_bounded_escaped_refusal(
     start_cluster: Start, ids: list[str], caplog: pytest.LogCaptureFixture
 ) -> None:
     cluster = start_cluster(hgx_node())
-    with caplog.at_level(logging.WARNING, logger="devplugin.server"):
+    with caplog.at_level(logging.WARNING, logger="devplugin.frontends.deviceplugin.server"):
         failure = refused(cluster, ids)
     assert failure.code() is grpc.StatusCode.INVALID_ARGUMENT
     details = failure.details() or ""

@@ -15,8 +15,8 @@ from devplugin.api import deviceplugin_v1beta1_pb2 as pb
 from devplugin.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from devplugin.api import podresources_v1_pb2 as pr
 from devplugin.api import podresources_v1_pb2_grpc as pr_grpc
+from devplugin.frontends.deviceplugin.server import PluginServer, SocketIdentity
 from devplugin.rpc import rpc_failure
-from devplugin.server import PluginServer, SocketIdentity
 
 log = logging.getLogger(__name__)
 
