@@ -67,16 +67,22 @@ def test_the_pod_example_asks_for_both_resources() -> None:
 def test_the_example_hca_hook_checks_the_daemons_sysfs_root(
     start_cluster: Any, tmp_path: Path, hook: str
 ) -> None:
+    # The hook waits for a gate, so the kubelet is sure to see the device
+    # Unhealthy while it is being cleaned (ListAndWatch sends the latest
+    # state; a hook quicker than the stream would leave no trace of it).
+    gate = tmp_path / "gate"
+    waits = f"while [ ! -e {gate} ]; do sleep 0.01; done; exec {sys.executable} -m {hook}"
     cluster: Cluster = start_cluster(
-        hgx_node(), **{"resources.hca.hooks.cleanup": [sys.executable, "-m", hook]}
+        hgx_node(), **{"resources.hca.hooks.cleanup": ["/bin/sh", "-c", waits]}
     )
     kubelet = cluster.kubelet
     pod = kubelet.admit("p", [ContainerRequest("c", {HCA: 1})])
     (hca,) = pod.container("c").devices[HCA]
     kubelet.remove("p")
+    assert kubelet.wait_for(lambda: kubelet.devices(HCA)[hca].health == "Unhealthy", 15)
+    gate.touch()
     # The hook reads the simulated node's ports (all ACTIVE) through
     # DEVPLUGIN_SYSFS_ROOT; with /sys it would find no such HCA and fail.
     assert wait_until(lambda: cluster.daemon.cleanup.runs >= 1, timeout=15)
     assert kubelet.wait_for(lambda: kubelet.devices(HCA)[hca].health == "Healthy", 15)
     assert cluster.daemon.cleanup.pending() == {}
-    assert any(healths.get(hca) == "Unhealthy" for _, healths in kubelet.history(HCA))
