@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import grpc
 
 from devplugin.coordination import Coordinator
-from devplugin.frontends.deviceplugin.kubelet import PodResourcesClient
 from devplugin.ledger import Held, Holdings, Ledger
 from devplugin.metrics import Metrics
 from devplugin.model import DeviceKind
+from devplugin.podresources import PodResourcesClient
 from devplugin.policy.topology import Level, Topology
 from devplugin.rpc import rpc_failure
 from devplugin.sharing import physical_ids

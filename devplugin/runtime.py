@@ -39,7 +39,7 @@ from devplugin.coordination import Coordinator
 from devplugin.deadline import Deadlines
 from devplugin.discovery import CdiReader, Discoverer, NvmlGpuSource, Roots
 from devplugin.discovery.udev import HotplugWatcher, udev_monitor
-from devplugin.frontends.deviceplugin.kubelet import PodResourcesClient, Registrar
+from devplugin.frontends.deviceplugin.kubelet import Registrar
 from devplugin.frontends.deviceplugin.server import DevicePluginServicer, PluginServer, socket_name
 from devplugin.ledger import Ledger
 from devplugin.lifecycle.cdi_spec import HcaSpecWriter
@@ -53,6 +53,7 @@ from devplugin.metrics import Metrics
 from devplugin.model import DeviceKind, Inventory
 from devplugin.node_hooks import ResourceHooks
 from devplugin.pipeline import Pipeline, log_inventory
+from devplugin.podresources import PodResourcesClient
 from devplugin.policy.allocator import native_fold_available
 from devplugin.policy.podinfo import PodInfo
 from devplugin.resources import (
