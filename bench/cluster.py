@@ -26,13 +26,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from devplugin.cluster.record import Registration, build_status
-from devplugin.deadline import Deadlines
-from devplugin.discovery import Discoverer, NvmlGpuSource, Roots
 from devplugin.model import DeviceKind, Health, PluginDevice
+from devplugin.node.deadline import Deadlines
+from devplugin.node.discovery import Discoverer, NvmlGpuSource, Roots
+from devplugin.node.resources import ResourceState
 from devplugin.policy.allocator import Allocator
 from devplugin.policy.placement import NodeState, Outcome, Shape, node_from_record, place, scores
 from devplugin.policy.topology import Level
-from devplugin.resources import ResourceState
 from devplugin.testing.fake_nvml import FakeNvml
 from devplugin.testing.layouts import LAYOUTS
 from devplugin.testing.node import build_node

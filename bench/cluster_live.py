@@ -38,7 +38,7 @@ from pathlib import Path
 import yaml
 
 from bench.cluster import SHAPES, WEIGHTS
-from devplugin.alignment import alignment, best_worst_level
+from devplugin.node.alignment import alignment, best_worst_level
 from devplugin.policy.topology import Level
 from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.churn import free_now

@@ -22,8 +22,8 @@ from devplugin.config import (
     load_config,
     override,
 )
-from devplugin.discovery import Discoverer, NvmlGpuSource, Roots, load_pynvml
 from devplugin.logs import setup_logging
+from devplugin.node.discovery import Discoverer, NvmlGpuSource, Roots, load_pynvml
 
 log = logging.getLogger("devplugin")
 
@@ -215,7 +215,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_discover(args: argparse.Namespace) -> int:
-    from devplugin.report import inventory_dict, inventory_text
+    from devplugin.node.report import inventory_dict, inventory_text
 
     config = resolve_config(args)
     setup_logging(config.logging.format, "warning")
@@ -228,7 +228,7 @@ def cmd_discover(args: argparse.Namespace) -> int:
 
 
 def cmd_topo(args: argparse.Namespace) -> int:
-    from devplugin.report import topo_text
+    from devplugin.node.report import topo_text
 
     config = resolve_config(args)
     setup_logging(config.logging.format, "warning")

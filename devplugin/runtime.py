@@ -25,8 +25,6 @@ from typing import Any
 
 from lightkube import Client
 
-from devplugin.alignment import AlignmentMonitor, holders_report
-from devplugin.checks import CheckLoop, Requests
 from devplugin.cluster.awareness import PodAwareness
 from devplugin.cluster.client import Heartbeat, make_client
 from devplugin.cluster.events import EventRecorder
@@ -35,28 +33,28 @@ from devplugin.cluster.pods import PodCache
 from devplugin.cluster.publisher import RecordPublisher
 from devplugin.cluster.record import Registration, build_status
 from devplugin.config import CDI_STRATEGIES, Config, HooksConfig, lease_namespace, node_name
-from devplugin.coordination import Coordinator
-from devplugin.deadline import Deadlines
-from devplugin.discovery import CdiReader, Discoverer, NvmlGpuSource, Roots
-from devplugin.discovery.udev import HotplugWatcher, udev_monitor
 from devplugin.frontends.deviceplugin.kubelet import Registrar
 from devplugin.frontends.deviceplugin.server import DevicePluginServicer, PluginServer, socket_name
-from devplugin.ledger import Ledger
-from devplugin.lifecycle.cdi_spec import HcaSpecWriter
-from devplugin.lifecycle.checkpoint import Checkpoint
-from devplugin.lifecycle.cleanup import CleanupManager
-from devplugin.lifecycle.devices import describe
-from devplugin.lifecycle.health import HealthTracker, Recovery
-from devplugin.lifecycle.hooks import HookSpec, run_hook
-from devplugin.lifecycle.xid import XidWatcher
-from devplugin.metrics import Metrics
 from devplugin.model import DeviceKind, Inventory
-from devplugin.node_hooks import ResourceHooks
-from devplugin.pipeline import Pipeline, log_inventory
-from devplugin.podresources import PodResourcesClient
-from devplugin.policy.allocator import native_fold_available
-from devplugin.policy.podinfo import PodInfo
-from devplugin.resources import (
+from devplugin.node.alignment import AlignmentMonitor, holders_report
+from devplugin.node.checks import CheckLoop, Requests
+from devplugin.node.coordination import Coordinator
+from devplugin.node.deadline import Deadlines
+from devplugin.node.discovery import CdiReader, Discoverer, NvmlGpuSource, Roots
+from devplugin.node.discovery.udev import HotplugWatcher, udev_monitor
+from devplugin.node.ledger import Ledger
+from devplugin.node.lifecycle.cdi_spec import HcaSpecWriter
+from devplugin.node.lifecycle.checkpoint import Checkpoint
+from devplugin.node.lifecycle.cleanup import CleanupManager
+from devplugin.node.lifecycle.devices import describe
+from devplugin.node.lifecycle.health import HealthTracker, Recovery
+from devplugin.node.lifecycle.hooks import HookSpec, run_hook
+from devplugin.node.lifecycle.xid import XidWatcher
+from devplugin.node.metrics import Metrics
+from devplugin.node.node_hooks import ResourceHooks
+from devplugin.node.pipeline import Pipeline, log_inventory
+from devplugin.node.podresources import PodResourcesClient
+from devplugin.node.resources import (
     Capabilities,
     Delivery,
     GpuResource,
@@ -64,8 +62,10 @@ from devplugin.resources import (
     Resource,
     ResourceState,
 )
-from devplugin.sharing import SharedResource
-from devplugin.status import StatusServer
+from devplugin.node.sharing import SharedResource
+from devplugin.node.status import StatusServer
+from devplugin.policy.allocator import native_fold_available
+from devplugin.policy.podinfo import PodInfo
 
 log = logging.getLogger(__name__)
 

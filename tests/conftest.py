@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from devplugin.config import Config, override
-from devplugin.lifecycle.checkpoint import Checkpoint, LifecycleState
+from devplugin.node.lifecycle.checkpoint import Checkpoint, LifecycleState
 from devplugin.runtime import Daemon, build
 from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.fake_nvml import FakeNvml

@@ -6,7 +6,7 @@ from types import MappingProxyType
 
 import pytest
 
-from devplugin.admission import Outcome, admitting
+from devplugin.node.admission import Outcome, admitting
 from devplugin.policy.podinfo import ContainerInfo, PodInfo
 
 GPU, HCA = "nvidia.com/gpu", "rdma/hca"

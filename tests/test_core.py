@@ -26,8 +26,8 @@ import pytest
 from devplugin.api import deviceplugin_v1beta1_pb2 as pb
 from devplugin.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from devplugin.frontends.deviceplugin.server import MAX_EXTRA_STREAMS, socket_name
-from devplugin.lifecycle.checkpoint import Checkpoint, LifecycleState
 from devplugin.model import DeviceKind
+from devplugin.node.lifecycle.checkpoint import Checkpoint, LifecycleState
 from devplugin.testing.fake_nvml import NVML_ERROR_DRIVER_NOT_LOADED, NVML_ERROR_UNKNOWN
 from devplugin.testing.kubelet import ContainerRequest
 from devplugin.testing.node import build_node, hgx_node

@@ -6,14 +6,14 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
-from devplugin.coordination import Coordinator
 from devplugin.frontends.deviceplugin.kubelet import KUBELET_SOCKET, Registrar
 from devplugin.frontends.deviceplugin.server import DevicePluginServicer, PluginServer
-from devplugin.ledger import Holdings, Ledger
 from devplugin.model import DeviceKind
+from devplugin.node.coordination import Coordinator
+from devplugin.node.ledger import Holdings, Ledger
+from devplugin.node.resources import GpuResource, ResourceState
 from devplugin.policy.allocator import Role
 from devplugin.policy.topology import Topology
-from devplugin.resources import GpuResource, ResourceState
 from devplugin.testing.layouts import LAYOUTS
 from devplugin.testing.node import devices_from_spec
 

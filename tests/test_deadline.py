@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from devplugin.deadline import POOL, Deadlines, Stuck
+from devplugin.node.deadline import POOL, Deadlines, Stuck
 from tests.waiting import wait_until
 
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from devplugin.discovery.nvml import NvmlGpuSource
-from devplugin.discovery.sysfs import read_pci_functions
 from devplugin.model import PciAddress
+from devplugin.node.discovery.nvml import NvmlGpuSource
+from devplugin.node.discovery.sysfs import read_pci_functions
 from devplugin.testing.fake_nvml import (
     NVML_ERROR_DRIVER_NOT_LOADED,
     NVML_NVLINK_DEVICE_TYPE_SWITCH,
@@ -124,7 +124,7 @@ def test_nvml_failure_is_one_clear_log_line_and_recovers(
     lib.init_error = NVML_ERROR_DRIVER_NOT_LOADED
     source = NvmlGpuSource(lib)
     pci = read_pci_functions(node.sysfs_root)
-    with caplog.at_level(logging.INFO, logger="devplugin.discovery.nvml"):
+    with caplog.at_level(logging.INFO, logger="devplugin.node.discovery.nvml"):
         for _ in range(3):
             gpus, status = source.scan(pci)
             assert gpus == ()

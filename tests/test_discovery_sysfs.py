@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from devplugin.discovery import Discoverer, NvmlGpuSource, Roots
-from devplugin.discovery.sysfs import read_hcas, read_pci_functions
 from devplugin.model import Inventory, PciAddress
+from devplugin.node.discovery import Discoverer, NvmlGpuSource, Roots
+from devplugin.node.discovery.sysfs import read_hcas, read_pci_functions
 from devplugin.testing.fake_nvml import FakeNvml
 from devplugin.testing.node import (
     DOWN,

@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 import yaml
 
-from devplugin.alignment import ContainerAlignment
 from devplugin.cluster.extender import Extender, ExtenderServer, serve
 from devplugin.cluster.watch import WatchCache
 from devplugin.config import KubernetesConfig
+from devplugin.node.alignment import ContainerAlignment
 from devplugin.policy.topology import Level
 from devplugin.testing.apiserver import ApiServerImitation
 from tests.test_placement import inventory, record

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from devplugin.alignment import alignment, best_worst_level
+from devplugin.node.alignment import alignment, best_worst_level
 from devplugin.policy.topology import Level
 from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.kubelet import ContainerRequest

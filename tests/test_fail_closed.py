@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from devplugin.cli import main
-from devplugin.lifecycle.checkpoint import Checkpoint, LifecycleState
-from devplugin.lifecycle.hooks import HookDevice, HookSpec, run_hook
 from devplugin.model import DeviceKind
+from devplugin.node.lifecycle.checkpoint import Checkpoint, LifecycleState
+from devplugin.node.lifecycle.hooks import HookDevice, HookSpec, run_hook
 from devplugin.runtime import build
 from devplugin.testing.fake_nvml import FakeNvml
 from devplugin.testing.kubelet import ContainerRequest, KubeletSimulator

@@ -68,7 +68,7 @@ def test_missing_device_node_is_unhealthy_with_a_log_line_naming_it(
 ) -> None:
     cluster = start_cluster(hgx_node())
     hca = cluster.node.hcas[4]
-    with caplog.at_level(logging.WARNING, logger="devplugin.pipeline"):
+    with caplog.at_level(logging.WARNING, logger="devplugin.node.pipeline"):
         (cluster.node.dev_root / "infiniband" / "umad4").unlink()
         assert becomes(cluster, HCA, hca.device_id, "Unhealthy", within=2.0)
     assert any(

@@ -19,7 +19,7 @@ import pytest
 from devplugin.api import deviceplugin_v1beta1_pb2 as pb
 from devplugin.cli import main
 from devplugin.frontends.deviceplugin.server import MAX_DETAIL, socket_name
-from devplugin.status import MAX_CONNECTIONS
+from devplugin.node.status import MAX_CONNECTIONS
 from devplugin.testing.node import build_node, hgx_node
 from tests.conftest import GPU, HCA, Cluster
 from tests.test_core import probe
@@ -195,8 +195,8 @@ def test_running_out_of_descriptors_does_not_make_devices_unhealthy(tmp_path: Pa
         f"""
         import os, resource
         from pathlib import Path
-        from devplugin.discovery import Discoverer, Roots
-        from devplugin.resources import hca_health
+        from devplugin.node.discovery import Discoverer, Roots
+        from devplugin.node.resources import hca_health
         roots = Roots(Path({str(node.sysfs_root)!r}), Path({str(node.dev_root)!r}))
         discoverer = Discoverer(roots, None)
         first = discoverer.scan()

@@ -52,7 +52,7 @@ def test_the_contract_catches_a_production_module_importing_the_testing_package(
     copy = tmp_path / "repo"
     shutil.copytree(PACKAGE, copy / "devplugin", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", copy / "pyproject.toml")
-    with (copy / "devplugin" / "resources.py").open("a") as module:
+    with (copy / "devplugin" / "node" / "resources.py").open("a") as module:
         module.write("\nfrom devplugin.testing import node as _node  # noqa: E402\n")
     result = subprocess.run(
         [sys.executable, "-c", "import sys; sys.path.insert(0, '.'); "
@@ -61,7 +61,8 @@ def test_the_contract_catches_a_production_module_importing_the_testing_package(
         cwd=copy, capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert result.returncode != 0
-    assert "devplugin.resources is not allowed to import devplugin.testing" in result.stdout
+    assert "devplugin.node is not allowed to import devplugin.testing" in result.stdout
+    assert "devplugin.node.resources -> devplugin.testing.node" in result.stdout
 
 
 def test_only_the_nvml_module_imports_pynvml() -> None:
@@ -70,4 +71,4 @@ def test_only_the_nvml_module_imports_pynvml() -> None:
         for path in PACKAGE.rglob("*.py")
         if "pynvml" in imports_of(path)
     )
-    assert importers == ["discovery/nvml.py"]
+    assert importers == ["node/discovery/nvml.py"]

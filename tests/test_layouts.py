@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from devplugin.discovery import Discoverer, NvmlGpuSource, Roots
+from devplugin.node.discovery import Discoverer, NvmlGpuSource, Roots
 from devplugin.policy.topology import Topology
 from devplugin.testing.fake_nvml import FakeNvml
 from devplugin.testing.layouts import LAYOUTS

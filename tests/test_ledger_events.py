@@ -3,9 +3,9 @@ Allocate, the pod watch, the kubelet's available lists and PodResources polls.""
 
 from __future__ import annotations
 
-from devplugin.coordination import Coordinator
-from devplugin.ledger import ENDED_LIMIT, Holdings, Ledger
 from devplugin.model import DeviceKind
+from devplugin.node.coordination import Coordinator
+from devplugin.node.ledger import ENDED_LIMIT, Holdings, Ledger
 from devplugin.policy.topology import Topology
 from devplugin.testing.layouts import LAYOUTS
 from devplugin.testing.node import devices_from_spec

@@ -14,12 +14,12 @@ import pytest
 
 from devplugin.hooks.gpu_cleanup import clean
 from devplugin.hooks.hca_check import check_ports
-from devplugin.ledger import Holdings, Ledger
-from devplugin.lifecycle.checkpoint import Checkpoint, LifecycleState
-from devplugin.lifecycle.cleanup import CleanupManager
-from devplugin.lifecycle.health import HealthTracker, Recovery
-from devplugin.lifecycle.hooks import HookDevice, HookResult, HookSpec, run_hook
 from devplugin.model import DeviceKind, Health
+from devplugin.node.ledger import Holdings, Ledger
+from devplugin.node.lifecycle.checkpoint import Checkpoint, LifecycleState
+from devplugin.node.lifecycle.cleanup import CleanupManager
+from devplugin.node.lifecycle.health import HealthTracker, Recovery
+from devplugin.node.lifecycle.hooks import HookDevice, HookResult, HookSpec, run_hook
 from devplugin.testing.fake_nvml import FakeNvml, load_fixture
 from devplugin.testing.node import (
     DOWN,

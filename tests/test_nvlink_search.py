@@ -11,9 +11,9 @@ import random
 
 import pytest
 
-from devplugin.coordination import Coordinator
-from devplugin.ledger import Ledger
 from devplugin.model import DeviceKind
+from devplugin.node.coordination import Coordinator
+from devplugin.node.ledger import Ledger
 from devplugin.policy.allocator import (
     Allocator,
     Request,
@@ -232,7 +232,7 @@ def test_a_search_past_its_budget_answers_its_best_and_is_counted() -> None:
 
 def test_the_daemon_logs_which_search_a_node_gets(caplog: pytest.LogCaptureFixture) -> None:
     coordinator = Coordinator(Ledger())
-    with caplog.at_level(logging.INFO, logger="devplugin.coordination"):
+    with caplog.at_level(logging.INFO, logger="devplugin.node.coordination"):
         coordinator.set_topology(topology("dgx-1"))
         coordinator.set_topology(topology("dgx-1"))  # the same search: said once
         coordinator.set_topology(crossed_mesh())

@@ -9,11 +9,12 @@ from typing import Any
 
 import pytest
 
-from devplugin.alignment import best_worst_level
 from devplugin.cluster.record import Registration, build_status
-from devplugin.deadline import Deadlines
-from devplugin.discovery import Discoverer, NvmlGpuSource, Roots
 from devplugin.model import DeviceKind, Health, Inventory, PluginDevice
+from devplugin.node.alignment import best_worst_level
+from devplugin.node.deadline import Deadlines
+from devplugin.node.discovery import Discoverer, NvmlGpuSource, Roots
+from devplugin.node.resources import ResourceState
 from devplugin.policy.allocator import Allocator
 from devplugin.policy.placement import (
     Requirement,
@@ -27,7 +28,6 @@ from devplugin.policy.placement import (
 )
 from devplugin.policy.podinfo import ContainerInfo, PodInfo
 from devplugin.policy.topology import Level, Topology
-from devplugin.resources import ResourceState
 from devplugin.testing.fake_nvml import FakeNvml
 from devplugin.testing.layouts import LAYOUTS
 from devplugin.testing.node import build_node
@@ -100,7 +100,7 @@ def test_held_and_unhealthy_devices_are_not_free_and_counts_filter(tmp_path: Pat
     inv = inventory("hgx-h100", tmp_path)
     gpus = [g.uuid for g in inv.gpus]
     hcas = [h.device_id for h in inv.hcas]
-    from devplugin.alignment import ContainerAlignment
+    from devplugin.node.alignment import ContainerAlignment
 
     held = [ContainerAlignment("ns", "p", "c", tuple(gpus[:6]), tuple(hcas[:2]), Level.PIX, 6)]
     node = node_from_record(record(inv, unhealthy=frozenset({gpus[7]}), allocations=held))
@@ -128,7 +128,7 @@ def test_scores_rank_alignment_then_fragmentation(tmp_path: Path) -> None:
     inv = inventory("hgx-h100", tmp_path)
     gpus = [g.uuid for g in inv.gpus]
     hcas = [h.device_id for h in inv.hcas]
-    from devplugin.alignment import ContainerAlignment
+    from devplugin.node.alignment import ContainerAlignment
 
     empty = node_from_record(record(inv, "empty"))
     # Half used: the pod fits as well, and an empty node stays whole.

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from devplugin.api import deviceplugin_v1beta1_pb2 as pb
-from devplugin.podresources import PodResourcesClient
+from devplugin.node.podresources import PodResourcesClient
 from devplugin.testing.fake_nvml import NVML_ERROR_DRIVER_NOT_LOADED
 from devplugin.testing.kubelet import AdmissionError, ContainerRequest
 from devplugin.testing.node import DOWN, Gpu, Hca, NodeSpec, Port, RootComplex, Switch, hgx_node

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from devplugin.alignment import alignment, best_worst_level
 from devplugin.model import DeviceKind
+from devplugin.node.alignment import alignment, best_worst_level
 from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.churn import mixed_pod, reused_first
 from devplugin.testing.kubelet import AdmissionError, ContainerRequest

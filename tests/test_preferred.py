@@ -10,9 +10,9 @@ from collections.abc import Callable, Iterable
 import grpc
 import pytest
 
-from devplugin.alignment import alignment
 from devplugin.api import deviceplugin_v1beta1_pb2 as pb
 from devplugin.model import DeviceKind
+from devplugin.node.alignment import alignment
 from devplugin.policy.topology import Level, Topology
 from devplugin.testing.kubelet import ContainerRequest, KubeletSimulator
 from devplugin.testing.layouts import LAYOUTS

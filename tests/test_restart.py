@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from devplugin.lifecycle.checkpoint import Checkpoint, LifecycleState
+from devplugin.node.lifecycle.checkpoint import Checkpoint, LifecycleState
 from devplugin.testing.kubelet import ContainerRequest, KubeletSimulator
 from devplugin.testing.node import BuiltNode, build_node, hgx_node
 from tests.conftest import GPU, HCA

@@ -11,9 +11,9 @@ import pytest
 
 from devplugin.api import deviceplugin_v1beta1_pb2 as pb
 from devplugin.model import Refused
+from devplugin.node.resources import GpuResource
+from devplugin.node.sharing import SharedResource, physical_of
 from devplugin.policy.topology import Level
-from devplugin.resources import GpuResource
-from devplugin.sharing import SharedResource, physical_of
 from devplugin.testing.kubelet import AdmissionError, ContainerRequest
 from devplugin.testing.node import hgx_node
 from tests.conftest import GPU, HCA, Cluster

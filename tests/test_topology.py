@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from devplugin.model import GpuInfo, PciAddress, PciFunction, PciPath
+from devplugin.node.report import topo_matrix, topo_text
 from devplugin.policy.topology import Level, Topology, pci_level
-from devplugin.report import topo_matrix, topo_text
 from devplugin.testing.layouts import LAYOUTS
 from devplugin.testing.node import build_node, devices_from_spec
 from devplugin.testing.random_topology import random_spec

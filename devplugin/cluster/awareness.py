@@ -27,13 +27,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from devplugin.admission import Admission, ContainerKey, Outcome, admitting
 from devplugin.cluster.pods import PodCache
-from devplugin.coordination import Known
-from devplugin.ledger import Ledger
-from devplugin.lifecycle.cleanup import Owner
-from devplugin.metrics import Metrics
 from devplugin.model import DeviceKind
+from devplugin.node.admission import Admission, ContainerKey, Outcome, admitting
+from devplugin.node.coordination import Known
+from devplugin.node.ledger import Ledger
+from devplugin.node.lifecycle.cleanup import Owner
+from devplugin.node.metrics import Metrics
 from devplugin.policy.podinfo import PodInfo
 
 log = logging.getLogger(__name__)

@@ -19,8 +19,8 @@ from typing import Any
 from lightkube import Client
 from lightkube.generic_resource import create_namespaced_resource
 
-from devplugin.alignment import ContainerAlignment
-from devplugin.metrics import Metrics
+from devplugin.node.alignment import ContainerAlignment
+from devplugin.node.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

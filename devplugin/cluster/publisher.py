@@ -30,7 +30,7 @@ from lightkube import ApiError, Client
 from lightkube.generic_resource import create_global_resource
 
 from devplugin.cluster.record import API_VERSION, GROUP, KIND, PLURAL, VERSION
-from devplugin.metrics import Metrics
+from devplugin.node.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from devplugin.alignment import ContainerAlignment
 from devplugin.model import DeviceKind, Health, Inventory, PciFunction
-from devplugin.resources import ResourceState
+from devplugin.node.alignment import ContainerAlignment
+from devplugin.node.resources import ResourceState
 
 GROUP, VERSION, KIND, PLURAL = "devplugin.io", "v1alpha1", "NodeDevices", "nodedevices"
 API_VERSION = f"{GROUP}/{VERSION}"

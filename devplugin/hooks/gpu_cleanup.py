@@ -58,7 +58,7 @@ def _library() -> Any:
         from devplugin.testing.fake_nvml import FakeNvml
 
         return FakeNvml.from_file(Path(fixture))
-    from devplugin.discovery.nvml import load_pynvml
+    from devplugin.node.discovery.nvml import load_pynvml
 
     return load_pynvml()
 

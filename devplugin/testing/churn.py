@@ -17,8 +17,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from devplugin.alignment import alignment, best_alignment, best_worst_level
 from devplugin.model import DeviceKind
+from devplugin.node.alignment import alignment, best_alignment, best_worst_level
 from devplugin.policy.topology import Level, Topology
 from devplugin.testing.cluster import GPU, HCA, SimCluster
 from devplugin.testing.kubelet import (

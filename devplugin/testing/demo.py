@@ -20,10 +20,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from devplugin.alignment import alignment
 from devplugin.config import Config, override
+from devplugin.node.alignment import alignment
+from devplugin.node.report import topo_text
 from devplugin.policy.topology import Topology
-from devplugin.report import topo_text
 from devplugin.runtime import build
 from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.cdi import CdiRuntime, nvidia_like_spec, write_spec

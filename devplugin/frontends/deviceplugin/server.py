@@ -16,16 +16,16 @@ import grpc
 
 from devplugin.api import deviceplugin_v1beta1_pb2 as pb
 from devplugin.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
-from devplugin.coordination import Coordinator, Known
-from devplugin.metrics import Metrics
 from devplugin.model import DeviceKind, Refused, shown, shown_ids
-from devplugin.policy.allocator import Role
-from devplugin.resources import (
+from devplugin.node.coordination import Coordinator, Known
+from devplugin.node.metrics import Metrics
+from devplugin.node.resources import (
     ContainerAllocation,
     Resource,
     ResourceState,
     merge_allocations,
 )
+from devplugin.policy.allocator import Role
 
 log = logging.getLogger(__name__)
 

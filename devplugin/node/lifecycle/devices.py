@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from devplugin.lifecycle.hooks import HookDevice
 from devplugin.model import DeviceKind, Inventory
+from devplugin.node.lifecycle.hooks import HookDevice
 
 
 def describe(inventory: Inventory, kind: DeviceKind, ids: Sequence[str]) -> list[HookDevice] | None:

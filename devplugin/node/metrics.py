@@ -42,8 +42,8 @@ from collections.abc import Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from devplugin.lifecycle.hooks import HookDevice, HookResult, HookRunner, HookSpec, Tracker
 from devplugin.model import Health
+from devplugin.node.lifecycle.hooks import HookDevice, HookResult, HookRunner, HookSpec, Tracker
 from devplugin.policy.topology import Level
 
 FAST = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5)

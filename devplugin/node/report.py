@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from devplugin.model import CharDevice, GpuInfo, HcaInfo, Inventory, PciFunction
+from devplugin.node.resources import hca_health
 from devplugin.policy.topology import Topology
-from devplugin.resources import hca_health
 
 LEGEND = (
     "Legend:",

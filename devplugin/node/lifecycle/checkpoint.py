@@ -14,8 +14,8 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from devplugin.lifecycle.files import write_atomically
 from devplugin.model import DeviceKind
+from devplugin.node.lifecycle.files import write_atomically
 
 log = logging.getLogger(__name__)
 

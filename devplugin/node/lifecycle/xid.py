@@ -14,8 +14,8 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from devplugin.lifecycle.health import HealthTracker
 from devplugin.model import Inventory
+from devplugin.node.lifecycle.health import HealthTracker
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
 from devplugin.model import DeviceKind, Inventory, Refused, shown_ids
-from devplugin.resources import (
+from devplugin.node.resources import (
     Capabilities,
     ContainerAllocation,
     Pick,

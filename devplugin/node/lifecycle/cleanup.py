@@ -28,10 +28,11 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
 
-from devplugin.ledger import Ledger
-from devplugin.lifecycle.checkpoint import Checkpoint, LifecycleState
-from devplugin.lifecycle.health import HealthTracker, Verdict
-from devplugin.lifecycle.hooks import (
+from devplugin.model import DeviceKind, Health
+from devplugin.node.ledger import Ledger
+from devplugin.node.lifecycle.checkpoint import Checkpoint, LifecycleState
+from devplugin.node.lifecycle.health import HealthTracker, Verdict
+from devplugin.node.lifecycle.hooks import (
     HookDevice,
     HookRunner,
     HookSpec,
@@ -41,7 +42,6 @@ from devplugin.lifecycle.hooks import (
     process_start_ticks,
     run_hook,
 )
-from devplugin.model import DeviceKind, Health
 
 log = logging.getLogger(__name__)
 

@@ -11,14 +11,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
-from devplugin.coordination import Coordinator
-from devplugin.ledger import ContainerKey, Ledger
-from devplugin.lifecycle.cleanup import CleanupManager
-from devplugin.lifecycle.devices import describe
-from devplugin.lifecycle.hooks import HookRunner, HookSpec
 from devplugin.model import DeviceKind, Refused
-from devplugin.pipeline import Pipeline
-from devplugin.resources import ContainerAllocation, HcaResource, Resource
+from devplugin.node.coordination import Coordinator
+from devplugin.node.ledger import ContainerKey, Ledger
+from devplugin.node.lifecycle.cleanup import CleanupManager
+from devplugin.node.lifecycle.devices import describe
+from devplugin.node.lifecycle.hooks import HookRunner, HookSpec
+from devplugin.node.pipeline import Pipeline
+from devplugin.node.resources import ContainerAllocation, HcaResource, Resource
 
 log = logging.getLogger(__name__)
 

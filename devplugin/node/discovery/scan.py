@@ -9,17 +9,6 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from devplugin.deadline import Deadlines, Stuck
-from devplugin.discovery.cdi import CdiReader
-from devplugin.discovery.nvml import READ_TIMEOUT, NvmlGpuSource
-from devplugin.discovery.sysfs import (
-    DescriptorsExhausted,
-    gpu_control_nodes,
-    hca_addresses,
-    list_hcas,
-    read_hca,
-    read_pci_functions,
-)
 from devplugin.model import (
     CdiCatalog,
     HcaInfo,
@@ -27,6 +16,17 @@ from devplugin.model import (
     NvmlStatus,
     PciAddress,
     PciFunction,
+)
+from devplugin.node.deadline import Deadlines, Stuck
+from devplugin.node.discovery.cdi import CdiReader
+from devplugin.node.discovery.nvml import READ_TIMEOUT, NvmlGpuSource
+from devplugin.node.discovery.sysfs import (
+    DescriptorsExhausted,
+    gpu_control_nodes,
+    hca_addresses,
+    list_hcas,
+    read_hca,
+    read_pci_functions,
 )
 
 log = logging.getLogger(__name__)

@@ -15,9 +15,9 @@ import dataclasses
 from collections.abc import Mapping, Set
 from dataclasses import dataclass
 
-from devplugin.lifecycle.health import HEALTHY, Verdict
 from devplugin.model import DeviceKind, Health, PluginDevice
-from devplugin.resources import ResourceState
+from devplugin.node.lifecycle.health import HEALTHY, Verdict
+from devplugin.node.resources import ResourceState
 
 
 @dataclass(frozen=True)

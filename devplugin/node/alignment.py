@@ -18,14 +18,14 @@ from dataclasses import dataclass
 
 import grpc
 
-from devplugin.coordination import Coordinator
-from devplugin.ledger import Held, Holdings, Ledger
-from devplugin.metrics import Metrics
 from devplugin.model import DeviceKind
-from devplugin.podresources import PodResourcesClient
+from devplugin.node.coordination import Coordinator
+from devplugin.node.ledger import Held, Holdings, Ledger
+from devplugin.node.metrics import Metrics
+from devplugin.node.podresources import PodResourcesClient
+from devplugin.node.sharing import physical_ids
 from devplugin.policy.topology import Level, Topology
 from devplugin.rpc import rpc_failure
-from devplugin.sharing import physical_ids
 
 log = logging.getLogger(__name__)
 

@@ -42,8 +42,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from math import comb
 
-from devplugin.ledger import Ledger
 from devplugin.model import DeviceKind
+from devplugin.node.ledger import Ledger
 from devplugin.policy.allocator import SEARCH_BUDGET, Allocator, Choice, Request, Role
 from devplugin.policy.topology import Topology
 

@@ -21,8 +21,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from devplugin.lifecycle.files import write_atomically
 from devplugin.model import HcaInfo
+from devplugin.node.lifecycle.files import write_atomically
 from devplugin.policy.cdi import Node, SpecError, device_spec, kind_problem, sanitize_device_name
 
 log = logging.getLogger(__name__)

@@ -20,10 +20,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from devplugin.discovery import Discoverer
-from devplugin.metrics import Metrics
 from devplugin.model import Inventory
-from devplugin.pipeline import Pipeline
+from devplugin.node.discovery import Discoverer
+from devplugin.node.metrics import Metrics
+from devplugin.node.pipeline import Pipeline
 
 log = logging.getLogger(__name__)
 

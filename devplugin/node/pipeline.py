@@ -18,15 +18,15 @@ import threading
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
-from devplugin.coordination import Coordinator
-from devplugin.judge import Verdicts, judge, transitions
-from devplugin.lifecycle.cdi_spec import HcaSpecWriter
-from devplugin.lifecycle.cleanup import CleanupManager
-from devplugin.lifecycle.health import HealthTracker
-from devplugin.metrics import Metrics
 from devplugin.model import DeviceKind, Health, Inventory
+from devplugin.node.coordination import Coordinator
+from devplugin.node.judge import Verdicts, judge, transitions
+from devplugin.node.lifecycle.cdi_spec import HcaSpecWriter
+from devplugin.node.lifecycle.cleanup import CleanupManager
+from devplugin.node.lifecycle.health import HealthTracker
+from devplugin.node.metrics import Metrics
+from devplugin.node.resources import CDI_UNDECLARED, HcaResource, Resource, ResourceState
 from devplugin.policy.topology import Topology
-from devplugin.resources import CDI_UNDECLARED, HcaResource, Resource, ResourceState
 
 log = logging.getLogger(__name__)
 

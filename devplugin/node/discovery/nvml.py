@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from devplugin.deadline import Deadlines
 from devplugin.model import GpuInfo, NvmlStatus, PciAddress, PciFunction
+from devplugin.node.deadline import Deadlines
 
 log = logging.getLogger(__name__)
 
