@@ -94,30 +94,32 @@ static i128 *row_of(PyObject *seq, Py_ssize_t *len) {
     return row;
 }
 
-/* Small non-negative ints (counts, indices) into an int array of exactly n. */
-static int ints_of(PyObject *seq, int *out, Py_ssize_t n, const char *what) {
-    PyObject *fast = PySequence_Fast(seq, what);
-    if (fast == NULL) return -1;
-    if (PySequence_Fast_GET_SIZE(fast) != n) {
-        PyErr_Format(PyExc_ValueError, "%s: expected %zd items", what, n);
-        Py_DECREF(fast);
-        return -1;
-    }
+/* The items of a fast sequence, each in [0, limit), into out. */
+static int read_ints(PyObject *fast, int *out, long limit, const char *what) {
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
     for (Py_ssize_t i = 0; i < n; i++) {
         long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(fast, i));
-        if (v == -1 && PyErr_Occurred()) {
-            Py_DECREF(fast);
-            return -1;
-        }
-        if (v < 0 || v > INT32_MAX) {
-            PyErr_Format(PyExc_ValueError, "%s: item %zd out of range", what, i);
-            Py_DECREF(fast);
+        if (v == -1 && PyErr_Occurred()) return -1;
+        if (v < 0 || v >= limit) {
+            PyErr_Format(PyExc_ValueError, "%s: item %zd (%ld) out of range", what, i, v);
             return -1;
         }
         out[i] = (int)v;
     }
-    Py_DECREF(fast);
     return 0;
+}
+
+/* Small non-negative ints (counts) into an int array of exactly n. */
+static int ints_of(PyObject *seq, int *out, Py_ssize_t n, const char *what) {
+    PyObject *fast = PySequence_Fast(seq, what);
+    if (fast == NULL) return -1;
+    int rc = -1;
+    if (PySequence_Fast_GET_SIZE(fast) != n)
+        PyErr_Format(PyExc_ValueError, "%s: expected %zd items", what, n);
+    else
+        rc = read_ints(fast, out, (long)INT32_MAX + 1, what);
+    Py_DECREF(fast);
+    return rc;
 }
 
 /* ---- the tables ------------------------------------------------------- */
@@ -187,35 +189,24 @@ static void Tables_dealloc(Tables *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* Indices below limit into a new array (*count of them). */
 static int tuple_ints(PyObject *obj, int **out, int *count, int limit, const char *what) {
     PyObject *fast = PySequence_Fast(obj, what);
     if (fast == NULL) return -1;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
     *count = (int)n;
     *out = PyMem_Malloc(sizeof(int) * (size_t)(n > 0 ? n : 1));
-    if (*out == NULL) {
-        Py_DECREF(fast);
+    int rc = -1;
+    if (*out == NULL)
         PyErr_NoMemory();
-        return -1;
-    }
-    int rc = 0;
-    for (Py_ssize_t i = 0; i < n && rc == 0; i++) {
-        long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(fast, i));
-        if (v == -1 && PyErr_Occurred()) {
-            rc = -1;
-        } else if (v < 0 || v >= limit) {
-            PyErr_Format(PyExc_ValueError, "%s: index %ld out of range", what, v);
-            rc = -1;
-        } else {
-            (*out)[i] = (int)v;
-        }
-    }
+    else
+        rc = read_ints(fast, *out, limit, what);
     Py_DECREF(fast);
     return rc;
 }
 
 /* Tables(nnodes, walk, class_values, penalty, spread, inf, w_total, w_reach,
- *        w_support, support_levels)
+ *        w_support, support_levels, digits)
  * walk: (node, level, children, mine, others) per node, children first;
  * class_values: per class None or six rows (one per cost level);
  * penalty, spread: per node None or a row. */
