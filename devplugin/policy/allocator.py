@@ -916,7 +916,7 @@ class Allocator:
         if support:
             thresholds: Iterable[int] = range(1, 6)
         elif cost_partner or _coverage_mode(request):
-            thresholds = range(self._lower_bound(request, inputs, cost_partner), 6)
+            thresholds = range(self._lower_bound(request, inputs), 6)
         else:
             thresholds = (0,)
         linked = self._linked if request.kind is DeviceKind.GPU else None
@@ -935,7 +935,7 @@ class Allocator:
             return Choice(self._materialize(request, candidates, counts), score)
         raise Refused("no feasible allocation", invalid_argument=False)  # pragma: no cover
 
-    def _lower_bound(self, request: Request, inputs: _Inputs, cost_partner: set[int]) -> int:
+    def _lower_bound(self, request: Request, inputs: _Inputs) -> int:
         cap, must, cost = inputs.cap, inputs.must, inputs.cost
         if _coverage_mode(request):
             # Every partner needs a candidate within the threshold.
