@@ -3,7 +3,8 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-PROTOS := proto/devplugin/api/deviceplugin_v1beta1.proto proto/devplugin/api/podresources_v1.proto
+PROTOS := $(addprefix proto/devplugin/api/,deviceplugin_v1beta1.proto podresources_v1.proto \
+	dra_v1.proto dra_v1beta1.proto dra_health_v1alpha1.proto pluginregistration_v1.proto)
 
 .PHONY: install test test-quick demo bench proto lint chart-schema image clean
 
