@@ -52,6 +52,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_source_flags(run)
     run.add_argument("--device-plugin-dir", help="kubelet device-plugin directory")
     run.add_argument("--pod-resources-socket", help="kubelet PodResources socket")
+    run.add_argument(
+        "--kubelet-plugins-dir",
+        help="kubelet plugins directory; the DRA socket is <dir>/<driver>/dra.sock "
+        "(default /var/lib/kubelet/plugins)",
+    )
+    run.add_argument(
+        "--kubelet-registry-dir",
+        help="kubelet plugin registry, watched by the kubelet for registration sockets "
+        "(default /var/lib/kubelet/plugins_registry)",
+    )
     run.add_argument("--checkpoint-file", help="lifecycle checkpoint (in-use devices, cleanups)")
     run.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster service account)")
     run.add_argument("--node-name", help="this node's name (default: $NODE_NAME)")
@@ -113,6 +123,8 @@ def resolve_config(args: argparse.Namespace) -> Config:
                 "paths.dev_root": getattr(args, "dev_root", None),
                 "paths.device_plugin_dir": getattr(args, "device_plugin_dir", None),
                 "paths.pod_resources_socket": getattr(args, "pod_resources_socket", None),
+                "paths.kubelet_plugins_dir": getattr(args, "kubelet_plugins_dir", None),
+                "paths.kubelet_registry_dir": getattr(args, "kubelet_registry_dir", None),
                 "nvml.fixture": getattr(args, "nvml_fixture", None),
                 "lifecycle.checkpoint_file": getattr(args, "checkpoint_file", None),
                 "metrics.addresses": getattr(args, "metrics_address", None),

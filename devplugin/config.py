@@ -57,6 +57,24 @@ def _absolute(value: Any) -> str | None:
     return None if value.startswith("/") else "must be an absolute path"
 
 
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+def _driver_name(value: Any) -> str | None:
+    # The API's rule for a DRA driver name.
+    if len(value) > 63 or not _DNS_SUBDOMAIN.match(value):
+        return "must be a lowercase DNS subdomain of at most 63 characters, like devplugin.io"
+    return None
+
+
+def _cdi_kind_or_empty(value: Any) -> str | None:
+    return kind_problem(value) if value else None
+
+
+def _absolute_or_empty(value: Any) -> str | None:
+    return _absolute(value) if value else None
+
+
 def _positive(value: Any) -> str | None:
     return None if value > 0 else "must be greater than 0"
 
@@ -137,9 +155,16 @@ def _dirs(value: Any) -> str | None:
     return None
 
 
+# How the kubelet learns of a resource's devices: the Device Plugin API (an
+# extended resource), or Dynamic Resource Allocation (ResourceSlices and
+# claims). Never both for one resource on one node (KEP-5004).
+Api = Literal["device-plugin", "dra"]
+
+
 @dataclass(frozen=True)
 class GpuResourceConfig:
     enabled: bool = True
+    api: Api = "device-plugin"
     name: str = _checked("nvidia.com/gpu", _resource_name)
     hooks: HooksConfig = field(default_factory=HooksConfig)
     device_list_strategy: tuple[Strategy, ...] = _checked(DEFAULT_STRATEGY, _strategies)
@@ -148,6 +173,7 @@ class GpuResourceConfig:
 @dataclass(frozen=True)
 class HcaResourceConfig:
     enabled: bool = True
+    api: Api = "device-plugin"
     name: str = _checked("rdma/hca", _resource_name)
     # The variable naming the allocated HCAs in the container (NCCL syntax).
     env_var: str = _checked("NCCL_IB_HCA", _env_name)
@@ -180,6 +206,11 @@ class PathsConfig:
     dev_root: str = _checked("/dev", _absolute)
     device_plugin_dir: str = _checked("/var/lib/kubelet/device-plugins", _absolute)
     pod_resources_socket: str = _checked("/var/lib/kubelet/pod-resources/kubelet.sock", _absolute)
+    # The DRA driver's socket goes in <kubelet_plugins_dir>/<driver>/, its
+    # registration socket in kubelet_registry_dir (the kubelet's plugin
+    # watcher). Both paths must be the same inside the container and on the host.
+    kubelet_plugins_dir: str = _checked("/var/lib/kubelet/plugins", _absolute)
+    kubelet_registry_dir: str = _checked("/var/lib/kubelet/plugins_registry", _absolute)
 
 
 @dataclass(frozen=True)
@@ -351,6 +382,27 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True)
+class DraConfig:
+    # The driver name: ResourceSlices, DeviceClasses and claims name it.
+    driver: str = _checked("devplugin.io", _driver_name)
+    # NodePrepareResources reads each claim from the API server; a read that
+    # has not answered after this long fails that claim (the kubelet retries).
+    claim_timeout_seconds: float = _checked(10.0, _positive)
+    # The per-claim state (started, completed); empty means
+    # <kubelet_plugins_dir>/<driver>/claims.json.
+    checkpoint_file: str = _checked("", _absolute_or_empty)
+    # The CDI kind of the per-claim specs; empty means k8s.<driver>/claim.
+    cdi_kind: str = _checked("", _cdi_kind_or_empty)
+    # A device that is unhealthy or not yet cleaned: published with a
+    # NoSchedule taint (device taints: beta in 1.36, GA in 1.37), or left
+    # out of the slice (clusters without device taints).
+    unhealthy: Literal["taint", "remove"] = "taint"
+    # How long the kubelet waits for a health update before a device is
+    # Unknown (sent with each health report).
+    health_timeout_seconds: int = _checked(60, _at_least_one)
+
+
+@dataclass(frozen=True)
 class Config:
     version: Literal["v1"] = "v1"
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
@@ -365,6 +417,7 @@ class Config:
     kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
     cdi: CdiConfig = field(default_factory=CdiConfig)
     lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)
+    dra: DraConfig = field(default_factory=DraConfig)
     sharing: SharingConfig = field(default_factory=SharingConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -491,11 +544,62 @@ def validate(config: Config) -> None:
         )
     if config.allocation.attach_hcas and not gpu.enabled:
         raise ConfigError("allocation.attach_hcas", "needs resources.gpu.enabled")
+    _validate_dra(config)
     kubelet = config.kubelet
     if kubelet.register_backoff_initial_seconds > kubelet.register_backoff_max_seconds:
         raise ConfigError(
             "kubelet.register_backoff_initial_seconds",
             "must not exceed kubelet.register_backoff_max_seconds",
+        )
+
+
+def dra_kinds(config: Config) -> frozenset[str]:
+    """The enabled resources ("gpu", "hca") served through DRA."""
+    resources = config.resources
+    return frozenset(
+        name
+        for name, resource in (("gpu", resources.gpu), ("hca", resources.hca))
+        if resource.enabled and resource.api == "dra"
+    )
+
+
+def dra_cdi_kind(config: Config) -> str:
+    return config.dra.cdi_kind or f"k8s.{config.dra.driver}/claim"
+
+
+def dra_checkpoint(config: Config) -> str:
+    return config.dra.checkpoint_file or os.path.join(
+        config.paths.kubelet_plugins_dir, config.dra.driver, "claims.json"
+    )
+
+
+def _validate_dra(config: Config) -> None:
+    """What DRA cannot do that the device-plugin API can, named by field."""
+    kinds = dra_kinds(config)
+    if not kinds:
+        return
+    if not config.kubernetes.enabled:
+        raise ConfigError(
+            f"resources.{min(kinds)}.api",
+            "dra needs kubernetes.enabled (claims are read and slices written through the API)",
+        )
+    problem = kind_problem(dra_cdi_kind(config))
+    if problem:
+        raise ConfigError("dra.cdi_kind", f"{dra_cdi_kind(config)!r}: {problem}")
+    for name in sorted(kinds):
+        hooks = config.resources.gpu.hooks if name == "gpu" else config.resources.hca.hooks
+        if hooks.init and hooks.init_phase == "pre_start":
+            raise ConfigError(
+                f"resources.{name}.hooks.init_phase",
+                "pre_start is a Device Plugin API call; with api dra, init runs at prepare",
+            )
+    if "gpu" in kinds and config.sharing.gpu.replicas > 1:
+        raise ConfigError("sharing.gpu.replicas", "time-slicing is not offered through dra")
+    if "hca" in kinds and config.sharing.hca.units > 1:
+        raise ConfigError("sharing.hca.units", "shared HCAs are not offered through dra")
+    if "gpu" in kinds and config.allocation.attach_hcas:
+        raise ConfigError(
+            "allocation.attach_hcas", "not with resources.gpu.api dra (claim HCAs instead)"
         )
 
 
@@ -608,6 +712,7 @@ def _replace_path(node: Any, parts: list[str], value: Any, dotted: str) -> Any:
 # the checkpoint location); everything else is settable from values.
 CHART_MANAGED = (
     "version", "paths", "nvml", "metrics", "lifecycle.checkpoint_file", "cdi.spec_dirs",
+    "dra.checkpoint_file",
 )  # fmt: skip
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from devplugin.cli import main
+from devplugin.cli import build_parser, main, resolve_config
 from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.demo import run_demo
 from devplugin.testing.kubelet import ContainerRequest, KubeletSimulator
@@ -115,6 +115,23 @@ def test_flag_overrides_bad_value_exits_two(capsys: pytest.CaptureFixture[str]) 
     assert main(["topo", "--sysfs-root", "relative/sys"]) == 2
     assert capsys.readouterr().err.strip() == (
         "devplugin: config error: paths.sysfs_root: must be an absolute path, got 'relative/sys'"
+    )
+
+
+def test_kubelet_directory_flags_set_the_dra_paths() -> None:
+    args = build_parser().parse_args(
+        ["run", "--kubelet-plugins-dir", "/k/plugins", "--kubelet-registry-dir", "/k/registry"]
+    )
+    config = resolve_config(args)
+    assert config.paths.kubelet_plugins_dir == "/k/plugins"
+    assert config.paths.kubelet_registry_dir == "/k/registry"
+
+
+def test_relative_kubelet_plugins_dir_exits_two(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--kubelet-plugins-dir", "plugins"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "devplugin: config error: paths.kubelet_plugins_dir: must be an absolute path, "
+        "got 'plugins'"
     )
 
 

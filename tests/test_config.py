@@ -6,7 +6,16 @@ from pathlib import Path
 
 import pytest
 
-from devplugin.config import Config, ConfigError, load_config, override, parse_config
+from devplugin.config import (
+    Config,
+    ConfigError,
+    dra_cdi_kind,
+    dra_checkpoint,
+    dra_kinds,
+    load_config,
+    override,
+    parse_config,
+)
 
 
 def test_defaults() -> None:
@@ -109,6 +118,31 @@ logging:
         ({"version": "v1", "health": {"good_checks": 0}}, "health.good_checks: must be at least 1"),
         ({"version": "v1", "lifecycle": {"checkpoint_file": "state.json"}},
          "lifecycle.checkpoint_file: must be an absolute path"),
+        ({"version": "v1", "resources": {"gpu": {"api": "grpc"}}},
+         "resources.gpu.api: must be one of 'device-plugin', 'dra'"),
+        ({"version": "v1", "resources": {"hca": {"api": "dra"}}},
+         "resources.hca.api: dra needs kubernetes.enabled"),
+        ({"version": "v1", "dra": {"driver": "DevPlugin.io"}},
+         "dra.driver: must be a lowercase DNS subdomain"),
+        ({"version": "v1", "dra": {"driver": "a" * 64}},
+         "dra.driver: must be a lowercase DNS subdomain of at most 63 characters"),
+        ({"version": "v1", "dra": {"cdi_kind": "claim"}}, "dra.cdi_kind: must be vendor/class"),
+        ({"version": "v1", "dra": {"unhealthy": "drop"}},
+         "dra.unhealthy: must be one of 'taint', 'remove'"),
+        ({"version": "v1", "paths": {"kubelet_registry_dir": "plugins_registry"}},
+         "paths.kubelet_registry_dir: must be an absolute path"),
+        ({"version": "v1", "kubernetes": {"enabled": True},
+          "resources": {"gpu": {"api": "dra", "hooks": {"init": ["x"], "init_phase": "pre_start"}}}},
+         "resources.gpu.hooks.init_phase: pre_start is a Device Plugin API call"),
+        ({"version": "v1", "kubernetes": {"enabled": True}, "resources": {"gpu": {"api": "dra"}},
+          "sharing": {"gpu": {"replicas": 4}}},
+         "sharing.gpu.replicas: time-slicing is not offered through dra"),
+        ({"version": "v1", "kubernetes": {"enabled": True}, "resources": {"hca": {"api": "dra"}},
+          "sharing": {"hca": {"units": 2}}},
+         "sharing.hca.units: shared HCAs are not offered through dra"),
+        ({"version": "v1", "kubernetes": {"enabled": True}, "resources": {"gpu": {"api": "dra"}},
+          "allocation": {"attach_hcas": True}},
+         "allocation.attach_hcas: not with resources.gpu.api dra"),
     ],
 )  # fmt: skip
 def test_bad_config_names_the_field(data: object, message: str) -> None:
@@ -171,3 +205,25 @@ def test_overrides_replace_nested_fields_and_are_validated() -> None:
         override(Config(), **{"paths.dev_root": "dev"})
     with pytest.raises(ConfigError, match=r"^paths.nope: unknown key"):
         override(Config(), **{"paths.nope": "/x"})
+
+
+def test_dra_settings_and_their_derived_paths() -> None:
+    config = parse_config(
+        {
+            "version": "v1",
+            "kubernetes": {"enabled": True},
+            "resources": {"gpu": {"api": "dra"}, "hca": {"api": "dra"}},
+            "paths": {"kubelet_plugins_dir": "/k/plugins"},
+        }
+    )
+    assert dra_kinds(config) == {"gpu", "hca"}
+    assert config.dra.driver == "devplugin.io"
+    assert dra_cdi_kind(config) == "k8s.devplugin.io/claim"
+    assert dra_checkpoint(config) == "/k/plugins/devplugin.io/claims.json"
+    assert config.paths.kubelet_registry_dir == "/var/lib/kubelet/plugins_registry"
+    mixed = override(config, **{"resources.hca.api": "device-plugin", "dra.driver": "x.example"})
+    assert dra_kinds(mixed) == {"gpu"}
+    assert dra_cdi_kind(mixed) == "k8s.x.example/claim"
+    # A disabled resource is served neither way.
+    assert dra_kinds(override(mixed, **{"resources.gpu.enabled": False})) == frozenset()
+    assert dra_kinds(parse_config({"version": "v1"})) == frozenset()
