@@ -2,7 +2,10 @@
 
 It records which devices were in use and which cleanups are owed, so a
 restarted daemon neither cleans a device that is still in use nor offers
-one that was released while it was down before cleaning it.
+one that was released while it was down before cleaning it. Devices handed
+out through DRA also have their claims here (started or completed, with what
+each device was answered), in the same file, so a claim and the devices it
+holds are always written together.
 """
 
 from __future__ import annotations
@@ -25,6 +28,86 @@ FORMAT_VERSION = 1
 MAX_SIZE = 4 * 1024 * 1024
 
 
+@dataclass(frozen=True)
+class ClaimDevice:
+    """One device of a prepared DRA claim, and what the kubelet was told."""
+
+    kind: DeviceKind
+    # The physical id (GPU UUID, HCA PCI address), as the rest of the node names it.
+    id: str
+    # The device as the ResourceSlice names it.
+    pool: str
+    device: str
+    requests: tuple[str, ...] = ()
+    cdi_ids: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "kind": self.kind.value, "id": self.id, "pool": self.pool, "device": self.device,
+            "requests": list(self.requests), "cdi_ids": list(self.cdi_ids),
+        }  # fmt: skip
+
+    @classmethod
+    def from_json(cls, data: object) -> ClaimDevice:
+        if not isinstance(data, dict):
+            raise ValueError("claim devices must be mappings")
+        kinds = {k.value: k for k in DeviceKind}
+        kind = data.get("kind")
+        if not isinstance(kind, str) or kind not in kinds:
+            raise ValueError("claim device without a known kind")
+        texts = [data.get(key) for key in ("id", "pool", "device")]
+        if not all(isinstance(text, str) and text for text in texts):
+            raise ValueError("claim device without id, pool or device")
+        lists = [data.get(key, []) for key in ("requests", "cdi_ids")]
+        for values in lists:
+            if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+                raise ValueError("claim device requests and cdi_ids must be lists of strings")
+        return cls(
+            kinds[kind], str(texts[0]), str(texts[1]), str(texts[2]),
+            requests=tuple(lists[0]), cdi_ids=tuple(lists[1]),
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ClaimRecord:
+    """A DRA claim this node prepared (or began to)."""
+
+    uid: str
+    namespace: str
+    name: str
+    devices: tuple[ClaimDevice, ...]
+    # False between the start of a prepare and its end: a daemon that finds
+    # such a claim at start rolls it back (its init may have half run).
+    completed: bool = False
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "uid": self.uid, "namespace": self.namespace, "name": self.name,
+            "state": "completed" if self.completed else "started",
+            "devices": [device.to_json() for device in self.devices],
+        }  # fmt: skip
+
+    @classmethod
+    def from_json(cls, data: object) -> ClaimRecord:
+        if not isinstance(data, dict):
+            raise ValueError("claims entries must be mappings")
+        uid, namespace, name = (data.get(key) for key in ("uid", "namespace", "name"))
+        if not isinstance(uid, str) or not uid:
+            raise ValueError("claim without a uid")
+        if not isinstance(namespace, str) or not isinstance(name, str):
+            raise ValueError("claim without a namespace or name")
+        state = data.get("state")
+        if state not in ("started", "completed"):
+            raise ValueError("claim state must be started or completed")
+        devices = data.get("devices", [])
+        if not isinstance(devices, list):
+            raise ValueError("claim devices must be a list")
+        return cls(
+            uid, namespace, name, tuple(ClaimDevice.from_json(d) for d in devices),
+            completed=state == "completed",
+        )  # fmt: skip
+
+
 @dataclass
 class LifecycleState:
     assigned: dict[DeviceKind, set[str]] = field(
@@ -36,6 +119,8 @@ class LifecycleState:
     # Hooks running when the state was written: (kind, device) -> (process
     # group, leader start time). A crash leaves them to be killed at restart.
     running: dict[tuple[DeviceKind, str], tuple[int, int | None]] = field(default_factory=dict)
+    # DRA claims by uid.
+    claims: dict[str, ClaimRecord] = field(default_factory=dict)
     # False when there was no readable checkpoint (first start, deleted,
     # damaged): nothing is known about which devices are clean.
     trusted: bool = True
@@ -49,6 +134,7 @@ class LifecycleState:
                 {"kind": kind.value, "device": device, "pgid": pgid, "start_ticks": ticks}
                 for (kind, device), (pgid, ticks) in sorted(self.running.items())
             ],
+            "claims": [claim.to_json() for _, claim in sorted(self.claims.items())],
         }
 
     @classmethod
@@ -85,6 +171,14 @@ class LifecycleState:
             if ticks is not None and not (isinstance(ticks, int) and _is_int(ticks)):
                 raise ValueError("running_hooks entry with a bad start time")
             state.running[(kinds[kind_name], device)] = (pgid, ticks)
+        claims = data.get("claims", [])
+        if not isinstance(claims, list):
+            raise ValueError("claims must be a list")
+        for entry in claims:
+            claim = ClaimRecord.from_json(entry)
+            if claim.uid in state.claims:
+                raise ValueError(f"claim {claim.uid} is listed twice")
+            state.claims[claim.uid] = claim
         return state
 
 

@@ -16,6 +16,11 @@ release.
 The sets are written to a checkpoint on every change. After a restart,
 devices that were in use stay Unhealthy until a poll says whether they are
 still in use (then Healthy, not cleaned) or released (then cleaned first).
+
+Kinds handed out through DRA (`explicit`) are not inferred from polls: the
+kubelet says when a claim is prepared and unprepared, so a device is in use
+exactly while a claim holds it (`begin_claim` .. `end_claim`), and the
+claims are kept in the same checkpoint as the devices they hold.
 """
 
 from __future__ import annotations
@@ -23,14 +28,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
 
 from devplugin.model import DeviceKind, Health
 from devplugin.node.ledger import Ledger
-from devplugin.node.lifecycle.checkpoint import Checkpoint, LifecycleState
+from devplugin.node.lifecycle.checkpoint import Checkpoint, ClaimRecord, LifecycleState
 from devplugin.node.lifecycle.health import HealthTracker, Verdict
 from devplugin.node.lifecycle.hooks import (
     HookDevice,
@@ -94,8 +99,13 @@ class CleanupManager:
         runner: HookRunner = run_hook,
         clock: Callable[[], float] = time.monotonic,
         witness: PodWitness | None = None,
+        explicit: Collection[DeviceKind] = (),
     ) -> None:
         self._hooks = dict(hooks)
+        # Kinds whose releases only end_claim says (DRA), never a poll.
+        self._explicit = frozenset(explicit)
+        self._claims: dict[str, ClaimRecord] = {}
+        self._claimed: dict[tuple[DeviceKind, str], str] = {}
         self._names = dict(resource_names)
         self._describe = describe
         self._checkpoint = checkpoint
@@ -161,10 +171,13 @@ class CleanupManager:
             )
         with self._cond:
             self._untrusted = not saved.trusted
+            for claim in saved.claims.values():
+                self._remember_claim_locked(claim)
             for kind in DeviceKind:
                 self._assigned[kind] = set(saved.assigned[kind])
                 for device in saved.assigned[kind]:
-                    if kind in self._hooks:
+                    # A claim's device is known to be in use until its unprepare.
+                    if kind in self._hooks and (kind, device) not in self._claimed:
                         self._unverified.add((kind, device))
                 for device in saved.pending[kind]:
                     if kind in self._hooks:
@@ -312,6 +325,8 @@ class CleanupManager:
             self._owners.update(owners)
             self._unnamed -= owners.keys()
             for kind in DeviceKind:
+                if kind in self._explicit:
+                    continue  # claims say when these are released
                 effective = taken[kind]
                 if count:
                     for device in effective:
@@ -395,6 +410,145 @@ class CleanupManager:
             )  # fmt: skip
         return False
 
+    # -- DRA claims ------------------------------------------------------------
+    @property
+    def untrusted(self) -> bool:
+        """No trustworthy checkpoint was found: what held what is unknown."""
+        return self._untrusted
+
+    def claims(self) -> list[ClaimRecord]:
+        with self._cond:
+            return list(self._claims.values())
+
+    def claim(self, uid: str) -> ClaimRecord | None:
+        with self._cond:
+            return self._claims.get(uid)
+
+    def claimed_by(self, kind: DeviceKind, device: str) -> str | None:
+        """The uid of the claim holding this device, if one does."""
+        with self._cond:
+            return self._claimed.get((kind, device))
+
+    def begin_claim(self, claim: ClaimRecord) -> str | None:
+        """A prepare starts: the claim (not completed) and its devices are in
+        use, recorded before any hook runs. An error text, and nothing
+        changed, when a device is another claim's or the write failed."""
+        keys = {(device.kind, device.id) for device in claim.devices}
+        with self._cond:
+            for key in sorted(keys):
+                holder = self._claimed.get(key)
+                if holder is not None and holder != claim.uid:
+                    return f"{key[1]} is prepared for claim {holder}"
+            before = self._claims.get(claim.uid)
+            if before is not None:
+                self._forget_claim_locked(before)
+            self._remember_claim_locked(claim)
+            for kind, device in keys:
+                self._assigned[kind].add(device)
+                self._unverified.discard((kind, device))
+            if self._write_claims_locked(keys):
+                return None
+            # Unrecorded, it must not go on: a crash would forget these devices.
+            self._forget_claim_locked(claim)
+            for kind, device in keys:
+                self._assigned[kind].discard(device)
+            if before is not None:
+                self._remember_claim_locked(before)
+            return f"checkpoint not written: {self._save_error}"
+
+    def complete_claim(self, claim: ClaimRecord) -> str | None:
+        """A prepare succeeded: recorded as completed, with its answers."""
+        done = ClaimRecord(claim.uid, claim.namespace, claim.name, claim.devices, completed=True)
+        with self._cond:
+            self._claims[claim.uid] = done
+            if self._write_claims_locked(set()):
+                return None
+            self._claims[claim.uid] = claim
+            return f"checkpoint not written: {self._save_error}"
+
+    def end_claim(self, uid: str) -> ClaimRecord | None:
+        """A claim is unprepared (or a failed prepare rolled back): its devices
+        are released and each one with a cleanup hook is owed a cleanup, in
+        the same write that forgets the claim. Returns the claim, if known."""
+        with self._cond:
+            claim = self._claims.get(uid)
+            if claim is None:
+                return None
+            self._forget_claim_locked(claim)
+            keys = {(device.kind, device.id) for device in claim.devices}
+            for kind, device in sorted(keys):
+                if self._claimed.get((kind, device)) is not None:
+                    continue  # also named by another claim (admin access)
+                self._assigned[kind].discard(device)
+                self._unverified.discard((kind, device))
+                if kind in self._hooks and (kind, device) not in self._jobs:
+                    log.info("%s: %s released by claim %s; cleanup scheduled",
+                             self._names.get(kind, kind.value), device, uid)  # fmt: skip
+                    self._jobs[(kind, device)] = _Job()
+            self._write_claims_locked(keys)
+            self._cond.notify_all()
+        self._on_change()
+        return claim
+
+    def adopt_claim(self, claim: ClaimRecord) -> None:
+        """After a start without a trustworthy checkpoint: a claim the API
+        server says holds devices of this node is taken as prepared."""
+        keys = {(device.kind, device.id) for device in claim.devices}
+        with self._cond:
+            if claim.uid in self._claims:
+                return
+            self._remember_claim_locked(claim)
+            for kind, device in keys:
+                self._assigned[kind].add(device)
+                self._unverified.discard((kind, device))
+            self._write_claims_locked(keys)
+        self._on_change()
+
+    def release_unclaimed(self, kinds: Collection[DeviceKind]) -> int:
+        """After the claims were adopted: every device of these kinds still
+        unverified is held by no claim, so it is released and cleaned.
+        Returns how many were."""
+        released: set[tuple[DeviceKind, str]] = set()
+        with self._cond:
+            for key in sorted(self._unverified):
+                kind, device = key
+                if kind not in kinds or key in self._claimed:
+                    continue
+                self._unverified.discard(key)
+                self._assigned[kind].discard(device)
+                if kind in self._hooks:
+                    self._jobs.setdefault(key, _Job())
+                released.add(key)
+            if released:
+                self._write_claims_locked(released)
+                self._cond.notify_all()
+        if released:
+            self._on_change()
+        return len(released)
+
+    def _remember_claim_locked(self, claim: ClaimRecord) -> None:
+        self._claims[claim.uid] = claim
+        for device in claim.devices:
+            self._claimed.setdefault((device.kind, device.id), claim.uid)
+
+    def _forget_claim_locked(self, claim: ClaimRecord) -> None:
+        self._claims.pop(claim.uid, None)
+        for device in claim.devices:
+            key = (device.kind, device.id)
+            if self._claimed.get(key) == claim.uid:
+                del self._claimed[key]
+                # Another claim naming it (admin access) keeps it.
+                for other in self._claims.values():
+                    if any((d.kind, d.id) == key for d in other.devices):
+                        self._claimed[key] = other.uid
+                        break
+
+    def _write_claims_locked(self, keys: set[tuple[DeviceKind, str]]) -> bool:
+        """Save; whether the write succeeded (a manager without a checkpoint
+        keeps claims in memory only)."""
+        self._save_locked(keys)
+        return self._save_error is None
+
     def request_cleanup(self, kind: DeviceKind, device: str) -> None:
         """Schedule a cleanup for an idle device (after_cleanup recovery)."""
         if kind not in self._hooks:
@@ -460,11 +614,12 @@ class CleanupManager:
                     )
                 return Verdict(Health.UNHEALTHY, "cleanup pending")
             if key in self._unverified:
+                source = "the claims list" if kind in self._explicit else "PodResources"
                 if (kind, device) in self._adopted:
                     return Verdict(
-                        Health.UNHEALTHY, "no trustworthy checkpoint; awaiting PodResources"
+                        Health.UNHEALTHY, f"no trustworthy checkpoint; awaiting {source}"
                     )
-                return Verdict(Health.UNHEALTHY, "in use before restart; awaiting PodResources")
+                return Verdict(Health.UNHEALTHY, f"in use before restart; awaiting {source}")
             if key in self._unsaved and device not in self._assigned[kind]:
                 return Verdict(
                     Health.UNHEALTHY,
@@ -615,6 +770,7 @@ class CleanupManager:
         for kind, device in self._jobs:
             state.pending[kind].add(device)
         state.running = {**self._leftovers, **self._running}
+        state.claims = dict(self._claims)
         before = self._save_error
         try:
             self._checkpoint.save(state)
