@@ -71,10 +71,6 @@ def _cdi_kind_or_empty(value: Any) -> str | None:
     return kind_problem(value) if value else None
 
 
-def _absolute_or_empty(value: Any) -> str | None:
-    return _absolute(value) if value else None
-
-
 def _positive(value: Any) -> str | None:
     return None if value > 0 else "must be greater than 0"
 
@@ -388,9 +384,6 @@ class DraConfig:
     # NodePrepareResources reads each claim from the API server; a read that
     # has not answered after this long fails that claim (the kubelet retries).
     claim_timeout_seconds: float = _checked(10.0, _positive)
-    # The per-claim state (started, completed); empty means
-    # <kubelet_plugins_dir>/<driver>/claims.json.
-    checkpoint_file: str = _checked("", _absolute_or_empty)
     # The CDI kind of the per-claim specs; empty means k8s.<driver>/claim.
     cdi_kind: str = _checked("", _cdi_kind_or_empty)
     # A device that is unhealthy or not yet cleaned: published with a
@@ -567,12 +560,6 @@ def dra_cdi_kind(config: Config) -> str:
     return config.dra.cdi_kind or f"k8s.{config.dra.driver}/claim"
 
 
-def dra_checkpoint(config: Config) -> str:
-    return config.dra.checkpoint_file or os.path.join(
-        config.paths.kubelet_plugins_dir, config.dra.driver, "claims.json"
-    )
-
-
 def _validate_dra(config: Config) -> None:
     """What DRA cannot do that the device-plugin API can, named by field."""
     kinds = dra_kinds(config)
@@ -712,7 +699,6 @@ def _replace_path(node: Any, parts: list[str], value: Any, dotted: str) -> Any:
 # the checkpoint location); everything else is settable from values.
 CHART_MANAGED = (
     "version", "paths", "nvml", "metrics", "lifecycle.checkpoint_file", "cdi.spec_dirs",
-    "dra.checkpoint_file",
 )  # fmt: skip
 
 

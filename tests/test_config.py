@@ -10,7 +10,6 @@ from devplugin.config import (
     Config,
     ConfigError,
     dra_cdi_kind,
-    dra_checkpoint,
     dra_kinds,
     load_config,
     override,
@@ -219,7 +218,6 @@ def test_dra_settings_and_their_derived_paths() -> None:
     assert dra_kinds(config) == {"gpu", "hca"}
     assert config.dra.driver == "devplugin.io"
     assert dra_cdi_kind(config) == "k8s.devplugin.io/claim"
-    assert dra_checkpoint(config) == "/k/plugins/devplugin.io/claims.json"
     assert config.paths.kubelet_registry_dir == "/var/lib/kubelet/plugins_registry"
     mixed = override(config, **{"resources.hca.api": "device-plugin", "dra.driver": "x.example"})
     assert dra_kinds(mixed) == {"gpu"}
