@@ -13,8 +13,8 @@ import grpc
 
 from devplugin.api import deviceplugin_v1beta1_pb2 as pb
 from devplugin.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
-from devplugin.frontends.deviceplugin.server import PluginServer, SocketIdentity
-from devplugin.rpc import rpc_failure
+from devplugin.frontends.deviceplugin.server import PluginServer
+from devplugin.rpc import SocketIdentity, rpc_failure
 
 log = logging.getLogger(__name__)
 

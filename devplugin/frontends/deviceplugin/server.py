@@ -26,27 +26,17 @@ from devplugin.node.resources import (
     merge_allocations,
 )
 from devplugin.policy.allocator import Role
+from devplugin.rpc import SOCKET_MODE, SocketIdentity, check_socket_path
 
 log = logging.getLogger(__name__)
 
 # A status detail travels in gRPC metadata (8 KiB by default): stay well inside.
 MAX_DETAIL = 2000
-SOCKET_MODE = 0o600
-# The kernel limit for sun_path, including the terminating NUL.
-MAX_SOCKET_PATH = 107
 
 
 def socket_name(resource_name: str) -> str:
     """The endpoint file name for a resource: stable and unique per resource."""
     return "devplugin-" + resource_name.replace("/", "-") + ".sock"
-
-
-def check_socket_path(path: Path) -> None:
-    if len(os.fsencode(path)) > MAX_SOCKET_PATH:
-        raise ValueError(
-            f"unix socket path {path} is {len(os.fsencode(path))} bytes; "
-            f"the kernel allows at most {MAX_SOCKET_PATH}"
-        )
 
 
 def status_of(refusal: Refused) -> grpc.StatusCode:
@@ -497,23 +487,6 @@ class _Picker:
         )
         self.roles.append(role)
         return list(choice.ids)
-
-
-@dataclass(frozen=True)
-class SocketIdentity:
-    """Which file a path names: a replaced socket has a new inode."""
-
-    device: int
-    inode: int
-    ctime_ns: int
-
-    @classmethod
-    def of(cls, path: Path) -> SocketIdentity | None:
-        try:
-            stat = os.stat(path)
-        except OSError:
-            return None
-        return cls(stat.st_dev, stat.st_ino, stat.st_ctime_ns)
 
 
 class PluginServer:
