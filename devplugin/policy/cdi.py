@@ -327,3 +327,49 @@ def device_spec(kind: str, devices: Mapping[str, Sequence[Node]]) -> dict[str, A
         ],
     }
     return {"cdiVersion": minimum_version(spec), **spec}
+
+
+@dataclass(frozen=True)
+class PathNode:
+    """A device node by path: the runtime reads its type and numbers from
+    the host path (`host` differs from `path` only when the container's
+    path is another)."""
+
+    path: str
+    host: str
+    permissions: str = "rw"
+
+    def as_json(self) -> dict[str, str]:
+        entry = {"path": self.path, "permissions": self.permissions}
+        if self.host != self.path:
+            entry["hostPath"] = self.host
+        return entry
+
+
+def claim_spec(
+    kind: str,
+    devices: Mapping[str, Sequence[PathNode]],
+    *,
+    shared: Sequence[PathNode] = (),
+    env: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """A spec for one DRA claim: each device adds its own nodes; the spec's
+    own edits (applied once whenever any of its devices is) add the nodes
+    every device needs and the claim's variables, which name all of its
+    devices at once (per-device variables would overwrite each other)."""
+    spec: dict[str, Any] = {
+        "kind": kind,
+        "devices": [
+            {"name": name, "containerEdits": {"deviceNodes": [node.as_json() for node in nodes]}}
+            for name, nodes in sorted(devices.items())
+        ],
+    }
+    edits: dict[str, Any] = {}
+    if env:
+        edits["env"] = [f"{key}={value}" for key, value in sorted(env.items())]
+    unique = {node.path: node for node in shared}
+    if unique:
+        edits["deviceNodes"] = [node.as_json() for _, node in sorted(unique.items())]
+    if edits:
+        spec["containerEdits"] = edits
+    return {"cdiVersion": minimum_version(spec), **spec}

@@ -111,3 +111,48 @@ class HcaSpecWriter:
             return json.loads(self.path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return None
+
+
+class ClaimSpecs:
+    """One transient CDI spec per prepared DRA claim, named
+    `<vendor>-<class>_<claim uid>.json` as CDI names transient specs: the
+    claim uid is in the file name and in every device name, so a runtime
+    that cached an older claim's spec never confuses the two."""
+
+    def __init__(self, directory: Path, kind: str) -> None:
+        problem = kind_problem(kind)
+        if problem:
+            raise ValueError(f"CDI kind {kind!r}: {problem}")
+        self.kind = kind
+        self.directory = directory
+        vendor, _, klass = kind.partition("/")
+        self._prefix = f"{vendor}-{klass}_"
+
+    def path(self, uid: str) -> Path:
+        return self.directory / f"{self._prefix}{uid}.json"
+
+    def write(self, uid: str, document: Mapping[str, Any]) -> None:
+        """Raises OSError when the file cannot be written."""
+        write_atomically(self.path(uid), json.dumps(document, indent=2).encode())
+
+    def remove(self, uid: str) -> str | None:
+        """Why the spec could not be removed, or None (also when it was not there)."""
+        try:
+            os.unlink(self.path(uid))
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            return f"CDI spec {self.path(uid)} not removed: {exc.strerror or exc}"
+        return None
+
+    def on_disk(self) -> set[str]:
+        """The claim uids that have a spec in the directory."""
+        try:
+            names = os.listdir(self.directory)
+        except OSError:
+            return set()
+        return {
+            name[len(self._prefix) : -len(".json")]
+            for name in names
+            if name.startswith(self._prefix) and name.endswith(".json")
+        }

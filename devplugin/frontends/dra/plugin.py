@@ -1,0 +1,354 @@
+"""The kubelet side of the DRA driver: its two unix sockets and what they serve.
+
+* `<registry>/<driver>-reg.sock` serves `pluginregistration.Registration`:
+  the kubelet's plugin watcher finds the socket, asks GetInfo (type
+  DRAPlugin, the driver's name, the service socket, the services served)
+  and says with NotifyRegistrationStatus whether it took the plugin.
+* `<plugins>/<driver>/dra.sock` serves the DRAPlugin service in v1 and in
+  v1beta1 (kubelets from 1.32 speak v1beta1, from 1.34 prefer v1) and
+  DRAResourceHealth v1alpha1, whose stream sends the whole device list
+  with each device's health whenever the judged state changes.
+
+A kubelet that restarts finds the sockets again by itself; one that wipes
+the directories leaves the driver unreachable, so `watch` (called by the
+daemon's loop) starts a server again on a fresh socket when its file is
+gone or replaced, which makes the plugin watcher register it again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from devplugin.api import dra_health_v1alpha1_pb2 as health_pb
+from devplugin.api import dra_health_v1alpha1_pb2_grpc as health_grpc
+from devplugin.api import dra_v1_pb2 as v1
+from devplugin.api import dra_v1_pb2_grpc as v1_grpc
+from devplugin.api import dra_v1beta1_pb2 as v1beta1
+from devplugin.api import dra_v1beta1_pb2_grpc as v1beta1_grpc
+from devplugin.api import pluginregistration_v1_pb2 as reg_pb
+from devplugin.api import pluginregistration_v1_pb2_grpc as reg_grpc
+from devplugin.frontends.dra.prepare import ClaimRef, Preparer
+from devplugin.model import shown
+from devplugin.node.lifecycle.checkpoint import ClaimDevice
+from devplugin.rpc import SOCKET_MODE, SocketIdentity, check_socket_path
+
+log = logging.getLogger(__name__)
+
+PLUGIN_TYPE = "DRAPlugin"
+SERVICES = ("v1.DRAPlugin", "v1beta1.DRAPlugin", "v1alpha1.DRAResourceHealth")
+# More claims than this in one call is not a kubelet's request.
+MAX_CLAIMS = 1024
+WORKERS = 8
+MESSAGE_MAX = 1024
+
+
+@dataclass(frozen=True)
+class DeviceHealth:
+    pool: str
+    device: str
+    healthy: bool
+    message: str = ""
+
+
+def _refs(claims: Sequence[Any], context: grpc.ServicerContext) -> list[ClaimRef]:
+    if len(claims) > MAX_CLAIMS:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{len(claims)} claims in one call "
+                      f"(at most {MAX_CLAIMS})")  # fmt: skip
+    refs: list[ClaimRef] = []
+    for claim in claims:
+        if not claim.uid:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"claim {shown(claim.namespace)}/{shown(claim.name)} has no uid",
+            )
+        refs.append(ClaimRef(claim.namespace, claim.uid, claim.name))
+    return refs
+
+
+class _DraServicer:
+    """Both DRAPlugin versions: the same calls on messages of either module."""
+
+    def __init__(self, preparer: Preparer, pb: Any) -> None:
+        self._preparer = preparer
+        self._pb = pb
+
+    def NodePrepareResources(self, request: Any, context: grpc.ServicerContext) -> Any:
+        answer = self._pb.NodePrepareResourcesResponse()
+        for ref in _refs(request.claims, context):
+            devices, error = self._preparer.prepare(ref)
+            entry = answer.claims[ref.uid]
+            if error:
+                entry.error = error
+                continue
+            for device in devices:
+                entry.devices.append(self._device(device))
+        return answer
+
+    def NodeUnprepareResources(self, request: Any, context: grpc.ServicerContext) -> Any:
+        answer = self._pb.NodeUnprepareResourcesResponse()
+        for ref in _refs(request.claims, context):
+            error = self._preparer.unprepare(ref)
+            answer.claims[ref.uid].error = error
+        return answer
+
+    def _device(self, device: ClaimDevice) -> Any:
+        return self._pb.Device(
+            request_names=list(device.requests),
+            pool_name=device.pool,
+            device_name=device.device,
+            cdi_device_ids=list(device.cdi_ids),
+        )
+
+
+class DraV1Servicer(_DraServicer, v1_grpc.DRAPluginServicer):
+    def __init__(self, preparer: Preparer) -> None:
+        super().__init__(preparer, v1)
+
+
+class DraV1beta1Servicer(_DraServicer, v1beta1_grpc.DRAPluginServicer):
+    def __init__(self, preparer: Preparer) -> None:
+        super().__init__(preparer, v1beta1)
+
+
+class HealthServicer(health_grpc.DRAResourceHealthServicer):
+    """Streams the complete device list whenever it changes."""
+
+    def __init__(self, timeout_seconds: int, clock: Callable[[], float] = time.time) -> None:
+        self._timeout = timeout_seconds
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._devices: tuple[DeviceHealth, ...] = ()
+        self._version = 0
+        self._closed = 0  # bumped to end every open stream
+        self.streams = 0
+
+    def update(self, devices: Sequence[DeviceHealth]) -> bool:
+        """A new judged list; whether it differs from the last."""
+        new = tuple(devices)
+        with self._cond:
+            if new == self._devices:
+                return False
+            self._devices = new
+            self._version += 1
+            self._cond.notify_all()
+        return True
+
+    def close_streams(self) -> None:
+        with self._cond:
+            self._closed += 1
+            self._cond.notify_all()
+
+    def NodeWatchResources(
+        self, request: health_pb.NodeWatchResourcesRequest, context: grpc.ServicerContext
+    ) -> Iterator[health_pb.NodeWatchResourcesResponse]:
+        with self._cond:
+            closed = self._closed
+            self.streams += 1
+        sent = -1
+        try:
+            while context.is_active():
+                with self._cond:
+
+                    def news(seen: int = sent) -> bool:
+                        return self._version != seen or self._closed != closed
+
+                    self._cond.wait_for(news, timeout=1.0)
+                    if self._closed != closed:
+                        return
+                    if self._version == sent:
+                        continue
+                    sent, devices = self._version, self._devices
+                yield self._response(devices)
+        finally:
+            with self._cond:
+                self.streams -= 1
+
+    def _response(self, devices: Sequence[DeviceHealth]) -> health_pb.NodeWatchResourcesResponse:
+        now = int(self._clock())
+        answer = health_pb.NodeWatchResourcesResponse()
+        for device in devices:
+            answer.devices.append(
+                health_pb.DeviceHealth(
+                    device=health_pb.DeviceIdentifier(
+                        pool_name=device.pool, device_name=device.device
+                    ),
+                    health=health_pb.HEALTHY if device.healthy else health_pb.UNHEALTHY,
+                    last_updated_time=now,
+                    health_check_timeout_seconds=self._timeout,
+                    message=device.message.encode()[:MESSAGE_MAX].decode("utf-8", "ignore"),
+                )
+            )
+        return answer
+
+
+class RegistrationServicer(reg_grpc.RegistrationServicer):
+    def __init__(self, driver: str, endpoint: Path) -> None:
+        self._driver = driver
+        self._endpoint = endpoint
+        self._lock = threading.Lock()
+        self.registered = False
+        self.error = ""
+        self.notifications = 0
+
+    def GetInfo(
+        self, request: reg_pb.InfoRequest, context: grpc.ServicerContext
+    ) -> reg_pb.PluginInfo:
+        return reg_pb.PluginInfo(
+            type=PLUGIN_TYPE,
+            name=self._driver,
+            endpoint=str(self._endpoint),
+            supported_versions=list(SERVICES),
+        )
+
+    def NotifyRegistrationStatus(
+        self, request: reg_pb.RegistrationStatus, context: grpc.ServicerContext
+    ) -> reg_pb.RegistrationStatusResponse:
+        with self._lock:
+            self.registered = request.plugin_registered
+            self.error = request.error
+            self.notifications += 1
+        if request.plugin_registered:
+            log.info("DRA driver %s registered with the kubelet", self._driver)
+        else:
+            log.error(
+                "the kubelet refused DRA driver %s: %s", self._driver, shown(request.error, 300)
+            )
+        return reg_pb.RegistrationStatusResponse()
+
+    def reset(self) -> None:
+        with self._lock:
+            self.registered = False
+            self.error = ""
+
+
+class SocketServer:
+    """A grpc.Server on one unix socket, started again on a fresh socket
+    when its file is removed or replaced."""
+
+    def __init__(self, name: str, path: Path, add: Callable[[grpc.Server], None]) -> None:
+        check_socket_path(path)
+        self.name = name
+        self.path = path
+        self._add = add
+        self._server: grpc.Server | None = None
+        self._identity: SocketIdentity | None = None
+        self.starts = 0
+
+    @property
+    def running(self) -> bool:
+        return self._server is not None
+
+    def start(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.unlink(missing_ok=True)
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix=self.name),
+            options=[("grpc.so_reuseport", 0)],
+        )
+        self._add(server)
+        server.add_insecure_port(f"unix://{self.path}")
+        server.start()
+        os.chmod(self.path, SOCKET_MODE)
+        self._server = server
+        self._identity = SocketIdentity.of(self.path)
+        self.starts += 1
+        log.info("%s: serving on %s", self.name, self.path)
+
+    def intact(self) -> bool:
+        return self._identity is not None and SocketIdentity.of(self.path) == self._identity
+
+    def stop(self, grace: float = 0.5, *, remove_socket: bool = True) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            server.stop(grace).wait(grace + 1.0)
+        if remove_socket and self._identity is not None and self.intact():
+            self.path.unlink(missing_ok=True)
+        self._identity = None
+
+    def restart(self) -> None:
+        self.stop(remove_socket=False)
+        self.start()
+
+
+def socket_paths(plugins_dir: Path, registry_dir: Path, driver: str) -> tuple[Path, Path]:
+    """(the DRA service socket, the registration socket)."""
+    return plugins_dir / driver / "dra.sock", registry_dir / f"{driver}-reg.sock"
+
+
+class DraPlugin:
+    """The two servers of one driver, and their upkeep."""
+
+    def __init__(
+        self,
+        preparer: Preparer,
+        *,
+        plugins_dir: Path,
+        registry_dir: Path,
+        health_timeout: int,
+    ) -> None:
+        self.driver = preparer.driver
+        self.health = HealthServicer(health_timeout)
+        service_path, registration_path = socket_paths(plugins_dir, registry_dir, self.driver)
+        self.registration = RegistrationServicer(self.driver, service_path)
+        v1_servicer, beta_servicer = DraV1Servicer(preparer), DraV1beta1Servicer(preparer)
+
+        def add_service(server: grpc.Server) -> None:
+            v1_grpc.add_DRAPluginServicer_to_server(v1_servicer, server)
+            v1beta1_grpc.add_DRAPluginServicer_to_server(beta_servicer, server)
+            health_grpc.add_DRAResourceHealthServicer_to_server(self.health, server)
+
+        def add_registration(server: grpc.Server) -> None:
+            reg_grpc.add_RegistrationServicer_to_server(self.registration, server)
+
+        self.service = SocketServer("dra", service_path, add_service)
+        self.registrar = SocketServer("dra-reg", registration_path, add_registration)
+
+    def start(self) -> None:
+        # The service first: the kubelet dials the endpoint as soon as it
+        # has read GetInfo.
+        self.service.start()
+        self.registrar.start()
+
+    def watch(self) -> None:
+        """Start again whatever server lost its socket. A new service socket
+        needs a new registration too: the kubelet dropped the old endpoint."""
+        if not self.service.intact():
+            log.warning("DRA socket %s was removed; serving on a new one", self.service.path)
+            self.health.close_streams()
+            self.service.restart()
+            self.registration.reset()
+            self.registrar.restart()
+            return
+        if not self.registrar.intact():
+            log.warning(
+                "registration socket %s was removed (kubelet restart?); registering again",
+                self.registrar.path,
+            )
+            self.registration.reset()
+            self.registrar.restart()
+
+    def registered(self) -> bool:
+        return self.registration.registered
+
+    def stop(self) -> None:
+        self.health.close_streams()
+        self.registrar.stop()
+        self.service.stop()
+
+
+def health_list(pool: str, entries: Mapping[str, tuple[bool, str]]) -> list[DeviceHealth]:
+    """Slice name -> (healthy, why not) as the health stream sends it."""
+    return [
+        DeviceHealth(pool, name, healthy, "" if healthy else reason)
+        for name, (healthy, reason) in sorted(entries.items())
+    ]

@@ -1,0 +1,381 @@
+"""NodePrepareResources and NodeUnprepareResources, behind the gRPC layer.
+
+Prepare, for one claim: read the ResourceClaim (bounded), check it is the
+claim the kubelet means (its uid), take the allocation results for this
+driver and this node's pool, and map each device name back to the node's
+device. Then, in this order:
+
+1. refuse a device another claim holds;
+2. clean inline any device still owed a cleanup (as an Allocate does), and
+   refuse one that is unhealthy for any other reason;
+3. record the claim as started, with its devices in use, in the checkpoint;
+4. run the init hooks;
+5. write the claim's CDI spec;
+6. record the claim as completed, with what each device was answered.
+
+A failure after 3 rolls back: the spec goes, the claim is forgotten and its
+devices are owed a cleanup (the init hook may have half run), so they are
+not offered again until clean. A daemon killed between 3 and 6 finds the
+claim started at its next start and rolls it back the same way; the
+kubelet, which got no answer, asks again, and the prepare is redone.
+
+A claim already completed answers what it answered before; unprepare of a
+claim this node does not know is success (it may have been rolled back, or
+never prepared here).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from devplugin.model import DeviceKind, Health, Refused
+from devplugin.node.lifecycle.cdi_spec import ClaimSpecs
+from devplugin.node.lifecycle.checkpoint import ClaimDevice, ClaimRecord
+from devplugin.node.lifecycle.cleanup import CleanupManager
+from devplugin.node.lifecycle.devices import describe
+from devplugin.node.lifecycle.hooks import HookRunner, HookSpec
+from devplugin.node.pipeline import Pipeline
+from devplugin.node.resources import Resource
+from devplugin.policy.cdi import PathNode, claim_spec, qualified
+
+log = logging.getLogger(__name__)
+
+
+class ClaimReadError(Exception):
+    """The API server could not be asked (timeout, refused, 5xx)."""
+
+
+class ClaimReader(Protocol):
+    def get(self, namespace: str, name: str) -> Mapping[str, Any] | None:
+        """The ResourceClaim, or None when there is none of that name.
+        Raises ClaimReadError; never waits past its timeout."""
+
+    def on_node(self, driver: str, pool: str) -> list[Mapping[str, Any]]:
+        """Every claim with a result of this driver in this pool.
+        Raises ClaimReadError."""
+
+
+@dataclass(frozen=True)
+class ClaimRef:
+    namespace: str
+    uid: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name} ({self.uid})"
+
+
+@dataclass(frozen=True)
+class Result:
+    """One allocation result of this driver: the request (without its
+    subrequest) and the device as the slice names it."""
+
+    request: str
+    pool: str
+    device: str
+    admin: bool = False
+
+
+def results_for(claim: Mapping[str, Any], driver: str) -> list[Result]:
+    """The allocation results of `driver` in a claim (raises ValueError when
+    the claim is not allocated or its results are malformed)."""
+    status = claim.get("status") or {}
+    allocation = status.get("allocation") if isinstance(status, Mapping) else None
+    if not isinstance(allocation, Mapping):
+        raise ValueError("not allocated")
+    devices = allocation.get("devices") or {}
+    entries = devices.get("results") or [] if isinstance(devices, Mapping) else []
+    if not isinstance(entries, list):
+        raise ValueError("status.allocation.devices.results is not a list")
+    found: list[Result] = []
+    for entry in entries:
+        if not isinstance(entry, Mapping) or entry.get("driver") != driver:
+            continue
+        request, pool, device = (entry.get(key) for key in ("request", "pool", "device"))
+        if not all(isinstance(value, str) and value for value in (request, pool, device)):
+            raise ValueError("an allocation result lacks its request, pool or device")
+        found.append(
+            Result(
+                str(request).split("/", 1)[0], str(pool), str(device),
+                admin=bool(entry.get("adminAccess")),
+            )
+        )  # fmt: skip
+    return found
+
+
+def claim_uid(claim: Mapping[str, Any]) -> str:
+    metadata = claim.get("metadata") or {}
+    return str(metadata.get("uid", "")) if isinstance(metadata, Mapping) else ""
+
+
+class Preparer:
+    def __init__(
+        self,
+        *,
+        driver: str,
+        pool: str,
+        resources: Mapping[DeviceKind, Resource],
+        pipeline: Pipeline,
+        cleanup: CleanupManager,
+        runner: HookRunner,
+        init: Mapping[DeviceKind, HookSpec],
+        specs: ClaimSpecs,
+        reader: ClaimReader,
+        names: Callable[[], Mapping[str, tuple[DeviceKind, str]]],
+    ) -> None:
+        self.driver = driver
+        self.pool = pool
+        self._resources = dict(resources)
+        self._pipeline = pipeline
+        self._cleanup = cleanup
+        self._runner = runner
+        self._init = dict(init)
+        self._specs = specs
+        self._reader = reader
+        self._names = names
+        # One claim at a time, as the kubelet's helper library does: two
+        # claims naming one device must not both pass the holder check.
+        self._lock = threading.Lock()
+
+    @property
+    def kinds(self) -> Collection[DeviceKind]:
+        return self._resources.keys()
+
+    # -- the two calls ---------------------------------------------------------
+    def prepare(self, ref: ClaimRef) -> tuple[tuple[ClaimDevice, ...], str]:
+        """(devices, "") or ((), why not)."""
+        with self._lock:
+            try:
+                return self._prepare(ref), ""
+            except Refused as exc:
+                log.warning("claim %s not prepared: %s", ref, exc.reason)
+                return (), exc.reason
+
+    def unprepare(self, ref: ClaimRef) -> str:
+        with self._lock:
+            claim = self._cleanup.claim(ref.uid)
+            if claim is None:
+                return ""
+            self._roll_back(claim, "unprepared")
+            return ""
+
+    # -- at start --------------------------------------------------------------
+    def recover(self) -> None:
+        """Roll back claims a killed daemon left started, and remove CDI
+        specs of claims this node no longer knows."""
+        with self._lock:
+            for claim in self._cleanup.claims():
+                if not claim.completed:
+                    log.warning(
+                        "claim %s/%s (%s) was being prepared when the daemon stopped; "
+                        "rolling it back (its devices are cleaned before reuse)",
+                        claim.namespace, claim.name, claim.uid,
+                    )  # fmt: skip
+                    self._roll_back(claim, "rolled back")
+            known = {claim.uid for claim in self._cleanup.claims()}
+            for uid in sorted(self._specs.on_disk() - known):
+                problem = self._specs.remove(uid)
+                if problem:
+                    log.warning("%s", problem)
+                else:
+                    log.info("removed the CDI spec of unknown claim %s", uid)
+
+    def adopt(self) -> None:
+        """Without a trustworthy checkpoint: the claims the API server says
+        hold this pool's devices are taken as prepared; every other device is
+        cleaned before it is offered. Raises ClaimReadError."""
+        claims = self._reader.on_node(self.driver, self.pool)
+        names = self._names()
+        with self._lock:
+            for claim in claims:
+                meta = claim.get("metadata") or {}
+                try:
+                    results = results_for(claim, self.driver)
+                except ValueError:
+                    continue
+                devices = []
+                for result in results:
+                    found = names.get(result.device) if result.pool == self.pool else None
+                    if found is not None and found[0] in self._resources:
+                        devices.append(
+                            ClaimDevice(found[0], found[1], result.pool, result.device,
+                                        (result.request,))
+                        )  # fmt: skip
+                if devices:
+                    self._cleanup.adopt_claim(
+                        ClaimRecord(
+                            claim_uid(claim), str(meta.get("namespace", "")),
+                            str(meta.get("name", "")), tuple(devices), completed=True,
+                        )
+                    )  # fmt: skip
+            released = self._cleanup.release_unclaimed(list(self._resources))
+        log.info(
+            "no trustworthy checkpoint: %d claims hold devices of this node; %d devices "
+            "held by none are cleaned before they are offered",
+            len(claims), released,
+        )  # fmt: skip
+
+    # -- the steps -----------------------------------------------------------------
+    def _prepare(self, ref: ClaimRef) -> tuple[ClaimDevice, ...]:
+        known = self._cleanup.claim(ref.uid)
+        if known is not None and known.completed:
+            return known.devices
+        if known is not None:
+            self._roll_back(known, "rolled back (found half prepared)")
+        devices = self._devices(ref)
+        if not devices:
+            return ()
+        for device in devices:
+            holder = self._cleanup.claimed_by(device.kind, device.id)
+            if holder is not None and holder != ref.uid:
+                raise Refused(
+                    f"device {device.device} is prepared for claim {holder}",
+                    invalid_argument=False,
+                )
+        self._make_clean(devices)
+        started = ClaimRecord(ref.uid, ref.namespace, ref.name, devices)
+        error = self._cleanup.begin_claim(started)
+        if error is not None:
+            raise Refused(error, invalid_argument=False)
+        try:
+            answered = self._run(ref, devices)
+        except Refused:
+            self._roll_back(started, "rolled back after a failed prepare")
+            raise
+        done = ClaimRecord(ref.uid, ref.namespace, ref.name, answered, completed=True)
+        error = self._cleanup.complete_claim(done)
+        if error is not None:
+            self._roll_back(started, "rolled back (completion not recorded)")
+            raise Refused(error, invalid_argument=False)
+        log.info("claim %s prepared: %s", ref, ", ".join(device.device for device in answered))
+        return answered
+
+    def _devices(self, ref: ClaimRef) -> tuple[ClaimDevice, ...]:
+        try:
+            claim = self._reader.get(ref.namespace, ref.name)
+        except ClaimReadError as exc:
+            raise Refused(f"reading ResourceClaim {ref.namespace}/{ref.name}: {exc}",
+                          invalid_argument=False) from exc  # fmt: skip
+        if claim is None:
+            raise Refused(f"ResourceClaim {ref.namespace}/{ref.name} not found",
+                          invalid_argument=False)  # fmt: skip
+        uid = claim_uid(claim)
+        if uid != ref.uid:
+            raise Refused(
+                f"ResourceClaim {ref.namespace}/{ref.name} has uid {uid}, not {ref.uid} "
+                "(it was replaced)",
+                invalid_argument=False,
+            )
+        try:
+            results = results_for(claim, self.driver)
+        except ValueError as exc:
+            raise Refused(f"ResourceClaim {ref.namespace}/{ref.name}: {exc}",
+                          invalid_argument=False) from exc  # fmt: skip
+        names = self._names()
+        by_device: dict[str, list[str]] = {}
+        for result in results:
+            if result.pool != self.pool:
+                raise Refused(f"device {result.device} is in pool {result.pool}, "
+                              f"not this node's ({self.pool})", invalid_argument=False)  # fmt: skip
+            if result.admin:
+                raise Refused(f"device {result.device}: admin access is not offered",
+                              invalid_argument=False)  # fmt: skip
+            found = names.get(result.device)
+            if found is None or found[0] not in self._resources:
+                raise Refused(f"device {result.device} is not on this node now",
+                              invalid_argument=False)  # fmt: skip
+            requests = by_device.setdefault(result.device, [])
+            if result.request not in requests:
+                requests.append(result.request)
+        return tuple(
+            ClaimDevice(names[device][0], names[device][1], self.pool, device, tuple(requests))
+            for device, requests in by_device.items()
+        )
+
+    def _make_clean(self, devices: Sequence[ClaimDevice]) -> None:
+        for kind in self._resources:
+            ids = [device.id for device in devices if device.kind is kind]
+            if ids and self._cleanup.cleans(kind):
+                error = self._cleanup.prepare(kind, ids)
+                if error is not None:
+                    raise Refused(error, invalid_argument=False)
+        # A device cleaned inline is Healthy again: judge before checking.
+        self._pipeline.rejudge()
+        for device in devices:
+            state = self._pipeline.served(device.kind)
+            judged = state.device(device.id) if state is not None else None
+            if judged is None:
+                raise Refused(f"device {device.device} is not served now", invalid_argument=False)
+            if judged.health is not Health.HEALTHY:
+                raise Refused(f"device {device.device} is unhealthy: {judged.reason}",
+                              invalid_argument=False)  # fmt: skip
+
+    def _run(self, ref: ClaimRef, devices: Sequence[ClaimDevice]) -> tuple[ClaimDevice, ...]:
+        """Init hooks, then the CDI spec; the devices with their CDI ids."""
+        inventory = self._pipeline.inventory
+        per_kind = {
+            kind: [device for device in devices if device.kind is kind] for kind in self._resources
+        }
+        for kind, chosen in per_kind.items():
+            spec = self._init.get(kind)
+            if spec is None or not chosen:
+                continue
+            ids = [device.id for device in chosen]
+            described = describe(inventory, kind, ids)
+            if described is None:
+                raise Refused("a device left the node during prepare", invalid_argument=False)
+            name = self._resources[kind].name
+            result = self._runner(
+                spec, "init", name, described,
+                track=self._cleanup.tracker(kind, ids), cancel=self._cleanup.cancel,
+            )  # fmt: skip
+            if not result.ok:
+                raise Refused(result.describe("init", spec.timeout), invalid_argument=False)
+        cdi_devices: dict[str, list[PathNode]] = {}
+        shared: list[PathNode] = []
+        env: dict[str, str] = {}
+        extra: dict[str, tuple[str, ...]] = {}
+        for kind, chosen in per_kind.items():
+            if not chosen:
+                continue
+            state = self._pipeline.served(kind)
+            if state is None:
+                raise Refused(f"no {kind.value} is served now", invalid_argument=False)
+            merged = self._resources[kind].allocate(state, [device.id for device in chosen])
+            env.update(merged.envs)
+            shared.extend(PathNode(n.container_path, n.host_path, n.permissions)
+                          for n in state.shared_nodes)  # fmt: skip
+            for device in chosen:
+                own = state.allocations.get(device.id)
+                nodes = own.devices if own is not None else ()
+                cdi_devices[f"{ref.uid}-{device.device}"] = [
+                    PathNode(n.container_path, n.host_path, n.permissions) for n in nodes
+                ]
+                # The vendor's own CDI names (a GPU's driver libraries), when
+                # the resource delivers by CDI.
+                extra[device.device] = own.cdi_devices if own is not None else ()
+        document = claim_spec(self._specs.kind, cdi_devices, shared=shared, env=env)
+        try:
+            self._specs.write(ref.uid, document)
+        except OSError as exc:
+            raise Refused(f"CDI spec {self._specs.path(ref.uid)} not written: "
+                          f"{exc.strerror or exc}", invalid_argument=False) from exc  # fmt: skip
+        return tuple(
+            ClaimDevice(
+                device.kind, device.id, device.pool, device.device, device.requests,
+                (qualified(self._specs.kind, f"{ref.uid}-{device.device}"), *extra[device.device]),
+            )
+            for device in devices
+        )  # fmt: skip
+
+    def _roll_back(self, claim: ClaimRecord, why: str) -> None:
+        problem = self._specs.remove(claim.uid)
+        if problem:
+            log.warning("%s", problem)
+        self._cleanup.end_claim(claim.uid)
+        self._pipeline.rejudge()
+        log.info("claim %s/%s (%s) %s", claim.namespace, claim.name, claim.uid, why)

@@ -1,0 +1,262 @@
+"""What this node publishes as ResourceSlices (pure: inventory in, dicts out).
+
+Devices are named from their PCI address (`gpu-0000-1b-00-0`), which
+survives reboots and driver reloads and is a DNS label. Besides the
+standard attributes, every placed device carries the two keys that make
+switch-level alignment expressible as a plain `matchAttribute`:
+
+* `pcieSwitch`: equal for two devices exactly when they are PIX to each
+  other (the bridge the shared switch hangs from, or the shared root port);
+* `pcieTopSwitch`: equal exactly when they are at most PXB (the root port);
+
+and GPUs joined by NVLink share `nvlinkDomain`. A device with no known PCI
+path has none of the three, so no constraint on them can pick it with
+another device: it is SYS to everything, as the node's own allocator sees it.
+
+Limits come from the API: at most 128 devices per slice, 64 when any device
+may carry taints; at most 32 attributes and capacities per device; string
+values at most 64 characters; names qualified by a DNS subdomain and at most
+32 characters of C identifier.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from devplugin.model import DeviceKind, GpuInfo, HcaInfo, Health, Inventory, PciAddress, PciFunction
+from devplugin.node.resources import ResourceState
+
+STANDARD = "resource.kubernetes.io"
+PCIE_ROOT = f"{STANDARD}/pcieRoot"
+PCI_BUS_ID = f"{STANDARD}/pciBusID"
+NUMA_NODE = f"{STANDARD}/numaNode"
+
+MAX_DEVICES = 128
+MAX_DEVICES_TAINTED = 64
+MAX_ATTRIBUTES = 32
+MAX_STRING = 64
+TAINT_EFFECT = "NoSchedule"
+
+_ATTRIBUTE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,31}$")
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+def device_name(kind: DeviceKind, address: PciAddress) -> str:
+    a = address
+    return f"{kind.value}-{a.domain:04x}-{a.bus:02x}-{a.device:02x}-{a.function:x}"
+
+
+def dns_label(name: str) -> bool:
+    return bool(_DNS_LABEL.match(name))
+
+
+def attribute_name_ok(name: str) -> bool:
+    """`[DNS subdomain "/"] C identifier of at most 32 characters`."""
+    domain, slash, local = name.rpartition("/")
+    if slash and (len(domain) > 63 or not re.match(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", domain)):
+        return False
+    return bool(_ATTRIBUTE_NAME.match(local))
+
+
+def switch_keys(function: PciFunction | None) -> tuple[str, str] | None:
+    """(pcieSwitch, pcieTopSwitch) for a function, as the topology's
+    placement keys decide PIX and PXB: the switch key is the bridge above
+    the downstream ports (or the root port a device sits on directly); a
+    function on the root bus has only itself."""
+    if function is None:
+        return None
+    chain = function.path.chain
+    top = str(chain[0])
+    if len(chain) >= 3:
+        return str(chain[-3]), top
+    if len(chain) == 2:
+        return str(chain[0]), top
+    return str(chain[-1]), top
+
+
+@dataclass(frozen=True)
+class SliceDevice:
+    kind: DeviceKind
+    id: str  # the node's id: GPU UUID or HCA PCI address
+    name: str  # the slice's
+    body: Mapping[str, Any]
+
+
+def nvlink_domains(gpus: Sequence[GpuInfo]) -> dict[str, str]:
+    """GPU UUID -> its NVLink domain (the connected NVLink component, named by
+    its lowest PCI address); GPUs without NVLink have none."""
+    by_index = {gpu.index: gpu for gpu in gpus}
+    parent = {gpu.index: gpu.index for gpu in gpus}
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    linked: set[int] = set()
+    for gpu in gpus:
+        for peer, count in gpu.nvlink_peers:
+            if count > 0 and peer in by_index and peer != gpu.index:
+                linked.update((gpu.index, peer))
+                parent[find(gpu.index)] = find(peer)
+    lowest: dict[int, PciAddress] = {}
+    for index in linked:
+        root = find(index)
+        address = by_index[index].pci_address
+        if root not in lowest or address < lowest[root]:
+            lowest[root] = address
+    return {
+        by_index[i].uuid: f"nvl-{device_name(DeviceKind.GPU, lowest[find(i)])[4:]}" for i in linked
+    }
+
+
+def _string(value: str) -> dict[str, str]:
+    return {"string": value[:MAX_STRING]}
+
+
+def _placement(function: PciFunction | None, address: PciAddress) -> dict[str, Any]:
+    attributes: dict[str, Any] = {PCI_BUS_ID: _string(str(address))}
+    if function is None:
+        return attributes
+    attributes[PCIE_ROOT] = _string(function.path.root)
+    if function.numa_node is not None and function.numa_node >= 0:
+        attributes[NUMA_NODE] = {"int": function.numa_node}
+    keys = switch_keys(function)
+    if keys is not None:
+        attributes["pcieSwitch"] = _string(keys[0])
+        attributes["pcieTopSwitch"] = _string(keys[1])
+    return attributes
+
+
+def gpu_device(gpu: GpuInfo, nvlink: str | None) -> SliceDevice:
+    attributes: dict[str, Any] = {
+        "type": _string("gpu"),
+        "uuid": _string(gpu.uuid),
+        "productName": _string(gpu.name),
+        **_placement(gpu.pci, gpu.pci_address),
+    }
+    if nvlink is not None:
+        attributes["nvlinkDomain"] = _string(nvlink)
+    body: dict[str, Any] = {"attributes": attributes}
+    if gpu.memory_total_mib > 0:
+        body["capacity"] = {"memory": {"value": f"{gpu.memory_total_mib}Mi"}}
+    return SliceDevice(DeviceKind.GPU, gpu.uuid, device_name(DeviceKind.GPU, gpu.pci_address), body)
+
+
+def _port_state(text: str) -> str:
+    # sysfs says "4: ACTIVE"; the name is what a selector compares.
+    return text.split(":", 1)[-1].strip() or text.strip()
+
+
+def hca_device(hca: HcaInfo) -> SliceDevice:
+    attributes: dict[str, Any] = {
+        "type": _string("hca"),
+        "ibdev": _string(hca.name),
+        **_placement(hca.pci, hca.pci_address),
+    }
+    if hca.netdevs:
+        attributes["netdev"] = _string(hca.netdevs[0])
+    if hca.ports:
+        port = hca.ports[0]
+        attributes["linkLayer"] = _string(port.link_layer)
+        attributes["portState"] = _string(_port_state(port.state))
+    return SliceDevice(
+        DeviceKind.HCA, hca.device_id, device_name(DeviceKind.HCA, hca.pci_address),
+        {"attributes": attributes},
+    )  # fmt: skip
+
+
+def node_devices(inventory: Inventory, kinds: Collection[DeviceKind]) -> list[SliceDevice]:
+    """Every device of these kinds, ordered so that first fit tends to align:
+    grouped by switch (devices under one switch together), GPUs before HCAs
+    within a switch."""
+    devices: list[tuple[tuple[str, str, int], SliceDevice]] = []
+    if DeviceKind.GPU in kinds:
+        domains = nvlink_domains(inventory.gpus)
+        for gpu in inventory.gpus:
+            keys = switch_keys(gpu.pci) or ("~", "~")
+            devices.append(((keys[1], keys[0], 0), gpu_device(gpu, domains.get(gpu.uuid))))
+    if DeviceKind.HCA in kinds:
+        for hca in inventory.hcas:
+            keys = switch_keys(hca.pci) or ("~", "~")
+            devices.append(((keys[1], keys[0], 1), hca_device(hca)))
+    devices.sort(key=lambda item: (item[0], item[1].name))
+    return [device for _, device in devices]
+
+
+def names(devices: Iterable[SliceDevice]) -> dict[str, tuple[DeviceKind, str]]:
+    """Slice name -> (kind, node id)."""
+    return {device.name: (device.kind, device.id) for device in devices}
+
+
+def taint(reason: str, domain: str) -> dict[str, str]:
+    """The taint of a device that must not be allocated now. The value says
+    which kind of problem (a label value); the reason goes to the log and the
+    health stream."""
+    value = "cleanup" if "cleanup" in reason or "awaiting" in reason else "unhealthy"
+    return {"key": f"{domain}/unhealthy", "value": value, "effect": TAINT_EFFECT}
+
+
+def published(
+    devices: Sequence[SliceDevice],
+    served: Mapping[DeviceKind, ResourceState | None],
+    *,
+    domain: str,
+    unhealthy: str,
+) -> list[dict[str, Any]]:
+    """The device entries as the slice holds them: healthy devices as they
+    are, unhealthy ones tainted (or left out, `unhealthy == "remove"`). A
+    device no judged state covers yet is not offered."""
+    entries: list[dict[str, Any]] = []
+    for device in devices:
+        state = served.get(device.kind)
+        judged = state.device(device.id) if state is not None else None
+        healthy = judged is not None and judged.health is Health.HEALTHY
+        if not healthy and unhealthy == "remove":
+            continue
+        entry: dict[str, Any] = {"name": device.name, **device.body}
+        if not healthy:
+            reason = judged.reason if judged is not None else "not judged yet"
+            entry["taints"] = [taint(reason, domain)]
+        entries.append(entry)
+    return entries
+
+
+def split(entries: Sequence[dict[str, Any]], *, tainting: bool) -> list[list[dict[str, Any]]]:
+    """Devices cut into slices within the per-slice limit; one empty slice
+    when there are none (the pool then says so)."""
+    size = MAX_DEVICES_TAINTED if tainting else MAX_DEVICES
+    if not entries:
+        return [[]]
+    return [list(entries[i : i + size]) for i in range(0, len(entries), size)]
+
+
+def problems(entry: Mapping[str, Any]) -> list[str]:
+    """What the API would refuse in one device entry (the tests check every
+    published slice with it)."""
+    found: list[str] = []
+    name = entry.get("name", "")
+    if not isinstance(name, str) or not dns_label(name):
+        found.append(f"device name {name!r} is not a DNS label")
+    attributes = entry.get("attributes", {})
+    capacity = entry.get("capacity", {})
+    if len(attributes) + len(capacity) > MAX_ATTRIBUTES:
+        found.append(f"{name}: {len(attributes) + len(capacity)} attributes and capacities")
+    for key, value in {**attributes, **capacity}.items():
+        if not attribute_name_ok(key):
+            found.append(f"{name}: bad attribute name {key!r}")
+        if not isinstance(value, dict) or len(value) != 1:
+            found.append(f"{name}: attribute {key} must have exactly one value")
+            continue
+        ((kind, inner),) = value.items()
+        if kind in ("string", "version") and (
+            not isinstance(inner, str) or len(inner) > MAX_STRING
+        ):
+            found.append(f"{name}: attribute {key} value too long")
+    if len(entry.get("taints", [])) > 16:
+        found.append(f"{name}: more than 16 taints")
+    return found
