@@ -26,15 +26,30 @@ from typing import Any
 from lightkube import Client
 
 from devplugin.cluster.awareness import PodAwareness
+from devplugin.cluster.claims import ApiClaimReader
 from devplugin.cluster.client import Heartbeat, make_client
 from devplugin.cluster.events import EventRecorder
 from devplugin.cluster.lease import LeaseKeeper
 from devplugin.cluster.pods import PodCache
 from devplugin.cluster.publisher import RecordPublisher
 from devplugin.cluster.record import Registration, build_status
-from devplugin.config import CDI_STRATEGIES, Config, HooksConfig, lease_namespace, node_name
+from devplugin.cluster.slices import SlicePublisher, slice_cache
+from devplugin.config import (
+    CDI_STRATEGIES,
+    Config,
+    HooksConfig,
+    dra_cdi_kind,
+    dra_kinds,
+    lease_namespace,
+    node_name,
+)
 from devplugin.frontends.deviceplugin.kubelet import Registrar
 from devplugin.frontends.deviceplugin.server import DevicePluginServicer, PluginServer, socket_name
+from devplugin.frontends.dra.driver import DraFrontend
+from devplugin.frontends.dra.plugin import DraPlugin
+from devplugin.frontends.dra.prepare import Preparer
+from devplugin.frontends.dra.slices import names as slice_names
+from devplugin.frontends.dra.slices import node_devices
 from devplugin.model import DeviceKind, Inventory
 from devplugin.node.alignment import AlignmentMonitor, holders_report
 from devplugin.node.checks import CheckLoop, Requests
@@ -43,7 +58,7 @@ from devplugin.node.deadline import Deadlines
 from devplugin.node.discovery import CdiReader, Discoverer, NvmlGpuSource, Roots
 from devplugin.node.discovery.udev import HotplugWatcher, udev_monitor
 from devplugin.node.ledger import Ledger
-from devplugin.node.lifecycle.cdi_spec import HcaSpecWriter
+from devplugin.node.lifecycle.cdi_spec import ClaimSpecs, HcaSpecWriter
 from devplugin.node.lifecycle.checkpoint import Checkpoint
 from devplugin.node.lifecycle.cleanup import CleanupManager
 from devplugin.node.lifecycle.devices import describe
@@ -65,6 +80,7 @@ from devplugin.node.resources import (
 from devplugin.node.sharing import SharedResource
 from devplugin.node.status import StatusServer
 from devplugin.policy.allocator import native_fold_available
+from devplugin.policy.claims import ClaimReader, ClaimReadError
 from devplugin.policy.podinfo import PodInfo
 
 log = logging.getLogger(__name__)
@@ -177,8 +193,10 @@ class Daemon:
         pods: PodCache | None = None,
         cluster_loops: list[Any] | None = None,
         writer: Client | None = None,
+        dra: DraFrontend | None = None,
     ) -> None:
         self.config = config
+        self.dra = dra
         self.discoverer = discoverer
         self.pipeline = pipeline
         self.check_loop = checks
@@ -257,6 +275,8 @@ class Daemon:
         try:
             for record in self.records:
                 record.server.start()
+            if self.dra is not None:
+                self.dra.start()
         except Exception:
             self.stop()
             raise
@@ -288,6 +308,8 @@ class Daemon:
         down = [r.resource.name for r in self.records if not r.server.running]
         if down:
             return False, f"gRPC server not running: {', '.join(down)}"
+        if self.dra is not None and not self.dra.plugin.service.running:
+            return False, "DRA gRPC server not running"
         for thread in (self.check_loop.thread, self.registrar.thread):
             if thread is not None and not thread.is_alive():
                 return False, f"{thread.name} loop has stopped"
@@ -300,6 +322,10 @@ class Daemon:
         missing = [name for name, ok in self.registrar.registered().items() if not ok]
         if missing:
             return False, f"not registered with the kubelet: {', '.join(missing)}"
+        if self.dra is not None:
+            ok, why = self.dra.ready()
+            if not ok:
+                return False, why
         error = self.cleanup.checkpoint_error()
         if error is not None:
             return False, f"checkpoint not written: {error}"
@@ -326,10 +352,14 @@ class Daemon:
         if self.pods is not None:
             loops.append(self.pods)
         loops.extend(self.cluster_loops)
+        if self.dra is not None:
+            loops.append(self.dra)
         for loop in loops:
             loop.signal_stop()
         for record in self.records:
             record.servicer.close_streams()
+        if self.dra is not None:
+            self.dra.stop_serving()
         if self.status is not None:
             self.status.stop()
             self.status = None
@@ -339,7 +369,7 @@ class Daemon:
             if loop is not self.cleanup:
                 # A watch blocked on the network ends by itself, and a write
                 # gives up at its request timeout: never wait on them long.
-                network = loop is self.pods or loop in self.cluster_loops
+                network = loop is self.pods or loop in self.cluster_loops or loop is self.dra
                 loop.join(timeout=0.5 if network else 10)
         self.cleanup.join()
         # A clean stop leaves no CDI spec naming HCAs nobody serves.
@@ -375,6 +405,9 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
     )
     resources = build_resources(config)
     names = {resource.kind: resource.name for resource in resources}
+    # Resources the kubelet learns of through DRA: judged like the others,
+    # served by the DRA front-end instead of a device-plugin server.
+    dra = frozenset(DeviceKind(kind) for kind in dra_kinds(config))
     ledger = Ledger(
         grace=config.pod_resources.bookkeeping_grace_seconds,
         max_age=config.pod_resources.unconfirmed_max_age_seconds,
@@ -441,6 +474,7 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
         on_save=metrics.checkpoint_written,
         runner=runner,
         witness=awareness,
+        explicit=dra,
     )
     if pods is not None:
         pods.listen(cleanup.reconsider)
@@ -499,6 +533,8 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
     plugin_dir = Path(paths.device_plugin_dir)
     records: list[ResourceRecord] = []
     for resource in resources:
+        if resource.kind in dra:
+            continue
         hooks_config = hook_specs[resource.kind]
         hooks = ResourceHooks(
             resource,
@@ -557,8 +593,15 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
             renew=config.kubernetes.lease_renew_seconds,
             duration=config.kubernetes.lease_duration_seconds,
         )  # fmt: skip
+    frontend = (
+        _dra_frontend(config, resources, dra, pipeline=pipeline, cleanup=cleanup,
+                      runner=runner, writer=writer)
+        if dra
+        else None
+    )  # fmt: skip
     return Daemon(
         config,
+        dra=frontend,
         discoverer=discoverer,
         pipeline=pipeline,
         checks=checks,
@@ -575,6 +618,74 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
         cluster_loops=[loop for loop in (events, publisher, lease) if loop is not None],
         writer=writer,
     )
+
+
+class _NoApi:
+    """Claims cannot be read without API access: every prepare fails (and
+    the kubelet retries), nothing is handed out unchecked."""
+
+    def get(self, namespace: str, name: str) -> Any:
+        raise ClaimReadError("no Kubernetes API access")
+
+    def on_node(self, driver: str, pool: str) -> Any:
+        raise ClaimReadError("no Kubernetes API access")
+
+
+def _dra_frontend(
+    config: Config,
+    resources: list[Resource],
+    kinds: frozenset[DeviceKind],
+    *,
+    pipeline: Pipeline,
+    cleanup: CleanupManager,
+    runner: Any,
+    writer: Client | None,
+) -> DraFrontend:
+    kube, dra, paths = config.kubernetes, config.dra, config.paths
+    node = node_name(config)
+    reads = make_client(replace(kube, request_timeout_seconds=dra.claim_timeout_seconds))
+    reader: ClaimReader = ApiClaimReader(reads) if reads is not None else _NoApi()
+    served = {resource.kind: resource for resource in resources if resource.kind in kinds}
+    init = {
+        kind: HookSpec(hooks.init, hooks.timeout_seconds)
+        for kind in served
+        if (hooks := _hooks_config(config, kind)).init
+    }
+    preparer = Preparer(
+        driver=dra.driver, pool=node, resources=served, pipeline=pipeline, cleanup=cleanup,
+        runner=runner, init=init,
+        specs=ClaimSpecs(Path(config.cdi.spec_dirs[-1]), dra_cdi_kind(config)),
+        reader=reader,
+        names=lambda: slice_names(node_devices(pipeline.inventory, kinds)),
+    )  # fmt: skip
+    plugin = DraPlugin(
+        preparer,
+        plugins_dir=Path(paths.kubelet_plugins_dir),
+        registry_dir=Path(paths.kubelet_registry_dir),
+        health_timeout=dra.health_timeout_seconds,
+    )
+    frontend = DraFrontend(
+        preparer=preparer, plugin=plugin, pipeline=pipeline, kinds=kinds, publisher=None,
+        unhealthy=dra.unhealthy, interval=config.kubelet.watch_interval_seconds,
+    )  # fmt: skip
+    watcher = make_client(kube)
+    if writer is not None and watcher is not None:
+        frontend.publisher = SlicePublisher(
+            writer,
+            slice_cache(
+                watcher,
+                node,
+                backoff_max=kube.watch_backoff_max_seconds,
+                server_timeout=kube.watch_timeout_seconds,
+                read_margin=kube.request_timeout_seconds,
+            ),
+            driver=dra.driver,
+            node=node,
+            desired=frontend.desired,
+        )
+    for kind in kinds:
+        pipeline.connect(kind, partial(frontend.update, kind))
+    return frontend
 
 
 def _pod_ended(ledger: Ledger, pods: PodCache, pod: PodInfo) -> None:

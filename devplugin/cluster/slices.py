@@ -1,0 +1,258 @@
+"""Keeps this node's ResourceSlices equal to what it has to offer.
+
+One pool, named after the node, holding as many slices as the per-slice
+limit needs; each slice is owned by the Node (so it goes when the Node
+goes), names the node in `spec.nodeName`, and carries the pool's
+generation and slice count. A watch on the node's slices (field selector
+`spec.nodeName`) is the publisher's view of what the API server holds: a
+slice the kubelet wiped at its start, or anyone changed, is an event that
+makes the publisher compare again. It writes only when what it wants
+differs from what is there (compared on the fields it sets, so what the
+server fills in, like a taint's `timeAdded`, is no difference), and then
+bumps the pool's generation in every slice. There is no periodic rewrite.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from lightkube import ApiError, Client
+from lightkube.generic_resource import create_global_resource
+
+from devplugin.cluster.publisher import RawNode
+from devplugin.cluster.watch import WatchCache
+
+log = logging.getLogger(__name__)
+
+GROUP, VERSION = "resource.k8s.io", "v1"
+API_VERSION = f"{GROUP}/{VERSION}"
+ResourceSlice = create_global_resource(GROUP, VERSION, "ResourceSlice", "resourceslices")
+# The generic class's signature wants an ObjectMeta; it takes a plain dict.
+_SLICE: Any = ResourceSlice
+
+# What to publish: the device entries of each slice, in order.
+Desired = Callable[[], Sequence[Sequence[Mapping[str, Any]]]]
+
+
+def parse_slice(data: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    name = data.get("metadata", {}).get("name")
+    if not isinstance(name, str) or not name:
+        raise ValueError("a ResourceSlice without a name")
+    return name, dict(data)
+
+
+def slice_cache(client: Client, node: str, **kwargs: Any) -> WatchCache[dict[str, Any]]:
+    return WatchCache(
+        client, ResourceSlice, parse_slice, name="resourceslices", namespaced=False,
+        fields={"spec.nodeName": node}, **kwargs,
+    )  # fmt: skip
+
+
+def projected(value: Any, like: Any) -> Any:
+    """`value` cut down to the keys `like` has (recursively, lists element by
+    element): what the server added is no difference."""
+    if isinstance(like, Mapping) and isinstance(value, Mapping):
+        return {key: projected(value[key], like[key]) for key in like if key in value}
+    if isinstance(like, list) and isinstance(value, list) and len(like) == len(value):
+        return [projected(item, model) for item, model in zip(value, like, strict=True)]
+    return value
+
+
+def generate_name(index: int, driver: str, node: str) -> str:
+    # Slices sort by name in pool order; the server adds a random suffix.
+    return f"{index:05x}-{driver}-{node}-"[:200]
+
+
+class SlicePublisher:
+    def __init__(
+        self,
+        writer: Client,
+        slices: WatchCache[dict[str, Any]],
+        *,
+        driver: str,
+        node: str,
+        desired: Desired,
+        backoff_max: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._client = writer
+        self._slices = slices
+        self.driver = driver
+        self.node = node
+        self._desired = desired
+        self._backoff_max = backoff_max
+        self._clock = clock
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._owner: dict[str, Any] | None = None
+        self._failing: str | None = None
+        self.writes = 0
+        self.syncs = 0
+        slices.listen(self.poke)
+
+    @property
+    def pool(self) -> str:
+        return self.node
+
+    def poke(self) -> None:
+        """Something changed (the devices, their health, the slices)."""
+        self._wake.set()
+
+    def start(self) -> None:
+        self._slices.start()
+        self._thread = threading.Thread(target=self._run, name="slices", daemon=True)
+        self._thread.start()
+
+    def signal_stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._slices.signal_stop()
+
+    def join(self, timeout: float) -> None:
+        self._slices.join(timeout)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def current(self) -> bool:
+        return self._slices.current and self._failing is None and not self._wake.is_set()
+
+    def _run(self) -> None:
+        log.info("ResourceSlices of driver %s, pool %s: publishing", self.driver, self.pool)
+        backoff = 0.0
+        while not self._stop.is_set():
+            if not self._slices.synced.wait(0.5):
+                continue
+            self._wake.clear()
+            try:
+                self.sync_once()
+                backoff = 0.0
+                if self._failing is not None:
+                    log.info("ResourceSlices written again")
+                    self._failing = None
+                self._wake.wait()
+            except Exception as exc:  # noqa: BLE001 - network, API: all mean retry
+                backoff = min(self._backoff_max, max(0.2, backoff * 2))
+                message = f"{type(exc).__name__}: {exc}"[:300]
+                if message != self._failing:
+                    log.warning("ResourceSlices not written (%s); retrying", message)
+                    self._failing = message
+                self._wake.set()  # compare again after the backoff
+                self._stop.wait(backoff)
+        log.info("ResourceSlice publisher stopped")
+
+    def ours(self) -> list[dict[str, Any]]:
+        """This driver's slices of this pool, in pool order (by name)."""
+        found = [
+            item
+            for item in self._slices.items().values()
+            if item.get("spec", {}).get("driver") == self.driver
+            and item.get("spec", {}).get("pool", {}).get("name") == self.pool
+        ]
+        return sorted(found, key=lambda item: str(item["metadata"]["name"]))
+
+    def sync_once(self) -> bool:
+        """Write what differs; whether anything was written."""
+        self.syncs += 1
+        chunks = [list(chunk) for chunk in self._desired()]
+        existing = self.ours()
+        generations = [_generation(item) for item in existing]
+        if (
+            len(existing) == len(chunks)
+            and len(set(generations)) == 1
+            and all(
+                _count(item) == len(chunks)
+                and projected(item.get("spec", {}).get("devices", []), chunk) == chunk
+                for item, chunk in zip(existing, chunks, strict=True)
+            )
+        ):
+            return False
+        generation = max(generations, default=0) + 1
+        # Obsolete slices go first, so the pool never claims more than it holds.
+        for item in existing[len(chunks) :]:
+            self._delete(item)
+        owner = self._node_owner()
+        for index, chunk in enumerate(chunks):
+            before = existing[index] if index < len(existing) else None
+            self._put(index, chunk, generation, len(chunks), before=before, owner=owner)
+        self.writes += 1
+        log.info(
+            "ResourceSlices of pool %s: generation %d, %d slices, %d devices",
+            self.pool, generation, len(chunks), sum(len(chunk) for chunk in chunks),
+        )  # fmt: skip
+        return True
+
+    def _body(
+        self, index: int, chunk: list[Any], generation: int, count: int, *,
+        before: Mapping[str, Any] | None, owner: dict[str, Any] | None,
+    ) -> Any:  # fmt: skip
+        metadata: dict[str, Any] = {}
+        if before is not None:
+            metadata["name"] = before["metadata"]["name"]
+            metadata["resourceVersion"] = before["metadata"].get("resourceVersion")
+        else:
+            metadata["generateName"] = generate_name(index, self.driver, self.node)
+        if owner is not None:
+            metadata["ownerReferences"] = [owner]
+        spec = {
+            "driver": self.driver,
+            "nodeName": self.node,
+            "pool": {"name": self.pool, "generation": generation, "resourceSliceCount": count},
+            "devices": chunk,
+        }
+        return _SLICE(apiVersion=API_VERSION, kind="ResourceSlice", metadata=metadata, spec=spec)
+
+    def _put(
+        self, index: int, chunk: list[Any], generation: int, count: int, *,
+        before: Mapping[str, Any] | None, owner: dict[str, Any] | None,
+    ) -> None:  # fmt: skip
+        body = self._body(index, chunk, generation, count, before=before, owner=owner)
+        if before is None:
+            self._client.create(body)
+            return
+        try:
+            self._client.replace(body)
+        except ApiError as exc:
+            if exc.status.code != 404:
+                raise  # a conflict: the watch brings the newer one, and we compare again
+            self._client.create(
+                self._body(index, chunk, generation, count, before=None, owner=owner)
+            )
+
+    def _delete(self, item: Mapping[str, Any]) -> None:
+        try:
+            self._client.delete(ResourceSlice, item["metadata"]["name"])
+        except ApiError as exc:
+            if exc.status.code != 404:
+                raise
+
+    def _node_owner(self) -> dict[str, Any] | None:
+        if self._owner is not None:
+            return self._owner
+        try:
+            node = self._client.get(RawNode, self.node)
+        except ApiError as exc:
+            log.info("Node %s not readable (%s): slices have no owner", self.node, exc.status.code)
+            return None
+        data: Any = node.to_dict() if hasattr(node, "to_dict") else node  # type: ignore[no-untyped-call]
+        uid = data.get("metadata", {}).get("uid") if isinstance(data, dict) else None
+        if not isinstance(uid, str) or not uid:
+            return None
+        self._owner = {
+            "apiVersion": "v1", "kind": "Node", "name": self.node, "uid": uid, "controller": True,
+        }  # fmt: skip
+        return self._owner
+
+
+def _generation(item: Mapping[str, Any]) -> int:
+    value = item.get("spec", {}).get("pool", {}).get("generation", 0)
+    return value if isinstance(value, int) else 0
+
+
+def _count(item: Mapping[str, Any]) -> int:
+    value = item.get("spec", {}).get("pool", {}).get("resourceSliceCount", 0)
+    return value if isinstance(value, int) else 0

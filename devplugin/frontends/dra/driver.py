@@ -1,0 +1,160 @@
+"""The DRA front-end as one part of the daemon: the judged state in, the
+kubelet's sockets, the health stream and the ResourceSlices out.
+
+The pipeline hands each DRA resource's judged state to `update` (the same
+states the device-plugin servicers get); from it the health stream and the
+slices are derived, so a device that turns unhealthy, or is owed a cleanup,
+is tainted (or left out) in the next write and reported Unhealthy to the
+kubelet at once. One loop keeps the sockets (a kubelet that wiped its
+directories gets fresh ones) and, after a start without a trustworthy
+checkpoint, asks the API server which claims hold this node's devices.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Collection, Mapping
+from typing import Any, Protocol
+
+from devplugin.frontends.dra.plugin import DraPlugin, health_list
+from devplugin.frontends.dra.prepare import Preparer
+from devplugin.frontends.dra.slices import SliceDevice, node_devices, published, split
+from devplugin.model import DeviceKind, Health
+from devplugin.node.pipeline import Pipeline
+from devplugin.node.resources import ResourceState
+from devplugin.policy.claims import ClaimReadError
+
+log = logging.getLogger(__name__)
+
+
+class Publisher(Protocol):
+    """What the front-end needs of the ResourceSlice publisher (cluster/slices.py)."""
+
+    def poke(self) -> None: ...
+    def start(self) -> None: ...
+    def signal_stop(self) -> None: ...
+    def join(self, timeout: float) -> None: ...
+    def current(self) -> bool: ...
+
+
+class DraFrontend:
+    def __init__(
+        self,
+        *,
+        preparer: Preparer,
+        plugin: DraPlugin,
+        pipeline: Pipeline,
+        kinds: Collection[DeviceKind],
+        publisher: Publisher | None,
+        unhealthy: str,
+        interval: float,
+    ) -> None:
+        self.preparer = preparer
+        self.plugin = plugin
+        self.publisher = publisher
+        self._pipeline = pipeline
+        self.kinds = frozenset(kinds)
+        self._unhealthy = unhealthy
+        self._interval = interval
+        self._adopting = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._states: dict[DeviceKind, ResourceState] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def pool(self) -> str:
+        return self.preparer.pool
+
+    # -- from the pipeline -------------------------------------------------------
+    def update(self, kind: DeviceKind, state: ResourceState) -> bool:
+        """A resource's judged state; whether its device list changed."""
+        with self._lock:
+            before = self._states.get(kind)
+            self._states[kind] = state
+            states = dict(self._states)
+        self.plugin.health.update(self._health(states))
+        if self.publisher is not None:
+            self.publisher.poke()
+        return before is None or before.devices != state.devices
+
+    def devices(self) -> list[SliceDevice]:
+        return node_devices(self._pipeline.inventory, self.kinds)
+
+    def names(self) -> dict[str, tuple[DeviceKind, str]]:
+        return {device.name: (device.kind, device.id) for device in self.devices()}
+
+    def desired(self) -> list[list[dict[str, Any]]]:
+        with self._lock:
+            states: Mapping[DeviceKind, ResourceState | None] = dict(self._states)
+        entries = published(
+            self.devices(), states, domain=self.preparer.driver, unhealthy=self._unhealthy
+        )
+        return split(entries, tainting=self._unhealthy == "taint")
+
+    def _health(self, states: Mapping[DeviceKind, ResourceState]) -> list[Any]:
+        entries: dict[str, tuple[bool, str]] = {}
+        for device in self.devices():
+            state = states.get(device.kind)
+            judged = state.device(device.id) if state is not None else None
+            if judged is None:
+                entries[device.name] = (False, "not judged yet")
+            else:
+                entries[device.name] = (judged.health is Health.HEALTHY, judged.reason)
+        return health_list(self.pool, entries)
+
+    # -- lifecycle -------------------------------------------------------------
+    def start(self) -> None:
+        """After the checkpoint was loaded and the first scan judged."""
+        self._adopting = self.preparer.untrusted
+        self.preparer.recover()
+        self.plugin.start()
+        if self.publisher is not None:
+            self.publisher.start()
+        self._thread = threading.Thread(target=self._run, name="dra", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        log.info("DRA driver %s started (pool %s)", self.preparer.driver, self.pool)
+        while not self._stop.wait(self._interval):
+            try:
+                self.plugin.watch()
+            except Exception:
+                log.exception("DRA sockets could not be restored; retrying")
+            if self._adopting:
+                self._adopt()
+        log.info("DRA driver %s stopped", self.preparer.driver)
+
+    def _adopt(self) -> None:
+        try:
+            self.preparer.adopt()
+        except ClaimReadError as exc:
+            log.warning("claims not listed (%s); devices stay out until they are", exc)
+            self._stop.wait(min(5.0, 10 * self._interval))
+            return
+        self._adopting = False
+        self._pipeline.rejudge()
+
+    def ready(self) -> tuple[bool, str]:
+        if not self.plugin.registered():
+            return False, f"DRA driver {self.preparer.driver} not registered with the kubelet"
+        if self._adopting:
+            return False, "no trustworthy checkpoint: waiting for the claims list"
+        if self.publisher is not None and not self.publisher.current():
+            return False, "ResourceSlices not current"
+        return True, ""
+
+    def signal_stop(self) -> None:
+        self._stop.set()
+        if self.publisher is not None:
+            self.publisher.signal_stop()
+
+    def join(self, timeout: float) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self.publisher is not None:
+            self.publisher.join(timeout)
+
+    def stop_serving(self) -> None:
+        self.plugin.stop()
