@@ -289,7 +289,9 @@ class Daemon:
                 ready=self.ready,
             )
             self.status.start()
-        self.monitor.start()
+        if self.records:
+            # PodResources lists device-plugin holdings only.
+            self.monitor.start()
         if self.pods is not None:
             self.pods.start()
         for loop in self.cluster_loops:

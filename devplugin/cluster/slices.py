@@ -7,8 +7,8 @@ generation and slice count. A watch on the node's slices (field selector
 `spec.nodeName`) is the publisher's view of what the API server holds: a
 slice the kubelet wiped at its start, or anyone changed, is an event that
 makes the publisher compare again. It writes only when what it wants
-differs from what is there (compared on the fields it sets, so what the
-server fills in, like a taint's `timeAdded`, is no difference), and then
+differs from what is there (what the server fills in, a taint's
+`timeAdded`, is no difference), and then
 bumps the pool's generation in every slice. There is no periodic rewrite.
 """
 
@@ -52,14 +52,31 @@ def slice_cache(client: Client, node: str, **kwargs: Any) -> WatchCache[dict[str
     )  # fmt: skip
 
 
-def projected(value: Any, like: Any) -> Any:
-    """`value` cut down to the keys `like` has (recursively, lists element by
-    element): what the server added is no difference."""
-    if isinstance(like, Mapping) and isinstance(value, Mapping):
-        return {key: projected(value[key], like[key]) for key in like if key in value}
-    if isinstance(like, list) and isinstance(value, list) and len(like) == len(value):
-        return [projected(item, model) for item, model in zip(value, like, strict=True)]
-    return value
+# Fields the API server fills in on a device: no difference from what was written.
+SERVER_FILLED = {"taints": ("timeAdded",)}
+
+
+def comparable(devices: Any) -> Any:
+    """Device entries without what the server fills in, to compare with
+    what the publisher wants (a key the publisher dropped still differs)."""
+    if not isinstance(devices, list):
+        return devices
+    plain = []
+    for device in devices:
+        if not isinstance(device, Mapping):
+            plain.append(device)
+            continue
+        entry = dict(device)
+        for key, fields in SERVER_FILLED.items():
+            if isinstance(entry.get(key), list):
+                entry[key] = [
+                    {k: v for k, v in item.items() if k not in fields}
+                    if isinstance(item, Mapping)
+                    else item
+                    for item in entry[key]
+                ]
+        plain.append(entry)
+    return plain
 
 
 def generate_name(index: int, driver: str, node: str) -> str:
@@ -166,7 +183,7 @@ class SlicePublisher:
             and len(set(generations)) == 1
             and all(
                 _count(item) == len(chunks)
-                and projected(item.get("spec", {}).get("devices", []), chunk) == chunk
+                and comparable(item.get("spec", {}).get("devices", [])) == comparable(chunk)
                 for item, chunk in zip(existing, chunks, strict=True)
             )
         ):

@@ -8,8 +8,12 @@ the requested resourceVersion was compacted away); writes with a stale
 only `status`; `fieldSelector=spec.nodeName=X` and `metadata.name=X` filter.
 
 Served resources: pods (namespaced), events (namespaced), nodes (cluster),
-`nodedevices.devplugin.io/v1alpha1` (cluster, with status) and
-`leases.coordination.k8s.io/v1` (namespaced). `labelSelector` filters by
+`nodedevices.devplugin.io/v1alpha1` (cluster, with status),
+`leases.coordination.k8s.io/v1` (namespaced), and from `resource.k8s.io/v1`
+resourceslices and deviceclasses (cluster), resourceclaims (namespaced,
+with status) and resourceclaimtemplates (namespaced). A ResourceSlice is
+checked on every write against the API's limits (`testing/dra_limits.py`)
+and refused with 422 Invalid, as the API server would. `labelSelector` filters by
 `key` (exists) and `key=value`.
 
 Fault injection for the clients' error paths: `delay` (seconds added to
@@ -34,6 +38,8 @@ from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
+
+from devplugin.testing.dra_limits import slice_problems
 
 Obj = dict[str, Any]
 
@@ -60,6 +66,18 @@ KINDS = {
     ),
     ("apis/coordination.k8s.io/v1", "leases"): Kind(
         "apis/coordination.k8s.io/v1", "leases", "Lease", True
+    ),
+    ("apis/resource.k8s.io/v1", "resourceslices"): Kind(
+        "apis/resource.k8s.io/v1", "resourceslices", "ResourceSlice", False
+    ),
+    ("apis/resource.k8s.io/v1", "resourceclaims"): Kind(
+        "apis/resource.k8s.io/v1", "resourceclaims", "ResourceClaim", True, status=True
+    ),
+    ("apis/resource.k8s.io/v1", "resourceclaimtemplates"): Kind(
+        "apis/resource.k8s.io/v1", "resourceclaimtemplates", "ResourceClaimTemplate", True
+    ),
+    ("apis/resource.k8s.io/v1", "deviceclasses"): Kind(
+        "apis/resource.k8s.io/v1", "deviceclasses", "DeviceClass", False
     ),
 }
 
@@ -412,6 +430,10 @@ class ApiServerImitation:
                 merged = _merge_patch(copy.deepcopy(self._existing(key)), obj)
                 return 200, self._store_locked(kind, key, merged, "MODIFIED")
             meta = obj.setdefault("metadata", {})
+            if kind.plural == "resourceslices" and not status:
+                problems = slice_problems(obj)
+                if problems:
+                    raise ApiError(422, "Invalid", "; ".join(problems[:5]))
             if method == "POST":
                 if name is not None:
                     raise ApiError(405, "MethodNotAllowed", "POST to a collection only")

@@ -118,6 +118,8 @@ class Registrar:
         return self._thread
 
     def start(self) -> None:
+        if not self._entries:
+            return  # every resource is served through DRA: nothing to register here
         self._thread = threading.Thread(target=self._run, name="registrar", daemon=True)
         self._thread.start()
 

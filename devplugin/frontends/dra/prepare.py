@@ -101,6 +101,14 @@ class Preparer:
             except Refused as exc:
                 log.warning("claim %s not prepared: %s", ref, exc.reason)
                 return (), exc.reason
+            except Exception as exc:
+                # A bug must not fail the other claims of the call: this
+                # claim's error, with what rolled back.
+                log.exception("claim %s: prepare failed", ref)
+                known = self._cleanup.claim(ref.uid)
+                if known is not None and not known.completed:
+                    self._roll_back(known, "rolled back after an internal error")
+                return (), f"internal error: {type(exc).__name__}: {exc}"[:500]
 
     def unprepare(self, ref: ClaimRef) -> str:
         with self._lock:

@@ -81,6 +81,10 @@ class _Job:
     last_error: str = ""
 
 
+def _by_id(key: tuple[DeviceKind, str]) -> tuple[str, str]:
+    return key[0].value, key[1]
+
+
 class CleanupManager:
     def __init__(
         self,
@@ -435,7 +439,7 @@ class CleanupManager:
         changed, when a device is another claim's or the write failed."""
         keys = {(device.kind, device.id) for device in claim.devices}
         with self._cond:
-            for key in sorted(keys):
+            for key in sorted(keys, key=_by_id):
                 holder = self._claimed.get(key)
                 if holder is not None and holder != claim.uid:
                     return f"{key[1]} is prepared for claim {holder}"
@@ -476,7 +480,7 @@ class CleanupManager:
                 return None
             self._forget_claim_locked(claim)
             keys = {(device.kind, device.id) for device in claim.devices}
-            for kind, device in sorted(keys):
+            for kind, device in sorted(keys, key=_by_id):
                 if self._claimed.get((kind, device)) is not None:
                     continue  # also named by another claim (admin access)
                 self._assigned[kind].discard(device)
@@ -510,7 +514,7 @@ class CleanupManager:
         Returns how many were."""
         released: set[tuple[DeviceKind, str]] = set()
         with self._cond:
-            for key in sorted(self._unverified):
+            for key in sorted(self._unverified, key=_by_id):
                 kind, device = key
                 if kind not in kinds or key in self._claimed:
                     continue

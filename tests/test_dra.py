@@ -1,0 +1,250 @@
+"""The DRA front-end over real gRPC and real HTTP: registration, slices,
+prepare and unprepare with their hooks, CDI specs and checkpoint."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from devplugin.policy.cdi import validate_spec
+from devplugin.policy.topology import Level, Topology
+from devplugin.testing.dra_limits import slice_problems
+from devplugin.testing.node import hgx_node
+from tests.dra_support import DRIVER, NODE, DraCluster, start_dra
+from tests.test_hooks import hook, runs
+from tests.waiting import wait_until
+
+__all__ = ["start_dra"]
+
+Start = Callable[..., DraCluster]
+
+
+def published(cluster: DraCluster, count: int) -> bool:
+    return len(cluster.devices()) == count and all(
+        "taints" not in d for d in cluster.devices().values()
+    )
+
+
+def pix_pair(cluster: DraCluster) -> tuple[str, str]:
+    """A GPU and an HCA under one switch, by their slice attributes."""
+    devices = cluster.devices()
+    for gpu in sorted(n for n in devices if n.startswith("gpu-")):
+        for hca in sorted(n for n in devices if n.startswith("hca-")):
+            if cluster.attribute(gpu, "pcieSwitch") == cluster.attribute(hca, "pcieSwitch"):
+                return gpu, hca
+    raise AssertionError("no PIX pair published")
+
+
+def test_the_driver_registers_and_publishes_one_valid_pool(start_dra: Start) -> None:
+    cluster = start_dra(hgx_node())
+    record = cluster.kubelet.plugin(DRIVER)
+    assert record.endpoint == str(cluster.plugins_dir / DRIVER / "dra.sock")
+    assert record.versions == ("v1.DRAPlugin", "v1beta1.DRAPlugin", "v1alpha1.DRAResourceHealth")
+    assert (cluster.registry_dir / f"{DRIVER}-reg.sock").exists()
+    assert wait_until(lambda: published(cluster, 16), timeout=10)
+    slices = cluster.slices()
+    assert len(slices) == 1
+    (only,) = slices
+    assert slice_problems(only) == []
+    assert only["spec"]["pool"] == {"name": NODE, "generation": 1, "resourceSliceCount": 1}
+    owner = only["metadata"]["ownerReferences"][0]
+    assert (owner["kind"], owner["name"], owner["controller"]) == ("Node", NODE, True)
+    assert owner["uid"] == cluster.api.get("nodes", NODE)["metadata"]["uid"]  # type: ignore[index]
+    gpu = cluster.node.gpus[0]
+    name = "gpu-" + str(gpu.address).replace(":", "-").replace(".", "-")
+    entry = cluster.devices()[name]
+    attributes = {key: next(iter(value.values())) for key, value in entry["attributes"].items()}
+    assert attributes["type"] == "gpu"
+    assert attributes["uuid"] == gpu.uuid
+    assert attributes["resource.kubernetes.io/pciBusID"] == str(gpu.address)
+    assert attributes["resource.kubernetes.io/pcieRoot"].startswith("pci")
+    assert isinstance(attributes["resource.kubernetes.io/numaNode"], int)
+    assert attributes["nvlinkDomain"].startswith("nvl-")
+    assert entry["capacity"]["memory"]["value"].endswith("Mi")
+    hca = next(d for n, d in cluster.devices().items() if n.startswith("hca-"))
+    assert {"ibdev", "netdev", "linkLayer", "portState", "pcieSwitch"} <= set(hca["attributes"])
+    assert hca["attributes"]["portState"] == {"string": "ACTIVE"}
+
+
+def test_switch_attributes_say_exactly_the_pcie_levels(start_dra: Start) -> None:
+    cluster = start_dra(hgx_node())
+    assert wait_until(lambda: published(cluster, 16), timeout=10)
+    topology = Topology.from_inventory(cluster.daemon.inventory)
+    ids = {}
+    for name, entry in cluster.devices().items():
+        attributes = entry["attributes"]
+        ids[name] = attributes[
+            "uuid" if name.startswith("gpu-") else "resource.kubernetes.io/pciBusID"
+        ]
+    names = sorted(ids)
+    checked = 0
+    for i, first in enumerate(names):
+        for second in names[i + 1 :]:
+            level = topology.level(ids[first]["string"], ids[second]["string"])
+            same_switch = cluster.attribute(first, "pcieSwitch") == cluster.attribute(
+                second, "pcieSwitch"
+            )
+            same_top = cluster.attribute(first, "pcieTopSwitch") == cluster.attribute(
+                second, "pcieTopSwitch"
+            )
+            assert same_switch == (level is Level.PIX), (first, second, level)
+            assert same_top == (level <= Level.PXB), (first, second, level)
+            checked += 1
+    assert checked == 16 * 15 // 2
+
+
+def test_prepare_runs_init_once_writes_the_claims_cdi_spec_and_answers_again(
+    start_dra: Start, tmp_path: Path
+) -> None:
+    log = tmp_path / "init.log"
+    cluster = start_dra(
+        hgx_node(),
+        **{
+            "resources.gpu.hooks.init": hook(log, "ok"),
+            "resources.hca.hooks.init": hook(log, "ok"),
+        },
+    )
+    assert wait_until(lambda: published(cluster, 16), timeout=10)
+    gpu, hca = pix_pair(cluster)
+    claim = cluster.claim("pair", [("gpu", gpu), ("hca/ib", hca)])
+    answer = cluster.prepare(claim)
+    assert answer[claim.uid]["error"] == ""
+    devices = {d["device"]: d for d in answer[claim.uid]["devices"]}
+    assert set(devices) == {gpu, hca}
+    assert devices[gpu]["requests"] == ["gpu"]
+    assert devices[hca]["requests"] == ["hca"]  # the subrequest is not the kubelet's business
+    assert devices[gpu]["cdi"] == [f"k8s.{DRIVER}/claim={claim.uid}-{gpu}"]
+    assert devices[hca]["cdi"] == [f"k8s.{DRIVER}/claim={claim.uid}-{hca}"]
+    spec_file = cluster.cdi_dir / f"k8s.{DRIVER}-claim_{claim.uid}.json"
+    document = json.loads(spec_file.read_text())
+    spec = validate_spec(document)
+    assert spec.kind == f"k8s.{DRIVER}/claim"
+    nodes = {
+        d["name"]: [n["path"] for n in d["containerEdits"]["deviceNodes"]]
+        for d in document["devices"]
+    }
+    gpu_info = next(g for g in cluster.node.gpus if g.uuid == cluster.attribute(gpu, "uuid"))
+    assert nodes[f"{claim.uid}-{gpu}"] == [f"/dev/nvidia{gpu_info.minor}"]
+    assert any(path.startswith("/dev/infiniband/uverbs") for path in nodes[f"{claim.uid}-{hca}"])
+    env = dict(item.split("=", 1) for item in document["containerEdits"]["env"])
+    assert env["NVIDIA_VISIBLE_DEVICES"] == gpu_info.uuid
+    assert env["NCCL_IB_HCA"] == "=" + cluster.attribute(hca, "ibdev")
+    inits = runs(log)
+    assert sorted(r["env"]["DEVPLUGIN_HOOK"] for r in inits) == ["init", "init"]
+    # Asked again (the kubelet retries after a lost answer): the same answer, no hook.
+    again = cluster.prepare(claim)
+    assert again == answer
+    assert len(runs(log)) == 2
+    saved = json.loads(cluster.checkpoint.read_text())
+    (record,) = saved["claims"]
+    assert (record["uid"], record["state"]) == (claim.uid, "completed")
+
+
+def test_a_device_prepared_for_another_claim_is_refused(start_dra: Start) -> None:
+    cluster = start_dra(hgx_node())
+    assert wait_until(lambda: published(cluster, 16), timeout=10)
+    gpu, hca = pix_pair(cluster)
+    first = cluster.claim("first", [("gpu", gpu)])
+    second = cluster.claim("second", [("gpu", gpu), ("hca", hca)])
+    assert cluster.prepare(first)[first.uid]["error"] == ""
+    answer = cluster.prepare(second)
+    assert answer[second.uid]["error"] == f"device {gpu} is prepared for claim {first.uid}"
+    assert answer[second.uid]["devices"] == []
+    # Nothing of the refused claim stuck: its HCA is free for a third.
+    third = cluster.claim("third", [("hca", hca)])
+    assert cluster.prepare(third)[third.uid]["error"] == ""
+
+
+def test_bad_claims_are_that_claims_error(start_dra: Start) -> None:
+    cluster = start_dra(hgx_node())
+    assert wait_until(lambda: published(cluster, 16), timeout=10)
+    gpu, _ = pix_pair(cluster)
+    good = cluster.claim("good", [("gpu", gpu)])
+    replaced = cluster.claim("replaced", [("gpu", gpu)])
+    stale = type(replaced)(replaced.namespace, "not-its-uid", replaced.name)
+    missing = type(replaced)("default", "uid-x", "missing")
+    unknown = cluster.claim("unknown", [("gpu", "gpu-ffff-ff-ff-7")])
+    answer = cluster.prepare(good, stale, missing, unknown)
+    assert answer[good.uid]["error"] == ""
+    assert "was replaced" in answer["not-its-uid"]["error"]
+    assert answer["uid-x"]["error"] == "ResourceClaim default/missing not found"
+    assert answer[unknown.uid]["error"] == "device gpu-ffff-ff-ff-7 is not on this node now"
+
+
+def test_unprepare_cleans_before_the_device_is_offered_again(
+    start_dra: Start, tmp_path: Path
+) -> None:
+    log = tmp_path / "cleanup.log"
+    gate = tmp_path / "gate"
+    cluster = start_dra(hgx_node(), **{"resources.gpu.hooks.cleanup": hook(log, f"wait:{gate}")})
+    assert wait_until(lambda: published(cluster, 16), timeout=10)
+    gpu, _ = pix_pair(cluster)
+    claim = cluster.claim("c", [("gpu", gpu)])
+    assert cluster.prepare(claim)[claim.uid]["error"] == ""
+    assert cluster.unprepare(claim) == {claim.uid: ""}
+    spec_file = cluster.cdi_dir / f"k8s.{DRIVER}-claim_{claim.uid}.json"
+    assert not spec_file.exists()
+    # Owed a cleanup (running, held at the gate): tainted in the slice, and
+    # Unhealthy in the health stream.
+    assert wait_until(lambda: "taints" in cluster.devices().get(gpu, {}), timeout=10)
+    taint = cluster.devices()[gpu]["taints"][0]
+    assert taint == {"key": f"{DRIVER}/unhealthy", "value": "cleanup", "effect": "NoSchedule"}
+    assert cluster.kubelet.wait_for(
+        lambda: cluster.kubelet.health(DRIVER).get(f"{NODE}/{gpu}", (0, ""))[0] == 2, timeout=10
+    )
+    gate.touch()
+    ok = wait_until(lambda: "taints" not in cluster.devices()[gpu], timeout=20)
+    assert ok, [
+        (
+            s["metadata"]["name"],
+            s["spec"]["pool"],
+            [d.get("taints") for d in s["spec"]["devices"] if d["name"] == gpu],
+        )
+        for s in cluster.slices()
+    ]
+    assert [r["env"]["DEVPLUGIN_HOOK"] for r in runs(log)] == ["cleanup"]
+    # Unprepare again, or of a claim never prepared here: success, nothing run.
+    assert cluster.unprepare(claim) == {claim.uid: ""}
+    assert len(runs(log)) == 1
+
+
+def test_a_claim_deleted_before_unprepare_is_unprepared_from_the_checkpoint(
+    start_dra: Start, tmp_path: Path
+) -> None:
+    log = tmp_path / "cleanup.log"
+    cluster = start_dra(hgx_node(), **{"resources.hca.hooks.cleanup": hook(log, "ok")})
+    assert wait_until(lambda: published(cluster, 16), timeout=10)
+    _, hca = pix_pair(cluster)
+    claim = cluster.claim("gone", [("hca", hca)])
+    assert cluster.prepare(claim)[claim.uid]["error"] == ""
+    cluster.api.remove("resourceclaims", "gone", "default")
+    assert cluster.unprepare(claim) == {claim.uid: ""}
+    assert wait_until(lambda: len(runs(log)) == 1, timeout=10)
+    (run,) = runs(log)
+    assert run["env"]["DEVPLUGIN_DEVICE_IDS"] == cluster.attribute(
+        hca, "resource.kubernetes.io/pciBusID"
+    )
+
+
+def test_a_failed_init_rolls_the_claim_back_and_cleans_its_devices(
+    start_dra: Start, tmp_path: Path
+) -> None:
+    init, cleanup = tmp_path / "init.log", tmp_path / "cleanup.log"
+    cluster = start_dra(
+        hgx_node(),
+        **{
+            "resources.gpu.hooks.init": hook(init, "fail-times:1"),
+            "resources.gpu.hooks.cleanup": hook(cleanup, "ok"),
+        },
+    )
+    assert wait_until(lambda: published(cluster, 16), timeout=10)
+    gpu, _ = pix_pair(cluster)
+    claim = cluster.claim("c", [("gpu", gpu)])
+    error = cluster.prepare(claim)[claim.uid]["error"]
+    assert error.startswith("init hook failed with exit status 1")
+    assert not (cluster.cdi_dir / f"k8s.{DRIVER}-claim_{claim.uid}.json").exists()
+    assert wait_until(lambda: len(runs(cleanup)) == 1, timeout=10)
+    # The kubelet retries: the device is clean, init runs again and succeeds.
+    assert cluster.prepare(claim)[claim.uid]["error"] == ""
+    assert len(runs(init)) == 2
