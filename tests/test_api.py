@@ -250,7 +250,8 @@ def test_dra_packages_and_methods_are_the_kubelets() -> None:
     watch = health.DESCRIPTOR.services_by_name["DRAResourceHealth"]
     assert watch.full_name == "v1alpha1.DRAResourceHealth"
     method = watch.methods_by_name["NodeWatchResources"]
-    assert method.server_streaming and not method.client_streaming
+    assert method.server_streaming
+    assert not method.client_streaming
     statuses = health.DESCRIPTOR.enum_types_by_name["HealthStatus"]
     assert {v.name: v.number for v in statuses.values} == {
         "UNKNOWN": 0,
