@@ -108,6 +108,7 @@ class SlicePublisher:
         self._thread: threading.Thread | None = None
         self._owner: dict[str, Any] | None = None
         self._failing: str | None = None
+        self._syncing = False
         self.writes = 0
         self.syncs = 0
         slices.listen(self.poke)
@@ -136,7 +137,14 @@ class SlicePublisher:
             self._thread.join(timeout)
 
     def current(self) -> bool:
-        return self._slices.current and self._failing is None and not self._wake.is_set()
+        """The slices say what the node has: the view is current, the last
+        sync succeeded, and none is running or asked for."""
+        return (
+            self._slices.current
+            and self._failing is None
+            and not self._syncing
+            and not self._wake.is_set()
+        )
 
     def _run(self) -> None:
         log.info("ResourceSlices of driver %s, pool %s: publishing", self.driver, self.pool)
@@ -144,15 +152,18 @@ class SlicePublisher:
         while not self._stop.is_set():
             if not self._slices.synced.wait(0.5):
                 continue
+            self._syncing = True
             self._wake.clear()
             try:
                 self.sync_once()
+                self._syncing = False
                 backoff = 0.0
                 if self._failing is not None:
                     log.info("ResourceSlices written again")
                     self._failing = None
                 self._wake.wait()
             except Exception as exc:  # noqa: BLE001 - network, API: all mean retry
+                self._syncing = False
                 backoff = min(self._backoff_max, max(0.2, backoff * 2))
                 message = f"{type(exc).__name__}: {exc}"[:300]
                 if message != self._failing:
