@@ -75,6 +75,23 @@ def build_parser() -> argparse.ArgumentParser:
     topo = commands.add_parser("topo", help="print the GPU/HCA topology matrix")
     _add_source_flags(topo)
     commands.add_parser("demo", help="run the daemon on an embedded simulated node")
+    template = commands.add_parser(
+        "claim-template",
+        help="print a ResourceClaimTemplate for aligned GPUs and HCAs (DRA)",
+        description="Each GPU+HCA pair prefers the level given and falls back level by "
+        "level (PIX, PXB, PHB, NODE, then anywhere); extra GPUs or HCAs are asked "
+        "for without alignment.",
+    )
+    template.add_argument("--gpus", type=int, required=True, help="GPUs in the claim")
+    template.add_argument("--hcas", type=int, required=True, help="HCAs in the claim")
+    template.add_argument(
+        "--prefer", choices=["PIX", "PXB", "PHB", "NODE", "NONE"], default="PIX",
+        help="the best level each pair asks for first (NONE: no alignment)",
+    )  # fmt: skip
+    template.add_argument("--nvlink", action="store_true", help="every GPU in one NVLink domain")
+    template.add_argument("--driver", default="devplugin.io", help="the DRA driver name")
+    template.add_argument("--name", default="", help="the template's name")
+    template.add_argument("--namespace", default="", help="the template's namespace")
     extender = commands.add_parser(
         "extender", help="serve the kube-scheduler extender (filter, prioritize)"
     )
@@ -239,6 +256,20 @@ def cmd_discover(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_claim_template(args: argparse.Namespace) -> int:
+    import yaml
+
+    from devplugin.policy.claim_templates import Shape, TemplateError, claim_template
+
+    shape = Shape(args.gpus, args.hcas, prefer=args.prefer, nvlink=args.nvlink)
+    try:
+        document = claim_template(shape, args.driver, name=args.name, namespace=args.namespace)
+    except TemplateError as exc:
+        raise UsageError(f"claim-template: {exc}") from exc
+    print(yaml.safe_dump(document, sort_keys=False), end="")
+    return 0
+
+
 def cmd_topo(args: argparse.Namespace) -> int:
     from devplugin.node.report import topo_text
 
@@ -311,7 +342,7 @@ def cmd_extender(args: argparse.Namespace) -> int:
 
 COMMANDS = {
     "run": cmd_run, "discover": cmd_discover, "topo": cmd_topo, "demo": cmd_demo,
-    "extender": cmd_extender,
+    "extender": cmd_extender, "claim-template": cmd_claim_template,
 }  # fmt: skip
 
 

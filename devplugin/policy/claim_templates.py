@@ -1,0 +1,200 @@
+"""ResourceClaimTemplates that ask for aligned GPU+HCA sets (pure).
+
+DRA has no scoring; alignment is asked for with constraints. A pair is two
+requests, `gpu-i` and `hca-i`. The GPU request is a prioritized list
+(`firstAvailable`) of subrequests, one per level from the preferred one
+down: `pix`, `pxb`, `phb`, `node`, `any`; each but the last is tied to
+the HCA by a `matchAttribute` constraint on the attribute that level shares:
+
+    [gpu-i/pix,  hca-i]  devplugin.io/pcieSwitch            (PIX)
+    [gpu-i/pxb,  hca-i]  devplugin.io/pcieTopSwitch         (PXB)
+    [gpu-i/phb,  hca-i]  resource.kubernetes.io/pcieRoot    (PHB)
+    [gpu-i/node, hca-i]  resource.kubernetes.io/numaNode    (NODE)
+
+The ladder sits on the GPU, the first request of the pair, because the
+allocator tries each subrequest with every candidate device (and every
+HCA after it) before it falls back to the next: so a PIX pair is found if
+any free GPU and HCA form one, and only then PXB, and so on. (A ladder on
+the second request would settle for the first GPU's best HCA.) Pairs are
+placed one after another; a GPU set in one NVLink domain adds one
+constraint over every GPU request on `devplugin.io/nvlinkDomain`.
+
+Limits (resource.k8s.io/v1): at most 32 requests and 32 constraints per
+claim, at most 8 subrequests per request: so at most 8 pairs (32
+constraints, 16 requests, plus the extra GPUs or HCAs beyond the pairs).
+Where the NVLink constraint would make it 33, the `node` rung is left out
+(NODE and SYS pairs are then told apart only by slice order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+LEVELS = ("PIX", "PXB", "PHB", "NODE")
+# The attribute each rung matches (qualified by the driver when unqualified).
+RUNGS = {
+    "PIX": "pcieSwitch",
+    "PXB": "pcieTopSwitch",
+    "PHB": "resource.kubernetes.io/pcieRoot",
+    "NODE": "resource.kubernetes.io/numaNode",
+}
+MAX_PAIRS = 8
+MAX_REQUESTS = 32
+MAX_CONSTRAINTS = 32
+
+
+class TemplateError(ValueError):
+    """A shape no claim can express; the message says which limit."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    gpus: int
+    hcas: int
+    prefer: str = "PIX"  # the best level asked for: PIX, PXB, PHB, or NONE (no ladder)
+    nvlink: bool = False  # every GPU in one NVLink domain
+
+    @property
+    def pairs(self) -> int:
+        return min(self.gpus, self.hcas)
+
+
+def classes(driver: str) -> dict[str, str]:
+    """DeviceClass name per kind."""
+    return {"gpu": f"gpu.{driver}", "hca": f"hca.{driver}"}
+
+
+def device_classes(driver: str) -> list[dict[str, Any]]:
+    """The two DeviceClasses: each selects this driver's devices of one type."""
+    return [
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "DeviceClass",
+            "metadata": {"name": name},
+            "spec": {
+                "selectors": [
+                    {
+                        "cel": {
+                            "expression": f'device.driver == "{driver}" && '
+                            f'device.attributes["{driver}"].type == "{kind}"'
+                        }
+                    }
+                ]
+            },
+        }
+        for kind, name in classes(driver).items()
+    ]
+
+
+def _ladder(prefer: str, driver: str, *, node: bool) -> list[tuple[str, str]]:
+    """(subrequest name, qualified attribute it matches) from the preferred level down."""
+    if prefer == "NONE":
+        return []
+    levels = LEVELS[LEVELS.index(prefer) :]
+    if not node:
+        levels = tuple(level for level in levels if level != "NODE")
+    return [
+        (level.lower(), RUNGS[level] if "/" in RUNGS[level] else f"{driver}/{RUNGS[level]}")
+        for level in levels
+    ]
+
+
+def claim_spec(shape: Shape, driver: str) -> dict[str, Any]:
+    """The `spec` of a ResourceClaim for this shape."""
+    if shape.gpus < 0 or shape.hcas < 0 or shape.gpus + shape.hcas == 0:
+        raise TemplateError("ask for at least one GPU or HCA")
+    if shape.prefer not in (*LEVELS, "NONE"):
+        raise TemplateError(f"prefer must be one of {', '.join(LEVELS)} or NONE")
+    if shape.pairs > MAX_PAIRS:
+        raise TemplateError(
+            f"{shape.pairs} GPU+HCA pairs: a claim holds at most {MAX_PAIRS} "
+            "(32 constraints, four per pair)"
+        )
+    gpu_class, hca_class = classes(driver)["gpu"], classes(driver)["hca"]
+    rungs = len(_ladder(shape.prefer, driver, node=True))
+    nvlink = 1 if shape.nvlink and shape.gpus > 1 else 0
+    ladder = _ladder(shape.prefer, driver, node=shape.pairs * rungs + nvlink <= MAX_CONSTRAINTS)
+    requests: list[dict[str, Any]] = []
+    constraints: list[dict[str, Any]] = []
+    gpu_requests: list[str] = []
+    for i in range(shape.pairs):
+        gpu, hca = f"gpu-{i}", f"hca-{i}"
+        gpu_requests.append(gpu)
+        if ladder:
+            subrequests = [
+                {"name": name, "deviceClassName": gpu_class, "allocationMode": "ExactCount",
+                 "count": 1}
+                for name, _ in ladder
+            ]  # fmt: skip
+            subrequests.append(
+                {"name": "any", "deviceClassName": gpu_class, "allocationMode": "ExactCount",
+                 "count": 1}
+            )  # fmt: skip
+            requests.append({"name": gpu, "firstAvailable": subrequests})
+            for name, attribute in ladder:
+                constraints.append(
+                    {"requests": [f"{gpu}/{name}", hca], "matchAttribute": attribute}
+                )
+        else:
+            requests.append(_exactly(gpu, gpu_class, 1))
+        requests.append(_exactly(hca, hca_class, 1))
+    if shape.gpus > shape.pairs:
+        requests.append(_exactly("gpus", gpu_class, shape.gpus - shape.pairs))
+        gpu_requests.append("gpus")
+    if shape.hcas > shape.pairs:
+        requests.append(_exactly("hcas", hca_class, shape.hcas - shape.pairs))
+    if nvlink:
+        constraints.append({"requests": gpu_requests, "matchAttribute": f"{driver}/nvlinkDomain"})
+    if len(requests) > MAX_REQUESTS or len(constraints) > MAX_CONSTRAINTS:
+        raise TemplateError("the shape needs more requests or constraints than a claim holds")
+    devices: dict[str, Any] = {"requests": requests}
+    if constraints:
+        devices["constraints"] = constraints
+    return {"devices": devices}
+
+
+def _exactly(name: str, device_class: str, count: int) -> dict[str, Any]:
+    return {
+        "name": name,
+        "exactly": {
+            "deviceClassName": device_class,
+            "allocationMode": "ExactCount",
+            "count": count,
+        },
+    }
+
+
+def template_name(shape: Shape) -> str:
+    if shape.gpus == shape.hcas:
+        base = f"{shape.gpus}-pair" if shape.gpus == 1 else f"{shape.gpus}-pairs"
+    else:
+        base = f"{shape.gpus}-gpu-{shape.hcas}-hca"
+    suffix = "" if shape.prefer == "PIX" else f"-{shape.prefer.lower()}"
+    return f"{base}{suffix}{'-nvlink' if shape.nvlink else ''}"
+
+
+def claim_template(
+    shape: Shape, driver: str, *, name: str = "", namespace: str = ""
+) -> dict[str, Any]:
+    metadata: dict[str, Any] = {"name": name or template_name(shape)}
+    if namespace:
+        metadata["namespace"] = namespace
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": metadata,
+        "spec": {"spec": claim_spec(shape, driver)},
+    }
+
+
+# What the chart installs.
+CHART_SHAPES = (
+    Shape(1, 1),
+    Shape(2, 2),
+    Shape(4, 4),
+    Shape(8, 8),
+    Shape(4, 4, nvlink=True),
+    Shape(8, 8, nvlink=True),
+    Shape(8, 0, prefer="NONE", nvlink=True),
+)
