@@ -54,6 +54,13 @@ Goal: p99 under 20 ms for every size (the kubelet waits for the
 answer before it admits the pod), the floor's p99 printed beside it; and no
 search may run out of its budget.
 
+DRA (`bench/dra.py`): the chart's claim templates for 1, 2, 4 and 8
+GPU+HCA pairs on five layouts under random occupancy, allocated by the
+scheduler's allocator imitation, against the same pairs constrained only by
+pcieRoot and against the exhaustive optimum. Goal: 100% of 1-pair claims
+and at least 95% of multi-pair claims with their worst pair at the best
+level any free choice allows.
+
 Quality: the answer is compared with an exhaustive search of the same
 objective wherever that is affordable (every size on 8 GPUs, sizes 1-3 on
 64 GPUs). `--quick` runs fewer iterations (used by the tests).
@@ -81,6 +88,7 @@ import grpc
 
 from bench.cluster import cluster_bench
 from bench.cluster_live import live_cluster_bench
+from bench.dra import dra_bench
 from bench.extender_scale import extender_scale_bench
 from bench.fleet import fleet_bench
 from bench.idle import idle_bench
@@ -676,6 +684,11 @@ def main() -> int:
         "are named; a full run includes it, --quick leaves it out)",
     )  # fmt: skip
     parser.add_argument(
+        "--dra", action="store_true",
+        help="DRA alignment of the chart's claim templates on five layouts (alone unless "
+        "others are named; a full run includes it)",
+    )  # fmt: skip
+    parser.add_argument(
         "--fleet", action="store_true",
         help="API traffic per node, idle and under churn (alone unless others are named; "
         "a full run includes it, --quick leaves it out)",
@@ -684,7 +697,7 @@ def main() -> int:
     iterations, warmup = (20, 5) if args.quick else (args.iterations, 50)
     selected = (
         args.node is not None or args.nvlink is not None or args.cluster or args.fleet
-        or args.extender or args.idle
+        or args.extender or args.idle or args.dra
     )  # fmt: skip
     nodes = [n for n in GOALS_MS if n in (args.node or ([] if selected else GOALS_MS))]
     layouts = args.nvlink or ([] if selected else list(NVLINK_LAYOUTS))
@@ -692,6 +705,7 @@ def main() -> int:
     fleet = args.fleet or not (selected or args.quick)
     scale = args.extender or not (selected or args.quick)
     idle = args.idle or not (selected or args.quick)
+    dra = args.dra or not selected
     setup_logging("text", "error")
     base = Path(tempfile.mkdtemp(prefix="dpb-", dir="/tmp"))
     failed = False
@@ -721,6 +735,10 @@ def main() -> int:
             if nodes or layouts or live or fleet or scale:
                 print()
             failed |= not idle_bench(quick=args.quick)
+        if dra:
+            if nodes or layouts or live or fleet or scale or idle:
+                print()
+            failed |= not dra_bench(quick=args.quick)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     return 1 if failed else 0

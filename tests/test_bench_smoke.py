@@ -62,3 +62,19 @@ def test_bench_extender_quick_run_measures_every_line() -> None:
     assert 0 < rss <= peak < 512
     assert "a 1,024-device record parses in" in result.stdout
     assert "== extender:" in result.stdout
+
+
+def test_bench_dra_quick_run_meets_the_alignment_goals() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--dra"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [line.split() for line in result.stdout.splitlines() if line[:12].strip() in (
+        "hgx-h100", "dgx-a100", "pcie-server", "asymmetric", "16-gpu")]  # fmt: skip
+    assert len(rows) == 20  # five layouts, four shapes
+    measured = [row for row in rows if row[2] != "-"]
+    assert len(measured) == 16  # pcie-server and asymmetric have too few HCAs for 4 and 8 pairs
+    assert all(row[3] == "100.0%" for row in measured if row[1] == "1")
+    assert "== DRA: 1-pair claims at the best level 100.0%" in result.stdout
+    assert result.stdout.rstrip().endswith("met")

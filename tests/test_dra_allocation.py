@@ -11,9 +11,7 @@ import pytest
 import yaml
 
 from devplugin.cli import main
-from devplugin.frontends.dra.slices import node_devices, published, split
-from devplugin.model import DeviceKind, Health, Inventory, PluginDevice
-from devplugin.node.resources import ResourceState
+from devplugin.model import Inventory
 from devplugin.policy.claim_templates import (
     CHART_SHAPES,
     Shape,
@@ -23,7 +21,7 @@ from devplugin.policy.claim_templates import (
     device_classes,
 )
 from devplugin.policy.topology import Level, Topology
-from devplugin.testing.dra_scheduler import Allocator
+from devplugin.testing.dra_scheduler import Allocator, node_ids, spec_slices
 from devplugin.testing.layouts import LAYOUTS
 from devplugin.testing.node import devices_from_spec, hgx_node
 
@@ -35,45 +33,10 @@ CLASSES = {c["metadata"]["name"]: c for c in device_classes(DRIVER)}
 def node_slices(
     spec: Any, unhealthy: frozenset[str] = frozenset()
 ) -> tuple[list[dict[str, Any]], Inventory]:
-    gpus, hcas = devices_from_spec(spec)
-    inventory = Inventory(gpus=gpus, hcas=hcas)
-    devices = node_devices(inventory, [DeviceKind.GPU, DeviceKind.HCA])
-    states = {
-        kind: ResourceState(
-            devices=tuple(
-                PluginDevice(d.id, Health.UNHEALTHY if d.id in unhealthy else Health.HEALTHY,
-                             reason="port down" if d.id in unhealthy else "")
-                for d in devices if d.kind is kind
-            ),
-            allocations={},
-        )
-        for kind in DeviceKind
-    }  # fmt: skip
-    chunks = split(published(devices, states, domain=DRIVER, unhealthy="taint"), tainting=True)
-    slices = [
-        {
-            "metadata": {"name": f"{index:05x}-slice"},
-            "spec": {
-                "driver": DRIVER,
-                "nodeName": NODE,
-                "devices": chunk,
-                "pool": {"name": NODE, "generation": 1, "resourceSliceCount": len(chunks)},
-            },
-        }
-        for index, chunk in enumerate(chunks)
-    ]
-    return slices, inventory
+    return spec_slices(spec, DRIVER, NODE, unhealthy=unhealthy)
 
 
-def ids(slices: list[dict[str, Any]]) -> dict[str, str]:
-    """Slice device name -> the node's id (GPU UUID, HCA PCI address)."""
-    found = {}
-    for item in slices:
-        for device in item["spec"]["devices"]:
-            attributes = device["attributes"]
-            key = "uuid" if "uuid" in attributes else "resource.kubernetes.io/pciBusID"
-            found[device["name"]] = attributes[key]["string"]
-    return found
+ids = node_ids
 
 
 def pair_levels(

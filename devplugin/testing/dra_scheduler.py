@@ -35,7 +35,11 @@ from typing import Any
 import celpy
 from celpy.adapter import json_to_cel
 
+from devplugin.frontends.dra.slices import node_devices, published, split
+from devplugin.model import DeviceKind, Health, Inventory, PluginDevice
+from devplugin.node.resources import ResourceState
 from devplugin.testing.apiserver import ApiServerImitation
+from devplugin.testing.node import NodeSpec, devices_from_spec
 
 NOSCHEDULE = {"NoSchedule", "NoExecute"}
 STEP_BUDGET = 200_000
@@ -277,6 +281,55 @@ class Allocator:
              "device": device.name}
             for alternative, device in chosen
         ]  # fmt: skip
+
+
+def spec_slices(
+    spec: NodeSpec, driver: str, node: str, *, unhealthy: frozenset[str] = frozenset()
+) -> tuple[list[dict[str, Any]], Inventory]:
+    """The ResourceSlices the driver would publish for a layout, built in
+    memory (no daemon), and the inventory behind them."""
+    gpus, hcas = devices_from_spec(spec)
+    inventory = Inventory(gpus=gpus, hcas=hcas)
+    devices = node_devices(inventory, [DeviceKind.GPU, DeviceKind.HCA])
+    states = {
+        kind: ResourceState(
+            devices=tuple(
+                PluginDevice(
+                    d.id, Health.UNHEALTHY if d.id in unhealthy else Health.HEALTHY,
+                    reason="unhealthy" if d.id in unhealthy else "",
+                )
+                for d in devices
+                if d.kind is kind
+            ),
+            allocations={},
+        )
+        for kind in DeviceKind
+    }  # fmt: skip
+    chunks = split(published(devices, states, domain=driver, unhealthy="taint"), tainting=True)
+    slices = [
+        {
+            "metadata": {"name": f"{index:05x}-{driver}-{node}"},
+            "spec": {
+                "driver": driver,
+                "nodeName": node,
+                "devices": chunk,
+                "pool": {"name": node, "generation": 1, "resourceSliceCount": len(chunks)},
+            },
+        }
+        for index, chunk in enumerate(chunks)
+    ]
+    return slices, inventory
+
+
+def node_ids(slices: Iterable[Mapping[str, Any]]) -> dict[str, str]:
+    """Slice device name -> the node's id (GPU UUID, HCA PCI address)."""
+    found = {}
+    for item in slices:
+        for device in item["spec"]["devices"]:
+            attributes = device["attributes"]
+            key = "uuid" if "uuid" in attributes else "resource.kubernetes.io/pciBusID"
+            found[device["name"]] = attributes[key]["string"]
+    return found
 
 
 def taken_devices(claims: Iterable[Mapping[str, Any]]) -> set[tuple[str, str, str]]:
