@@ -103,6 +103,12 @@ CASES: dict[str, dict[str, Any]] = {
             "repository": "mirror.example.com/kube-scheduler", "tag": "v1.33.5"}}},
     },
     "no-node-restriction": {"rbac": {"nodeRestriction": False}},
+    "dra": {
+        "config": {"resources": {"gpu": {"api": "dra"}, "hca": {"api": "dra"}},
+                   "dra": {"driver": "dra.example.com"}},
+        "dra": {"claimTemplates": {"namespaces": ["default", "training"]}},
+        "hostPaths": {"kubeletPlugins": "/data/kubelet/plugins"},
+    },
     "placement": {
         "nodeSelector": {"gpu.example.com/pool": "training"},
         "affinity": {"podAntiAffinity": {}},
@@ -141,6 +147,10 @@ BAD: dict[str, tuple[dict[str, Any], str]] = {
     "bad-recovery": ({"config": {"health": {"recovery": "never"}}}, "recovery"),
     "bad-resource-name": ({"config": {"resources": {"hca": {"name": "hca"}}}}, "name"),
     "unknown-top-level": ({"replicas": 3}, "replicas"),
+    "bad-api": ({"config": {"resources": {"gpu": {"api": "grpc"}}}}, "api"),
+    "bad-template-namespace": (
+        {"dra": {"claimTemplates": {"namespaces": ["Team A"]}}}, "namespaces"
+    ),
 }  # fmt: skip
 
 
@@ -170,6 +180,8 @@ def expected_config(values: dict[str, Any]) -> dict[str, Any]:
         "dev_root": "/host/dev",
         "device_plugin_dir": "/var/lib/kubelet/device-plugins",
         "pod_resources_socket": "/var/lib/kubelet/pod-resources/kubelet.sock",
+        "kubelet_plugins_dir": full["hostPaths"]["kubeletPlugins"],
+        "kubelet_registry_dir": full["hostPaths"]["kubeletRegistry"],
     }
     config["metrics"] = {"enabled": full["metrics"]["enabled"]}
     paths = full["hostPaths"]
@@ -746,3 +758,85 @@ def test_the_second_schedulers_image_follows_the_cluster(
     # A vendor's build suffix is dropped: the registry has the plain release only.
     assert image("managed-cluster") == "registry.k8s.io/kube-scheduler:v1.34.2"
     assert image("pinned-scheduler") == "mirror.example.com/kube-scheduler:v1.33.5"
+
+
+def test_dra_installs_classes_templates_mounts_and_rights(
+    installs: dict[str, dict[str, Any]],
+) -> None:
+    from devplugin.policy.claim_templates import CHART_SHAPES, claim_template
+
+    driver = "dra.example.com"
+    everything = installs["dra"]["objects"]
+    classes = {o["metadata"]["name"]: o for o in everything if o["kind"] == "DeviceClass"}
+    assert set(classes) == {f"gpu.{driver}", f"hca.{driver}"}
+    selector = f'device.driver == "{driver}" && device.attributes["{driver}"].type == "gpu"'
+    assert classes[f"gpu.{driver}"]["spec"]["selectors"] == [{"cel": {"expression": selector}}]
+    templates = {
+        (o["metadata"]["namespace"], o["metadata"]["name"]): o
+        for o in everything
+        if o["kind"] == "ResourceClaimTemplate"
+    }
+    assert len(templates) == 2 * len(CHART_SHAPES)
+    for namespace in ("default", "training"):
+        for shape in CHART_SHAPES:
+            expected = claim_template(shape, driver, namespace=namespace)
+            found = templates[(namespace, expected["metadata"]["name"])]
+            assert found["spec"] == expected["spec"]
+    objs = objects(installs, "dra")
+    mounts = {m["name"]: m for m in container(objs)["volumeMounts"]}
+    volumes = {v["name"]: v for v in objs["DaemonSet"]["spec"]["template"]["spec"]["volumes"]}
+    assert mounts["kubelet-plugins"]["mountPath"] == "/data/kubelet/plugins"
+    assert volumes["kubelet-plugins"]["hostPath"]["path"] == "/data/kubelet/plugins"
+    assert mounts["kubelet-registry"]["mountPath"] == "/var/lib/kubelet/plugins_registry"
+    assert "cdi-dynamic" in mounts  # the claims' CDI specs are written there
+    rules = objs["ClusterRole"]["rules"]
+    assert {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims"],
+            "verbs": ["get", "list", "watch"]} in rules  # fmt: skip
+    writes = ["get", "list", "watch", "create", "update", "patch", "delete"]
+    assert {"apiGroups": ["resource.k8s.io"], "resources": ["resourceslices"],
+            "verbs": writes} in rules  # fmt: skip
+    assert {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims/driver"],
+            "resourceNames": [driver],
+            "verbs": ["associated-node:update", "associated-node:patch"]} in rules  # fmt: skip
+    # Without DRA: none of it.
+    defaults = installs["defaults"]["objects"]
+    assert not [o for o in defaults if o["kind"] in ("DeviceClass", "ResourceClaimTemplate")]
+    default_rules = objects(installs, "defaults")["ClusterRole"]["rules"]
+    assert not [r for r in default_rules if "resource.k8s.io" in r["apiGroups"]]
+    assert "kubelet-plugins" not in {
+        m["name"] for m in container(objects(installs, "defaults"))["volumeMounts"]
+    }
+
+
+def test_the_policy_lets_a_node_write_only_its_own_slices(
+    installs: dict[str, dict[str, Any]],
+) -> None:
+    from tests.admission_policy import judge
+
+    found = {(o["kind"], o["metadata"]["name"]): o for o in installs["dra"]["objects"]}
+    policy = found[("ValidatingAdmissionPolicy", "dra-devplugin-node-restriction")]
+    node_a = _daemon_user(objects(installs, "dra"), "node-a")
+    slices = ("resource.k8s.io", "resourceslices")
+
+    def piece(node: str | None) -> dict[str, Any]:
+        spec: dict[str, Any] = {"driver": "dra.example.com", "pool": {"name": node or "x"}}
+        if node is not None:
+            spec["nodeName"] = node
+        return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+                "metadata": {"name": f"00000-{node}-x"}, "spec": spec}  # fmt: skip
+
+    assert judge(policy, _request(node_a, "CREATE", *slices), piece("node-a")).allowed
+    assert judge(
+        policy, _request(node_a, "UPDATE", *slices), piece("node-a"), piece("node-a")
+    ).allowed
+    assert judge(policy, _request(node_a, "DELETE", *slices), None, piece("node-a")).allowed
+    for operation, new, old in [
+        ("CREATE", piece("node-b"), None),
+        ("UPDATE", piece("node-b"), piece("node-b")),
+        ("DELETE", None, piece("node-b")),
+        ("CREATE", piece(None), None),
+    ]:
+        verdict = judge(policy, _request(node_a, operation, *slices), new, old)
+        assert verdict.applies
+        assert not verdict.allowed, operation
+        assert "may write only ResourceSlices of its own node" in verdict.message

@@ -168,10 +168,14 @@ def _exactly(name: str, device_class: str, count: int) -> dict[str, Any]:
 def template_name(shape: Shape) -> str:
     if shape.gpus == shape.hcas:
         base = f"{shape.gpus}-pair" if shape.gpus == 1 else f"{shape.gpus}-pairs"
+    elif shape.hcas == 0:
+        base = f"{shape.gpus}-gpu"
+    elif shape.gpus == 0:
+        base = f"{shape.hcas}-hca"
     else:
         base = f"{shape.gpus}-gpu-{shape.hcas}-hca"
-    suffix = "" if shape.prefer == "PIX" else f"-{shape.prefer.lower()}"
-    return f"{base}{suffix}{'-nvlink' if shape.nvlink else ''}"
+    suffix = "" if shape.prefer == "PIX" or not shape.pairs else f"-{shape.prefer.lower()}"
+    return f"{base}{suffix}{'-nvlink' if shape.nvlink and shape.gpus > 1 else ''}"
 
 
 def claim_template(

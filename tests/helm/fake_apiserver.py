@@ -44,6 +44,12 @@ RESOURCES: dict[str, list[tuple[str, str, bool]]] = {
     "apiextensions.k8s.io/v1": [
         ("customresourcedefinitions", "CustomResourceDefinition", False),
     ],
+    "resource.k8s.io/v1": [
+        ("deviceclasses", "DeviceClass", False),
+        ("resourceclaimtemplates", "ResourceClaimTemplate", True),
+        ("resourceclaims", "ResourceClaim", True),
+        ("resourceslices", "ResourceSlice", False),
+    ],
     "admissionregistration.k8s.io/v1": [
         ("validatingadmissionpolicies", "ValidatingAdmissionPolicy", False),
         ("validatingadmissionpolicybindings", "ValidatingAdmissionPolicyBinding", False),

@@ -55,7 +55,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
       "sysfs_root" "/host/sys"
       "dev_root" "/host/dev"
       "device_plugin_dir" "/var/lib/kubelet/device-plugins"
-      "pod_resources_socket" "/var/lib/kubelet/pod-resources/kubelet.sock") -}}
+      "pod_resources_socket" "/var/lib/kubelet/pod-resources/kubelet.sock"
+      "kubelet_plugins_dir" .Values.hostPaths.kubeletPlugins
+      "kubelet_registry_dir" .Values.hostPaths.kubeletRegistry) -}}
 {{- $_ = set $config "metrics" (dict "enabled" .Values.metrics.enabled) -}}
 {{- $cdi := get $config "cdi" | default dict -}}
 {{- $_ = set $cdi "spec_dirs" (list .Values.hostPaths.cdiStatic .Values.hostPaths.cdiDynamic) -}}
@@ -63,9 +65,28 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- toYaml $config -}}
 {{- end -}}
 
-{{/* "true" when a resource hands its devices out by CDI name. */}}
-{{- define "devplugin.cdiOn" -}}
+{{/* "true" when a resource is served through DRA. */}}
+{{- define "devplugin.draOn" -}}
 {{- $on := false -}}
+{{- $resources := .Values.config.resources | default dict -}}
+{{- range $name := list "gpu" "hca" -}}
+{{- $resource := get $resources $name | default dict -}}
+{{- if and (ne (toString $resource.enabled) "false") (eq (toString $resource.api) "dra") -}}
+{{- $on = true -}}
+{{- end -}}
+{{- end -}}
+{{- $on -}}
+{{- end -}}
+
+{{/* The DRA driver's name. */}}
+{{- define "devplugin.draDriver" -}}
+{{- $dra := .Values.config.dra | default dict -}}
+{{- $dra.driver | default "devplugin.io" -}}
+{{- end -}}
+
+{{/* "true" when a resource hands its devices out by CDI name (DRA always does). */}}
+{{- define "devplugin.cdiOn" -}}
+{{- $on := eq (include "devplugin.draOn" .) "true" -}}
 {{- $resources := .Values.config.resources | default dict -}}
 {{- range $name := list "gpu" "hca" -}}
 {{- $resource := get $resources $name | default dict -}}
