@@ -191,6 +191,18 @@ def test_demo_runs_the_main_job_and_cleans_up(sock_dir: Path) -> None:
     indexes = {int(uuid.split("-")[1]) for uuid in gpu_line.split(":", 1)[1].split(",")}
     assert len(indexes) == 4
     assert {i // 4 for i in indexes} in ({0}, {1})
+    # The DRA flow: registered, slices published, the 2-pair template's
+    # claim allocated at PIX, prepared, its CDI ids resolved, unprepared.
+    dra = text.split("DRA: node dra-node", 1)[1]
+    assert "services v1.DRAPlugin, v1beta1.DRAPlugin, v1alpha1.DRAResourceHealth" in dra
+    assert "pool dra-node generation 1, 16 devices" in dra
+    assert "from the chart's template 2-pairs" in dra
+    assert dra.count("allocated gpu-") == 2
+    assert "pair 0: " in dra
+    assert dra.count(" at PIX") == 2
+    assert dra.count(": k8s.devplugin.io/claim=") == 4
+    assert "env NCCL_IB_HCA==mlx5_" in dra
+    assert "NodeUnprepareResources: done; the claim's CDI spec removed: True" in dra
     assert list(sock_dir.iterdir()) == []
 
 

@@ -9,6 +9,12 @@ the node has the GPU spec NVIDIA's toolkit would write, the daemon writes
 its HCA spec), what a CDI runtime resolves one pod's names to, the node's
 NodeDevices record and the events on the pods, restarts the kubelet to show
 re-registration, and cleans up.
+
+Then the same node core as a DRA driver, on a second simulated node: the
+ResourceSlices it publishes, a claim from the chart's 2-pair template
+allocated by the scheduler's allocator imitation, prepared over the
+kubelet's DRA API, its CDI device ids and what a CDI runtime resolves them
+to, and its unprepare.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from devplugin.config import Config, override
 from devplugin.node.alignment import alignment
@@ -170,7 +177,8 @@ def run_demo(out: Callable[[str], None] = print, workdir: Path | None = None) ->
                 f"kubelet restarted (plugin directory wiped); both resources "
                 f"re-registered {elapsed:.2f}s later"
             )
-            return 0
+            out("")
+            return _dra_demo(base / "dra", api, out)
         finally:
             daemon.stop()
             kubelet.stop()
@@ -209,3 +217,120 @@ def _print_cluster_view(api: ApiServerImitation, pods: int, out: Callable[[str],
     out("events on the pods")
     for event in sorted(api.items("events"), key=lambda e: e["involvedObject"]["name"]):
         out(f"  {event['involvedObject']['name']}: {event['message']}")
+
+
+def _dra_demo(base: Path, api: ApiServerImitation, out: Callable[[str], None]) -> int:
+    """Both resources through DRA on a second node, one claim end to end."""
+    # Imported here: the allocator imitation needs cel-python (a dev extra).
+    from devplugin.policy.claim_templates import Shape, claim_template, device_classes
+    from devplugin.testing.dra_kubelet import ClaimCall, DraKubeletSimulator
+    from devplugin.testing.dra_scheduler import schedule_claim
+
+    driver, node_name = "devplugin.io", "dra-node"
+    node = build_node(hgx_node(), base / "node")
+    kubeconfig = base / "kubeconfig"
+    kubeconfig.write_text(json.dumps(api.kubeconfig()))
+    api.put("nodes", {"metadata": {"name": node_name}})
+    for device_class in device_classes(driver):
+        api.put("deviceclasses", device_class)
+    cdi_dirs = [base / "etc-cdi", base / "run-cdi"]
+    kubelet = DraKubeletSimulator(base / "registry", node=node_name, api=api)
+    kubelet.start()
+    config = override(
+        Config(),
+        **{
+            "paths.sysfs_root": str(node.sysfs_root),
+            "paths.dev_root": str(node.dev_root),
+            "paths.device_plugin_dir": str(base / "dp"),
+            "paths.pod_resources_socket": str(base / "pr" / "kubelet.sock"),
+            "paths.kubelet_plugins_dir": str(base / "plugins"),
+            "paths.kubelet_registry_dir": str(base / "registry"),
+            "nvml.fixture": str(node.fixture),
+            "lifecycle.checkpoint_file": str(base / "checkpoint.json"),
+            "metrics.addresses": ["127.0.0.1:0"],
+            "kubernetes.enabled": True,
+            "kubernetes.kubeconfig": str(kubeconfig),
+            "kubernetes.node_name": node_name,
+            "resources.gpu.api": "dra",
+            "resources.hca.api": "dra",
+            "cdi.spec_dirs": [str(d) for d in cdi_dirs],
+        },
+    )
+    daemon = build(config, FakeNvml.from_file(node.fixture))
+    try:
+        daemon.start()
+        out(f"DRA: node {node_name}, both resources served by DRA driver {driver}")
+        if not kubelet.wait_for(lambda: kubelet.registered(driver), timeout=10):
+            out("demo failed: the DRA driver did not register with the kubelet")
+            return 1
+        plugin = kubelet.plugin(driver)
+        out(f"  registered: endpoint {plugin.endpoint}, services {', '.join(plugin.versions)}")
+
+        def published() -> list[dict[str, Any]]:
+            return [s for s in api.items("resourceslices") if s["spec"]["nodeName"] == node_name]
+
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and sum(
+            len(s["spec"]["devices"]) for s in published()
+        ) < len(node.gpus) + len(node.hcas):
+            time.sleep(0.05)
+        slices = published()
+        out(f"kubectl get resourceslices --field-selector spec.nodeName={node_name}")
+        for item in slices:
+            spec = item["spec"]
+            out(f"  {item['metadata']['name']}: pool {spec['pool']['name']} generation "
+                f"{spec['pool']['generation']}, {len(spec['devices'])} devices")  # fmt: skip
+        first = slices[0]["spec"]["devices"][:2] if slices else []
+        for device in first:
+            attributes = {k: next(iter(v.values())) for k, v in device["attributes"].items()}
+            shown = ", ".join(
+                f"{k.split('/')[-1]}={attributes[k]}"
+                for k in ("type", "pcieSwitch", "pcieTopSwitch", "resource.kubernetes.io/pcieRoot")
+                if k in attributes
+            )
+            out(f"    {device['name']}: {shown}")
+        template = claim_template(Shape(2, 2), driver, namespace="default")
+        api.put("resourceclaims", {
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"name": "trainer-c-gpus", "namespace": "default"},
+            "spec": template["spec"]["spec"],
+        })  # fmt: skip
+        out(
+            f"claim default/trainer-c-gpus from the chart's template {template['metadata']['name']}"
+        )
+        results = schedule_claim(api, "trainer-c-gpus", "default", node_name)
+        if results is None:
+            out("demo failed: the allocator imitation found no devices for the claim")
+            return 1
+        for result in results:
+            out(f"  allocated {result['request']:12} -> {result['device']}")
+        claim = api.get("resourceclaims", "trainer-c-gpus", "default") or {}
+        call = ClaimCall("default", claim["metadata"]["uid"], "trainer-c-gpus")
+        answer = kubelet.prepare(driver, [call])[call.uid]
+        if answer["error"]:
+            out(f"demo failed: prepare: {answer['error']}")
+            return 1
+        topology = daemon.coordinator.topology
+        by_request = {d["requests"][0]: d for d in answer["devices"]}
+        out("NodePrepareResources answered:")
+        for device in answer["devices"]:
+            requests, ids = ",".join(device["requests"]), ", ".join(device["cdi"])
+            out(f"  {device['device']} for {requests}: {ids}")
+        names = {d.name: d.id for d in daemon.dra.devices()} if daemon.dra is not None else {}
+        for i in range(2):
+            gpu, hca = by_request[f"gpu-{i}"]["device"], by_request[f"hca-{i}"]["device"]
+            level = topology.level(names[gpu], names[hca]).name
+            out(f"  pair {i}: {gpu} + {hca} at {level}")
+        runtime = CdiRuntime(cdi_dirs)
+        runtime.refresh()
+        edits = runtime.resolve([cdi for d in answer["devices"] for cdi in d["cdi"]])
+        out(f"a CDI runtime resolves the claim to {len(edits.device_nodes)} device nodes and:")
+        for variable in edits.env:
+            out(f"  env {variable}")
+        errors = kubelet.unprepare(driver, [call])
+        out(f"NodeUnprepareResources: {errors[call.uid] or 'done'}; the claim's CDI spec removed: "
+            f"{not any((cdi_dirs[1]).glob(f'*{call.uid}*'))}")  # fmt: skip
+        return 0
+    finally:
+        daemon.stop()
+        kubelet.stop()
