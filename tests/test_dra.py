@@ -10,6 +10,7 @@ from pathlib import Path
 from devplugin.policy.cdi import validate_spec
 from devplugin.policy.topology import Level, Topology
 from devplugin.testing.dra_limits import slice_problems
+from devplugin.testing.kubelet import ContainerRequest, KubeletSimulator
 from devplugin.testing.node import hgx_node
 from tests.dra_support import DRIVER, NODE, DraCluster, start_dra
 from tests.test_hooks import hook, runs
@@ -248,3 +249,69 @@ def test_a_failed_init_rolls_the_claim_back_and_cleans_its_devices(
     # The kubelet retries: the device is clean, init runs again and succeeds.
     assert cluster.prepare(claim)[claim.uid]["error"] == ""
     assert len(runs(init)) == 2
+
+
+def test_a_v1beta1_kubelet_is_served_the_same(start_dra: Start) -> None:
+    cluster = start_dra(hgx_node())
+    cluster.kubelet.prefer = "v1beta1"
+    assert wait_until(lambda: published(cluster, 16), timeout=10)
+    gpu, hca = pix_pair(cluster)
+    claim = cluster.claim("old-kubelet", [("gpu", gpu), ("hca", hca)])
+    answer = cluster.prepare(claim)[claim.uid]
+    assert answer["error"] == ""
+    assert {d["device"] for d in answer["devices"]} == {gpu, hca}
+    assert cluster.unprepare(claim) == {claim.uid: ""}
+
+
+def test_one_resource_per_api_on_one_node(start_dra: Start, sock_dir: Path) -> None:
+    kubelet = KubeletSimulator(sock_dir / "dp", sock_dir / "pr" / "kubelet.sock")
+    kubelet.start()
+    try:
+        cluster = start_dra(hgx_node(), **{"resources.gpu.api": "device-plugin"})
+        assert kubelet.wait_for_devices("nvidia.com/gpu", 8, timeout=10)
+        assert wait_until(lambda: len(cluster.devices()) == 8, timeout=10)
+        assert all(name.startswith("hca-") for name in cluster.devices())
+        assert not kubelet.registered("rdma/hca")
+        # The GPU through the device-plugin API, an HCA through a claim.
+        pod = kubelet.admit("p", [ContainerRequest("c", {"nvidia.com/gpu": 1})])
+        assert len(pod.container("c").devices["nvidia.com/gpu"]) == 1
+        hca = min(cluster.devices())
+        claim = cluster.claim("hca-only", [("hca", hca)])
+        assert cluster.prepare(claim)[claim.uid]["error"] == ""
+        gpu_claim = cluster.claim("gpu-too", [("gpu", "gpu-0000-13-00-0")])
+        error = cluster.prepare(gpu_claim)[gpu_claim.uid]["error"]
+        assert error == "device gpu-0000-13-00-0 is not on this node now"
+    finally:
+        kubelet.stop()
+
+
+def test_without_a_checkpoint_the_claims_list_says_what_is_held(
+    start_dra: Start, tmp_path: Path
+) -> None:
+    log = tmp_path / "cleanup.log"
+    first = start_dra(hgx_node(), **{"resources.gpu.hooks.cleanup": hook(log, "ok")})
+    assert wait_until(lambda: published(first, 16), timeout=10)
+    gpu, _ = pix_pair(first)
+    held = first.claim("held", [("gpu", gpu)])
+    assert first.prepare(held)[held.uid]["error"] == ""
+    first.daemon.stop()
+    first.kubelet.stop()
+    first.checkpoint.unlink()  # lost: nothing is known of what held what
+    second = start_dra(
+        hgx_node(), known_clean=False,
+        **{"resources.gpu.hooks.cleanup": hook(log, "ok"),
+           "lifecycle.checkpoint_file": str(first.checkpoint)},
+    )  # fmt: skip
+    # Every GPU but the claimed one is cleaned before it is offered; the
+    # claimed one stays in use, untouched, and its claim is known again.
+    assert wait_until(lambda: len(runs(log)) == 7, timeout=20)
+    cleaned = {r["env"]["DEVPLUGIN_DEVICE_IDS"] for r in runs(log)}
+    assert first.attribute(gpu, "uuid") not in cleaned
+    assert wait_until(lambda: published(second, 16), timeout=20)
+    assert wait_until(lambda: second.daemon.ready()[0], timeout=20), second.daemon.ready()
+    again = second.prepare(held)[held.uid]
+    assert again["error"] == ""
+    assert [d["device"] for d in again["devices"]] == [gpu]
+    assert second.unprepare(held) == {held.uid: ""}
+    assert wait_until(lambda: len(runs(log)) == 8, timeout=20)
+    assert len(runs(log)) == 8
