@@ -4,8 +4,10 @@ prepare and unprepare with their hooks, CDI specs and checkpoint."""
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from devplugin.policy.cdi import validate_spec
 from devplugin.policy.topology import Level, Topology
@@ -315,3 +317,31 @@ def test_without_a_checkpoint_the_claims_list_says_what_is_held(
     assert second.unprepare(held) == {held.uid: ""}
     assert wait_until(lambda: len(runs(log)) == 8, timeout=20)
     assert len(runs(log)) == 8
+
+
+def test_a_slow_init_holds_up_neither_another_claim_nor_the_retry_of_its_own(
+    start_dra: Start, tmp_path: Path
+) -> None:
+    log, gate = tmp_path / "init.log", tmp_path / "gate"
+    cluster = start_dra(hgx_node(), **{"resources.gpu.hooks.init": hook(log, f"wait:{gate}")})
+    assert wait_until(lambda: published(cluster, 16), timeout=10)
+    gpu, hca = pix_pair(cluster)
+    slow = cluster.claim("slow", [("gpu", gpu)])
+    quick = cluster.claim("quick", [("hca", hca)])  # HCAs have no init hook
+    answers: dict[str, Any] = {}
+    caller = threading.Thread(target=lambda: answers.update(cluster.prepare(slow)))
+    caller.start()
+    assert wait_until(lambda: len(runs(log)) == 1, timeout=10)  # the GPU's init is waiting
+    assert cluster.prepare(quick)[quick.uid]["error"] == ""
+    assert caller.is_alive()
+    # The kubelet's retry of the slow claim waits for the first call, then
+    # gets the same answer; init ran once.
+    retry: dict[str, Any] = {}
+    second = threading.Thread(target=lambda: retry.update(cluster.prepare(slow)))
+    second.start()
+    gate.touch()
+    caller.join(timeout=30)
+    second.join(timeout=30)
+    assert answers[slow.uid]["error"] == ""
+    assert retry == answers
+    assert len(runs(log)) == 1

@@ -26,9 +26,10 @@ never prepared here).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from devplugin.model import DeviceKind, Health, Refused
@@ -80,9 +81,12 @@ class Preparer:
         self._specs = specs
         self._reader = reader
         self._names = names
-        # One claim at a time, as the kubelet's helper library does: two
-        # claims naming one device must not both pass the holder check.
-        self._lock = threading.Lock()
+        # One call at a time per claim (a retry waits for the first), but
+        # claims do not wait for each other: a slow init hook of one never
+        # holds up another's prepare. Two claims naming one device cannot
+        # both get it: begin_claim checks and records holders atomically.
+        self._guard = threading.Lock()
+        self._claim_locks: dict[str, tuple[threading.Lock, int]] = {}
 
     @property
     def kinds(self) -> Collection[DeviceKind]:
@@ -92,10 +96,26 @@ class Preparer:
     def untrusted(self) -> bool:
         return self._cleanup.untrusted
 
+    @contextlib.contextmanager
+    def _claim_lock(self, uid: str) -> Iterator[None]:
+        with self._guard:
+            lock, users = self._claim_locks.get(uid, (threading.Lock(), 0))
+            self._claim_locks[uid] = (lock, users + 1)
+        try:
+            with lock:
+                yield
+        finally:
+            with self._guard:
+                lock, users = self._claim_locks[uid]
+                if users == 1:
+                    del self._claim_locks[uid]
+                else:
+                    self._claim_locks[uid] = (lock, users - 1)
+
     # -- the two calls ---------------------------------------------------------
     def prepare(self, ref: ClaimRef) -> tuple[tuple[ClaimDevice, ...], str]:
         """(devices, "") or ((), why not)."""
-        with self._lock:
+        with self._claim_lock(ref.uid):
             try:
                 return self._prepare(ref), ""
             except Refused as exc:
@@ -111,7 +131,7 @@ class Preparer:
                 return (), f"internal error: {type(exc).__name__}: {exc}"[:500]
 
     def unprepare(self, ref: ClaimRef) -> str:
-        with self._lock:
+        with self._claim_lock(ref.uid):
             claim = self._cleanup.claim(ref.uid)
             if claim is None:
                 return ""
@@ -121,8 +141,8 @@ class Preparer:
     # -- at start --------------------------------------------------------------
     def recover(self) -> None:
         """Roll back claims a killed daemon left started, and remove CDI
-        specs of claims this node no longer knows."""
-        with self._lock:
+        specs of claims this node no longer knows (before serving)."""
+        with self._guard:
             for claim in self._cleanup.claims():
                 if not claim.completed:
                     log.warning(
@@ -145,7 +165,7 @@ class Preparer:
         cleaned before it is offered. Raises ClaimReadError."""
         claims = self._reader.on_node(self.driver, self.pool)
         names = self._names()
-        with self._lock:
+        with self._guard:
             for claim in claims:
                 meta = claim.get("metadata") or {}
                 try:
