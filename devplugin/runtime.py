@@ -597,7 +597,7 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
         )  # fmt: skip
     frontend = (
         _dra_frontend(config, resources, dra, pipeline=pipeline, cleanup=cleanup,
-                      runner=runner, writer=writer)
+                      runner=runner, writer=writer, metrics=metrics)
         if dra
         else None
     )  # fmt: skip
@@ -642,6 +642,7 @@ def _dra_frontend(
     cleanup: CleanupManager,
     runner: Any,
     writer: Client | None,
+    metrics: Metrics,
 ) -> DraFrontend:
     kube, dra, paths = config.kubernetes, config.dra, config.paths
     node = node_name(config)
@@ -659,6 +660,7 @@ def _dra_frontend(
         specs=ClaimSpecs(Path(config.cdi.spec_dirs[-1]), dra_cdi_kind(config)),
         reader=reader,
         names=lambda: slice_names(node_devices(pipeline.inventory, kinds)),
+        metrics=metrics,
     )  # fmt: skip
     plugin = DraPlugin(
         preparer,
@@ -684,6 +686,7 @@ def _dra_frontend(
             driver=dra.driver,
             node=node,
             desired=frontend.desired,
+            metrics=metrics,
         )
     for kind in kinds:
         pipeline.connect(kind, partial(frontend.update, kind))

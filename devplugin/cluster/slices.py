@@ -25,6 +25,7 @@ from lightkube.generic_resource import create_global_resource
 
 from devplugin.cluster.publisher import RawNode
 from devplugin.cluster.watch import WatchCache
+from devplugin.node.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +96,10 @@ class SlicePublisher:
         desired: Desired,
         backoff_max: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
+        metrics: Metrics | None = None,
     ) -> None:
         self._client = writer
+        self._metrics = metrics
         self._slices = slices
         self.driver = driver
         self.node = node
@@ -155,7 +158,8 @@ class SlicePublisher:
             self._syncing = True
             self._wake.clear()
             try:
-                self.sync_once()
+                if self.sync_once() and self._metrics is not None:
+                    self._metrics.slice_writes.labels("ok").inc()
                 self._syncing = False
                 backoff = 0.0
                 if self._failing is not None:
@@ -164,6 +168,8 @@ class SlicePublisher:
                 self._wake.wait()
             except Exception as exc:  # noqa: BLE001 - network, API: all mean retry
                 self._syncing = False
+                if self._metrics is not None:
+                    self._metrics.slice_writes.labels("error").inc()
                 backoff = min(self._backoff_max, max(0.2, backoff * 2))
                 message = f"{type(exc).__name__}: {exc}"[:300]
                 if message != self._failing:

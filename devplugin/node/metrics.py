@@ -32,6 +32,12 @@ Names and labels (all prefixed `devplugin_`):
                                                      CDI spec on the node declares them
     cdi_refused_specs                                gauge, CDI spec files a runtime would
                                                      refuse (they declare nothing)
+    dra_claims_total{call, result}                   counter  (call: prepare | unprepare;
+                                                     result: ok | again | error)
+    dra_prepare_seconds                              histogram, one claim's prepare (hooks
+                                                     and the claim read included)
+    dra_prepared_claims                              gauge, claims prepared on this node
+    resource_slice_writes_total{result}              counter  (ok | error): pool updates
 """
 
 from __future__ import annotations
@@ -119,6 +125,26 @@ class Metrics:
         )
         self.record_writes = Counter(
             "devplugin_node_devices_writes", "NodeDevices record writes (ok / conflict / error)",
+            ["result"], registry=registry,
+        )  # fmt: skip
+        self.dra_claims = Counter(
+            "devplugin_dra_claims",
+            "DRA claims prepared and unprepared (ok / again: answered from the checkpoint / "
+            "error: the claim's error)",
+            ["call", "result"], registry=registry,
+        )  # fmt: skip
+        self.dra_prepare_seconds = Histogram(
+            "devplugin_dra_prepare_seconds",
+            "One DRA claim's prepare, its claim read and init hooks included",
+            registry=registry,
+            buckets=(0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60),
+        )
+        self.dra_prepared = Gauge(
+            "devplugin_dra_prepared_claims", "DRA claims prepared on this node", registry=registry
+        )
+        self.slice_writes = Counter(
+            "devplugin_resource_slice_writes",
+            "Updates of this node's ResourceSlice pool (ok / error)",
             ["result"], registry=registry,
         )  # fmt: skip
         self.pod_events = Counter(

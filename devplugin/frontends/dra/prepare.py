@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -38,6 +39,7 @@ from devplugin.node.lifecycle.checkpoint import ClaimDevice, ClaimRecord
 from devplugin.node.lifecycle.cleanup import CleanupManager
 from devplugin.node.lifecycle.devices import describe
 from devplugin.node.lifecycle.hooks import HookRunner, HookSpec
+from devplugin.node.metrics import Metrics
 from devplugin.node.pipeline import Pipeline
 from devplugin.node.resources import Resource
 from devplugin.policy.cdi import PathNode, claim_spec, qualified
@@ -70,6 +72,7 @@ class Preparer:
         specs: ClaimSpecs,
         reader: ClaimReader,
         names: Callable[[], Mapping[str, tuple[DeviceKind, str]]],
+        metrics: Metrics | None = None,
     ) -> None:
         self.driver = driver
         self.pool = pool
@@ -81,6 +84,9 @@ class Preparer:
         self._specs = specs
         self._reader = reader
         self._names = names
+        self._metrics = metrics
+        if metrics is not None:
+            metrics.dra_prepared.set_function(lambda: float(len(cleanup.claims())))
         # One call at a time per claim (a retry waits for the first), but
         # claims do not wait for each other: a slow init hook of one never
         # holds up another's prepare. Two claims naming one device cannot
@@ -115,28 +121,41 @@ class Preparer:
     # -- the two calls ---------------------------------------------------------
     def prepare(self, ref: ClaimRef) -> tuple[tuple[ClaimDevice, ...], str]:
         """(devices, "") or ((), why not)."""
+        started = time.monotonic()
         with self._claim_lock(ref.uid):
-            try:
-                return self._prepare(ref), ""
-            except Refused as exc:
-                log.warning("claim %s not prepared: %s", ref, exc.reason)
-                return (), exc.reason
-            except Exception as exc:
-                # A bug must not fail the other claims of the call: this
-                # claim's error, with what rolled back.
-                log.exception("claim %s: prepare failed", ref)
-                known = self._cleanup.claim(ref.uid)
-                if known is not None and not known.completed:
-                    self._roll_back(known, "rolled back after an internal error")
-                return (), f"internal error: {type(exc).__name__}: {exc}"[:500]
+            known = self._cleanup.claim(ref.uid)
+            again = known is not None and known.completed
+            devices, error = self._prepare_guarded(ref)
+        if self._metrics is not None:
+            result = "error" if error else "again" if again else "ok"
+            self._metrics.dra_claims.labels("prepare", result).inc()
+            if not again:
+                self._metrics.dra_prepare_seconds.observe(time.monotonic() - started)
+        return devices, error
+
+    def _prepare_guarded(self, ref: ClaimRef) -> tuple[tuple[ClaimDevice, ...], str]:
+        try:
+            return self._prepare(ref), ""
+        except Refused as exc:
+            log.warning("claim %s not prepared: %s", ref, exc.reason)
+            return (), exc.reason
+        except Exception as exc:
+            # A bug must not fail the other claims of the call: this
+            # claim's error, with what rolled back.
+            log.exception("claim %s: prepare failed", ref)
+            known = self._cleanup.claim(ref.uid)
+            if known is not None and not known.completed:
+                self._roll_back(known, "rolled back after an internal error")
+            return (), f"internal error: {type(exc).__name__}: {exc}"[:500]
 
     def unprepare(self, ref: ClaimRef) -> str:
         with self._claim_lock(ref.uid):
             claim = self._cleanup.claim(ref.uid)
-            if claim is None:
-                return ""
-            self._roll_back(claim, "unprepared")
-            return ""
+            if claim is not None:
+                self._roll_back(claim, "unprepared")
+        if self._metrics is not None:
+            self._metrics.dra_claims.labels("unprepare", "ok" if claim else "again").inc()
+        return ""
 
     # -- at start --------------------------------------------------------------
     def recover(self) -> None:
