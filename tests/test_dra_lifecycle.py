@@ -104,9 +104,21 @@ def test_a_port_going_down_is_tainted_after_one_scan_and_untainted_after_the_nex
     entry = cluster.devices()[name]
     assert entry["attributes"]["portState"] == {"string": "DOWN"}
     assert entry["taints"][0]["value"] == "unhealthy"
+    # The kubelet hears it on the health stream, with the reason.
+    key = f"{NODE}/{name}"
+    assert cluster.kubelet.wait_for(
+        lambda: cluster.kubelet.health(DRIVER).get(key, (0, ""))[0] == 2, timeout=10
+    )
+    assert "DOWN" in cluster.kubelet.health(DRIVER)[key][1]
+    others = {k: v for k, v in cluster.kubelet.health(DRIVER).items() if k != key}
+    assert len(others) == 15
+    assert all(status == 1 for status, _ in others.values())
     state.write_text("4: ACTIVE\n")
     cluster.daemon.rescan()
     assert wait_until(lambda: "taints" not in cluster.devices()[name], timeout=10)
+    assert cluster.kubelet.wait_for(
+        lambda: cluster.kubelet.health(DRIVER).get(key, (0, ""))[0] == 1, timeout=10
+    )
     generations = {s["spec"]["pool"]["generation"] for s in cluster.slices()}
     assert generations == {3}
 
