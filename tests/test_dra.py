@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -351,3 +352,23 @@ def test_a_slow_init_holds_up_neither_another_claim_nor_the_retry_of_its_own(
     assert answers[slow.uid]["error"] == ""
     assert retry == answers
     assert len(runs(log)) == 1
+
+
+def test_a_slow_or_failing_api_server_is_the_claims_error_not_a_hung_call(
+    start_dra: Start,
+) -> None:
+    cluster = start_dra(hgx_node(), **{"dra.claim_timeout_seconds": 0.3})
+    assert wait_until(lambda: published(cluster, 16), timeout=10)
+    gpu, _ = pix_pair(cluster)
+    claim = cluster.claim("c", [("gpu", gpu)])
+    cluster.api.fail_next(1, 503)
+    error = cluster.prepare(claim)[claim.uid]["error"]
+    assert error.startswith("reading ResourceClaim default/c: 503")
+    cluster.api.delay = 2.0
+    started = time.monotonic()
+    error = cluster.prepare(claim)[claim.uid]["error"]
+    assert time.monotonic() - started < 1.5
+    assert error.startswith("reading ResourceClaim default/c:")
+    assert "Timeout" in error
+    cluster.api.delay = 0.0
+    assert cluster.prepare(claim)[claim.uid]["error"] == ""
