@@ -198,7 +198,8 @@ def test_unprepare_cleans_before_the_device_is_offered_again(
     # Owed a cleanup (running, held at the gate): tainted in the slice, and
     # Unhealthy in the health stream.
     assert wait_until(lambda: "taints" in cluster.devices().get(gpu, {}), timeout=10)
-    taint = cluster.devices()[gpu]["taints"][0]
+    taint = dict(cluster.devices()[gpu]["taints"][0])
+    assert taint.pop("timeAdded")  # the API server's
     assert taint == {"key": f"{DRIVER}/unhealthy", "value": "cleanup", "effect": "NoSchedule"}
     assert cluster.kubelet.wait_for(
         lambda: cluster.kubelet.health(DRIVER).get(f"{NODE}/{gpu}", (0, ""))[0] == 2, timeout=10
@@ -361,8 +362,10 @@ def test_a_slow_or_failing_api_server_is_the_claims_error_not_a_hung_call(
     assert wait_until(lambda: published(cluster, 16), timeout=10)
     gpu, _ = pix_pair(cluster)
     claim = cluster.claim("c", [("gpu", gpu)])
-    cluster.api.fail_next(1, 503)
+    # Every request fails for a while (the slice watch's too): the claim's read is one.
+    cluster.api.fail_next(1000, 503)
     error = cluster.prepare(claim)[claim.uid]["error"]
+    cluster.api.clear_failures()
     assert error.startswith("reading ResourceClaim default/c: 503")
     cluster.api.delay = 2.0
     started = time.monotonic()

@@ -172,3 +172,17 @@ def test_claim_template_command_prints_a_template(capsys: pytest.CaptureFixture[
     assert [s["name"] for s in requests[0]["firstAvailable"]] == ["pxb", "phb", "node", "any"]
     assert main(["claim-template", "--gpus", "9", "--hcas", "9"]) == 2
     assert "at most 8" in capsys.readouterr().err
+
+
+def test_memory_is_published_as_the_api_server_stores_it() -> None:
+    from devplugin.frontends.dra.slices import mebibytes
+    from devplugin.testing.dra_limits import slice_defaults
+
+    assert mebibytes(81920) == "80Gi"
+    assert mebibytes(81559) == "81559Mi"
+    assert mebibytes(192 * 1024 * 1024) == "192Ti"
+    rng = random.Random(3)
+    for value in [rng.randrange(1, 1 << 22) * rng.choice([1, 1024, 4096]) for _ in range(200)]:
+        stored = {"spec": {"devices": [{"capacity": {"memory": {"value": f"{value}Mi"}}}]}}
+        slice_defaults(stored, "2026-12-04T00:00:00Z")
+        assert stored["spec"]["devices"][0]["capacity"]["memory"]["value"] == mebibytes(value)

@@ -258,3 +258,19 @@ def _prepared(cluster: DraCluster, claim: Any) -> bool:
         return cluster.prepare(claim)[claim.uid]["error"] == ""
     except grpc.RpcError:
         return False
+
+
+def test_what_the_server_fills_in_is_no_reason_to_write_again(start_dra: Start) -> None:
+    # GPUs of 80 GiB: stored as "80Gi"; a port down: its taint gets a timeAdded.
+    cluster = start_dra(hgx_node(), **{"health.interval_seconds": 0.05})
+    assert wait_until(lambda: published(cluster, 16), timeout=10)
+    hca = cluster.node.hcas[1]
+    (hca.directory / "infiniband" / hca.name / "ports" / "1" / "state").write_text("1: DOWN\n")
+    name = "hca-" + str(hca.address).replace(":", "-").replace(".", "-")
+    assert wait_until(lambda: "taints" in cluster.devices()[name], timeout=10)
+    assert "timeAdded" in cluster.devices()[name]["taints"][0]
+    publisher = cluster.daemon.dra.publisher  # type: ignore[union-attr]
+    assert wait_until(publisher.current, timeout=10)  # type: ignore[union-attr]
+    writes, checks = publisher.writes, cluster.daemon.checks  # type: ignore[union-attr]
+    assert wait_until(lambda: cluster.daemon.checks >= checks + 10, timeout=30)
+    assert publisher.writes == writes  # type: ignore[union-attr]

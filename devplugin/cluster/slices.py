@@ -112,6 +112,10 @@ class SlicePublisher:
         self._owner: dict[str, Any] | None = None
         self._failing: str | None = None
         self._syncing = False
+        # What each write stored: name -> (resourceVersion, spec). A slice
+        # still at that version is compared as written, whatever the server
+        # made of the text (a canonical quantity, a filled-in default).
+        self._written: dict[str, tuple[str, dict[str, Any]]] = {}
         self.writes = 0
         self.syncs = 0
         slices.listen(self.poke)
@@ -193,7 +197,7 @@ class SlicePublisher:
         """Write what differs; whether anything was written."""
         self.syncs += 1
         chunks = [list(chunk) for chunk in self._desired()]
-        existing = self.ours()
+        existing = [self._as_written(item) for item in self.ours()]
         generations = [_generation(item) for item in existing]
         if (
             len(existing) == len(chunks)
@@ -219,6 +223,24 @@ class SlicePublisher:
             self.pool, generation, len(chunks), sum(len(chunk) for chunk in chunks),
         )  # fmt: skip
         return True
+
+    def _as_written(self, item: dict[str, Any]) -> dict[str, Any]:
+        """The slice as this publisher wrote it, if nobody changed it since."""
+        metadata = item.get("metadata", {})
+        written = self._written.get(str(metadata.get("name")))
+        if written is None or written[0] != metadata.get("resourceVersion"):
+            return item
+        return {**item, "spec": written[1]}
+
+    def _remember(self, stored: Any, body: Any) -> None:
+        data = stored.to_dict() if hasattr(stored, "to_dict") else stored
+        sent = body.to_dict() if hasattr(body, "to_dict") else body
+        if not isinstance(data, dict) or not isinstance(sent, dict):
+            return
+        metadata = data.get("metadata") or {}
+        name, version = metadata.get("name"), metadata.get("resourceVersion")
+        if isinstance(name, str) and isinstance(version, str):
+            self._written[name] = (version, sent.get("spec") or {})
 
     def _body(
         self, index: int, chunk: list[Any], generation: int, count: int, *,
@@ -246,18 +268,18 @@ class SlicePublisher:
     ) -> None:  # fmt: skip
         body = self._body(index, chunk, generation, count, before=before, owner=owner)
         if before is None:
-            self._client.create(body)
+            self._remember(self._client.create(body), body)
             return
         try:
-            self._client.replace(body)
+            self._remember(self._client.replace(body), body)
         except ApiError as exc:
             if exc.status.code != 404:
                 raise  # a conflict: the watch brings the newer one, and we compare again
-            self._client.create(
-                self._body(index, chunk, generation, count, before=None, owner=owner)
-            )
+            fresh = self._body(index, chunk, generation, count, before=None, owner=owner)
+            self._remember(self._client.create(fresh), fresh)
 
     def _delete(self, item: Mapping[str, Any]) -> None:
+        self._written.pop(str(item["metadata"]["name"]), None)
         try:
             self._client.delete(ResourceSlice, item["metadata"]["name"])
         except ApiError as exc:

@@ -13,7 +13,8 @@ Served resources: pods (namespaced), events (namespaced), nodes (cluster),
 resourceslices and deviceclasses (cluster), resourceclaims (namespaced,
 with status) and resourceclaimtemplates (namespaced). A ResourceSlice is
 checked on every write against the API's limits (`testing/dra_limits.py`)
-and refused with 422 Invalid, as the API server would. `labelSelector` filters by
+and refused with 422 Invalid, and stored as the API server stores it
+(quantities made canonical, each taint's `timeAdded` filled in). `labelSelector` filters by
 `key` (exists) and `key=value`.
 
 Fault injection for the clients' error paths: `delay` (seconds added to
@@ -39,7 +40,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from devplugin.testing.dra_limits import slice_problems
+from devplugin.testing.dra_limits import slice_defaults, slice_problems
 
 Obj = dict[str, Any]
 
@@ -434,6 +435,7 @@ class ApiServerImitation:
                 problems = slice_problems(obj)
                 if problems:
                     raise ApiError(422, "Invalid", "; ".join(problems[:5]))
+                slice_defaults(obj, _now())
             if method == "POST":
                 if name is not None:
                     raise ApiError(405, "MethodNotAllowed", "POST to a collection only")

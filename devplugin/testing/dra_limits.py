@@ -114,3 +114,31 @@ def slice_problems(obj: Mapping[str, Any]) -> list[str]:
     for index, device in enumerate(devices):
         found.extend(_device_problems(f"spec.devices[{index}]", device))
     return found
+
+
+_QUANTITY = re.compile(r"^([0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei)?$")
+_SUFFIXES = ("", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei")
+
+
+def _canonical(value: str) -> str:
+    """A binary-SI integer quantity as the API server stores it (the largest
+    suffix that keeps it whole: 81920Mi is 80Gi)."""
+    match = _QUANTITY.match(value)
+    if match is None:
+        return value
+    number, unit = int(match.group(1)), _SUFFIXES.index(match.group(2) or "")
+    while number and number % 1024 == 0 and unit < len(_SUFFIXES) - 1:
+        number //= 1024
+        unit += 1
+    return f"{number}{_SUFFIXES[unit]}"
+
+
+def slice_defaults(obj: dict[str, Any], now: str) -> None:
+    """What the API server fills in on a ResourceSlice it stores: canonical
+    quantities and each taint's `timeAdded`."""
+    for device in (obj.get("spec") or {}).get("devices") or []:
+        for entry in (device.get("capacity") or {}).values():
+            if isinstance(entry, dict) and isinstance(entry.get("value"), str):
+                entry["value"] = _canonical(entry["value"])
+        for taint in device.get("taints") or []:
+            taint.setdefault("timeAdded", now)

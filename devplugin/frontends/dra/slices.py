@@ -114,6 +114,19 @@ def nvlink_domains(gpus: Sequence[GpuInfo]) -> dict[str, str]:
     }
 
 
+_BINARY = ("Mi", "Gi", "Ti", "Pi", "Ei")
+
+
+def mebibytes(count: int) -> str:
+    """A quantity in the API server's canonical form, so what it stores is
+    what was written (81920 MiB is stored as "80Gi", never "81920Mi")."""
+    unit = 0
+    while count and count % 1024 == 0 and unit < len(_BINARY) - 1:
+        count //= 1024
+        unit += 1
+    return f"{count}{_BINARY[unit]}"
+
+
 def _string(value: str) -> dict[str, str]:
     return {"string": value[:MAX_STRING]}
 
@@ -143,7 +156,7 @@ def gpu_device(gpu: GpuInfo, nvlink: str | None) -> SliceDevice:
         attributes["nvlinkDomain"] = _string(nvlink)
     body: dict[str, Any] = {"attributes": attributes}
     if gpu.memory_total_mib > 0:
-        body["capacity"] = {"memory": {"value": f"{gpu.memory_total_mib}Mi"}}
+        body["capacity"] = {"memory": {"value": mebibytes(gpu.memory_total_mib)}}
     return SliceDevice(DeviceKind.GPU, gpu.uuid, device_name(DeviceKind.GPU, gpu.pci_address), body)
 
 
