@@ -690,6 +690,7 @@ def _dra_frontend(
         )
     for kind in kinds:
         pipeline.connect(kind, partial(frontend.update, kind))
+    pipeline.on_judged(frontend.judged)
     return frontend
 
 

@@ -79,6 +79,7 @@ class Pipeline:
         served_kinds = {resource.kind for resource in self._resources}
         self._hca_view = hca_view if DeviceKind.HCA not in served_kinds else None
         self._sinks: dict[DeviceKind, Sink] = {}
+        self._judged: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         self._topology_key: Hashable = None
         # Replaced whole under the lock; readers take the reference without it.
@@ -101,6 +102,12 @@ class Pipeline:
 
     def connect(self, kind: DeviceKind, sink: Sink) -> None:
         self._sinks[kind] = sink
+
+    def on_judged(self, listener: Callable[[], None]) -> None:
+        """Call `listener` after each judgement, once the inventory and every
+        resource's state it judged can be read together (`inventory`,
+        `served`); it runs under the pipeline's lock and must be quick."""
+        self._judged.append(listener)
 
     # -- writes ----------------------------------------------------------------
     def ingest(self, inventory: Inventory) -> None:
@@ -170,6 +177,8 @@ class Pipeline:
         if DeviceKind.HCA not in judgement.served and hcas is not None:
             self._coordinator.set_healthy(DeviceKind.HCA, hcas.healthy_ids())
         self._current = _Published(current.inventory, current.live, dict(judgement.served), hcas)
+        for listener in self._judged:
+            listener()
         for kind, device in judgement.cleanups:
             self._cleanup.request_cleanup(kind, device)
 

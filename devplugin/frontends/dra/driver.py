@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from devplugin.frontends.dra.plugin import DraPlugin, health_list
 from devplugin.frontends.dra.prepare import Preparer
 from devplugin.frontends.dra.slices import SliceDevice, node_devices, published, split
-from devplugin.model import DeviceKind, Health
+from devplugin.model import DeviceKind, Health, Inventory
 from devplugin.node.pipeline import Pipeline
 from devplugin.node.resources import ResourceState
 from devplugin.policy.claims import ClaimReadError
@@ -61,6 +61,9 @@ class DraFrontend:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._states: dict[DeviceKind, ResourceState] = {}
+        self._snapshot: tuple[Inventory, Mapping[DeviceKind, ResourceState | None]] = (
+            Inventory(), {},
+        )  # fmt: skip
         self._lock = threading.Lock()
 
     @property
@@ -69,33 +72,48 @@ class DraFrontend:
 
     # -- from the pipeline -------------------------------------------------------
     def update(self, kind: DeviceKind, state: ResourceState) -> bool:
-        """A resource's judged state; whether its device list changed."""
+        """A resource's judged state (the pipeline's sink); whether its
+        device list changed. Publication waits for `judged`, when every
+        resource of the judgement has its state."""
         with self._lock:
             before = self._states.get(kind)
             self._states[kind] = state
-            states = dict(self._states)
-        self.plugin.health.update(self._health(states))
-        if self.publisher is not None:
-            self.publisher.poke()
         return before is None or before.devices != state.devices
 
+    def judged(self) -> None:
+        """After a judgement: the inventory and the states judged from it,
+        taken together, so a slice never shows a scan's attributes with the
+        previous scan's health."""
+        inventory = self._pipeline.inventory
+        states = {kind: self._pipeline.served(kind) for kind in self.kinds}
+        with self._lock:
+            self._snapshot = (inventory, states)
+        self.plugin.health.update(self._health(inventory, states))
+        if self.publisher is not None:
+            self.publisher.poke()
+
     def devices(self) -> list[SliceDevice]:
-        return node_devices(self._pipeline.inventory, self.kinds)
+        with self._lock:
+            inventory = self._snapshot[0]
+        return node_devices(inventory, self.kinds)
 
     def names(self) -> dict[str, tuple[DeviceKind, str]]:
         return {device.name: (device.kind, device.id) for device in self.devices()}
 
     def desired(self) -> list[list[dict[str, Any]]]:
         with self._lock:
-            states: Mapping[DeviceKind, ResourceState | None] = dict(self._states)
+            inventory, states = self._snapshot
         entries = published(
-            self.devices(), states, domain=self.preparer.driver, unhealthy=self._unhealthy
-        )
+            node_devices(inventory, self.kinds), states, domain=self.preparer.driver,
+            unhealthy=self._unhealthy,
+        )  # fmt: skip
         return split(entries, tainting=self._unhealthy == "taint")
 
-    def _health(self, states: Mapping[DeviceKind, ResourceState]) -> list[Any]:
+    def _health(
+        self, inventory: Inventory, states: Mapping[DeviceKind, ResourceState | None]
+    ) -> list[Any]:
         entries: dict[str, tuple[bool, str]] = {}
-        for device in self.devices():
+        for device in node_devices(inventory, self.kinds):
             state = states.get(device.kind)
             judged = state.device(device.id) if state is not None else None
             if judged is None:
