@@ -574,12 +574,18 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
         backoff_max=config.kubelet.register_backoff_max_seconds,
         on_register=lambda name: metrics.registrations.labels(name).inc(),
     )
+    frontend = (
+        _dra_frontend(config, resources, dra, pipeline=pipeline, cleanup=cleanup,
+                      runner=runner, writer=writer, metrics=metrics)
+        if dra
+        else None
+    )  # fmt: skip
     publisher: RecordPublisher | None = None
     lease: LeaseKeeper | None = None
     if writer is not None and config.kubernetes.node_devices:
         status = partial(
             _record_status, pipeline, records, ledger=ledger, coordinator=coordinator,
-            registrar=registrar, pods=pods,
+            registrar=registrar, pods=pods, dra=frontend,
         )  # fmt: skip
         publisher = RecordPublisher(
             writer,
@@ -595,12 +601,6 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
             renew=config.kubernetes.lease_renew_seconds,
             duration=config.kubernetes.lease_duration_seconds,
         )  # fmt: skip
-    frontend = (
-        _dra_frontend(config, resources, dra, pipeline=pipeline, cleanup=cleanup,
-                      runner=runner, writer=writer, metrics=metrics)
-        if dra
-        else None
-    )  # fmt: skip
     return Daemon(
         config,
         dra=frontend,
@@ -709,10 +709,13 @@ def _record_status(
     coordinator: Coordinator,
     registrar: Registrar,
     pods: PodCache | None,
+    dra: DraFrontend | None = None,
 ) -> dict[str, Any]:
     """The NodeDevices status from the last judged state and the holdings
     as the events left them (no I/O)."""
     registered = registrar.registered()
+    if dra is not None:
+        registered[f"DRA driver {dra.preparer.driver}"] = dra.plugin.registered()
     missing = sorted(name for name, ok in registered.items() if not ok)
     registration = Registration(
         registered=bool(registered) and not missing,

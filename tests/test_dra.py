@@ -66,6 +66,16 @@ def test_the_driver_registers_and_publishes_one_valid_pool(start_dra: Start) -> 
     assert isinstance(attributes["resource.kubernetes.io/numaNode"], int)
     assert attributes["nvlinkDomain"].startswith("nvl-")
     assert entry["capacity"]["memory"]["value"].endswith("Mi")
+
+    # The node's NodeDevices record says the driver is registered.
+    def condition() -> dict[str, Any]:
+        record = cluster.api.get("nodedevices", NODE) or {}
+        found = [c for c in (record.get("status") or {}).get("conditions", [])
+                 if c["type"] == "Registered"]  # fmt: skip
+        return found[0] if found else {}
+
+    assert wait_until(lambda: condition().get("status") == "True", timeout=40)
+    assert condition()["message"] == f"registered: DRA driver {DRIVER}"
     hca = next(d for n, d in cluster.devices().items() if n.startswith("hca-"))
     assert {"ibdev", "netdev", "linkLayer", "portState", "pcieSwitch"} <= set(hca["attributes"])
     assert hca["attributes"]["portState"] == {"string": "ACTIVE"}
