@@ -13,13 +13,8 @@ from typing import Any
 from lightkube import ApiError, Client
 from lightkube.generic_resource import create_namespaced_resource
 
+from devplugin.cluster.objects import as_dict
 from devplugin.policy.claims import ClaimReadError, results_for
-
-
-def _as_dict(obj: Any) -> dict[str, Any]:
-    data = obj.to_dict() if hasattr(obj, "to_dict") else obj
-    return data if isinstance(data, dict) else {}
-
 
 ResourceClaim = create_namespaced_resource(
     "resource.k8s.io", "v1", "ResourceClaim", "resourceclaims"
@@ -34,7 +29,7 @@ class ApiClaimReader:
 
     def get(self, namespace: str, name: str) -> Mapping[str, Any] | None:
         try:
-            return _as_dict(self._client.get(ResourceClaim, name, namespace=namespace))
+            return as_dict(self._client.get(ResourceClaim, name, namespace=namespace))
         except ApiError as exc:
             if exc.status.code == 404:
                 return None
@@ -44,7 +39,7 @@ class ApiClaimReader:
 
     def on_node(self, driver: str, pool: str) -> list[Mapping[str, Any]]:
         try:
-            claims = [_as_dict(item) for item in self._client.list(ResourceClaim, namespace="*")]
+            claims = [as_dict(item) for item in self._client.list(ResourceClaim, namespace="*")]
         except ApiError as exc:
             raise ClaimReadError(f"{exc.status.code} {exc.status.reason}") from exc
         except Exception as exc:

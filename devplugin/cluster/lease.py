@@ -27,7 +27,7 @@ from typing import Any
 from lightkube import ApiError, Client
 from lightkube.generic_resource import create_namespaced_resource
 
-from devplugin.cluster.publisher import RawNode
+from devplugin.cluster.objects import as_dict, node_owner
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ class LeaseKeeper:
             "name": lease_name(self._node), "namespace": self._namespace,
             "labels": {NODE_LABEL: self._node},
         }  # fmt: skip
-        owner = self._node_owner()
+        owner = node_owner(self._client, self._node)
         if owner is not None:
             metadata["ownerReferences"] = [owner]
         body = _LEASE(
@@ -173,21 +173,6 @@ class LeaseKeeper:
                 raise
             return self._client.get(Lease, lease_name(self._node), namespace=self._namespace)
 
-    def _node_owner(self) -> dict[str, Any] | None:
-        try:
-            node = _as_dict(self._client.get(RawNode, self._node))
-        except ApiError:
-            return None
-        uid = node.get("metadata", {}).get("uid")
-        if not isinstance(uid, str) or not uid:
-            return None
-        return {"apiVersion": "v1", "kind": "Node", "name": self._node, "uid": uid}
-
-
-def _as_dict(obj: Any) -> dict[str, Any]:
-    data = obj.to_dict() if hasattr(obj, "to_dict") else obj
-    return data if isinstance(data, dict) else {}
-
 
 def _version_of(obj: Any) -> str | None:
-    return str(_as_dict(obj).get("metadata", {}).get("resourceVersion") or "") or None
+    return str(as_dict(obj).get("metadata", {}).get("resourceVersion") or "") or None

@@ -29,13 +29,13 @@ from typing import Any
 from lightkube import ApiError, Client
 from lightkube.generic_resource import create_global_resource
 
+from devplugin.cluster.objects import as_dict, node_owner
 from devplugin.cluster.record import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from devplugin.node.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
 NodeDevices = create_global_resource(GROUP, VERSION, KIND, PLURAL)
-RawNode = create_global_resource("", "v1", "Node", "nodes")
 # Generic resources are dicts; their typed constructors want model objects.
 _RECORD: Any = NodeDevices
 _RECORD_STATUS: Any = NodeDevices.Status
@@ -155,7 +155,7 @@ class RecordPublisher:
             if exc.status.code != 404:
                 raise
             found = self._create()
-        data = _as_dict(found)
+        data = as_dict(found)
         self._version = str(data.get("metadata", {}).get("resourceVersion") or "") or None
         existing = data.get("status")
         # What is there now is what was "written" (it may be another daemon's
@@ -164,7 +164,7 @@ class RecordPublisher:
 
     def _create(self) -> Any:
         metadata: dict[str, Any] = {"name": self._node, "labels": {"devplugin.io/node": self._node}}
-        owner = self._node_owner()
+        owner = node_owner(self._client, self._node, what="record")
         if owner is not None:
             metadata["ownerReferences"] = [owner]
         body = _RECORD(apiVersion=API_VERSION, kind=KIND, metadata=metadata, spec={})
@@ -176,17 +176,6 @@ class RecordPublisher:
             created = self._client.get(NodeDevices, self._node)  # created meanwhile
         log.info("NodeDevices record %s created%s", self._node, "" if owner else " (no Node owner)")
         return created
-
-    def _node_owner(self) -> dict[str, Any] | None:
-        try:
-            node = _as_dict(self._client.get(RawNode, self._node))
-        except ApiError as exc:
-            log.info("Node %s not readable (%s): record has no owner", self._node, exc.status.code)
-            return None
-        uid = node.get("metadata", {}).get("uid")
-        if not isinstance(uid, str) or not uid:
-            return None
-        return {"apiVersion": "v1", "kind": "Node", "name": self._node, "uid": uid}
 
     def _write(self, status: dict[str, Any]) -> None:
         for attempt in range(3):
@@ -207,7 +196,7 @@ class RecordPublisher:
                     self._read_or_create()
                     continue
                 raise
-            data = _as_dict(written)
+            data = as_dict(written)
             self._version = str(data.get("metadata", {}).get("resourceVersion") or "") or None
             self._written = status
             self._pending = False
@@ -243,8 +232,3 @@ def _comparable(status: dict[str, Any]) -> dict[str, Any]:
         if isinstance(c, dict)
     ]
     return plain
-
-
-def _as_dict(obj: Any) -> dict[str, Any]:
-    data = obj.to_dict() if hasattr(obj, "to_dict") else obj
-    return data if isinstance(data, dict) else {}

@@ -23,7 +23,7 @@ from typing import Any
 from lightkube import ApiError, Client
 from lightkube.generic_resource import create_global_resource
 
-from devplugin.cluster.publisher import RawNode
+from devplugin.cluster.objects import as_dict, node_owner
 from devplugin.cluster.watch import WatchCache
 from devplugin.node.metrics import Metrics
 
@@ -233,10 +233,7 @@ class SlicePublisher:
         return {**item, "spec": written[1]}
 
     def _remember(self, stored: Any, body: Any) -> None:
-        data = stored.to_dict() if hasattr(stored, "to_dict") else stored
-        sent = body.to_dict() if hasattr(body, "to_dict") else body
-        if not isinstance(data, dict) or not isinstance(sent, dict):
-            return
+        data, sent = as_dict(stored), as_dict(body)
         metadata = data.get("metadata") or {}
         name, version = metadata.get("name"), metadata.get("resourceVersion")
         if isinstance(name, str) and isinstance(version, str):
@@ -287,20 +284,8 @@ class SlicePublisher:
                 raise
 
     def _node_owner(self) -> dict[str, Any] | None:
-        if self._owner is not None:
-            return self._owner
-        try:
-            node = self._client.get(RawNode, self.node)
-        except ApiError as exc:
-            log.info("Node %s not readable (%s): slices have no owner", self.node, exc.status.code)
-            return None
-        data: Any = node.to_dict() if hasattr(node, "to_dict") else node  # type: ignore[no-untyped-call]
-        uid = data.get("metadata", {}).get("uid") if isinstance(data, dict) else None
-        if not isinstance(uid, str) or not uid:
-            return None
-        self._owner = {
-            "apiVersion": "v1", "kind": "Node", "name": self.node, "uid": uid, "controller": True,
-        }  # fmt: skip
+        if self._owner is None:
+            self._owner = node_owner(self._client, self.node, controller=True, what="slices")
         return self._owner
 
 
