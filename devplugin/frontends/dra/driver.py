@@ -1,10 +1,11 @@
 """The DRA front-end as one part of the daemon: the judged state in, the
 kubelet's sockets, the health stream and the ResourceSlices out.
 
-The pipeline hands each DRA resource's judged state to `update` (the same
-states the device-plugin servicers get); from it the health stream and the
-slices are derived, so a device that turns unhealthy, or is owed a cleanup,
-is tainted (or left out) in the next write and reported Unhealthy to the
+After each judgement (`judged`) the devices as slices name them and the
+states judged for them (the same states the device-plugin servicers get)
+are taken together, once; the health stream and the slices are derived
+from that, so a device that turns unhealthy, or is owed a cleanup, is
+tainted (or left out) in the next write and reported Unhealthy to the
 kubelet at once. One loop keeps the sockets (a kubelet that wiped its
 directories gets fresh ones) and, after a start without a trustworthy
 checkpoint, asks the API server which claims hold this node's devices.
@@ -19,8 +20,8 @@ from typing import Any, Protocol
 
 from devplugin.frontends.dra.plugin import DraPlugin, health_list
 from devplugin.frontends.dra.prepare import Preparer
-from devplugin.frontends.dra.slices import SliceDevice, node_devices, published, split
-from devplugin.model import DeviceKind, Health, Inventory
+from devplugin.frontends.dra.slices import SliceDevice, names, node_devices, published, split
+from devplugin.model import DeviceKind, Health
 from devplugin.node.pipeline import Pipeline
 from devplugin.node.resources import ResourceState
 from devplugin.policy.claims import ClaimReadError
@@ -61,8 +62,9 @@ class DraFrontend:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._states: dict[DeviceKind, ResourceState] = {}
-        self._snapshot: tuple[Inventory, Mapping[DeviceKind, ResourceState | None]] = (
-            Inventory(), {},
+        # The last judgement: its devices as slices name them, and the states.
+        self._snapshot: tuple[list[SliceDevice], Mapping[DeviceKind, ResourceState | None]] = (
+            [], {},
         )  # fmt: skip
         self._lock = threading.Lock()
 
@@ -84,36 +86,32 @@ class DraFrontend:
         """After a judgement: the inventory and the states judged from it,
         taken together, so a slice never shows a scan's attributes with the
         previous scan's health."""
-        inventory = self._pipeline.inventory
+        devices = node_devices(self._pipeline.inventory, self.kinds)
         states = {kind: self._pipeline.served(kind) for kind in self.kinds}
         with self._lock:
-            self._snapshot = (inventory, states)
-        self.plugin.health.update(self._health(inventory, states))
+            self._snapshot = (devices, states)
+        self.plugin.health.update(self._health(devices, states))
         if self.publisher is not None:
             self.publisher.poke()
 
     def devices(self) -> list[SliceDevice]:
         with self._lock:
-            inventory = self._snapshot[0]
-        return node_devices(inventory, self.kinds)
+            return self._snapshot[0]
 
     def names(self) -> dict[str, tuple[DeviceKind, str]]:
-        return {device.name: (device.kind, device.id) for device in self.devices()}
+        return names(self.devices())
 
     def desired(self) -> list[list[dict[str, Any]]]:
         with self._lock:
-            inventory, states = self._snapshot
-        entries = published(
-            node_devices(inventory, self.kinds), states, domain=self.preparer.driver,
-            unhealthy=self._unhealthy,
-        )  # fmt: skip
+            devices, states = self._snapshot
+        entries = published(devices, states, domain=self.preparer.driver, unhealthy=self._unhealthy)
         return split(entries, tainting=self._unhealthy == "taint")
 
     def _health(
-        self, inventory: Inventory, states: Mapping[DeviceKind, ResourceState | None]
+        self, devices: list[SliceDevice], states: Mapping[DeviceKind, ResourceState | None]
     ) -> list[Any]:
         entries: dict[str, tuple[bool, str]] = {}
-        for device in node_devices(inventory, self.kinds):
+        for device in devices:
             state = states.get(device.kind)
             judged = state.device(device.id) if state is not None else None
             if judged is None:
