@@ -29,7 +29,13 @@ from typing import Any
 
 from devplugin.policy.claim_templates import CHART_SHAPES, claim_spec, device_classes
 from devplugin.policy.topology import Level, Topology
-from devplugin.testing.dra_scheduler import Allocator, Selectors, node_ids, spec_slices
+from devplugin.testing.dra_scheduler import (
+    Allocator,
+    Selectors,
+    node_ids,
+    pair_levels,
+    spec_slices,
+)
 from devplugin.testing.layouts import LAYOUTS
 
 DRIVER = "devplugin.io"
@@ -84,9 +90,7 @@ def root_only(pairs: int) -> dict[str, Any]:
 
 
 def worst(results: list[dict[str, str]], names: dict[str, str], topology: Topology) -> Level:
-    chosen = {r["request"].split("/")[0]: names[r["device"]] for r in results}
-    pairs = [key[4:] for key in chosen if key.startswith("gpu-")]
-    return max(topology.level(chosen[f"gpu-{i}"], chosen[f"hca-{i}"]) for i in pairs)
+    return max(pair_levels(results, names, topology))
 
 
 def run_layout(layout: str, trials: int, seed: int) -> list[dict[str, Any]]:

@@ -21,7 +21,7 @@ from devplugin.policy.claim_templates import (
     device_classes,
 )
 from devplugin.policy.topology import Level, Topology
-from devplugin.testing.dra_scheduler import Allocator, node_ids, spec_slices
+from devplugin.testing.dra_scheduler import Allocator, node_ids, pair_levels, spec_slices
 from devplugin.testing.layouts import LAYOUTS
 from devplugin.testing.node import devices_from_spec, hgx_node
 
@@ -37,17 +37,6 @@ def node_slices(
 
 
 ids = node_ids
-
-
-def pair_levels(
-    results: list[dict[str, str]], names: dict[str, str], topology: Topology
-) -> list[Level]:
-    by_request = {r["request"].split("/")[0]: names[r["device"]] for r in results}
-    return [
-        topology.level(by_request[f"gpu-{i}"], by_request[f"hca-{i}"])
-        for i in range(len(by_request))
-        if f"gpu-{i}" in by_request
-    ]
 
 
 def test_exact_counts_selectors_and_first_fit_order() -> None:

@@ -38,6 +38,7 @@ from celpy.adapter import json_to_cel
 from devplugin.frontends.dra.slices import node_devices, published, split
 from devplugin.model import DeviceKind, Health, Inventory, PluginDevice
 from devplugin.node.resources import ResourceState
+from devplugin.policy.topology import Level, Topology
 from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.node import NodeSpec, devices_from_spec
 
@@ -330,6 +331,16 @@ def node_ids(slices: Iterable[Mapping[str, Any]]) -> dict[str, str]:
             key = "uuid" if "uuid" in attributes else "resource.kubernetes.io/pciBusID"
             found[device["name"]] = attributes[key]["string"]
     return found
+
+
+def pair_levels(
+    results: Iterable[Mapping[str, str]], names: Mapping[str, str], topology: Topology
+) -> list[Level]:
+    """The level of each GPU+HCA pair of a claim made from the templates
+    (requests `gpu-i` and `hca-i`, subrequests included), in pair order."""
+    chosen = {r["request"].split("/")[0]: names[r["device"]] for r in results}
+    pairs = sorted(int(key[4:]) for key in chosen if key.startswith("gpu-") and key[4:].isdigit())
+    return [topology.level(chosen[f"gpu-{i}"], chosen[f"hca-{i}"]) for i in pairs]
 
 
 def taken_devices(claims: Iterable[Mapping[str, Any]]) -> set[tuple[str, str, str]]:
