@@ -41,7 +41,7 @@ from devplugin.node.lifecycle.devices import describe
 from devplugin.node.lifecycle.hooks import HookRunner, HookSpec
 from devplugin.node.metrics import Metrics
 from devplugin.node.pipeline import Pipeline
-from devplugin.node.resources import Resource
+from devplugin.node.resources import DeviceNode, Resource
 from devplugin.policy.cdi import PathNode, claim_spec, qualified
 from devplugin.policy.claims import ClaimReader, ClaimReadError, claim_uid, results_for
 
@@ -341,14 +341,11 @@ class Preparer:
                 raise Refused(f"no {kind.value} is served now", invalid_argument=False)
             merged = self._resources[kind].allocate(state, [device.id for device in chosen])
             env.update(merged.envs)
-            shared.extend(PathNode(n.container_path, n.host_path, n.permissions)
-                          for n in state.shared_nodes)  # fmt: skip
+            shared.extend(map(_path_node, state.shared_nodes))
             for device in chosen:
                 own = state.allocations.get(device.id)
                 nodes = own.devices if own is not None else ()
-                cdi_devices[f"{ref.uid}-{device.device}"] = [
-                    PathNode(n.container_path, n.host_path, n.permissions) for n in nodes
-                ]
+                cdi_devices[f"{ref.uid}-{device.device}"] = list(map(_path_node, nodes))
                 # The vendor's own CDI names (a GPU's driver libraries), when
                 # the resource delivers by CDI.
                 extra[device.device] = own.cdi_devices if own is not None else ()
@@ -373,3 +370,7 @@ class Preparer:
         self._cleanup.end_claim(claim.uid)
         self._pipeline.rejudge()
         log.info("claim %s/%s (%s) %s", claim.namespace, claim.name, claim.uid, why)
+
+
+def _path_node(node: DeviceNode) -> PathNode:
+    return PathNode(node.container_path, node.host_path, node.permissions)
