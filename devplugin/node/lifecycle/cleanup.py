@@ -446,10 +446,7 @@ class CleanupManager:
             before = self._claims.get(claim.uid)
             if before is not None:
                 self._forget_claim_locked(before)
-            self._remember_claim_locked(claim)
-            for kind, device in keys:
-                self._assigned[kind].add(device)
-                self._unverified.discard((kind, device))
+            self._hold_locked(claim)
             if self._write_claims_locked(keys):
                 return None
             # Unrecorded, it must not go on: a crash would forget these devices.
@@ -483,12 +480,9 @@ class CleanupManager:
             for kind, device in sorted(keys, key=_by_id):
                 if self._claimed.get((kind, device)) is not None:
                     continue  # also named by another claim (admin access)
-                self._assigned[kind].discard(device)
-                self._unverified.discard((kind, device))
-                if kind in self._hooks and (kind, device) not in self._jobs:
+                if self._release_locked((kind, device)):
                     log.info("%s: %s released by claim %s; cleanup scheduled",
                              self._names.get(kind, kind.value), device, uid)  # fmt: skip
-                    self._jobs[(kind, device)] = _Job()
             self._write_claims_locked(keys)
             self._cond.notify_all()
         self._on_change()
@@ -501,10 +495,7 @@ class CleanupManager:
         with self._cond:
             if claim.uid in self._claims:
                 return
-            self._remember_claim_locked(claim)
-            for kind, device in keys:
-                self._assigned[kind].add(device)
-                self._unverified.discard((kind, device))
+            self._hold_locked(claim)
             self._write_claims_locked(keys)
         self._on_change()
 
@@ -515,13 +506,10 @@ class CleanupManager:
         released: set[tuple[DeviceKind, str]] = set()
         with self._cond:
             for key in sorted(self._unverified, key=_by_id):
-                kind, device = key
+                kind = key[0]
                 if kind not in kinds or key in self._claimed:
                     continue
-                self._unverified.discard(key)
-                self._assigned[kind].discard(device)
-                if kind in self._hooks:
-                    self._jobs.setdefault(key, _Job())
+                self._release_locked(key)
                 released.add(key)
             if released:
                 self._write_claims_locked(released)
@@ -529,6 +517,24 @@ class CleanupManager:
         if released:
             self._on_change()
         return len(released)
+
+    def _hold_locked(self, claim: ClaimRecord) -> None:
+        """The claim is known, and its devices are in use by it."""
+        self._remember_claim_locked(claim)
+        for device in claim.devices:
+            self._assigned[device.kind].add(device.id)
+            self._unverified.discard((device.kind, device.id))
+
+    def _release_locked(self, key: tuple[DeviceKind, str]) -> bool:
+        """A DRA device no claim holds any more: out of use, and owed a
+        cleanup when its kind has a hook. Whether a cleanup was newly owed."""
+        kind, device = key
+        self._assigned[kind].discard(device)
+        self._unverified.discard(key)
+        if kind not in self._hooks or key in self._jobs:
+            return False
+        self._jobs[key] = _Job()
+        return True
 
     def _remember_claim_locked(self, claim: ClaimRecord) -> None:
         self._claims[claim.uid] = claim
