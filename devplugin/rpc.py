@@ -1,13 +1,19 @@
 """Small helpers shared by the gRPC servers and clients (the daemon's and
-the simulator's): unix socket paths and identities, failure details."""
+the simulator's): unix socket paths and identities, a server on one unix
+socket, failure details."""
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Callable
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+
+log = logging.getLogger(__name__)
 
 SOCKET_MODE = 0o600
 # The kernel limit for sun_path, including the terminating NUL.
@@ -37,6 +43,82 @@ class SocketIdentity:
         except OSError:
             return None
         return cls(stat.st_dev, stat.st_ino, stat.st_ctime_ns)
+
+
+class SocketServer:
+    """A grpc.Server on one unix socket, restartable on a fresh socket after
+    the file was removed or replaced (a kubelet restart wipes its
+    directories). `add` puts the services on each new grpc.Server;
+    subclasses hear of the start and the stop (`_opening`, `_closing`)."""
+
+    def __init__(
+        self,
+        name: str,
+        path: Path,
+        add: Callable[[grpc.Server], None],
+        *,
+        workers: int = 8,
+        thread_prefix: str = "",
+    ) -> None:
+        check_socket_path(path)
+        self.name = name
+        self.path = path
+        self._add = add
+        self._workers = workers
+        self._thread_prefix = thread_prefix or name
+        self._server: grpc.Server | None = None
+        self._identity: SocketIdentity | None = None
+        self.starts = 0
+
+    @property
+    def running(self) -> bool:
+        return self._server is not None
+
+    def _opening(self) -> None:
+        """Before a new server starts serving."""
+
+    def _closing(self) -> None:
+        """Before the server stops (open streams end first)."""
+
+    def start(self) -> None:
+        if self._server is not None:
+            raise RuntimeError("server already running")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.unlink(missing_ok=True)
+        self._opening()
+        server = grpc.server(
+            futures.ThreadPoolExecutor(
+                max_workers=self._workers, thread_name_prefix=self._thread_prefix
+            ),
+            options=[("grpc.so_reuseport", 0)],
+        )
+        self._add(server)
+        server.add_insecure_port(f"unix://{self.path}")
+        server.start()
+        # gRPC creates the socket under the process umask (0777 under 000):
+        # only root, which the kubelet runs as, may connect.
+        os.chmod(self.path, SOCKET_MODE)
+        self._server = server
+        self._identity = SocketIdentity.of(self.path)
+        self.starts += 1
+        log.info("%s: serving on %s", self.name, self.path)
+
+    def intact(self) -> bool:
+        """False once the socket file was removed or replaced."""
+        return self._identity is not None and SocketIdentity.of(self.path) == self._identity
+
+    def stop(self, grace: float = 1.0, *, remove_socket: bool = True) -> None:
+        server, self._server = self._server, None
+        self._closing()
+        if server is not None:
+            server.stop(grace).wait(grace + 1.0)
+        if remove_socket and self._identity is not None and self.intact():
+            self.path.unlink(missing_ok=True)
+        self._identity = None
+
+    def restart(self) -> None:
+        self.stop(grace=0.5, remove_socket=False)
+        self.start()
 
 
 def rpc_failure(exc: grpc.RpcError) -> tuple[grpc.StatusCode | None, str]:

@@ -146,11 +146,11 @@ class Registrar:
 
     def tick(self) -> None:
         for entry in self._entries:
-            if not entry.server.socket_intact():
+            if not entry.server.intact():
                 log.warning(
                     "%s: socket %s is gone or replaced (kubelet restart?); restarting server",
                     entry.server.servicer.resource.name,
-                    entry.server.socket_path,
+                    entry.server.path,
                 )
                 entry.server.restart()
                 with self._lock:
@@ -186,7 +186,7 @@ class Registrar:
         try:
             register(
                 self._kubelet_socket,
-                entry.server.socket_path.name,
+                entry.server.path.name,
                 name,
                 servicer.options(),
                 self._timeout,
@@ -209,6 +209,6 @@ class Registrar:
             entry.registered_with = kubelet
             entry.failures = 0
             entry.backoff = 0.0
-        log.info("%s: registered with the kubelet as %s", name, entry.server.socket_path.name)
+        log.info("%s: registered with the kubelet as %s", name, entry.server.path.name)
         if self._on_register is not None:
             self._on_register(name)

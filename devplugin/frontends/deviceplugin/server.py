@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
-from concurrent import futures
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
@@ -26,7 +25,7 @@ from devplugin.node.resources import (
     merge_allocations,
 )
 from devplugin.policy.allocator import Role
-from devplugin.rpc import SOCKET_MODE, SocketIdentity, check_socket_path
+from devplugin.rpc import SocketServer
 
 log = logging.getLogger(__name__)
 
@@ -489,59 +488,24 @@ class _Picker:
         return list(choice.ids)
 
 
-class PluginServer:
-    """A grpc.Server bound to one socket; restartable after the socket is wiped."""
+class PluginServer(SocketServer):
+    """One resource's DevicePlugin service on its socket in the kubelet's
+    device-plugin directory."""
 
     def __init__(
         self, servicer: DevicePluginServicer, socket_path: Path, workers: int = WORKERS
     ) -> None:
-        check_socket_path(socket_path)
-        self.servicer = servicer
-        self.socket_path = socket_path
-        self._workers = workers
-        self._server: grpc.Server | None = None
-        self._identity: SocketIdentity | None = None
-
-    @property
-    def running(self) -> bool:
-        return self._server is not None
-
-    def start(self) -> None:
-        if self._server is not None:
-            raise RuntimeError("server already running")
-        self.socket_path.parent.mkdir(parents=True, exist_ok=True)
-        self.socket_path.unlink(missing_ok=True)
-        self.servicer.reopen()
-        server = grpc.server(
-            futures.ThreadPoolExecutor(
-                max_workers=self._workers,
-                thread_name_prefix=f"dp-{self.servicer.resource.kind.value}",
-            ),
-            options=[("grpc.so_reuseport", 0)],
+        super().__init__(
+            servicer.resource.name,
+            socket_path,
+            partial(pb_grpc.add_DevicePluginServicer_to_server, servicer),
+            workers=workers,
+            thread_prefix=f"dp-{servicer.resource.kind.value}",
         )
-        pb_grpc.add_DevicePluginServicer_to_server(self.servicer, server)
-        server.add_insecure_port(f"unix://{self.socket_path}")
-        server.start()
-        # gRPC creates the socket under the process umask (0777 under 000):
-        # only root, which the kubelet runs as, may connect.
-        os.chmod(self.socket_path, SOCKET_MODE)
-        self._server = server
-        self._identity = SocketIdentity.of(self.socket_path)
-        log.info("%s: serving on %s", self.servicer.resource.name, self.socket_path)
+        self.servicer = servicer
 
-    def socket_intact(self) -> bool:
-        """False once the socket file was removed or replaced (kubelet restart)."""
-        return self._identity is not None and SocketIdentity.of(self.socket_path) == self._identity
+    def _opening(self) -> None:
+        self.servicer.reopen()
 
-    def stop(self, grace: float = 1.0, *, remove_socket: bool = True) -> None:
-        server, self._server = self._server, None
+    def _closing(self) -> None:
         self.servicer.close_streams()
-        if server is not None:
-            server.stop(grace).wait(grace + 1.0)
-        if remove_socket and self._identity is not None and self.socket_intact():
-            self.socket_path.unlink(missing_ok=True)
-        self._identity = None
-
-    def restart(self) -> None:
-        self.stop(grace=0.5, remove_socket=False)
-        self.start()

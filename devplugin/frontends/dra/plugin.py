@@ -18,11 +18,9 @@ gone or replaced, which makes the plugin watcher register it again.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,7 +38,7 @@ from devplugin.api import pluginregistration_v1_pb2_grpc as reg_grpc
 from devplugin.frontends.dra.prepare import ClaimRef, Preparer
 from devplugin.model import shown
 from devplugin.node.lifecycle.checkpoint import ClaimDevice
-from devplugin.rpc import SOCKET_MODE, SocketIdentity, check_socket_path
+from devplugin.rpc import SocketServer
 
 log = logging.getLogger(__name__)
 
@@ -231,55 +229,6 @@ class RegistrationServicer(reg_grpc.RegistrationServicer):
             self.error = ""
 
 
-class SocketServer:
-    """A grpc.Server on one unix socket, started again on a fresh socket
-    when its file is removed or replaced."""
-
-    def __init__(self, name: str, path: Path, add: Callable[[grpc.Server], None]) -> None:
-        check_socket_path(path)
-        self.name = name
-        self.path = path
-        self._add = add
-        self._server: grpc.Server | None = None
-        self._identity: SocketIdentity | None = None
-        self.starts = 0
-
-    @property
-    def running(self) -> bool:
-        return self._server is not None
-
-    def start(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.unlink(missing_ok=True)
-        server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix=self.name),
-            options=[("grpc.so_reuseport", 0)],
-        )
-        self._add(server)
-        server.add_insecure_port(f"unix://{self.path}")
-        server.start()
-        os.chmod(self.path, SOCKET_MODE)
-        self._server = server
-        self._identity = SocketIdentity.of(self.path)
-        self.starts += 1
-        log.info("%s: serving on %s", self.name, self.path)
-
-    def intact(self) -> bool:
-        return self._identity is not None and SocketIdentity.of(self.path) == self._identity
-
-    def stop(self, grace: float = 0.5, *, remove_socket: bool = True) -> None:
-        server, self._server = self._server, None
-        if server is not None:
-            server.stop(grace).wait(grace + 1.0)
-        if remove_socket and self._identity is not None and self.intact():
-            self.path.unlink(missing_ok=True)
-        self._identity = None
-
-    def restart(self) -> None:
-        self.stop(remove_socket=False)
-        self.start()
-
-
 def socket_paths(plugins_dir: Path, registry_dir: Path, driver: str) -> tuple[Path, Path]:
     """(the DRA service socket, the registration socket)."""
     return plugins_dir / driver / "dra.sock", registry_dir / f"{driver}-reg.sock"
@@ -310,7 +259,7 @@ class DraPlugin:
         def add_registration(server: grpc.Server) -> None:
             reg_grpc.add_RegistrationServicer_to_server(self.registration, server)
 
-        self.service = SocketServer("dra", service_path, add_service)
+        self.service = SocketServer("dra", service_path, add_service, workers=WORKERS)
         self.registrar = SocketServer("dra-reg", registration_path, add_registration)
 
     def start(self) -> None:
@@ -342,8 +291,8 @@ class DraPlugin:
 
     def stop(self) -> None:
         self.health.close_streams()
-        self.registrar.stop()
-        self.service.stop()
+        self.registrar.stop(grace=0.5)
+        self.service.stop(grace=0.5)
 
 
 def health_list(pool: str, entries: Mapping[str, tuple[bool, str]]) -> list[DeviceHealth]:
