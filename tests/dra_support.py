@@ -81,9 +81,7 @@ class DraCluster:
         return dict(self.kubelet.unprepare(DRIVER, claims))
 
 
-def dra_settings(
-    node: BuiltNode, sock_dir: Path, tmp: Path, kubeconfig: Path, checkpoint: Path
-) -> dict[str, Any]:
+def dra_settings(sock_dir: Path, tmp: Path, kubeconfig: Path, checkpoint: Path) -> dict[str, Any]:
     return {
         "kubernetes.enabled": True,
         "kubernetes.kubeconfig": str(kubeconfig),
@@ -112,7 +110,7 @@ def start_dra(
         kubeconfig.write_text(yaml.safe_dump(api.kubeconfig()))
         checkpoint = tmp_path / f"state{tag}" / "checkpoint.json"
         settings = {
-            **dra_settings(node, sock_dir, tmp_path, kubeconfig, checkpoint), **config,
+            **dra_settings(sock_dir, tmp_path, kubeconfig, checkpoint), **config,
         }  # fmt: skip
         if known_clean:
             Checkpoint(checkpoint).save(LifecycleState())
