@@ -327,6 +327,8 @@ class ApiServerImitation:
         with self._cond:
             self.requests.append((method, handler.path))
             failure = self._failures.pop(0) if self._failures else None
+            # A watch ends at any cut after its request was seen (and logged).
+            cut = self._cut
         if self.delay:
             time.sleep(self.delay)
         if failure is not None:
@@ -338,7 +340,7 @@ class ApiServerImitation:
             verb = _verb(method, route[2] is None, watch)
             self._count(route[0].plural, verb, received=len(body))
             if watch:
-                self._watch(handler, route, query)
+                self._watch(handler, route, query, cut)
                 return
             code, answer = self._answer(method, route, query, body, handler.headers)
         except ApiError as exc:
@@ -499,7 +501,7 @@ class ApiServerImitation:
 
     def _watch(
         self, handler: BaseHTTPRequestHandler, route: tuple[Kind, str, str | None, bool],
-        query: dict[str, str],
+        query: dict[str, str], cut: int,
     ) -> None:  # fmt: skip
         kind, namespace, _, _ = route
         timeout = float(query.get("timeoutSeconds") or 300)
@@ -509,7 +511,6 @@ class ApiServerImitation:
         handler.send_header("Transfer-Encoding", "chunked")
         handler.end_headers()
         with self._cond:
-            cut = self._cut
             since = int(query.get("resourceVersion") or self._version)
             gone = since < self._compacted
         if gone:
