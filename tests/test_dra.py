@@ -10,8 +10,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import grpc
+import pytest
+
 from devplugin.policy.cdi import validate_spec
 from devplugin.policy.topology import Level, Topology
+from devplugin.testing.dra_kubelet import ClaimCall
 from devplugin.testing.dra_limits import slice_problems
 from devplugin.testing.kubelet import ContainerRequest, KubeletSimulator
 from devplugin.testing.node import hgx_node
@@ -385,3 +389,46 @@ def test_a_slow_or_failing_api_server_is_the_claims_error_not_a_hung_call(
     assert "Timeout" in error
     cluster.api.delay = 0.0
     assert cluster.prepare(claim)[claim.uid]["error"] == ""
+
+
+def test_a_claim_without_a_uid_is_refused_and_the_driver_keeps_serving(start_dra: Start) -> None:
+    cluster = start_dra(hgx_node())
+    assert wait_until(lambda: published(cluster, 16), timeout=10)
+    with pytest.raises(grpc.RpcError) as refused:
+        cluster.prepare(ClaimCall("default", "", "nameless"))
+    call = refused.value
+    assert isinstance(call, grpc.Call)
+    assert call.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "default/nameless has no uid" in (call.details() or "")
+    gpu, _ = pix_pair(cluster)
+    claim = cluster.claim("fine", [("gpu", gpu)])
+    assert cluster.prepare(claim)[claim.uid]["error"] == ""
+
+
+def test_claims_prepared_and_unprepared_back_to_back_clean_each_release_once(
+    start_dra: Start, tmp_path: Path
+) -> None:
+    log = tmp_path / "cleanup.log"
+    cluster = start_dra(
+        hgx_node(),
+        **{"resources.gpu.hooks.cleanup": hook(log, "ok"),
+           "resources.hca.hooks.cleanup": hook(log, "ok")},
+    )  # fmt: skip
+    assert wait_until(lambda: published(cluster, 16), timeout=10)
+    devices = sorted(cluster.devices())
+    rounds = 3
+    for turn in range(rounds):
+        # Every device claimed and given back with no pause between calls.
+        claims = [cluster.claim(f"c{turn}-{i}", [("d", name)]) for i, name in enumerate(devices)]
+        answers = cluster.prepare(*claims)
+        assert all(answers[c.uid]["error"] == "" for c in claims), answers
+        assert cluster.unprepare(*claims) == {c.uid: "" for c in claims}
+        for claim in claims:
+            cluster.api.remove("resourceclaims", claim.name, "default")
+        # The next round's prepares wait for (or run inline) the cleanups owed.
+    assert wait_until(lambda: len(runs(log)) == rounds * 16, timeout=60)
+    cleaned = [r["env"]["DEVPLUGIN_DEVICE_IDS"] for r in runs(log)]
+    assert all(cleaned.count(device) == rounds for device in set(cleaned))
+    assert len(set(cleaned)) == 16
+    assert wait_until(lambda: published(cluster, 16), timeout=20)
+    assert json.loads(cluster.checkpoint.read_text())["claims"] == []
