@@ -274,3 +274,24 @@ def test_what_the_server_fills_in_is_no_reason_to_write_again(start_dra: Start) 
     writes, checks = publisher.writes, cluster.daemon.checks  # type: ignore[union-attr]
     assert wait_until(lambda: cluster.daemon.checks >= checks + 10, timeout=30)
     assert publisher.writes == writes  # type: ignore[union-attr]
+
+
+def test_a_slice_is_created_once_even_when_the_watch_lags_behind_the_create(
+    start_dra: Start, api: ApiServerImitation
+) -> None:
+    # The watch shows nothing new from before the first slice is created
+    # until a moment after a second change (scans milliseconds apart).
+    api.hold_watches()
+    cluster = start_dra(hgx_node(), **RARE)
+    assert wait_until(lambda: len(cluster.devices()) == 16, timeout=10)
+    hca = cluster.node.hcas[3]
+    (hca.directory / "infiniband" / hca.name / "ports" / "1" / "state").write_text("1: DOWN\n")
+    cluster.daemon.rescan()
+    threading.Timer(0.5, api.release_watches).start()
+    name = "hca-" + str(hca.address).replace(":", "-").replace(".", "-")
+    assert wait_until(lambda: "taints" in cluster.devices().get(name, {}), timeout=20)
+    creates = [path for method, path in api.requests
+               if method == "POST" and "/resourceslices" in path]  # fmt: skip
+    assert len(creates) == 1  # never a second slice for the same devices
+    assert len(cluster.slices()) == 1
+    assert cluster.slices()[0]["spec"]["pool"]["generation"] == 2

@@ -35,6 +35,9 @@ ResourceSlice = create_global_resource(GROUP, VERSION, "ResourceSlice", "resourc
 # The generic class's signature wants an ObjectMeta; it takes a plain dict.
 _SLICE: Any = ResourceSlice
 
+# How long a sync waits for the watch to show its own writes.
+ECHO_WAIT = 5.0
+
 # What to publish: the device entries of each slice, in order.
 Desired = Callable[[], Sequence[Sequence[Mapping[str, Any]]]]
 
@@ -210,19 +213,45 @@ class SlicePublisher:
         ):
             return False
         generation = max(generations, default=0) + 1
+        # What the view must show before the next comparison: each written
+        # slice at a version other than the one it replaced (None: created),
+        # each deleted one gone.
+        echo: dict[str, str | None] = {}
+        gone: list[str] = []
         # Obsolete slices go first, so the pool never claims more than it holds.
         for item in existing[len(chunks) :]:
             self._delete(item)
+            gone.append(str(item["metadata"]["name"]))
         owner = self._node_owner()
         for index, chunk in enumerate(chunks):
             before = existing[index] if index < len(existing) else None
-            self._put(index, chunk, generation, len(chunks), before=before, owner=owner)
+            name = self._put(index, chunk, generation, len(chunks), before=before, owner=owner)
+            if name is not None:
+                echo[name] = before["metadata"].get("resourceVersion") if before else None
+        self._await_echo(echo, gone)
         self.writes += 1
         log.info(
             "ResourceSlices of pool %s: generation %d, %d slices, %d devices",
             self.pool, generation, len(chunks), sum(len(chunk) for chunk in chunks),
         )  # fmt: skip
         return True
+
+    def _await_echo(self, echo: Mapping[str, str | None], gone: Sequence[str]) -> None:
+        """Wait (boundedly) until the watch shows this sync's own writes.
+        Compared against a view that has not caught up, a slice just created
+        would look missing and be created twice: two slices of one pool
+        naming the same devices, under one generation."""
+
+        def caught_up(items: Mapping[str, dict[str, Any]]) -> bool:
+            for name, replaced in echo.items():
+                item = items.get(name)
+                if item is None or item["metadata"].get("resourceVersion") == replaced:
+                    return False
+            return not any(name in items for name in gone)
+
+        if not self._slices.wait_for(caught_up, ECHO_WAIT):
+            log.debug("ResourceSlices: the watch did not show this node's writes within %ss",
+                      ECHO_WAIT)  # fmt: skip
 
     def _as_written(self, item: dict[str, Any]) -> dict[str, Any]:
         """The slice as this publisher wrote it, if nobody changed it since."""
@@ -232,12 +261,16 @@ class SlicePublisher:
             return item
         return {**item, "spec": written[1]}
 
-    def _remember(self, stored: Any, body: Any) -> None:
+    def _remember(self, stored: Any, body: Any) -> str | None:
+        """Keep what a write stored; the slice's name."""
         data, sent = as_dict(stored), as_dict(body)
         metadata = data.get("metadata") or {}
         name, version = metadata.get("name"), metadata.get("resourceVersion")
-        if isinstance(name, str) and isinstance(version, str):
+        if not isinstance(name, str):
+            return None
+        if isinstance(version, str):
             self._written[name] = (version, sent.get("spec") or {})
+        return name
 
     def _body(
         self, index: int, chunk: list[Any], generation: int, count: int, *,
@@ -262,18 +295,18 @@ class SlicePublisher:
     def _put(
         self, index: int, chunk: list[Any], generation: int, count: int, *,
         before: Mapping[str, Any] | None, owner: dict[str, Any] | None,
-    ) -> None:  # fmt: skip
+    ) -> str | None:  # fmt: skip
+        """Create or replace one slice; its name."""
         body = self._body(index, chunk, generation, count, before=before, owner=owner)
         if before is None:
-            self._remember(self._client.create(body), body)
-            return
+            return self._remember(self._client.create(body), body)
         try:
-            self._remember(self._client.replace(body), body)
+            return self._remember(self._client.replace(body), body)
         except ApiError as exc:
             if exc.status.code != 404:
                 raise  # a conflict: the watch brings the newer one, and we compare again
             fresh = self._body(index, chunk, generation, count, before=None, owner=owner)
-            self._remember(self._client.create(fresh), fresh)
+            return self._remember(self._client.create(fresh), fresh)
 
     def _delete(self, item: Mapping[str, Any]) -> None:
         self._written.pop(str(item["metadata"]["name"]), None)
