@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ log = logging.getLogger(__name__)
 SOCKET_MODE = 0o600
 # The kernel limit for sun_path, including the terminating NUL.
 MAX_SOCKET_PATH = 107
+# A server binds `.<name>.<6 hex>` beside its path first (see SocketServer.start).
+_HIDDEN_EXTRA = len(".") + len(".") + 6
 
 
 def check_socket_path(path: Path) -> None:
@@ -49,7 +52,15 @@ class SocketServer:
     """A grpc.Server on one unix socket, restartable on a fresh socket after
     the file was removed or replaced (a kubelet restart wipes its
     directories). `add` puts the services on each new grpc.Server;
-    subclasses hear of the start and the stop (`_opening`, `_closing`)."""
+    subclasses hear of the start and the stop (`_opening`, `_closing`).
+
+    The socket appears at its path only once it accepts connections, with
+    its final mode: the server binds a hidden name beside it (the kubelet's
+    plugin watcher ignores names starting with a dot) and renames it into
+    place. Bound at the path itself, the file exists a moment before
+    listen(); a watcher that connects in that moment is refused and, if it
+    tells sockets apart by inode only, never tries that socket again.
+    """
 
     def __init__(
         self,
@@ -61,6 +72,12 @@ class SocketServer:
         thread_prefix: str = "",
     ) -> None:
         check_socket_path(path)
+        if len(os.fsencode(path)) + _HIDDEN_EXTRA > MAX_SOCKET_PATH:
+            raise ValueError(
+                f"unix socket path {path} is {len(os.fsencode(path))} bytes; the server "
+                f"binds a temporary name {_HIDDEN_EXTRA} bytes longer first, so at most "
+                f"{MAX_SOCKET_PATH - _HIDDEN_EXTRA} are allowed"
+            )
         self.name = name
         self.path = path
         self._add = add
@@ -85,6 +102,7 @@ class SocketServer:
             raise RuntimeError("server already running")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.unlink(missing_ok=True)
+        self._sweep_hidden()
         self._opening()
         server = grpc.server(
             futures.ThreadPoolExecutor(
@@ -93,15 +111,32 @@ class SocketServer:
             options=[("grpc.so_reuseport", 0)],
         )
         self._add(server)
-        server.add_insecure_port(f"unix://{self.path}")
-        server.start()
-        # gRPC creates the socket under the process umask (0777 under 000):
-        # only root, which the kubelet runs as, may connect.
-        os.chmod(self.path, SOCKET_MODE)
+        # A fresh hidden name each start: gRPC unlinks the name it bound when
+        # a server shuts down, and a late shutdown of the previous server
+        # must not take the new server's file.
+        hidden = self.path.with_name(f".{self.path.name}.{secrets.token_hex(3)}")
+        server.add_insecure_port(f"unix://{hidden}")
+        try:
+            server.start()
+            # gRPC creates the socket under the process umask (0777 under
+            # 000): only root, which the kubelet runs as, may connect.
+            os.chmod(hidden, SOCKET_MODE)
+            os.replace(hidden, self.path)
+        except BaseException:
+            server.stop(None)
+            hidden.unlink(missing_ok=True)
+            raise
         self._server = server
         self._identity = SocketIdentity.of(self.path)
         self.starts += 1
         log.info("%s: serving on %s", self.name, self.path)
+
+    def _sweep_hidden(self) -> None:
+        """Hidden names a killed process bound and never renamed."""
+        prefix = f".{self.path.name}."
+        for stale in self.path.parent.iterdir():
+            if stale.name.startswith(prefix):
+                stale.unlink(missing_ok=True)
 
     def intact(self) -> bool:
         """False once the socket file was removed or replaced."""

@@ -93,6 +93,8 @@ class DraKubeletSimulator:
         self._lock = threading.Condition()
         self._plugins: dict[str, DraPluginRecord] = {}
         self._seen: dict[Path, tuple[int, int] | None] = {}
+        # Sockets whose registration failed, so each failure is logged once.
+        self._failed: dict[Path, tuple[int, int] | None] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.refused: list[str] = []
@@ -119,6 +121,7 @@ class DraKubeletSimulator:
                 self._close(record)
             self._plugins.clear()
             self._seen.clear()
+            self._failed.clear()
 
     def restart(self, *, wipe: bool = False) -> None:
         self.stop()
@@ -131,13 +134,17 @@ class DraKubeletSimulator:
     def _watch(self) -> None:
         while not self._stop.wait(POLL):
             try:
-                present = {p: _inode(p) for p in self.registry_dir.glob("*.sock")}
+                # As the kubelet's watcher: names starting with a dot are not plugins.
+                present = {
+                    p: _inode(p)
+                    for p in self.registry_dir.glob("*.sock")
+                    if not p.name.startswith(".")
+                }
             except OSError:
                 continue
             for path, identity in present.items():
-                if self._seen.get(path, "none") != identity:
+                if self._seen.get(path, "none") != identity and self._register(path, identity):
                     self._seen[path] = identity
-                    self._register(path, identity)
             for path in [p for p in self._seen if p not in present]:
                 del self._seen[path]
                 with self._lock:
@@ -147,7 +154,10 @@ class DraKubeletSimulator:
                             del self._plugins[name]
                     self._lock.notify_all()
 
-    def _register(self, path: Path, identity: tuple[int, int] | None) -> None:
+    def _register(self, path: Path, identity: tuple[int, int] | None) -> bool:
+        """Whether the socket got its answer (registered or refused). As the
+        kubelet's reconciler does, a socket whose calls failed is tried
+        again on the next pass until it answers or goes away."""
         try:
             with grpc.insecure_channel(f"unix://{path}") as channel:
                 stub = reg_grpc.RegistrationStub(channel)
@@ -160,11 +170,14 @@ class DraKubeletSimulator:
                     timeout=5,
                 )
         except grpc.RpcError as exc:
-            log.warning("registration via %s failed: %s", path, exc)
-            return
+            if self._failed.get(path) != identity:
+                self._failed[path] = identity
+                log.warning("registration via %s failed (trying again): %s", path, exc)
+            return False
+        self._failed.pop(path, None)
         if problem is not None:
             self.refused.append(problem)
-            return
+            return True
         record = DraPluginRecord(
             info.name, info.endpoint, tuple(info.supported_versions), path, identity,
             grpc.insecure_channel(f"unix://{info.endpoint}"),
@@ -179,6 +192,7 @@ class DraKubeletSimulator:
             threading.Thread(
                 target=self._health, args=(record,), name="dra-health", daemon=True
             ).start()
+        return True
 
     def _check(self, info: reg_pb.PluginInfo) -> str | None:
         if info.type != "DRAPlugin":
