@@ -227,7 +227,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         log.info("Kubernetes API access on: %s given on the command line", args.api_by_flags)
     lib = nvml_library(config)
     stop = _stop_on_signals()
-    daemon = build(config, lib)
+    try:
+        daemon = build(config, lib)
+    except ConfigError as exc:
+        raise UsageError(f"config error: {exc}") from exc
     try:
         daemon.start()
     except (OSError, ValueError, RuntimeError) as exc:

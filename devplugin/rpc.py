@@ -31,6 +31,17 @@ def check_socket_path(path: Path) -> None:
         )
 
 
+def check_server_path(path: Path) -> None:
+    """A path a SocketServer can serve on (its hidden name is longer)."""
+    check_socket_path(path)
+    if len(os.fsencode(path)) + _HIDDEN_EXTRA > MAX_SOCKET_PATH:
+        raise ValueError(
+            f"unix socket path {path} is {len(os.fsencode(path))} bytes; the server "
+            f"binds a temporary name {_HIDDEN_EXTRA} bytes longer first, so at most "
+            f"{MAX_SOCKET_PATH - _HIDDEN_EXTRA} are allowed"
+        )
+
+
 @dataclass(frozen=True)
 class SocketIdentity:
     """Which file a path names: a replaced socket has a new inode."""
@@ -71,13 +82,7 @@ class SocketServer:
         workers: int = 8,
         thread_prefix: str = "",
     ) -> None:
-        check_socket_path(path)
-        if len(os.fsencode(path)) + _HIDDEN_EXTRA > MAX_SOCKET_PATH:
-            raise ValueError(
-                f"unix socket path {path} is {len(os.fsencode(path))} bytes; the server "
-                f"binds a temporary name {_HIDDEN_EXTRA} bytes longer first, so at most "
-                f"{MAX_SOCKET_PATH - _HIDDEN_EXTRA} are allowed"
-            )
+        check_server_path(path)
         self.name = name
         self.path = path
         self._add = add

@@ -13,11 +13,13 @@ every one first, then joining each: no stop waits out another's interval.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -37,6 +39,7 @@ from devplugin.cluster.slices import SlicePublisher, slice_cache
 from devplugin.config import (
     CDI_STRATEGIES,
     Config,
+    ConfigError,
     HooksConfig,
     dra_cdi_kind,
     dra_kinds,
@@ -46,7 +49,7 @@ from devplugin.config import (
 from devplugin.frontends.deviceplugin.kubelet import Registrar
 from devplugin.frontends.deviceplugin.server import DevicePluginServicer, PluginServer, socket_name
 from devplugin.frontends.dra.driver import DraFrontend
-from devplugin.frontends.dra.plugin import DraPlugin
+from devplugin.frontends.dra.plugin import DraPlugin, socket_paths
 from devplugin.frontends.dra.prepare import Preparer
 from devplugin.frontends.dra.slices import names as slice_names
 from devplugin.frontends.dra.slices import node_devices
@@ -82,6 +85,7 @@ from devplugin.node.status import StatusServer
 from devplugin.policy.allocator import native_fold_available
 from devplugin.policy.claims import ClaimReader, ClaimReadError
 from devplugin.policy.podinfo import PodInfo
+from devplugin.rpc import check_server_path
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +119,16 @@ XID_ARM_WAIT = 5.0
 
 def _hooks_config(config: Config, kind: DeviceKind) -> HooksConfig:
     return config.resources.gpu.hooks if kind is DeviceKind.GPU else config.resources.hca.hooks
+
+
+@contextlib.contextmanager
+def socket_path_of(field: str) -> Iterator[None]:
+    """A socket path the kernel cannot bind is the configured directory's
+    fault: a config error naming it, not a failure at start."""
+    try:
+        yield
+    except ValueError as exc:
+        raise ConfigError(field, str(exc)) from exc
 
 
 def build_resources(config: Config) -> list[Resource]:
@@ -563,7 +577,8 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
             metrics=metrics,
         )
         pipeline.connect(resource.kind, servicer.update)
-        server = PluginServer(servicer, plugin_dir / socket_name(resource.name))
+        with socket_path_of("paths.device_plugin_dir"):
+            server = PluginServer(servicer, plugin_dir / socket_name(resource.name))
         records.append(ResourceRecord(resource, hooks, servicer, server))
     registrar = Registrar(
         [record.server for record in records],
@@ -662,6 +677,13 @@ def _dra_frontend(
         names=lambda: slice_names(node_devices(pipeline.inventory, kinds)),
         metrics=metrics,
     )  # fmt: skip
+    service_path, registration_path = socket_paths(
+        Path(paths.kubelet_plugins_dir), Path(paths.kubelet_registry_dir), dra.driver
+    )
+    with socket_path_of("paths.kubelet_plugins_dir"):
+        check_server_path(service_path)
+    with socket_path_of("paths.kubelet_registry_dir"):
+        check_server_path(registration_path)
     plugin = DraPlugin(
         preparer,
         plugins_dir=Path(paths.kubelet_plugins_dir),

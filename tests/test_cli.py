@@ -135,6 +135,44 @@ def test_relative_kubelet_plugins_dir_exits_two(capsys: pytest.CaptureFixture[st
     )
 
 
+def test_a_socket_directory_too_long_to_bind_in_exits_two_naming_the_field(
+    node: BuiltNode, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 80 bytes of directory leave no room for "/devplugin-nvidia.com-gpu.sock"
+    # plus the server's hidden name within the kernel's 107.
+    deep = "/tmp/" + "d" * 75
+    assert main(["run", "--device-plugin-dir", deep, *source_flags(node)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("devplugin: config error: paths.device_plugin_dir: unix socket path ")
+    assert "\n" not in err
+    assert not Path(deep).exists(), "refused before anything was created"
+
+
+def test_a_registry_directory_too_long_to_bind_in_exits_two_naming_the_field(
+    node: BuiltNode, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    kubeconfig = tmp_path / "kubeconfig"
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "version: v1\nresources:\n  hca:\n    api: dra\n"
+        f"kubernetes:\n  enabled: true\n  kubeconfig: {kubeconfig}\n  node_name: n1\n"
+    )
+    kubeconfig.write_text(
+        yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "c",
+            "clusters": [{"name": "c", "cluster": {"server": "http://127.0.0.1:9"}}],
+            "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+            "users": [{"name": "u", "user": {}}],
+        })
+    )  # fmt: skip
+    deep = "/tmp/" + "r" * 84
+    flags = ["--config", str(config), "--kubelet-registry-dir", deep]
+    assert main(["run", *flags, *source_flags(node)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("devplugin: config error: paths.kubelet_registry_dir: unix socket path ")
+    assert "\n" not in err
+
+
 def test_discover_json(node: BuiltNode, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["discover", "--json", *source_flags(node)]) == 0
     data = json.loads(capsys.readouterr().out)
