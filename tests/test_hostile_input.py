@@ -269,7 +269,7 @@ def test_a_root_that_does_not_exist_is_one_line_and_exit_two(
     assert f"paths.{flag[2:].replace('-', '_')}: {missing} is not a directory" in line
 
 
-def test_a_busy_metrics_port_names_the_address(tmp_path: Path) -> None:
+def test_a_busy_metrics_port_names_the_address(tmp_path: Path, sock_dir: Path) -> None:
     node = build_node(hgx_node(), tmp_path / "node")
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
@@ -279,7 +279,7 @@ def test_a_busy_metrics_port_names_the_address(tmp_path: Path) -> None:
         result = subprocess.run(
             [sys.executable, "-m", "devplugin", "run", "--sysfs-root", str(node.sysfs_root),
              "--dev-root", str(node.dev_root), "--nvml-fixture", str(node.fixture),
-             "--device-plugin-dir", str(tmp_path / "dp"),
+             "--device-plugin-dir", str(sock_dir / "dp"),
              "--checkpoint-file", str(tmp_path / "c.json"),
              "--metrics-address", f"127.0.0.1:{port}"],
             capture_output=True, text=True, timeout=60, check=False,
