@@ -13,13 +13,11 @@ every one first, then joining each: no stop waits out another's interval.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import gc
 import logging
 import os
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -121,12 +119,11 @@ def _hooks_config(config: Config, kind: DeviceKind) -> HooksConfig:
     return config.resources.gpu.hooks if kind is DeviceKind.GPU else config.resources.hca.hooks
 
 
-@contextlib.contextmanager
-def socket_path_of(field: str) -> Iterator[None]:
+def check_socket_field(field: str, path: Path) -> None:
     """A socket path the kernel cannot bind is the configured directory's
     fault: a config error naming it, not a failure at start."""
     try:
-        yield
+        check_server_path(path)
     except ValueError as exc:
         raise ConfigError(field, str(exc)) from exc
 
@@ -577,8 +574,9 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
             metrics=metrics,
         )
         pipeline.connect(resource.kind, servicer.update)
-        with socket_path_of("paths.device_plugin_dir"):
-            server = PluginServer(servicer, plugin_dir / socket_name(resource.name))
+        endpoint = plugin_dir / socket_name(resource.name)
+        check_socket_field("paths.device_plugin_dir", endpoint)
+        server = PluginServer(servicer, endpoint)
         records.append(ResourceRecord(resource, hooks, servicer, server))
     registrar = Registrar(
         [record.server for record in records],
@@ -680,10 +678,8 @@ def _dra_frontend(
     service_path, registration_path = socket_paths(
         Path(paths.kubelet_plugins_dir), Path(paths.kubelet_registry_dir), dra.driver
     )
-    with socket_path_of("paths.kubelet_plugins_dir"):
-        check_server_path(service_path)
-    with socket_path_of("paths.kubelet_registry_dir"):
-        check_server_path(registration_path)
+    check_socket_field("paths.kubelet_plugins_dir", service_path)
+    check_socket_field("paths.kubelet_registry_dir", registration_path)
     plugin = DraPlugin(
         preparer,
         plugins_dir=Path(paths.kubelet_plugins_dir),
