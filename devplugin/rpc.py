@@ -19,8 +19,9 @@ log = logging.getLogger(__name__)
 SOCKET_MODE = 0o600
 # The kernel limit for sun_path, including the terminating NUL.
 MAX_SOCKET_PATH = 107
-# A server binds `.<name>.<6 hex>` beside its path first (see SocketServer.start).
-_HIDDEN_EXTRA = len(".") + len(".") + 6
+# A server binds `.<name>.<hex token>` beside its path first (see SocketServer.start).
+_HIDDEN_TOKEN_BYTES = 3
+_HIDDEN_EXTRA = len(".") + len(".") + 2 * _HIDDEN_TOKEN_BYTES
 
 
 def check_socket_path(path: Path) -> None:
@@ -119,7 +120,8 @@ class SocketServer:
         # A fresh hidden name each start: gRPC unlinks the name it bound when
         # a server shuts down, and a late shutdown of the previous server
         # must not take the new server's file.
-        hidden = self.path.with_name(f".{self.path.name}.{secrets.token_hex(3)}")
+        token = secrets.token_hex(_HIDDEN_TOKEN_BYTES)
+        hidden = self.path.with_name(f".{self.path.name}.{token}")
         server.add_insecure_port(f"unix://{hidden}")
         try:
             server.start()
