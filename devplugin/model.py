@@ -36,12 +36,15 @@ class DeviceKind(enum.Enum):
 class Refused(Exception):
     """A request the daemon cannot answer; `reason` is shown to the kubelet."""
 
-    def __init__(self, reason: str, *, invalid_argument: bool) -> None:
+    def __init__(self, reason: str, *, invalid_argument: bool, retry: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
         # True: the request itself is malformed (INVALID_ARGUMENT);
         # False: it is well formed but cannot be met now (FAILED_PRECONDITION).
         self.invalid_argument = invalid_argument
+        # It may be met if asked again a little later (UNAVAILABLE): a
+        # cleanup of its devices is still running.
+        self.retry = retry
 
 
 class Health(enum.Enum):

@@ -62,7 +62,7 @@ def test_a_device_of_another_claim_is_refused_and_nothing_changes(tmp_path: Path
     cleanup = dra_node(Runner([]), tmp_path).cleanup
     assert cleanup.begin_claim(claim("u1", "a")) is None
     error = cleanup.begin_claim(claim("u2", "b", "a"))
-    assert error == "a is prepared for claim u1"
+    assert str(error) == "a is prepared for claim u1"
     assert cleanup.claim("u2") is None
     assert cleanup.in_use(GPU) == {"a"}
     assert cleanup.claimed_by(GPU, "b") is None
@@ -102,7 +102,7 @@ def test_a_failed_checkpoint_write_refuses_the_claim(tmp_path: Path) -> None:
     (tmp_path / "c.json").mkdir()
     error = cleanup.begin_claim(claim("u1", "a"))
     assert error is not None
-    assert error.startswith("checkpoint not written")
+    assert str(error).startswith("checkpoint not written")
     assert cleanup.claim("u1") is None
     assert cleanup.in_use(GPU) == {"z"}
     assert cleanup.complete_claim(claim("u0", "z")) is not None

@@ -1,14 +1,17 @@
 """The lifecycle around one resource's allocations (the servicer's AllocationHooks).
 
-Before: a device still owed a cleanup is cleaned (or its running cleanup
-waited for). Then, optionally, attach mode adds the nearest HCAs to a GPU
-container and the init hook runs. After: the allocation is recorded once, in
-the ledger, and the pairing and cleanup bookkeeping advance.
+Before: the devices are taken into custody; one still owed a cleanup is
+cleaned first (its cleanup asked for now and waited for, within the
+caller's deadline). Then, optionally, attach mode adds the nearest HCAs to
+a GPU container and the init hook runs. After: the allocation is recorded
+once, in the ledger, and the pairing and cleanup bookkeeping advance; an
+Allocate that failed gives its devices back.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 from devplugin.model import DeviceKind, Refused
@@ -21,6 +24,13 @@ from devplugin.node.pipeline import Pipeline
 from devplugin.node.resources import ContainerAllocation, HcaResource, Resource
 
 log = logging.getLogger(__name__)
+
+# The share of the time left before the caller's deadline an Allocate may
+# spend waiting for a cleanup; the rest is for its init hook and answer.
+WAIT_SHARE = 0.5
+# Without a deadline (the kubelet sets none on Allocate), a wait ends this
+# long after the cleanup hook's own timeout, by when the hook was killed.
+KILL_GRACE = 5.0
 
 # Which container (and its pod's uid) an Allocate was for, when the pod cache can tell.
 Identify = Callable[[DeviceKind, Sequence[str]], tuple[ContainerKey, str] | None]
@@ -54,15 +64,24 @@ class ResourceHooks:
         self._poke = poke
         self._identify = identify
 
-    def prepare(self, physical: Sequence[str]) -> str | None:
-        if not self._cleanup.cleans(self._kind):
-            return None
-        error = self._cleanup.prepare(
-            self._kind, physical, reuse_proves_release=self._resource.reuse_proves_release
-        )
-        # A device cleaned inline is Healthy again: judge before validating.
+    def take(self, physical: Sequence[str], deadline: float | None) -> None:
+        now = time.monotonic()
+        if deadline is not None:
+            until = now + max(0.0, deadline - now) * WAIT_SHARE
+        else:
+            until = now + self._cleanup.cleanup_timeout(self._kind) + KILL_GRACE
+        problem = self._cleanup.take(
+            self._kind, physical, shared=not self._resource.reuse_proves_release,
+            wait_until=until,
+        )  # fmt: skip
+        # A device cleaned meanwhile is Healthy again: judge before validating.
         self._pipeline.rejudge()
-        return error
+        if problem is not None:
+            raise Refused(str(problem), invalid_argument=False, retry=problem.retry)
+
+    def abandon(self, physical: Sequence[str], *, dirty: bool) -> None:
+        self._cleanup.abandon(self._kind, physical, dirty=dirty)
+        self._pipeline.rejudge()
 
     def extra(self, physical: Sequence[str]) -> ContainerAllocation | None:
         """Attach mode: the nearest healthy HCAs' nodes and variable for these GPUs."""

@@ -99,6 +99,8 @@ class DraKubeletSimulator:
         self._thread: threading.Thread | None = None
         self.refused: list[str] = []
         self.prepare_calls = 0
+        # The deadline of each prepare and unprepare (a test may shorten it).
+        self.call_timeout = CALL_TIMEOUT
 
     # -- lifecycle ---------------------------------------------------------------
     def start(self) -> None:
@@ -266,7 +268,7 @@ class DraKubeletSimulator:
             claims=[pb.Claim(namespace=c.namespace, uid=c.uid, name=c.name) for c in claims]
         )
         self.prepare_calls += 1
-        answer = stub.NodePrepareResources(request, timeout=CALL_TIMEOUT)
+        answer = stub.NodePrepareResources(request, timeout=self.call_timeout)
         return {
             uid: {
                 "error": entry.error,
@@ -288,5 +290,5 @@ class DraKubeletSimulator:
         request = pb.NodeUnprepareResourcesRequest(
             claims=[pb.Claim(namespace=c.namespace, uid=c.uid, name=c.name) for c in claims]
         )
-        answer = stub.NodeUnprepareResources(request, timeout=CALL_TIMEOUT)
+        answer = stub.NodeUnprepareResources(request, timeout=self.call_timeout)
         return {uid: entry.error for uid, entry in answer.claims.items()}

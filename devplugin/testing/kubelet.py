@@ -7,7 +7,10 @@ It behaves like the kubelet's device manager where a device plugin can tell:
   GetDevicePluginOptions, then opens ListAndWatch;
 * when a ListAndWatch stream ends it marks that plugin's devices Unhealthy
   and does not reconnect (only a new Register brings it back);
-* admits pods container by container (init containers first), resource by
+* admits one pod at a time, as the kubelet's sync loop does
+  (`HandlePodAdditions` in pkg/kubelet/kubelet.go runs admission, and with it
+  the device manager's Allocate, for each pod in turn); within a pod,
+  container by container (init containers first), resource by
   resource (in random order unless told), asking GetPreferredAllocation when
   offered, then Allocate, then PreStartContainer when required; devices of a
   finished (non-restartable) init container are reused first by the pod's
@@ -293,6 +296,8 @@ class KubeletSimulator:
         self._created = 0
         # Container resources being allocated (preference, Allocate, record).
         self._allocating = 0
+        # Held through each admission: one pod at a time.
+        self._admission = threading.Lock()
 
     # -- lifecycle -----------------------------------------------------------
     def start(self) -> None:
@@ -462,6 +467,16 @@ class KubeletSimulator:
         order: Sequence[str] | None = None,
     ) -> PodResult:
         """Admit a pod, allocating each container's resources like the kubelet."""
+        with self._admission:
+            return self._admit(pod, containers, namespace, order)
+
+    def _admit(
+        self,
+        pod: str,
+        containers: Sequence[ContainerRequest],
+        namespace: str,
+        order: Sequence[str] | None,
+    ) -> PodResult:
         key = (namespace, pod)
         with self._cond:
             if key in self._pods:

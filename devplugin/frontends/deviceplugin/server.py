@@ -39,10 +39,13 @@ def socket_name(resource_name: str) -> str:
 
 
 def status_of(refusal: Refused) -> grpc.StatusCode:
-    """A malformed request is INVALID_ARGUMENT; one that cannot be met now,
+    """A malformed request is INVALID_ARGUMENT; one that may be met when
+    asked again soon, UNAVAILABLE; one that cannot be met now,
     FAILED_PRECONDITION."""
     if refusal.invalid_argument:
         return grpc.StatusCode.INVALID_ARGUMENT
+    if refusal.retry:
+        return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.FAILED_PRECONDITION
 
 
@@ -77,9 +80,15 @@ class AllocationHooks(Protocol):
     servicer calls them only after the whole request was validated.
     """
 
-    def prepare(self, physical: Sequence[str]) -> str | None:
-        """Make the devices clean (wait for, or run, a cleanup owed); an error
-        text when they cannot be made clean."""
+    def take(self, physical: Sequence[str], deadline: float | None) -> None:
+        """Take custody of the devices for this container: clean ones at once,
+        ones owed a cleanup once it has run (waiting never past `deadline`,
+        monotonic, when the caller set one). Raises Refused."""
+        ...
+
+    def abandon(self, physical: Sequence[str], *, dirty: bool) -> None:
+        """The Allocate failed after `take`: give the devices back (`dirty`:
+        the init hook ran, so they are cleaned first)."""
         ...
 
     def extra(self, physical: Sequence[str]) -> ContainerAllocation | None:
@@ -110,7 +119,10 @@ class PartnerOracle(Protocol):
 class NoHooks:
     """A resource with nothing to do around allocations."""
 
-    def prepare(self, physical: Sequence[str]) -> str | None:
+    def take(self, physical: Sequence[str], deadline: float | None) -> None:
+        return None
+
+    def abandon(self, physical: Sequence[str], *, dirty: bool) -> None:
         return None
 
     def extra(self, physical: Sequence[str]) -> ContainerAllocation | None:
@@ -314,31 +326,45 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
                 resource.validate(state, ids)
             except Refused as exc:
                 self._refuse(context, status_of(exc), index, ids, exc.reason)
+        left = context.time_remaining()
+        deadline = None if left is None else time.monotonic() + left
         response = pb.AllocateResponse()
         given: list[list[str]] = []
-        for index, ids in enumerate(requested):
-            physical = resource.physical(ids)
-            given.append(physical)
-            problem = hooks.prepare(physical)
-            if problem is not None:
-                self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, index, ids, problem)
-            try:
-                # The state again: preparing may have cleaned a device inline.
-                allocation = resource.allocate(self.state, ids)
-            except Refused as exc:
-                self._refuse(context, status_of(exc), index, ids, exc.reason)
-            extra = hooks.extra(physical)
-            if extra is not None:
-                allocation = merge_allocations(allocation, extra)
-            problem = hooks.init(physical)
-            if problem is not None:
-                self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, index, ids, problem)
-            log.info("%s: allocated %s", resource.name, ",".join(ids))
-            if self._metrics is not None:
-                self._metrics.allocations.labels(resource.name, "ok").inc()
-            response.container_responses.append(to_proto_allocation(allocation))
-        for physical in given:
-            hooks.allocated(physical)
+        inited = 0  # containers whose init hook ran (or began)
+        done = False
+        try:
+            for index, ids in enumerate(requested):
+                physical = resource.physical(ids)
+                try:
+                    hooks.take(physical, deadline)
+                except Refused as exc:
+                    self._refuse(context, status_of(exc), index, ids, exc.reason)
+                given.append(physical)
+                try:
+                    # The state again: the take may have waited for a cleanup.
+                    allocation = resource.allocate(self.state, ids)
+                except Refused as exc:
+                    self._refuse(context, status_of(exc), index, ids, exc.reason)
+                extra = hooks.extra(physical)
+                if extra is not None:
+                    allocation = merge_allocations(allocation, extra)
+                inited = index + 1
+                problem = hooks.init(physical)
+                if problem is not None:
+                    self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, index, ids, problem)
+                log.info("%s: allocated %s", resource.name, ",".join(ids))
+                if self._metrics is not None:
+                    self._metrics.allocations.labels(resource.name, "ok").inc()
+                response.container_responses.append(to_proto_allocation(allocation))
+            for physical in given:
+                hooks.allocated(physical)
+            done = True
+        finally:
+            if not done:
+                # Whatever stopped it (a refusal aborts the call by raising):
+                # nothing taken stays taken.
+                for index, physical in enumerate(given):
+                    hooks.abandon(physical, dirty=index < inited)
         return response
 
     def _refuse(

@@ -73,6 +73,12 @@ def _refs(claims: Sequence[Any], context: grpc.ServicerContext) -> list[ClaimRef
     return refs
 
 
+def _deadline(context: grpc.ServicerContext) -> float | None:
+    """The caller's deadline on the monotonic clock, if it set one."""
+    left = context.time_remaining()
+    return None if left is None else time.monotonic() + left
+
+
 class _DraServicer:
     """Both DRAPlugin versions: the same calls on messages of either module."""
 
@@ -82,8 +88,9 @@ class _DraServicer:
 
     def NodePrepareResources(self, request: Any, context: grpc.ServicerContext) -> Any:
         answer = self._pb.NodePrepareResourcesResponse()
+        deadline = _deadline(context)
         for ref in _refs(request.claims, context):
-            devices, error = self._preparer.prepare(ref)
+            devices, error = self._preparer.prepare(ref, deadline)
             entry = answer.claims[ref.uid]
             if error:
                 entry.error = error
@@ -94,8 +101,9 @@ class _DraServicer:
 
     def NodeUnprepareResources(self, request: Any, context: grpc.ServicerContext) -> Any:
         answer = self._pb.NodeUnprepareResourcesResponse()
+        deadline = _deadline(context)
         for ref in _refs(request.claims, context):
-            error = self._preparer.unprepare(ref)
+            error = self._preparer.unprepare(ref, deadline)
             answer.claims[ref.uid].error = error
         return answer
 

@@ -5,19 +5,28 @@ claim the kubelet means (its uid), take the allocation results for this
 driver and this node's pool, and map each device name back to the node's
 device. Then, in this order:
 
-1. refuse a device another claim holds;
-2. clean inline any device still owed a cleanup (as an Allocate does), and
-   refuse one that is unhealthy for any other reason;
-3. record the claim as started, with its devices in use, in the checkpoint;
-4. run the init hooks;
-5. write the claim's CDI spec;
-6. record the claim as completed, with what each device was answered.
+1. take the devices (one step of the cleanup manager): refuse a device
+   another claim holds, wait for the cleanup of any device still owed one,
+   then record the claim as started, with its devices in use, in the
+   checkpoint;
+2. refuse a device that is unhealthy for any other reason (the take is
+   undone; nothing ran on the devices);
+3. run the init hooks;
+4. write the claim's CDI spec;
+5. record the claim as completed, with what each device was answered.
 
-A failure after 3 rolls back: the spec goes, the claim is forgotten and its
+A failure after 2 rolls back: the spec goes, the claim is forgotten and its
 devices are owed a cleanup (the init hook may have half run), so they are
-not offered again until clean. A daemon killed between 3 and 6 finds the
+not offered again until clean. A daemon killed between 1 and 5 finds the
 claim started at its next start and rolls it back the same way; the
 kubelet, which got no answer, asks again, and the prepare is redone.
+
+Nothing waits past the kubelet's deadline (taken from the call; 45 s when
+a call carries none). A prepare waits for a cleanup, or for an earlier call
+of its own claim, at most half the time left, leaving the rest to its init
+hooks; then it answers with an error naming the device and the cleanup, and
+the kubelet asks again. Only `max_waiting` calls wait at once, so the gRPC
+workers left answer other claims at once whatever those wait for.
 
 A claim already completed answers what it answered before; unprepare of a
 claim this node does not know is success (it may have been rolled back, or
@@ -36,7 +45,7 @@ from dataclasses import dataclass
 from devplugin.model import DeviceKind, Health, Refused
 from devplugin.node.lifecycle.cdi_spec import ClaimSpecs
 from devplugin.node.lifecycle.checkpoint import ClaimDevice, ClaimRecord
-from devplugin.node.lifecycle.cleanup import CleanupManager
+from devplugin.node.lifecycle.cleanup import CleanupManager, Problem
 from devplugin.node.lifecycle.devices import describe
 from devplugin.node.lifecycle.hooks import HookRunner, HookSpec
 from devplugin.node.metrics import Metrics
@@ -46,6 +55,15 @@ from devplugin.policy.cdi import PathNode, claim_spec, qualified
 from devplugin.policy.claims import ClaimReader, ClaimReadError, claim_uid, results_for
 
 log = logging.getLogger(__name__)
+
+# The kubelet's deadline for a DRA call (defaultClientCallTimeout), for a
+# call that carries none.
+DEFAULT_DEADLINE = 45.0
+# The share of the time left before the caller's deadline a prepare may
+# spend waiting; the rest is for its init hooks and its answer.
+WAIT_SHARE = 0.5
+# Calls that may wait at once (the DRA socket has 8 gRPC workers).
+MAX_WAITING = 4
 
 
 @dataclass(frozen=True)
@@ -73,6 +91,8 @@ class Preparer:
         reader: ClaimReader,
         names: Callable[[], Mapping[str, tuple[DeviceKind, str]]],
         metrics: Metrics | None = None,
+        max_waiting: int = MAX_WAITING,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.driver = driver
         self.pool = pool
@@ -93,6 +113,8 @@ class Preparer:
         # both get it: begin_claim checks and records holders atomically.
         self._guard = threading.Lock()
         self._claim_locks: dict[str, tuple[threading.Lock, int]] = {}
+        self._waiting = threading.BoundedSemaphore(max_waiting)
+        self._clock = clock
 
     @property
     def kinds(self) -> Collection[DeviceKind]:
@@ -103,13 +125,21 @@ class Preparer:
         return self._cleanup.untrusted
 
     @contextlib.contextmanager
-    def _claim_lock(self, uid: str) -> Iterator[None]:
+    def _claim_lock(self, uid: str, until: float) -> Iterator[None]:
+        """The claim's own lock, waited for until `until` at most."""
         with self._guard:
             lock, users = self._claim_locks.get(uid, (threading.Lock(), 0))
             self._claim_locks[uid] = (lock, users + 1)
         try:
-            with lock:
+            if not lock.acquire(timeout=max(0.0, until - self._clock())):
+                raise Refused(
+                    f"claim {uid}: an earlier call for it is still running; try again",
+                    invalid_argument=False,
+                )
+            try:
                 yield
+            finally:
+                lock.release()
         finally:
             with self._guard:
                 lock, users = self._claim_locks[uid]
@@ -119,13 +149,35 @@ class Preparer:
                     self._claim_locks[uid] = (lock, users - 1)
 
     # -- the two calls ---------------------------------------------------------
-    def prepare(self, ref: ClaimRef) -> tuple[tuple[ClaimDevice, ...], str]:
-        """(devices, "") or ((), why not)."""
+    @contextlib.contextmanager
+    def _wait_budget(self, deadline: float | None) -> Iterator[float]:
+        """Until when this call may wait: a share of the time left, when one
+        of the waiting places is free, else not at all."""
+        now = self._clock()
+        left = (deadline if deadline is not None else now + DEFAULT_DEADLINE) - now
+        if not self._waiting.acquire(blocking=False):
+            yield now
+            return
+        try:
+            yield now + max(0.0, left) * WAIT_SHARE
+        finally:
+            self._waiting.release()
+
+    def prepare(
+        self, ref: ClaimRef, deadline: float | None = None
+    ) -> tuple[tuple[ClaimDevice, ...], str]:
+        """(devices, "") or ((), why not), before `deadline` (monotonic)."""
         started = time.monotonic()
-        with self._claim_lock(ref.uid):
-            known = self._cleanup.claim(ref.uid)
-            again = known is not None and known.completed
-            devices, error = self._prepare_guarded(ref)
+        again = False
+        with self._wait_budget(deadline) as until:
+            try:
+                with self._claim_lock(ref.uid, until):
+                    known = self._cleanup.claim(ref.uid)
+                    again = known is not None and known.completed
+                    devices, error = self._prepare_guarded(ref, until)
+            except Refused as exc:
+                log.warning("claim %s not prepared: %s", ref, exc.reason)
+                devices, error = (), exc.reason
         if self._metrics is not None:
             result = "error" if error else "again" if again else "ok"
             self._metrics.dra_claims.labels("prepare", result).inc()
@@ -133,9 +185,9 @@ class Preparer:
                 self._metrics.dra_prepare_seconds.observe(time.monotonic() - started)
         return devices, error
 
-    def _prepare_guarded(self, ref: ClaimRef) -> tuple[tuple[ClaimDevice, ...], str]:
+    def _prepare_guarded(self, ref: ClaimRef, until: float) -> tuple[tuple[ClaimDevice, ...], str]:
         try:
-            return self._prepare(ref), ""
+            return self._prepare(ref, until), ""
         except Refused as exc:
             log.warning("claim %s not prepared: %s", ref, exc.reason)
             return (), exc.reason
@@ -148,11 +200,18 @@ class Preparer:
                 self._roll_back(known, "rolled back after an internal error")
             return (), f"internal error: {type(exc).__name__}: {exc}"[:500]
 
-    def unprepare(self, ref: ClaimRef) -> str:
-        with self._claim_lock(ref.uid):
-            claim = self._cleanup.claim(ref.uid)
-            if claim is not None:
-                self._roll_back(claim, "unprepared")
+    def unprepare(self, ref: ClaimRef, deadline: float | None = None) -> str:
+        claim = None
+        with self._wait_budget(deadline) as until:
+            try:
+                with self._claim_lock(ref.uid, until):
+                    claim = self._cleanup.claim(ref.uid)
+                    if claim is not None:
+                        self._roll_back(claim, "unprepared")
+            except Refused as exc:
+                if self._metrics is not None:
+                    self._metrics.dra_claims.labels("unprepare", "error").inc()
+                return exc.reason
         if self._metrics is not None:
             self._metrics.dra_claims.labels("unprepare", "ok" if claim else "again").inc()
         return ""
@@ -214,7 +273,7 @@ class Preparer:
         )  # fmt: skip
 
     # -- the steps -----------------------------------------------------------------
-    def _prepare(self, ref: ClaimRef) -> tuple[ClaimDevice, ...]:
+    def _prepare(self, ref: ClaimRef, until: float) -> tuple[ClaimDevice, ...]:
         known = self._cleanup.claim(ref.uid)
         if known is not None and known.completed:
             return known.devices
@@ -223,18 +282,11 @@ class Preparer:
         devices = self._devices(ref)
         if not devices:
             return ()
-        for device in devices:
-            holder = self._cleanup.claimed_by(device.kind, device.id)
-            if holder is not None and holder != ref.uid:
-                raise Refused(
-                    f"device {device.device} is prepared for claim {holder}",
-                    invalid_argument=False,
-                )
-        self._make_clean(devices)
         started = ClaimRecord(ref.uid, ref.namespace, ref.name, devices)
-        error = self._cleanup.begin_claim(started)
-        if error is not None:
-            raise Refused(error, invalid_argument=False)
+        problem = self._cleanup.begin_claim(started, wait_until=until)
+        if problem is not None:
+            raise Refused(_named(problem, devices), invalid_argument=False)
+        self._check_healthy(ref, devices)
         try:
             answered = self._run(ref, devices)
         except Refused:
@@ -290,23 +342,22 @@ class Preparer:
             for device, requests in by_device.items()
         )
 
-    def _make_clean(self, devices: Sequence[ClaimDevice]) -> None:
-        for kind in self._resources:
-            ids = [device.id for device in devices if device.kind is kind]
-            if ids and self._cleanup.cleans(kind):
-                error = self._cleanup.prepare(kind, ids)
-                if error is not None:
-                    raise Refused(error, invalid_argument=False)
-        # A device cleaned inline is Healthy again: judge before checking.
+    def _check_healthy(self, ref: ClaimRef, devices: Sequence[ClaimDevice]) -> None:
+        """After the take: refuse a device unhealthy for another reason than
+        its custody (a fault, a port down), undoing the take; nothing ran."""
         self._pipeline.rejudge()
         for device in devices:
             state = self._pipeline.served(device.kind)
             judged = state.device(device.id) if state is not None else None
+            problem = None
             if judged is None:
-                raise Refused(f"device {device.device} is not served now", invalid_argument=False)
-            if judged.health is not Health.HEALTHY:
-                raise Refused(f"device {device.device} is unhealthy: {judged.reason}",
-                              invalid_argument=False)  # fmt: skip
+                problem = f"device {device.device} is not served now"
+            elif judged.health is not Health.HEALTHY:
+                problem = f"device {device.device} is unhealthy: {judged.reason}"
+            if problem is not None:
+                self._cleanup.end_claim(ref.uid, dirty=False)
+                self._pipeline.rejudge()
+                raise Refused(problem, invalid_argument=False)
 
     def _run(self, ref: ClaimRef, devices: Sequence[ClaimDevice]) -> tuple[ClaimDevice, ...]:
         """Init hooks, then the CDI spec; the devices with their CDI ids."""
@@ -370,6 +421,14 @@ class Preparer:
         self._cleanup.end_claim(claim.uid)
         self._pipeline.rejudge()
         log.info("claim %s/%s (%s) %s", claim.namespace, claim.name, claim.uid, why)
+
+
+def _named(problem: Problem, devices: Sequence[ClaimDevice]) -> str:
+    """The problem with its device named as the claim names it."""
+    for device in devices:
+        if device.id == problem.device:
+            return problem.named(f"device {device.device}")
+    return str(problem)
 
 
 def _path_node(node: DeviceNode) -> PathNode:

@@ -132,9 +132,11 @@ class LifecycleState:
             "pending_cleanup": {kind.value: sorted(ids) for kind, ids in self.pending.items()},
             "running_hooks": [
                 {"kind": kind.value, "device": device, "pgid": pgid, "start_ticks": ticks}
-                for (kind, device), (pgid, ticks) in sorted(self.running.items())
+                for (kind, device), (pgid, ticks) in sorted(
+                    self.running.items(), key=lambda item: (item[0][0].value, item[0][1])
+                )
             ],
-            "claims": [claim.to_json() for _, claim in sorted(self.claims.items())],
+            "claims": [claim.to_json() for _, claim in sorted(self.claims.items(), key=_first)],
         }
 
     @classmethod
@@ -180,6 +182,10 @@ class LifecycleState:
                 raise ValueError(f"claim {claim.uid} is listed twice")
             state.claims[claim.uid] = claim
         return state
+
+
+def _first(item: tuple[str, ClaimRecord]) -> str:
+    return item[0]
 
 
 def _is_int(value: object) -> bool:

@@ -1,26 +1,33 @@
-"""Cleaning devices after their containers, and knowing which are in use.
+"""Custody of devices: who holds each one, what it owes, and cleaning it.
 
-The only reliable signal a device plugin has that a device was released is
-the kubelet's PodResources API. The manager keeps the set of devices in use
-(Allocate adds to it; each poll says which are still held) and, when a device
-has been absent from `confirmations` polls in a row, owes it a cleanup.
-While a cleanup is owed or running the device is Unhealthy, so the kubelet
-does not hand it out; success makes it Healthy; failure keeps it out
-(quarantined) and retries with exponential backoff.
+Every device has one custody record (`custody.py`) and every change to any
+record is one step under this manager's one lock, checked against the
+record's phase. Four pieces work around the records:
 
-A device the kubelet allocates again before a poll noticed its release is
-cleaned inline, in that Allocate, before the new container gets it: the
-kubelet only allocates free devices, so the allocation itself proves the
-release.
+* takes and releases. A DRA prepare takes a claim's devices in one step
+  (`begin_claim`) and an unprepare releases them (`end_claim`); an Allocate
+  takes a container's devices (`take`, then `allocated`). A take of a device
+  that another holder has is refused in the step that would take it; a take
+  of a device owed a cleanup asks for that cleanup now and waits for it, but
+  never past the caller's deadline: it answers with a retryable error naming
+  the device and the cleanup. The kubelet only allocates devices it believes
+  free, so an Allocate of a device still held proves its release: it is
+  released in that step and cleaned before it is taken.
+* releases from the pod side (`releases.py`): PodResources answers and the
+  pod watch say when a device-plugin device is let go.
+* the cleaners: a few threads that run the cleanup hook of released devices,
+  one device at a time each, only on devices nobody holds. A cleanup counts
+  for a release only if it started after it. A failed one quarantines the
+  device and is retried with exponential backoff.
+* the checkpoint: written on every change, derived from the records in a
+  stable order. After a restart, devices that were in use stay out until
+  their holder is confirmed (then held, not cleaned) or released (then
+  cleaned first); owed cleanups stay owed; hooks a killed daemon left
+  running are killed first. A write that fails keeps every device whose
+  change it did not record out of service and is retried until one succeeds.
 
-The sets are written to a checkpoint on every change. After a restart,
-devices that were in use stay Unhealthy until a poll says whether they are
-still in use (then Healthy, not cleaned) or released (then cleaned first).
-
-Kinds handed out through DRA (`explicit`) are not inferred from polls: the
-kubelet says when a claim is prepared and unprepared, so a device is in use
-exactly while a claim holds it (`begin_claim` .. `end_claim`), and the
-claims are kept in the same checkpoint as the devices they hold.
+While a device is owed a cleanup, being cleaned, or unverified, its verdict
+is Unhealthy, so the kubelet does not hand it out.
 """
 
 from __future__ import annotations
@@ -28,14 +35,24 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
-from functools import partial
-from typing import Protocol
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
-from devplugin.model import DeviceKind, Health
+from devplugin.model import DeviceKind
 from devplugin.node.ledger import Ledger
-from devplugin.node.lifecycle.checkpoint import Checkpoint, ClaimRecord, LifecycleState
+from devplugin.node.lifecycle import custody
+from devplugin.node.lifecycle.checkpoint import Checkpoint, ClaimRecord
+from devplugin.node.lifecycle.custody import (
+    FREE,
+    IN_USE,
+    OWING,
+    Custody,
+    Key,
+    Owner,
+    Phase,
+    Take,
+    order,
+)
 from devplugin.node.lifecycle.health import HealthTracker, Verdict
 from devplugin.node.lifecycle.hooks import (
     HookDevice,
@@ -47,42 +64,44 @@ from devplugin.node.lifecycle.hooks import (
     process_start_ticks,
     run_hook,
 )
+from devplugin.node.lifecycle.releases import PodWitness, ReleaseRule
+
+__all__ = ["CleanupManager", "Owner", "PodWitness", "Problem"]
 
 log = logging.getLogger(__name__)
 
-# How long stop waits for the worker once its running hook was killed.
+# How long stop waits for the cleaners once their running hooks were killed.
 STOP_WAIT = 5.0
+# Cleanups that may run at once (each on its own device).
+CLEANERS = 4
 
 Describe = Callable[[DeviceKind, Sequence[str]], list[HookDevice] | None]
 
-# (namespace, pod, pod uid when known)
-Owner = tuple[str, str, str | None]
+
+@dataclass(frozen=True)
+class Problem:
+    """Why a take did not happen: `before` + the device + `after`, so a
+    caller can name the device its own way. `retry`: a cleanup still has to
+    finish; asking again later may succeed."""
+
+    before: str
+    device: str = ""
+    after: str = ""
+    retry: bool = False
+
+    def __str__(self) -> str:
+        return self.named(self.device)
+
+    def named(self, name: str) -> str:
+        return f"{self.before}{name}{self.after}"
 
 
-class PodWitness(Protocol):
-    """What the cluster says about a pod (the pod watch); never blocks."""
-
-    def uid_of(self, namespace: str, pod: str) -> str | None:
-        """The uid of the pod of that name on this node now, if known."""
-
-    def ended(self, owner: Owner) -> bool | None:
-        """Whether the pod is gone or finished; None when the watch cannot tell."""
-
-    def init_claimant(self, resource: str) -> bool | None:
-        """Whether a live pod on this node has a (run-once) init container
-        asking for `resource`; None when the watch cannot tell."""
-
-
-@dataclass
-class _Job:
-    attempts: int = 0
-    next_at: float = 0.0
-    running: bool = False
-    last_error: str = ""
-
-
-def _by_id(key: tuple[DeviceKind, str]) -> tuple[str, str]:
-    return key[0].value, key[1]
+def _problem(device: str, text: str, *, retry: bool = False) -> Problem:
+    """A Problem from a text that names `device` (its first mention)."""
+    before, found, after = text.partition(device)
+    if not found:
+        return Problem(text, retry=retry)
+    return Problem(before, device, after, retry=retry)
 
 
 class CleanupManager:
@@ -104,63 +123,68 @@ class CleanupManager:
         clock: Callable[[], float] = time.monotonic,
         witness: PodWitness | None = None,
         explicit: Collection[DeviceKind] = (),
+        cleaners: int = CLEANERS,
     ) -> None:
         self._hooks = dict(hooks)
         # Kinds whose releases only end_claim says (DRA), never a poll.
         self._explicit = frozenset(explicit)
-        self._claims: dict[str, ClaimRecord] = {}
-        self._claimed: dict[tuple[DeviceKind, str], str] = {}
         self._names = dict(resource_names)
         self._describe = describe
         self._checkpoint = checkpoint
-        self._confirmations = confirmations
         self._retry_initial = retry_initial
         self._retry_max = retry_max
         self._on_change = on_change
+        self._on_save = on_save
         self._ledger = ledger
         self._health = health
         self._runner = runner
         self._clock = clock
+        self._witness = witness
+        self._rule = ReleaseRule(confirmations, self._names, witness, self._explicit)
+        self._cleaners = max(1, cleaners)
+        # The one lock: every record and claim changes under it, in one step.
         self._cond = threading.Condition()
-        self._assigned: dict[DeviceKind, set[str]] = {kind: set() for kind in DeviceKind}
-        self._unverified: set[tuple[DeviceKind, str]] = set()
-        self._missing: dict[tuple[DeviceKind, str], int] = {}
-        self._jobs: dict[tuple[DeviceKind, str], _Job] = {}
+        self._records: dict[Key, Custody] = {}
+        self._claims: dict[str, ClaimRecord] = {}
+        self._releases = 0
         self._stop = False
         self._loaded = False
-        self._thread: threading.Thread | None = None
-        self._on_save = on_save
+        self._threads: list[threading.Thread] = []
         # Set at stop: running hooks are killed, their devices stay owed.
         self._cancel = threading.Event()
         # No trustworthy checkpoint: every device seen is adopted as possibly
-        # dirty (in use until PodResources says otherwise, then cleaned).
+        # dirty (in use until its holder is confirmed, else cleaned).
         self._untrusted = False
-        self._adopted: set[tuple[DeviceKind, str]] = set()
-        # Hooks running now, and hooks a previous daemon left running.
-        self._running: dict[tuple[DeviceKind, str], tuple[int, int | None]] = {}
-        self._leftovers: dict[tuple[DeviceKind, str], tuple[int, int | None]] = {}
-        # Devices whose last change is not in the checkpoint (a write failed).
-        self._unsaved: set[tuple[DeviceKind, str]] = set()
         self._save_error: str | None = None
-        # With the pod watch, PodResources no longer showing a device is not
-        # enough: its pod must also be gone or finished (PodResources can
-        # answer empty for a while; a finished init container's devices
-        # belong to the pod until it ends, as the kubelet keeps them).
-        self._witness = witness
-        self._owners: dict[tuple[DeviceKind, str], Owner] = {}
-        self._held_back: set[tuple[DeviceKind, str]] = set()
-        # Allocated while the pod watch could not name the pod (it lagged the
-        # kubelet). PodResources never lists a finished init container, so
-        # its absence there proves nothing while some live pod on this node
-        # has an init container asking for the resource.
-        self._unnamed: set[tuple[DeviceKind, str]] = set()
+        self._save_retry_at = 0.0
         self.runs = 0
 
-    # -- lifecycle -------------------------------------------------------------
+    # -- records -------------------------------------------------------------------
+    def _get(self, key: Key) -> Custody:
+        return self._records.get(key, FREE)
+
+    def _set(self, key: Key, record: Custody) -> None:
+        if record == FREE:
+            self._records.pop(key, None)
+        else:
+            self._records[key] = record
+
+    def _release_locked(self, key: Key, *, dirty: bool = True) -> bool:
+        """Out of use, owed a cleanup when its kind has a hook (and something
+        may have touched it). Whether a cleanup is owed."""
+        self._releases += 1
+        owes = dirty and key[0] in self._hooks
+        self._set(key, custody.released(self._get(key), self._releases, self._clock(), owes=owes))
+        return owes
+
+    def _name(self, kind: DeviceKind) -> str:
+        return self._names.get(kind, kind.value)
+
+    # -- lifecycle ---------------------------------------------------------------------
     def load(self) -> None:
         """Read the checkpoint (once): devices in use before a restart stay
-        Unhealthy until a poll says where they are; owed cleanups stay owed;
-        hooks a killed daemon left running are killed (and waited for) first."""
+        out until their holder is confirmed; owed cleanups stay owed; hooks a
+        killed daemon left running are killed (and waited for) first."""
         if self._loaded:
             return
         self._loaded = True
@@ -173,37 +197,48 @@ class CleanupManager:
                 "is cleaned before it is offered",
                 " and ".join(self._names[kind] for kind in self._hooks),
             )
+        now = self._clock()
         with self._cond:
             self._untrusted = not saved.trusted
             for claim in saved.claims.values():
-                self._remember_claim_locked(claim)
+                self._claims[claim.uid] = claim
+                for key in _keys(claim):
+                    record = self._get(key)
+                    self._set(key, custody.held_by(record, (*record.claims, claim.uid), now))
             for kind in DeviceKind:
-                self._assigned[kind] = set(saved.assigned[kind])
                 for device in saved.assigned[kind]:
-                    # A claim's device is known to be in use until its unprepare.
-                    if kind in self._hooks and (kind, device) not in self._claimed:
-                        self._unverified.add((kind, device))
-                for device in saved.pending[kind]:
+                    key = (kind, device)
+                    if self._get(key).phase is Phase.HELD:
+                        continue  # a claim's device is in use until its unprepare
                     if kind in self._hooks:
-                        self._jobs[(kind, device)] = _Job()
-            for (kind, device), process in saved.running.items():
-                self._leftovers[(kind, device)] = process
-                # Whatever the hook was doing, the device's state is unknown.
-                if kind in self._hooks:
-                    self._jobs.setdefault((kind, device), _Job())
+                        self._set(key, custody.unverified(self._get(key), now, adopted=False))
+                    else:
+                        self._set(key, custody.held_by(self._get(key), (), now))
+                for device in saved.pending[kind]:
+                    key = (kind, device)
+                    # In use and owed at once (an older daemon's file): the
+                    # holder decides; its release owes the cleanup again.
+                    if kind in self._hooks and self._get(key).phase is Phase.FREE:
+                        self._release_locked(key)
+            for key, process in saved.running.items():
+                record = replace(self._get(key), leftover=process)
+                self._set(key, record)
+                # Whatever the hook was doing, an idle device's state is unknown.
+                if key[0] in self._hooks and record.phase is Phase.FREE:
+                    self._release_locked(key)
         if any(saved.assigned.values()) or any(saved.pending.values()):
             log.info(
                 "checkpoint: %d devices were in use, %d cleanups owed",
                 sum(len(ids) for ids in saved.assigned.values()),
                 sum(len(ids) for ids in saved.pending.values()),
             )
-        for key in list(self._leftovers):
+        for key in sorted(saved.running, key=order):
             self._end_leftover(key)
 
-    def _end_leftover(self, key: tuple[DeviceKind, str]) -> bool:
+    def _end_leftover(self, key: Key) -> bool:
         """Kill a hook a previous daemon left running; whether none is left."""
         with self._cond:
-            process = self._leftovers.get(key)
+            process = self._get(key).leftover
         if process is None:
             return True
         pgid, ticks = process
@@ -212,50 +247,63 @@ class CleanupManager:
             log.warning(
                 "%s: a hook for %s from before the restart is still running "
                 "(process group %d); killing it",
-                self._names.get(key[0], key[0].value), key[1], pgid,
+                self._name(key[0]), key[1], pgid,
             )  # fmt: skip
             if not kill_group(pgid):
                 return False
         with self._cond:
-            self._leftovers.pop(key, None)
+            self._set(key, replace(self._get(key), leftover=None))
             self._save_locked({key})
+            self._cond.notify_all()
         return True
 
     def present(self, kind: DeviceKind, ids: Sequence[str]) -> None:
         """The devices a scan found. Without a trustworthy checkpoint, each one
-        seen for the first time is treated as in use by an unknown container:
-        Unhealthy until PodResources says, then kept (held) or cleaned."""
+        seen for the first time is treated as in use by an unknown holder:
+        out of service until that is confirmed (held) or not (cleaned)."""
         if not self._untrusted or kind not in self._hooks:
             return
+        now = self._clock()
         with self._cond:
-            new = [d for d in ids if (kind, d) not in self._adopted]
-            for device in new:
-                self._adopted.add((kind, device))
-                if device in self._assigned[kind] or (kind, device) in self._jobs:
-                    continue
-                self._assigned[kind].add(device)
-                self._unverified.add((kind, device))
+            new = [(kind, d) for d in ids if not self._get((kind, d)).adopted]
+            for key in new:
+                record = replace(self._get(key), adopted=True)
+                if record.phase is Phase.FREE:
+                    record = custody.unverified(record, now, adopted=True)
+                self._set(key, record)
             if new:
-                self._save_locked({(kind, d) for d in new})
+                self._save_locked(set(new))
 
     def start(self) -> None:
-        """Start the worker (loading the checkpoint first if nobody did). The
-        runtime starts it after the first scan, so owed cleanups find their
+        """Start the cleaners (loading the checkpoint first if nobody did). The
+        runtime starts them after the first scan, so owed cleanups find their
         devices described instead of being pushed back."""
         self.load()
-        self._thread = threading.Thread(target=self._work, name="cleanup", daemon=True)
-        self._thread.start()
+        for number in range(self._cleaners):
+            thread = threading.Thread(target=self._work, name=f"cleanup-{number}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
 
     def signal_stop(self) -> None:
-        """Stop the worker and kill every running hook (their devices stay owed)."""
+        """Stop the cleaners and kill every running hook (their devices stay
+        owed); callers waiting for a cleanup are answered at once."""
         self._cancel.set()
         with self._cond:
             self._stop = True
             self._cond.notify_all()
 
     def join(self, timeout: float = STOP_WAIT) -> None:
-        if self._thread is not None:
-            self._thread.join(timeout)
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    def stop(self) -> None:
+        self.signal_stop()
+        self.join()
+
+    @property
+    def cancel(self) -> threading.Event:
+        return self._cancel
 
     def checkpoint_error(self) -> str | None:
         """Why the last checkpoint write failed; None once one succeeded."""
@@ -267,46 +315,92 @@ class CleanupManager:
         keys = {(kind, device) for device in ids}
 
         def track(started: Started | None) -> None:
+            process = None if started is None else (started.pgid, started.start_ticks)
             with self._cond:
                 for key in keys:
-                    if started is None:
-                        self._running.pop(key, None)
-                    else:
-                        self._running[key] = (started.pgid, started.start_ticks)
+                    self._set(key, replace(self._get(key), hook=process))
                 self._save_locked(keys)
+                self._cond.notify_all()
 
         return track
 
-    @property
-    def cancel(self) -> threading.Event:
-        return self._cancel
+    # -- the device-plugin side: takes, allocations, releases seen in polls ---------------
+    def take(
+        self,
+        kind: DeviceKind,
+        ids: Sequence[str],
+        *,
+        shared: bool = False,
+        wait_until: float | None = None,
+    ) -> Problem | None:
+        """Before an Allocate hands these devices out: release any the kubelet
+        proves released by allocating them, wait (until `wait_until`) for the
+        cleanups they owe, then take them all in one step.
 
-    def stop(self) -> None:
-        self.signal_stop()
-        self.join()
+        `shared`: the device is served as replicas; allocating one says
+        nothing of the others' holders, and a held one may be joined."""
+        keys = _unique((kind, device) for device in ids)
+        released: list[Key] = []
+        with self._cond:
+            for key in keys:
+                if custody.reuse_releases(self._get(key), shared=shared):
+                    if self._release_locked(key):
+                        log.info(
+                            "%s: %s allocated again before its release was seen; "
+                            "cleaned before it is given",
+                            self._name(kind), key[1],
+                        )  # fmt: skip
+                    released.append(key)
+            if released:
+                self._save_locked(set(released))
+                self._cond.notify_all()
+            problem = self._await_locked(
+                keys, lambda record: custody.for_container(record, shared=shared), wait_until
+            )
+            if problem is None:
+                now = self._clock()
+                for key in keys:
+                    if self._get(key).phase is Phase.FREE:
+                        self._set(key, custody.taking(self._get(key), now))
+                self._save_locked(set(keys))
+        if released:
+            self._on_change()
+        return problem
 
-    # -- inputs ----------------------------------------------------------------
     def allocated(self, kind: DeviceKind, ids: Sequence[str], owner: Owner | None = None) -> None:
         """An Allocate gave these devices to a container of `owner`'s pod (when
         the pod cache could tell)."""
         if self._witness is None:
             owner = None
+        keys = _unique((kind, device) for device in ids)
+        now = self._clock()
         with self._cond:
-            self._assigned[kind].update(ids)
-            for device in ids:
-                self._missing.pop((kind, device), None)
-                self._unverified.discard((kind, device))
-                # A new holder: the pod being admitted when the pod cache
-                # can tell, else PodResources will say.
-                if owner is not None:
-                    self._owners[(kind, device)] = owner
-                    self._unnamed.discard((kind, device))
-                else:
-                    self._owners.pop((kind, device), None)
-                    if self._witness is not None:
-                        self._unnamed.add((kind, device))
-                self._held_back.discard((kind, device))
-            self._save_locked({(kind, device) for device in ids})
+            for key in keys:
+                record = self._get(key)
+                if record.phase in OWING:
+                    # Unreachable through take; loud if it ever is.
+                    log.error("%s: %s given while %s", self._name(kind), key[1], record.phase.value)
+                    continue
+                # A new holder: the pod being admitted when the pod cache can
+                # tell, else PodResources will say.
+                unnamed = owner is None and self._witness is not None
+                self._set(key, custody.given(record, owner, unnamed=unnamed, now=now))
+            self._save_locked(set(keys))
+            self._cond.notify_all()
+
+    def abandon(self, kind: DeviceKind, ids: Sequence[str], *, dirty: bool) -> None:
+        """An Allocate that took these devices failed before giving them.
+        `dirty`: its init hook ran (even in part), so they are cleaned first."""
+        keys = _unique((kind, device) for device in ids)
+        owed = False
+        with self._cond:
+            for key in keys:
+                if self._get(key).phase is Phase.TAKING:
+                    owed |= self._release_locked(key, dirty=dirty)
+            self._save_locked(set(keys))
+            self._cond.notify_all()
+        if owed:
+            self._on_change()
 
     def observe(self) -> None:
         """The ledger has a new PodResources answer: count each in-use device
@@ -321,57 +415,29 @@ class CleanupManager:
             self._settle(count=False)
 
     def _settle(self, *, count: bool) -> None:
-        changed = False
-        touched: set[tuple[DeviceKind, str]] = set()
         taken = {kind: self._ledger.in_use(kind) for kind in DeviceKind}
         owners = self._holders() if count else {}
         with self._cond:
-            self._owners.update(owners)
-            self._unnamed -= owners.keys()
-            for kind in DeviceKind:
-                if kind in self._explicit:
-                    continue  # claims say when these are released
-                effective = taken[kind]
-                if count:
-                    for device in effective:
-                        self._missing.pop((kind, device), None)
-                        self._held_back.discard((kind, device))
-                        if (kind, device) in self._unverified:
-                            self._unverified.discard((kind, device))
-                            changed = True
-                    self._assigned[kind] |= effective
-                for device in sorted(self._assigned[kind] - effective):
-                    key = (kind, device)
-                    if count:
-                        self._missing[key] = self._missing.get(key, 0) + 1
-                    if self._missing.get(key, 0) < self._confirmations:
-                        continue
-                    if not self._pod_ended_locked(key):
-                        continue
-                    del self._missing[key]
-                    self._assigned[kind].discard(device)
-                    self._unverified.discard(key)
-                    self._owners.pop(key, None)
-                    self._unnamed.discard(key)
-                    self._held_back.discard(key)
-                    changed = True
-                    touched.add(key)
-                    if kind in self._hooks and key not in self._jobs:
-                        log.info("%s: %s released; cleanup scheduled", self._names[kind], device)
-                        self._jobs[key] = _Job()
+            settled = self._rule.settle(self._records, taken, owners, count=count)
+            for key, record in settled.changed.items():
+                self._set(key, record)
+            for key in settled.released:
+                if self._release_locked(key):
+                    log.info("%s: %s released; cleanup scheduled", self._name(key[0]), key[1])
+            changed = settled.visible
             if changed or self._save_error is not None:
                 # A failed write is retried at every poll until one succeeds.
-                changed |= self._save_locked(touched)
+                changed |= self._save_locked(set(settled.released))
                 self._cond.notify_all()
         if changed:
             self._on_change()
 
-    def _holders(self) -> dict[tuple[DeviceKind, str], Owner]:
+    def _holders(self) -> dict[Key, Owner]:
         """Who holds each device per the last PodResources answer (pods named
         with the uid the watch knows now, so a namesake later is told apart)."""
         if self._witness is None:
             return {}
-        found: dict[tuple[DeviceKind, str], Owner] = {}
+        found: dict[Key, Owner] = {}
         uids: dict[tuple[str, str], str | None] = {}
         for (namespace, pod, _), kinds in self._ledger.holdings().containers.items():
             if (namespace, pod) not in uids:
@@ -381,40 +447,7 @@ class CleanupManager:
                     found[(kind, device)] = (namespace, pod, uids[(namespace, pod)])
         return found
 
-    def _pod_ended_locked(self, key: tuple[DeviceKind, str]) -> bool:
-        """Whether a device PodResources no longer shows may be released."""
-        owner = self._owners.get(key)
-        if self._witness is None:
-            return True  # no pod watch: PodResources decides
-        if owner is None:
-            if key not in self._unnamed:
-                return True  # never seen held by a named pod: PodResources decides
-            claimed = self._witness.init_claimant(self._names.get(key[0], key[0].value))
-            if claimed is False:
-                return True
-            if key not in self._held_back:
-                self._held_back.add(key)
-                log.info(
-                    "%s: %s not listed by PodResources; its pod was not known when it was "
-                    "allocated and %s; not released",
-                    self._names.get(key[0], key[0].value), key[1],
-                    "a running pod's init container asks for this resource"
-                    if claimed else "the pod watch is down",
-                )  # fmt: skip
-            return False
-        ended = self._witness.ended(owner)
-        if ended:
-            return True
-        if key not in self._held_back:
-            self._held_back.add(key)
-            log.info(
-                "%s: %s not listed by PodResources, but pod %s/%s %s; not released",
-                self._names.get(key[0], key[0].value), key[1], owner[0], owner[1],
-                "is still running" if ended is False else "cannot be checked (pod watch down)",
-            )  # fmt: skip
-        return False
-
-    # -- DRA claims ------------------------------------------------------------
+    # -- DRA claims ----------------------------------------------------------------------
     @property
     def untrusted(self) -> bool:
         """No trustworthy checkpoint was found: what held what is unknown."""
@@ -431,369 +464,364 @@ class CleanupManager:
     def claimed_by(self, kind: DeviceKind, device: str) -> str | None:
         """The uid of the claim holding this device, if one does."""
         with self._cond:
-            return self._claimed.get((kind, device))
+            record = self._get((kind, device))
+            return record.claims[0] if record.phase is Phase.HELD and record.claims else None
 
-    def begin_claim(self, claim: ClaimRecord) -> str | None:
-        """A prepare starts: the claim (not completed) and its devices are in
-        use, recorded before any hook runs. An error text, and nothing
-        changed, when a device is another claim's or the write failed."""
-        keys = {(device.kind, device.id) for device in claim.devices}
+    def begin_claim(self, claim: ClaimRecord, *, wait_until: float | None = None) -> Problem | None:
+        """A prepare starts: in one step, refuse a device another holder has,
+        wait (until `wait_until`) for the cleanups its devices owe, then take
+        them all and record the claim (not completed) before any hook runs.
+        A Problem, and nothing changed, when it cannot."""
+        keys = _keys(claim)
         with self._cond:
-            for key in sorted(keys, key=_by_id):
-                holder = self._claimed.get(key)
-                if holder is not None and holder != claim.uid:
-                    return f"{key[1]} is prepared for claim {holder}"
-            before = self._claims.get(claim.uid)
-            if before is not None:
-                self._forget_claim_locked(before)
-            self._hold_locked(claim)
-            if self._write_claims_locked(keys):
+            problem = self._await_locked(
+                keys, lambda record: custody.for_claim(record, claim.uid), wait_until
+            )
+            if problem is not None:
+                return problem
+            before = {key: self._get(key) for key in keys}
+            previous = self._claims.get(claim.uid)
+            now = self._clock()
+            self._claims[claim.uid] = claim
+            for key in keys:
+                self._set(key, custody.held_by(self._get(key), (claim.uid,), now))
+            self._save_locked(set(keys))
+            if self._save_error is None:
+                # The same claim begun again with other devices lets those go.
+                dropped = [k for k in (_keys(previous) if previous else []) if k not in before]
+                for key in dropped:
+                    self._end_hold_locked(key, claim.uid)
+                if dropped:
+                    self._save_locked(set(dropped))
+                self._cond.notify_all()
                 return None
             # Unrecorded, it must not go on: a crash would forget these devices.
-            self._forget_claim_locked(claim)
-            for kind, device in keys:
-                self._assigned[kind].discard(device)
-            if before is not None:
-                self._remember_claim_locked(before)
-            return f"checkpoint not written: {self._save_error}"
+            for key, record in before.items():
+                self._set(key, record)
+            if previous is not None:
+                self._claims[claim.uid] = previous
+            else:
+                del self._claims[claim.uid]
+            return Problem(f"checkpoint not written: {self._save_error}")
 
     def complete_claim(self, claim: ClaimRecord) -> str | None:
         """A prepare succeeded: recorded as completed, with its answers."""
         done = ClaimRecord(claim.uid, claim.namespace, claim.name, claim.devices, completed=True)
         with self._cond:
             self._claims[claim.uid] = done
-            if self._write_claims_locked(set()):
+            self._save_locked(set())
+            if self._save_error is None:
                 return None
             self._claims[claim.uid] = claim
             return f"checkpoint not written: {self._save_error}"
 
-    def end_claim(self, uid: str) -> ClaimRecord | None:
-        """A claim is unprepared (or a failed prepare rolled back): its devices
-        are released and each one with a cleanup hook is owed a cleanup, in
-        the same write that forgets the claim. Returns the claim, if known."""
+    def end_claim(self, uid: str, *, dirty: bool = True) -> ClaimRecord | None:
+        """A claim is unprepared (or a prepare rolled back): its devices are
+        released, each one with a cleanup hook owed a cleanup, in the same
+        write that forgets the claim. `dirty` False: nothing ran on them since
+        they were taken clean. Returns the claim, if known."""
         with self._cond:
-            claim = self._claims.get(uid)
+            claim = self._claims.pop(uid, None)
             if claim is None:
                 return None
-            self._forget_claim_locked(claim)
-            keys = {(device.kind, device.id) for device in claim.devices}
-            for kind, device in sorted(keys, key=_by_id):
-                if self._claimed.get((kind, device)) is not None:
-                    continue  # also named by another claim (admin access)
-                if self._release_locked((kind, device)):
+            keys = _keys(claim)
+            for key in keys:
+                if self._end_hold_locked(key, uid, dirty=dirty):
                     log.info("%s: %s released by claim %s; cleanup scheduled",
-                             self._names.get(kind, kind.value), device, uid)  # fmt: skip
-            self._write_claims_locked(keys)
+                             self._name(key[0]), key[1], uid)  # fmt: skip
+            self._save_locked(set(keys))
             self._cond.notify_all()
         self._on_change()
         return claim
 
+    def _end_hold_locked(self, key: Key, uid: str, *, dirty: bool = True) -> bool:
+        """Claim `uid` no longer holds the device; another claim naming it
+        (admin access) keeps it. Whether a cleanup is now owed."""
+        record = self._get(key)
+        if record.phase is not Phase.HELD or uid not in record.claims:
+            return False
+        rest = tuple(other for other in record.claims if other != uid)
+        if rest:
+            self._set(key, replace(record, claims=rest))
+            return False
+        return self._release_locked(key, dirty=dirty)
+
     def adopt_claim(self, claim: ClaimRecord) -> None:
         """After a start without a trustworthy checkpoint: a claim the API
         server says holds devices of this node is taken as prepared."""
-        keys = {(device.kind, device.id) for device in claim.devices}
+        keys = _keys(claim)
+        now = self._clock()
         with self._cond:
             if claim.uid in self._claims:
                 return
-            self._hold_locked(claim)
-            self._write_claims_locked(keys)
+            self._claims[claim.uid] = claim
+            for key in keys:
+                record = self._get(key)
+                if record.phase is Phase.CLEANING:
+                    log.warning("%s: %s is being cleaned but claim %s holds it",
+                                self._name(key[0]), key[1], claim.uid)  # fmt: skip
+                    continue
+                holders = record.claims if record.phase is Phase.HELD else ()
+                self._set(key, custody.held_by(record, (*holders, claim.uid), now))
+            self._save_locked(set(keys))
+            self._cond.notify_all()
         self._on_change()
 
     def release_unclaimed(self, kinds: Collection[DeviceKind]) -> int:
         """After the claims were adopted: every device of these kinds still
         unverified is held by no claim, so it is released and cleaned.
         Returns how many were."""
-        released: set[tuple[DeviceKind, str]] = set()
         with self._cond:
-            for key in sorted(self._unverified, key=_by_id):
-                kind = key[0]
-                if kind not in kinds or key in self._claimed:
-                    continue
+            released = sorted(
+                (key for key, record in self._records.items()
+                 if key[0] in kinds and record.phase is Phase.UNVERIFIED),
+                key=order,
+            )  # fmt: skip
+            for key in released:
                 self._release_locked(key)
-                released.add(key)
             if released:
-                self._write_claims_locked(released)
+                self._save_locked(set(released))
                 self._cond.notify_all()
         if released:
             self._on_change()
         return len(released)
 
-    def _hold_locked(self, claim: ClaimRecord) -> None:
-        """The claim is known, and its devices are in use by it."""
-        self._remember_claim_locked(claim)
-        for device in claim.devices:
-            self._assigned[device.kind].add(device.id)
-            self._unverified.discard((device.kind, device.id))
-
-    def _release_locked(self, key: tuple[DeviceKind, str]) -> bool:
-        """A DRA device no claim holds any more: out of use, and owed a
-        cleanup when its kind has a hook. Whether a cleanup was newly owed."""
-        kind, device = key
-        self._assigned[kind].discard(device)
-        self._unverified.discard(key)
-        if kind not in self._hooks or key in self._jobs:
-            return False
-        self._jobs[key] = _Job()
-        return True
-
-    def _remember_claim_locked(self, claim: ClaimRecord) -> None:
-        self._claims[claim.uid] = claim
-        for device in claim.devices:
-            self._claimed.setdefault((device.kind, device.id), claim.uid)
-
-    def _forget_claim_locked(self, claim: ClaimRecord) -> None:
-        self._claims.pop(claim.uid, None)
-        for device in claim.devices:
-            key = (device.kind, device.id)
-            if self._claimed.get(key) == claim.uid:
-                del self._claimed[key]
-                # Another claim naming it (admin access) keeps it.
-                for other in self._claims.values():
-                    if any((d.kind, d.id) == key for d in other.devices):
-                        self._claimed[key] = other.uid
-                        break
-
-    def _write_claims_locked(self, keys: set[tuple[DeviceKind, str]]) -> bool:
-        """Save; whether the write succeeded (a manager without a checkpoint
-        keeps claims in memory only)."""
-        self._save_locked(keys)
-        return self._save_error is None
-
     def request_cleanup(self, kind: DeviceKind, device: str) -> None:
         """Schedule a cleanup for an idle device (after_cleanup recovery)."""
         if kind not in self._hooks:
             return
+        key = (kind, device)
         with self._cond:
-            key = (kind, device)
-            if key in self._jobs or device in self._assigned[kind]:
+            if self._get(key).phase is not Phase.FREE:
                 return
-            self._jobs[key] = _Job()
+            self._releases += 1
+            self._set(key, custody.owed_again(self._get(key), self._releases, self._clock()))
             self._save_locked({key})
             self._cond.notify_all()
         self._on_change()
 
-    def prepare(
-        self, kind: DeviceKind, ids: Sequence[str], *, reuse_proves_release: bool = True
-    ) -> str | None:
-        """Before Allocate hands these devices out: wait for a running cleanup,
-        or clean inline any device still believed dirty. An error text when a
-        device could not be made clean.
+    # -- waiting for cleanups ------------------------------------------------------------
+    def _await_locked(
+        self,
+        keys: Sequence[Key],
+        decide: Callable[[Custody], tuple[Take, str]],
+        wait_until: float | None,
+    ) -> Problem | None:
+        """Under the lock: None once every device may be taken; a Problem at
+        once for a device that may not be, or when `wait_until` passes while
+        some still wait for a cleanup. A device owed a cleanup has it asked
+        for now; one whose cleanup ended without making it clean is refused
+        with that cleanup's error."""
+        asked: dict[Key, int] = {}
+        while True:
+            now = self._clock()
+            waiting: list[Key] = []
+            for key in sorted(keys, key=order):
+                record = self._get(key)
+                verdict, why = decide(record)
+                if verdict is Take.REFUSE:
+                    return Problem("", key[1], f" {why}")
+                if verdict is Take.READY:
+                    continue
+                if key in asked and record.ended > asked[key] and record.phase in OWING:
+                    return _problem(key[1], f"{key[1]}: {record.last_error}")
+                if key not in asked:
+                    asked[key] = record.ended
+                    self._set(key, custody.expedited(record, now))
+                    self._cond.notify_all()
+                waiting.append(key)
+            if not waiting:
+                return None
+            first = waiting[0]
+            if self._stop:
+                return Problem("", first[1], ": the daemon is stopping", retry=True)
+            if wait_until is None or now >= wait_until:
+                text = custody.waiting_for(first[1], self._get(first), now)
+                return _problem(first[1], f"{text}; try again", retry=True)
+            self._cond.wait(wait_until - now)
 
-        `reuse_proves_release` is False for shared devices: another replica
-        of a device being allocated says nothing about the first holder."""
-        spec = self._hooks.get(kind)
-        if spec is None:
-            return None
-        for device in ids:
-            key = (kind, device)
-            with self._cond:
-                job = self._jobs.get(key)
-                if job is not None and job.running:
-                    self._cond.wait_for(partial(self._idle, key), timeout=spec.timeout + 5)
-                    job = self._jobs.get(key)
-                    if job is not None and job.running:
-                        return f"cleanup of {device} is still running"
-                if job is None and (not reuse_proves_release or device not in self._assigned[kind]):
-                    continue  # clean, or (shared) possibly still in use
-                job = self._jobs.setdefault(key, _Job())
-                job.running = True
-            error = self._run(kind, device, job, spec, inline=True)
-            if error is not None:
-                return error
-        return None
-
-    def _idle(self, key: tuple[DeviceKind, str]) -> bool:
-        job = self._jobs.get(key)
-        return job is None or not job.running
-
-    # -- queries -----------------------------------------------------------------
+    # -- queries -------------------------------------------------------------------------
     def verdict(self, kind: DeviceKind, device: str) -> Verdict | None:
         with self._cond:
-            key = (kind, device)
-            job = self._jobs.get(key)
-            if key in self._leftovers:
-                return Verdict(Health.UNHEALTHY, "a hook from before the restart is still running")
-            if job is not None:
-                if job.running:
-                    return Verdict(Health.UNHEALTHY, "cleanup running")
-                if job.attempts:
-                    return Verdict(
-                        Health.UNHEALTHY,
-                        f"quarantined: cleanup failed {job.attempts} time(s), retrying "
-                        f"({job.last_error})",
-                    )
-                return Verdict(Health.UNHEALTHY, "cleanup pending")
-            if key in self._unverified:
-                source = "the claims list" if kind in self._explicit else "PodResources"
-                if (kind, device) in self._adopted:
-                    return Verdict(
-                        Health.UNHEALTHY, f"no trustworthy checkpoint; awaiting {source}"
-                    )
-                return Verdict(Health.UNHEALTHY, f"in use before restart; awaiting {source}")
-            if key in self._unsaved and device not in self._assigned[kind]:
-                return Verdict(
-                    Health.UNHEALTHY,
-                    f"release not recorded: checkpoint write failed ({self._save_error})",
-                )
-        return None
+            return self._verdict_locked((kind, device), self._get((kind, device)))
+
+    def _verdict_locked(self, key: Key, record: Custody) -> Verdict | None:
+        source = "the claims list" if key[0] in self._explicit else "PodResources"
+        return custody.verdict(record, source=source, save_error=self._save_error)
 
     def cleans(self, kind: DeviceKind) -> bool:
         """Whether devices of this kind have a cleanup hook."""
         return kind in self._hooks
 
-    def verdicts(self) -> dict[tuple[DeviceKind, str], Verdict]:
+    def cleanup_timeout(self, kind: DeviceKind) -> float:
+        """How long one cleanup of this kind may run (0 without a hook)."""
+        spec = self._hooks.get(kind)
+        return spec.timeout if spec is not None else 0.0
+
+    def verdicts(self) -> dict[Key, Verdict]:
         """Every device this manager keeps out of service, and why (one snapshot)."""
+        found: dict[Key, Verdict] = {}
         with self._cond:
-            keys = (
-                set(self._jobs) | self._unverified | self._unsaved | set(self._leftovers)
-            )  # fmt: skip
-        found: dict[tuple[DeviceKind, str], Verdict] = {}
-        for kind, device in keys:
-            verdict = self.verdict(kind, device)
-            if verdict is not None:
-                found[(kind, device)] = verdict
+            for key, record in self._records.items():
+                verdict = self._verdict_locked(key, record)
+                if verdict is not None:
+                    found[key] = verdict
         return found
 
     def in_use(self, kind: DeviceKind) -> set[str]:
         with self._cond:
-            return set(self._assigned[kind])
+            return {d for (k, d), r in self._records.items() if k is kind and r.phase in IN_USE}
 
-    def pending(self) -> dict[tuple[DeviceKind, str], int]:
+    def pending(self) -> dict[Key, int]:
         """Owed cleanups and their failed attempts so far."""
         with self._cond:
-            return {key: job.attempts for key, job in self._jobs.items()}
+            return {key: r.attempts for key, r in self._records.items() if r.phase in OWING}
 
-    # -- the worker --------------------------------------------------------------
+    def custody(self) -> dict[Key, Custody]:
+        """Every record (a snapshot)."""
+        with self._cond:
+            return dict(self._records)
+
+    # -- the cleaners --------------------------------------------------------------------
     def _work(self) -> None:
-        log.info("cleanup worker started")
+        name = threading.current_thread().name
+        log.info("%s started", name)
         while True:
             with self._cond:
-                picked = None
-                while picked is None and not self._stop:
-                    now = self._clock()
-                    due = [
-                        (job.next_at, key)
-                        for key, job in self._jobs.items()
-                        if not job.running and job.next_at <= now
-                    ]
-                    if due:
-                        picked = min(due, key=lambda item: item[0])[1]
-                        break
-                    upcoming = [job.next_at for job in self._jobs.values() if not job.running]
-                    self._cond.wait(min(upcoming) - now if upcoming else None)
-                if self._stop:
+                picked = self._next_locked()
+                if picked is None:
                     break
-                assert picked is not None
-                job = self._jobs[picked]
-                job.running = True
-            kind, device = picked
+                self._set(picked, custody.cleaning(self._get(picked), self._clock()))
+                self._cond.notify_all()
             try:
                 self._on_change()
-                self._run(kind, device, job, self._hooks[kind], inline=False)
+                self._clean(picked)
             except Exception:
-                log.exception("cleanup of %s failed unexpectedly; will retry", device)
+                log.exception("cleanup of %s failed unexpectedly; will retry", picked[1])
                 with self._cond:
-                    job.running = False
-                    job.attempts += 1
-                    job.next_at = self._clock() + self._retry_max
-        log.info("cleanup worker stopped")
+                    now = self._clock()
+                    record = custody.failed(
+                        self._get(picked), now, "internal error", self._retry_max
+                    )
+                    self._set(picked, record)
+                    self._cond.notify_all()
+        log.info("%s stopped", name)
 
-    def _run(
-        self, kind: DeviceKind, device: str, job: _Job, spec: HookSpec, *, inline: bool
-    ) -> str | None:
-        """Run one cleanup attempt for a job already marked running."""
+    def _next_locked(self) -> Key | None:
+        """Wait for the next device due a cleanup (None at stop). A failed
+        checkpoint write is retried here too while nothing else changes."""
+        while not self._stop:
+            now = self._clock()
+            if (
+                self._save_error is not None
+                and now >= self._save_retry_at
+                and self._save_locked(set())
+            ):
+                self._cond.notify_all()
+            due = [
+                (r.next_at, order(k), k) for k, r in self._records.items() if custody.due(r, now)
+            ]
+            if due:
+                return min(due, key=lambda item: item[:2])[2]
+            waits = [
+                r.next_at - now
+                for r in self._records.values()
+                if r.phase in (Phase.OWED, Phase.QUARANTINED) and r.hook is None
+            ]
+            if self._save_error is not None:
+                waits.append(self._save_retry_at - now)
+            self._cond.wait(max(0.0, min(waits)) if waits else None)
+        return None
+
+    def _clean(self, key: Key) -> None:
+        """One cleanup attempt of a device just marked CLEANING."""
+        kind, device = key
         name = self._names[kind]
+        spec = self._hooks[kind]
         devices = self._describe(kind, [device])
-        if not self._end_leftover((kind, device)):
+        problem = None
+        if not self._end_leftover(key):
+            problem = f"a hook on {device} from before the restart could not be killed"
+        elif devices is None:
+            problem = f"{device} is not present; cannot clean it"
+        if problem is not None or devices is None:
             with self._cond:
-                job.running = False
-                job.next_at = self._clock() + self._retry_initial
+                record = custody.put_back(
+                    self._get(key), self._clock(), problem or "", self._retry_initial
+                )
+                self._set(key, record)
                 self._cond.notify_all()
-            return f"a hook on {device} from before the restart could not be killed"
-        if devices is None:
-            with self._cond:
-                job.running = False
-                job.next_at = self._clock() + self._retry_initial
-                self._cond.notify_all()
-            return f"{device} is not present; cannot clean it"
+            return
         result = self._runner(
             spec, "cleanup", name, devices,
             track=self.tracker(kind, [device]), cancel=self._cancel,
         )  # fmt: skip
-        self.runs += 1
-        if result.cancelled:
-            with self._cond:
-                job.running = False
-                self._save_locked({(kind, device)})
-                self._cond.notify_all()
-            log.info("%s: cleanup of %s stopped for shutdown; still owed", name, device)
-            return f"{device}: {result.describe('cleanup', spec.timeout)}"
         with self._cond:
-            job.running = False
-            if result.ok:
-                self._jobs.pop((kind, device), None)
-                self._assigned[kind].discard(device)
-                self._missing.pop((kind, device), None)
-                self._unverified.discard((kind, device))
-                self._owners.pop((kind, device), None)
-                self._unnamed.discard((kind, device))
-                # Clean now, whatever the checkpoint says about it.
-                self._unsaved.discard((kind, device))
+            self.runs += 1
+            now = self._clock()
+            record = self._get(key)
+            if result.cancelled:
+                self._set(key, custody.put_back(record, now, record.last_error, 0.0))
+            elif result.ok:
+                self._set(key, custody.cleaned(record, now))
             else:
-                job.attempts += 1
-                delay = min(self._retry_max, self._retry_initial * 2 ** (job.attempts - 1))
-                job.next_at = self._clock() + delay
-                job.last_error = result.describe("cleanup", spec.timeout)
-            self._save_locked({(kind, device)} if not result.ok else set())
+                delay = min(self._retry_max, self._retry_initial * 2**record.attempts)
+                error = result.describe("cleanup", spec.timeout)
+                self._set(key, custody.failed(record, now, error, delay))
+            record = self._get(key)
+            self._save_locked(set() if record.phase is Phase.FREE else {key})
             self._cond.notify_all()
-        if result.ok:
-            log.info(
-                "%s: cleanup of %s succeeded in %.2fs%s",
-                name,
-                device,
-                result.duration,
-                " (inline, before Allocate)" if inline else "",
-            )
+        if result.cancelled:
+            log.info("%s: cleanup of %s stopped for shutdown; still owed", name, device)
+        elif record.phase is Phase.FREE:
+            log.info("%s: cleanup of %s succeeded in %.2fs", name, device, result.duration)
             if self._health is not None:
                 self._health.cleaned(device)
-            self._on_change()
-            return None
-        log.warning(
-            "%s: %s stays out of service: %s (attempt %d)",
-            name,
-            device,
-            job.last_error,
-            job.attempts,
-        )
+        else:
+            log.warning(
+                "%s: %s stays out of service: %s (attempt %d)",
+                name, device, record.last_error, record.attempts,
+            )  # fmt: skip
         self._on_change()
-        return f"{device}: {job.last_error}"
 
-    def _save_locked(self, changed: set[tuple[DeviceKind, str]] | None = None) -> bool:
-        """Write the state; on failure remember which devices changed unrecorded
-        (an idle one is not offered until a write succeeds or it is cleaned).
-        Returns whether the write-failure state changed."""
+    # -- the checkpoint ------------------------------------------------------------------
+    def _save_locked(self, changed: set[Key]) -> bool:
+        """Write the state derived from the records; on failure mark which
+        devices changed unrecorded (an idle one is not offered until a write
+        succeeds or it is cleaned) and retry later. Returns whether the
+        write-failure state changed."""
         if self._checkpoint is None:
             return False
-        state = LifecycleState()
-        for kind in DeviceKind:
-            state.assigned[kind] = set(self._assigned[kind])
-        for kind, device in self._jobs:
-            state.pending[kind].add(device)
-        state.running = {**self._leftovers, **self._running}
-        state.claims = dict(self._claims)
+        state = custody.state_of(self._records, self._claims)
         before = self._save_error
         try:
             self._checkpoint.save(state)
-        except OSError as exc:
-            self._unsaved |= changed or set()
-            self._save_error = f"{self._checkpoint.path}: {exc.strerror or exc}"
+        except Exception as exc:  # any failure keeps the devices it did not record out
+            for key in changed:
+                self._set(key, replace(self._get(key), unsaved=True))
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            self._save_error = f"{self._checkpoint.path}: {reason or type(exc).__name__}"
+            self._save_retry_at = self._clock() + self._retry_initial
             if before is None:
-                log.error("cannot write checkpoint %s", self._save_error)
+                if isinstance(exc, OSError):
+                    log.error("cannot write checkpoint %s", self._save_error)
+                else:
+                    log.exception("cannot write checkpoint %s", self._save_error)
             self._on_save(False)
             return before is None
-        self._unsaved.clear()
+        for key, record in list(self._records.items()):
+            if record.unsaved:
+                self._set(key, replace(record, unsaved=False))
         self._save_error = None
         if before is not None:
             log.info("checkpoint %s written again", self._checkpoint.path)
         self._on_save(True)
         return before is not None
+
+
+def _unique(keys: Iterable[Key]) -> list[Key]:
+    return list(dict.fromkeys(keys))
+
+
+def _keys(claim: ClaimRecord) -> list[Key]:
+    return _unique((device.kind, device.id) for device in claim.devices)

@@ -1,0 +1,159 @@
+"""What custody promises, checked from the outside: the hooks' own log and
+what the callers (the kubelet simulators) were told, never the daemon's state.
+
+A hold is one holder's time with a device, as its caller knows it: it was
+asked for at `asked`, granted at `granted` (the answer came back) and given
+back at `released` (the start of the release call: an unprepare, or the
+kubelet removing the pod), or still held. The init hook of a hold ran
+between asking and granting; from its start the device is in use.
+
+The rules, per device:
+- no two holds overlap;
+- no cleanup hook runs while the device is in use (from a hold's init
+  until its release);
+- no init hook starts while another holder has the device;
+- between any two init hooks (two uses), a cleanup hook succeeded that
+  started after the first use ended (its release, or the end of an init
+  that failed or was cut short) and ended before the second began.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from itertools import pairwise
+from pathlib import Path
+
+
+@dataclass
+class HookRun:
+    phase: str
+    devices: tuple[str, ...]
+    pid: int
+    start: float
+    end: float | None = None
+    ok: bool | None = None
+
+    def finish(self, horizon: float) -> float:
+        """When it stopped: its own end, else `horizon` (a killed hook is
+        known dead by then)."""
+        return self.end if self.end is not None else horizon
+
+
+@dataclass
+class Hold:
+    holder: str
+    devices: tuple[str, ...]
+    asked: float
+    granted: float
+    released: float | None = None
+
+
+@dataclass
+class Report:
+    violations: list[str] = field(default_factory=list)
+    holds: int = 0
+    inits: int = 0
+    cleanups: int = 0
+    reuses: int = 0
+
+
+def hook_runs(*logs: Path) -> list[HookRun]:
+    """Every run in these hook logs (hook_helper.py's lines)."""
+    runs: dict[int, HookRun] = {}
+    ended: dict[int, tuple[float, bool]] = {}
+    for log in logs:
+        if not log.exists():
+            continue
+        text = log.read_text()
+        # A line not yet ended with a newline is a hook writing it right now.
+        for line in text[: text.rfind("\n") + 1].splitlines():
+            entry = json.loads(line)
+            if "stdin" in entry:
+                ids = entry["env"]["DEVPLUGIN_DEVICE_IDS"]
+                runs[entry["pid"]] = HookRun(
+                    entry["env"]["DEVPLUGIN_HOOK"], tuple(ids.split(",")) if ids else (),
+                    entry["pid"], entry["start"],
+                )  # fmt: skip
+            elif "end" in entry:
+                ended[entry["pid"]] = (entry["end"], entry.get("ok", True))
+    for pid, (end, ok) in ended.items():
+        if pid in runs:
+            runs[pid].end, runs[pid].ok = end, ok
+    return sorted(runs.values(), key=lambda run: run.start)
+
+
+def _overlap(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
+
+
+def check(runs: Sequence[HookRun], holds: Iterable[Hold], *, horizon: float) -> Report:
+    """The rules above over one node's runs and holds. `horizon`: by then
+    every run without an end of its own had been stopped."""
+    report = Report()
+    inits: dict[str, list[HookRun]] = defaultdict(list)
+    cleanups: dict[str, list[HookRun]] = defaultdict(list)
+    for run in runs:
+        for device in run.devices:
+            (inits if run.phase == "init" else cleanups)[device].append(run)
+    report.inits = sum(len(v) for v in inits.values())
+    report.cleanups = sum(len(v) for v in cleanups.values())
+    by_device: dict[str, list[tuple[Hold, float, HookRun | None]]] = defaultdict(list)
+    for hold in holds:
+        report.holds += 1
+        for device in hold.devices:
+            # Its init: the latest one of exactly its devices begun while it
+            # was asked for (the storms give every holder its own device set).
+            mine = [
+                r for r in inits[device]
+                if hold.asked <= r.start <= hold.granted and set(r.devices) == set(hold.devices)
+            ]  # fmt: skip
+            init = mine[-1] if mine else None
+            by_device[device].append((hold, init.start if init else hold.granted, init))
+    for device, entries in sorted(by_device.items()):
+        entries.sort(key=lambda entry: entry[1])
+        spans = [(since, hold.released or math.inf) for hold, since, _ in entries]
+        for ((hold, _, _), a), ((other, _, _), b) in pairwise(zip(entries, spans, strict=True)):
+            if _overlap(a, b):
+                report.violations.append(
+                    f"{device}: held by {hold.holder} and {other.holder} at once "
+                    f"({a[0]:.3f}-{a[1]:.3f} and {b[0]:.3f}-{b[1]:.3f})"
+                )
+        for run in cleanups[device]:
+            ran = (run.start, run.finish(horizon))
+            for (hold, _, _), span in zip(entries, spans, strict=True):
+                if _overlap(ran, span):
+                    report.violations.append(
+                        f"{device}: cleanup (pid {run.pid}, {ran[0]:.3f}-{ran[1]:.3f}) while "
+                        f"{hold.holder} held it ({span[0]:.3f}-{span[1]:.3f})"
+                    )
+        for run in inits[device]:
+            for (hold, _, init), span in zip(entries, spans, strict=True):
+                if init is not run and span[0] <= run.start < span[1]:
+                    report.violations.append(
+                        f"{device}: init (pid {run.pid}) at {run.start:.3f} while {hold.holder} "
+                        f"held it ({span[0]:.3f}-{span[1]:.3f})"
+                    )
+        # Each use ends at its hold's release, or (no hold: the prepare or
+        # Allocate failed, or the daemon died) when its init stopped.
+        ends = {
+            id(init): span[1] for (_, _, init), span in zip(entries, spans, strict=True) if init
+        }
+        uses = inits[device]
+        for first, second in pairwise(uses):
+            report.reuses += 1
+            after = ends.get(id(first), first.finish(horizon))
+            if after == math.inf:
+                continue  # still held: the second init is the violation above
+            if not any(
+                c.ok and c.end is not None and c.start > after and c.end <= second.start
+                for c in cleanups[device]
+            ):
+                report.violations.append(
+                    f"{device}: used again at {second.start:.3f} (init pid {second.pid}) with no "
+                    f"cleanup begun after the previous use ended at {after:.3f}"
+                )
+    return report
