@@ -47,14 +47,20 @@ CALL_TIMEOUT = 45.0  # the kubelet's defaultClientCallTimeout
 POLL = 0.02
 
 
-def _inode(path: Path) -> tuple[int, int] | None:
-    """A socket file's identity as fsnotify tells it apart: a new file is a
-    new inode (a chmod of the same socket is not a new plugin)."""
+def _inode(path: Path) -> tuple[int, int, int] | None:
+    """A socket file's identity, standing in for the Create event the
+    kubelet's plugin watcher reacts to (pluginwatcher/plugin_watcher.go: a
+    Create re-registers the path, whatever it held before). Its inode alone
+    is not enough: a file system reuses the number of an inode just freed, so
+    a socket bound again after a crash can have the old one's. Its change
+    time tells them apart: set when the socket is bound and when it is
+    renamed into place. (A chmod sets it too, where the kubelet would see no
+    Create; a daemon changes no socket in place.)"""
     try:
         info = os.stat(path)
     except OSError:
         return None
-    return info.st_dev, info.st_ino
+    return info.st_dev, info.st_ino, info.st_ctime_ns
 
 
 @dataclass
@@ -63,7 +69,7 @@ class DraPluginRecord:
     endpoint: str
     versions: tuple[str, ...]
     socket: Path
-    identity: tuple[int, int] | None
+    identity: tuple[int, int, int] | None
     channel: grpc.Channel
     health: dict[str, tuple[int, str]] = field(default_factory=dict)
     health_updates: int = 0
@@ -92,9 +98,9 @@ class DraKubeletSimulator:
         self.prefer = prefer
         self._lock = threading.Condition()
         self._plugins: dict[str, DraPluginRecord] = {}
-        self._seen: dict[Path, tuple[int, int] | None] = {}
+        self._seen: dict[Path, tuple[int, int, int] | None] = {}
         # Sockets whose registration failed, so each failure is logged once.
-        self._failed: dict[Path, tuple[int, int] | None] = {}
+        self._failed: dict[Path, tuple[int, int, int] | None] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.refused: list[str] = []
@@ -156,7 +162,7 @@ class DraKubeletSimulator:
                             del self._plugins[name]
                     self._lock.notify_all()
 
-    def _register(self, path: Path, identity: tuple[int, int] | None) -> bool:
+    def _register(self, path: Path, identity: tuple[int, int, int] | None) -> bool:
         """Whether the socket got its answer (registered or refused). As the
         kubelet's reconciler does, a socket whose calls failed is tried
         again on the next pass until it answers or goes away."""
