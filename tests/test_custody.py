@@ -9,6 +9,7 @@ told (tests/custody_support.py), not from the daemon's state.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -29,13 +30,14 @@ import yaml
 
 from devplugin.api import deviceplugin_v1beta1_pb2 as pb
 from devplugin.model import DeviceKind
+from devplugin.node.lifecycle import custody
 from devplugin.node.lifecycle.checkpoint import (
     Checkpoint,
     ClaimDevice,
     ClaimRecord,
     LifecycleState,
 )
-from devplugin.node.lifecycle.custody import Custody, Phase, state_of
+from devplugin.node.lifecycle.custody import Custody, Phase, Take, state_of
 from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.dra_kubelet import ClaimCall, DraKubeletSimulator
 from devplugin.testing.kubelet import ContainerRequest, KubeletSimulator
@@ -54,6 +56,7 @@ from tests.custody_support import Hold, check, hook_runs
 from tests.dra_support import DRIVER, NODE, DraCluster, start_dra
 from tests.test_dra import published
 from tests.test_hooks import hook, runs
+from tests.test_lifecycle_units import Node, Runner
 from tests.waiting import wait_until
 
 __all__ = ["start_dra"]
@@ -111,6 +114,78 @@ def test_every_phase_of_both_kinds_at_once_is_written_and_read_back(tmp_path: Pa
         for device in sorted(("taking", "cleaning", "quarantined"))
     ]
     assert [c["uid"] for c in written["claims"]] == ["u0", "u1"]
+
+
+# -- the rules on their own ---------------------------------------------------------------
+
+
+def test_a_cleanup_counts_only_for_the_release_it_started_after() -> None:
+    held = custody.held_by(Custody(), ("u1",), now=1.0)
+    owed = custody.released(held, 7, now=2.0, owes=True)
+    running = custody.cleaning(owed, now=3.0)
+    assert (running.phase, running.answers) == (Phase.CLEANING, 7)
+    assert custody.cleaned(running, now=4.0).phase is Phase.FREE
+    # Released again while a cleanup ran (the rules never allow it; if it
+    # ever happened, that cleanup would answer for the earlier release only).
+    again = dataclasses.replace(running, release=8)
+    assert custody.cleaned(again, now=4.0).phase is Phase.OWED
+    failed = custody.failed(running, now=4.0, error="boom", delay=5.0)
+    assert (failed.phase, failed.attempts, failed.next_at) == (Phase.QUARANTINED, 1, 9.0)
+    assert custody.put_back(custody.cleaning(failed, 10.0), 11.0, "gone", 1.0).phase is (
+        Phase.QUARANTINED
+    )
+
+
+@pytest.mark.parametrize(
+    ("phase", "claims", "expected"),
+    [
+        (Phase.FREE, (), Take.READY),
+        (Phase.HELD, ("u1",), Take.READY),  # the same claim again
+        (Phase.HELD, ("u2",), Take.REFUSE),
+        (Phase.UNVERIFIED, (), Take.REFUSE),
+        (Phase.TAKING, (), Take.REFUSE),
+        (Phase.OWED, (), Take.WAIT),
+        (Phase.CLEANING, (), Take.WAIT),
+        (Phase.QUARANTINED, (), Take.WAIT),
+    ],
+)
+def test_what_a_claim_may_take(phase: Phase, claims: tuple[str, ...], expected: Take) -> None:
+    assert custody.for_claim(Custody(phase=phase, claims=claims), "u1")[0] is expected
+
+
+@pytest.mark.parametrize(
+    ("phase", "shared", "expected", "releases"),
+    [
+        (Phase.FREE, False, Take.READY, False),
+        (Phase.HELD, False, Take.REFUSE, True),  # released by the reuse first
+        (Phase.HELD, True, Take.READY, False),
+        (Phase.UNVERIFIED, False, Take.REFUSE, True),
+        (Phase.TAKING, False, Take.WAIT, False),
+        (Phase.TAKING, True, Take.READY, False),
+        (Phase.OWED, True, Take.WAIT, False),
+        (Phase.CLEANING, False, Take.WAIT, False),
+    ],
+)
+def test_what_a_container_may_take(
+    phase: Phase, shared: bool, expected: Take, releases: bool
+) -> None:
+    record = Custody(phase=phase)
+    assert custody.for_container(record, shared=shared)[0] is expected
+    assert custody.reuse_releases(record, shared=shared) is releases
+
+
+def test_a_take_that_cannot_be_recorded_is_refused_and_takes_nothing(tmp_path: Path) -> None:
+    node = Node(Runner([]), tmp_path)
+    cleanup = node.cleanup
+    (tmp_path / "c.json").mkdir()  # every write fails (a directory where the file goes)
+    problem = cleanup.take(GPU, ["a"])
+    assert problem is not None
+    assert str(problem).startswith("checkpoint not written")
+    assert cleanup.in_use(GPU) == set()
+    (tmp_path / "c.json").rmdir()
+    assert cleanup.take(GPU, ["a"]) is None
+    assert cleanup.in_use(GPU) == {"a"}
+    assert json.loads((tmp_path / "c.json").read_text())["assigned"]["gpu"] == ["a"]
 
 
 # -- the two races, each on its own ----------------------------------------------------

@@ -42,6 +42,7 @@ from devplugin.model import DeviceKind
 from devplugin.node.ledger import Ledger
 from devplugin.node.lifecycle import custody
 from devplugin.node.lifecycle.checkpoint import Checkpoint, ClaimRecord
+from devplugin.node.lifecycle.cleaners import Attempt, Cleaners, Describe
 from devplugin.node.lifecycle.custody import (
     FREE,
     IN_USE,
@@ -55,7 +56,6 @@ from devplugin.node.lifecycle.custody import (
 )
 from devplugin.node.lifecycle.health import HealthTracker, Verdict
 from devplugin.node.lifecycle.hooks import (
-    HookDevice,
     HookRunner,
     HookSpec,
     Started,
@@ -74,8 +74,6 @@ log = logging.getLogger(__name__)
 STOP_WAIT = 5.0
 # Cleanups that may run at once (each on its own device).
 CLEANERS = 4
-
-Describe = Callable[[DeviceKind, Sequence[str]], list[HookDevice] | None]
 
 
 @dataclass(frozen=True)
@@ -129,7 +127,6 @@ class CleanupManager:
         # Kinds whose releases only end_claim says (DRA), never a poll.
         self._explicit = frozenset(explicit)
         self._names = dict(resource_names)
-        self._describe = describe
         self._checkpoint = checkpoint
         self._retry_initial = retry_initial
         self._retry_max = retry_max
@@ -137,11 +134,9 @@ class CleanupManager:
         self._on_save = on_save
         self._ledger = ledger
         self._health = health
-        self._runner = runner
         self._clock = clock
         self._witness = witness
         self._rule = ReleaseRule(confirmations, self._names, witness, self._explicit)
-        self._cleaners = max(1, cleaners)
         # The one lock: every record and claim changes under it, in one step.
         self._cond = threading.Condition()
         self._records: dict[Key, Custody] = {}
@@ -149,9 +144,12 @@ class CleanupManager:
         self._releases = 0
         self._stop = False
         self._loaded = False
-        self._threads: list[threading.Thread] = []
         # Set at stop: running hooks are killed, their devices stay owed.
         self._cancel = threading.Event()
+        self._cleaners = Cleaners(
+            self, hooks=self._hooks, names=self._names, describe=describe, runner=runner,
+            cancel=self._cancel, count=cleaners,
+        )  # fmt: skip
         # No trustworthy checkpoint: every device seen is adopted as possibly
         # dirty (in use until its holder is confirmed, else cleaned).
         self._untrusted = False
@@ -279,10 +277,7 @@ class CleanupManager:
         runtime starts them after the first scan, so owed cleanups find their
         devices described instead of being pushed back."""
         self.load()
-        for number in range(self._cleaners):
-            thread = threading.Thread(target=self._work, name=f"cleanup-{number}", daemon=True)
-            thread.start()
-            self._threads.append(thread)
+        self._cleaners.start()
 
     def signal_stop(self) -> None:
         """Stop the cleaners and kill every running hook (their devices stay
@@ -293,9 +288,7 @@ class CleanupManager:
             self._cond.notify_all()
 
     def join(self, timeout: float = STOP_WAIT) -> None:
-        deadline = time.monotonic() + timeout
-        for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
+        self._cleaners.join(timeout)
 
     def stop(self) -> None:
         self.signal_stop()
@@ -359,10 +352,16 @@ class CleanupManager:
             )
             if problem is None:
                 now = self._clock()
-                for key in keys:
-                    if self._get(key).phase is Phase.FREE:
-                        self._set(key, custody.taking(self._get(key), now))
+                taken = {key: self._get(key) for key in keys if self._get(key).phase is Phase.FREE}
+                for key, record in taken.items():
+                    self._set(key, custody.taking(record, now))
                 self._save_locked(set(keys))
+                if self._save_error is not None and kind in self._hooks:
+                    # Unrecorded, a crash would forget they were handed out
+                    # and offer them uncleaned: not taken.
+                    for key, record in taken.items():
+                        self._set(key, record)
+                    problem = Problem(f"checkpoint not written: {self._save_error}")
         if released:
             self._on_change()
         return problem
@@ -682,96 +681,77 @@ class CleanupManager:
         with self._cond:
             return dict(self._records)
 
-    # -- the cleaners --------------------------------------------------------------------
-    def _work(self) -> None:
-        name = threading.current_thread().name
-        log.info("%s started", name)
-        while True:
-            with self._cond:
-                picked = self._next_locked()
-                if picked is None:
+    # -- the cleaners' side (cleaners.Book) --------------------------------------------------
+    def next_cleanup(self) -> Key | None:
+        """Wait for the next device due a cleanup and mark it CLEANING; None
+        at stop. A failed checkpoint write is retried here too while nothing
+        else changes."""
+        with self._cond:
+            key = None
+            while not self._stop:
+                now = self._clock()
+                if self._save_error is not None and now >= self._save_retry_at:
+                    self._save_locked(set())
+                key = self._due_locked(now)
+                if key is not None:
                     break
-                self._set(picked, custody.cleaning(self._get(picked), self._clock()))
-                self._cond.notify_all()
-            try:
-                self._on_change()
-                self._clean(picked)
-            except Exception:
-                log.exception("cleanup of %s failed unexpectedly; will retry", picked[1])
-                with self._cond:
-                    now = self._clock()
-                    record = custody.failed(
-                        self._get(picked), now, "internal error", self._retry_max
-                    )
-                    self._set(picked, record)
-                    self._cond.notify_all()
-        log.info("%s stopped", name)
+                self._cond.wait(self._idle_locked(now))
+            if key is None:
+                return None
+            self._set(key, custody.cleaning(self._get(key), self._clock()))
+            self._cond.notify_all()
+        self._on_change()
+        return key
 
-    def _next_locked(self) -> Key | None:
-        """Wait for the next device due a cleanup (None at stop). A failed
-        checkpoint write is retried here too while nothing else changes."""
-        while not self._stop:
-            now = self._clock()
-            if (
-                self._save_error is not None
-                and now >= self._save_retry_at
-                and self._save_locked(set())
-            ):
-                self._cond.notify_all()
-            due = [
-                (r.next_at, order(k), k) for k, r in self._records.items() if custody.due(r, now)
-            ]
-            if due:
-                return min(due, key=lambda item: item[:2])[2]
-            waits = [
-                r.next_at - now
-                for r in self._records.values()
-                if r.phase in (Phase.OWED, Phase.QUARANTINED) and r.hook is None
-            ]
-            if self._save_error is not None:
-                waits.append(self._save_retry_at - now)
-            self._cond.wait(max(0.0, min(waits)) if waits else None)
-        return None
+    def _due_locked(self, now: float) -> Key | None:
+        """The device due a cleanup longest, if any."""
+        due = [(r.next_at, order(k), k) for k, r in self._records.items() if custody.due(r, now)]
+        return min(due, key=lambda item: item[:2])[2] if due else None
 
-    def _clean(self, key: Key) -> None:
-        """One cleanup attempt of a device just marked CLEANING."""
+    def _idle_locked(self, now: float) -> float | None:
+        """How long until a cleanup or a checkpoint retry is due (None: none is)."""
+        waits = [
+            r.next_at - now
+            for r in self._records.values()
+            if r.phase in (Phase.OWED, Phase.QUARANTINED) and r.hook is None
+        ]
+        if self._save_error is not None:
+            waits.append(self._save_retry_at - now)
+        return max(0.0, min(waits)) if waits else None
+
+    def end_leftover(self, key: Key) -> bool:
+        return self._end_leftover(key)
+
+    def cleanup_ended(self, key: Key, attempt: Attempt) -> None:
+        """Apply one attempt's outcome to its CLEANING device."""
         kind, device = key
         name = self._names[kind]
-        spec = self._hooks[kind]
-        devices = self._describe(kind, [device])
-        problem = None
-        if not self._end_leftover(key):
-            problem = f"a hook on {device} from before the restart could not be killed"
-        elif devices is None:
-            problem = f"{device} is not present; cannot clean it"
-        if problem is not None or devices is None:
-            with self._cond:
-                record = custody.put_back(
-                    self._get(key), self._clock(), problem or "", self._retry_initial
-                )
-                self._set(key, record)
-                self._cond.notify_all()
-            return
-        result = self._runner(
-            spec, "cleanup", name, devices,
-            track=self.tracker(kind, [device]), cancel=self._cancel,
-        )  # fmt: skip
+        result = attempt.result
         with self._cond:
-            self.runs += 1
             now = self._clock()
             record = self._get(key)
-            if result.cancelled:
-                self._set(key, custody.put_back(record, now, record.last_error, 0.0))
-            elif result.ok:
-                self._set(key, custody.cleaned(record, now))
+            if result is None:
+                delay = self._retry_max if attempt.internal else self._retry_initial
+                if attempt.internal:
+                    record = custody.failed(record, now, attempt.problem, delay)
+                else:
+                    record = custody.put_back(record, now, attempt.problem, delay)
             else:
-                delay = min(self._retry_max, self._retry_initial * 2**record.attempts)
-                error = result.describe("cleanup", spec.timeout)
-                self._set(key, custody.failed(record, now, error, delay))
-            record = self._get(key)
+                self.runs += 1
+                if result.cancelled:
+                    record = custody.put_back(record, now, record.last_error, 0.0)
+                elif result.ok:
+                    record = custody.cleaned(record, now)
+                else:
+                    delay = min(self._retry_max, self._retry_initial * 2**record.attempts)
+                    error = result.describe("cleanup", self._hooks[kind].timeout)
+                    record = custody.failed(record, now, error, delay)
+            self._set(key, record)
             self._save_locked(set() if record.phase is Phase.FREE else {key})
             self._cond.notify_all()
-        if result.cancelled:
+        if result is None:
+            pass  # the cleaner or the put-back said why
+        elif result.cancelled:
             log.info("%s: cleanup of %s stopped for shutdown; still owed", name, device)
         elif record.phase is Phase.FREE:
             log.info("%s: cleanup of %s succeeded in %.2fs", name, device, result.duration)

@@ -1,0 +1,115 @@
+"""The cleaners: a few threads that run the cleanup hooks of released devices.
+
+Each cleaner asks the custody book for the next device due a cleanup (the
+book marks it CLEANING in the same step, so no two cleaners and no take
+can have it), runs one attempt and hands the outcome back; the book alone
+decides what the outcome means for the record. Several devices are cleaned
+at once (a pod's eight GPUs need not wait for each other's GPU reset), one
+device never twice at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from devplugin.model import DeviceKind
+from devplugin.node.lifecycle.custody import Key
+from devplugin.node.lifecycle.hooks import HookDevice, HookResult, HookRunner, HookSpec, Tracker
+
+log = logging.getLogger(__name__)
+
+Describe = Callable[[DeviceKind, Sequence[str]], list[HookDevice] | None]
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """How one cleanup attempt ended: the hook's result, or why it did not run."""
+
+    result: HookResult | None = None
+    # Set when the hook did not run (the device is gone, a hook from
+    # before a restart could not be killed, an internal error).
+    problem: str = ""
+    # The problem is a bug, not a state of the device.
+    internal: bool = False
+
+
+class Book(Protocol):
+    """What the cleaners need of the custody book."""
+
+    def next_cleanup(self) -> Key | None:
+        """Wait for a device due a cleanup and mark it CLEANING; None at stop."""
+
+    def end_leftover(self, key: Key) -> bool:
+        """Kill a hook a previous daemon left on the device; whether none is left."""
+
+    def tracker(self, kind: DeviceKind, ids: Sequence[str]) -> Tracker:
+        """Records a hook's process group in the checkpoint while it runs."""
+
+    def cleanup_ended(self, key: Key, attempt: Attempt) -> None:
+        """The attempt on a CLEANING device is over."""
+
+
+class Cleaners:
+    def __init__(
+        self,
+        book: Book,
+        *,
+        hooks: Mapping[DeviceKind, HookSpec],
+        names: Mapping[DeviceKind, str],
+        describe: Describe,
+        runner: HookRunner,
+        cancel: threading.Event,
+        count: int,
+    ) -> None:
+        self._book = book
+        self._hooks = dict(hooks)
+        self._names = dict(names)
+        self._describe = describe
+        self._runner = runner
+        self._cancel = cancel
+        self._count = max(1, count)
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        for number in range(self._count):
+            thread = threading.Thread(target=self._work, name=f"cleanup-{number}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def join(self, timeout: float) -> None:
+        """Wait for every cleaner (the book's stop ends them), `timeout` in all."""
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    def _work(self) -> None:
+        name = threading.current_thread().name
+        log.info("%s started", name)
+        while (key := self._book.next_cleanup()) is not None:
+            try:
+                attempt = self._attempt(key)
+            except Exception:
+                log.exception("cleanup of %s failed unexpectedly; will retry", key[1])
+                attempt = Attempt(problem="internal error", internal=True)
+            self._book.cleanup_ended(key, attempt)
+        log.info("%s stopped", name)
+
+    def _attempt(self, key: Key) -> Attempt:
+        kind, device = key
+        devices = self._describe(kind, [device])
+        if not self._book.end_leftover(key):
+            return Attempt(
+                problem=f"a hook on {device} from before the restart could not be killed"
+            )
+        if devices is None:
+            return Attempt(problem=f"{device} is not present; cannot clean it")
+        result = self._runner(
+            self._hooks[kind], "cleanup", self._names[kind], devices,
+            track=self._book.tracker(kind, [device]), cancel=self._cancel,
+        )  # fmt: skip
+        return Attempt(result)
