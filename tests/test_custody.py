@@ -188,6 +188,30 @@ def test_a_take_that_cannot_be_recorded_is_refused_and_takes_nothing(tmp_path: P
     assert json.loads((tmp_path / "c.json").read_text())["assigned"]["gpu"] == ["a"]
 
 
+def test_a_cleanup_someone_waits_for_runs_before_the_others(tmp_path: Path) -> None:
+    runner = Runner([])
+    node = Node(runner, tmp_path, confirmations=1, cleaners=1)
+    cleanup = node.cleanup
+    node.allocated(GPU, ["a", "b", "c"])
+    node.observe({GPU: set()}, time.monotonic() + 10)  # all three released, owed
+    assert cleanup.pending() == {(GPU, "a"): 0, (GPU, "b"): 0, (GPU, "c"): 0}
+    answer: list[object] = []
+    taker = threading.Thread(
+        target=lambda: answer.append(cleanup.take(GPU, ["c"], wait_until=time.monotonic() + 20))
+    )
+    taker.start()
+    assert wait_until(lambda: cleanup.custody()[(GPU, "c")].wanted)
+    cleanup.start()
+    try:
+        taker.join(timeout=20)
+        assert answer == [None]
+        assert runner.calls[0] == ["c"]
+        assert cleanup.in_use(GPU) == {"c"}
+        assert wait_until(lambda: sorted(map(tuple, runner.calls)) == [("a",), ("b",), ("c",)])
+    finally:
+        cleanup.stop()
+
+
 # -- the two races, each on its own ----------------------------------------------------
 
 
@@ -539,8 +563,9 @@ def test_a_storm_of_claims_and_pods_on_one_node_keeps_custody(
         cluster.daemon.stop()
         report = check(hook_runs(init, cleanup), log.holds, horizon=time.monotonic())
         print(
-            f"\nstorm {layout}: {STORM_SECONDS:g}s, {log.answers} answers (worst "
-            f"{log.worst:.2f}s), {report.holds} holds, {report.inits} inits, "
+            f"\nstorm {layout}: {STORM_SECONDS:g}s, {log.answers} answers (slowest DRA call "
+            f"{log.worst:.2f}s, slowest Allocate {kubelet.slowest_allocate:.2f}s), "
+            f"{report.holds} holds, {report.inits} inits, "
             f"{report.cleanups} cleanups, {report.reuses} reuses, "
             f"{len(report.violations)} violations; {dict(log.outcomes.most_common(8))}"
         )
@@ -691,7 +716,8 @@ def test_sigkill_at_random_moments_under_a_storm_keeps_custody(
         text = (tmp_path / "daemon.log").read_text()
         print(
             f"\nkill loop: {KILL_SECONDS:g}s, {len(restarts)} SIGKILLs, {log.answers} answers "
-            f"(worst {log.worst:.2f}s), {report.holds} holds, {report.inits} inits, "
+            f"(slowest DRA call {log.worst:.2f}s, slowest Allocate "
+            f"{kubelet.slowest_allocate:.2f}s), {report.holds} holds, {report.inits} inits, "
             f"{report.cleanups} cleanups, {report.reuses} reuses, "
             f"{len(report.violations)} violations"
         )

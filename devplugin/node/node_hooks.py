@@ -74,14 +74,16 @@ class ResourceHooks:
             self._kind, physical, shared=not self._resource.reuse_proves_release,
             wait_until=until,
         )  # fmt: skip
-        # A device cleaned meanwhile is Healthy again: judge before validating.
-        self._pipeline.rejudge()
+        if self._cleanup.cleans(self._kind):
+            # A device cleaned meanwhile is Healthy again: judge before validating.
+            self._pipeline.rejudge()
         if problem is not None:
             raise Refused(str(problem), invalid_argument=False, retry=problem.retry)
 
     def abandon(self, physical: Sequence[str], *, dirty: bool) -> None:
         self._cleanup.abandon(self._kind, physical, dirty=dirty)
-        self._pipeline.rejudge()
+        if self._cleanup.cleans(self._kind):
+            self._pipeline.rejudge()
 
     def extra(self, physical: Sequence[str]) -> ContainerAllocation | None:
         """Attach mode: the nearest healthy HCAs' nodes and variable for these GPUs."""

@@ -298,6 +298,8 @@ class KubeletSimulator:
         self._allocating = 0
         # Held through each admission: one pod at a time.
         self._admission = threading.Lock()
+        # The longest an Allocate call took to be answered (seconds).
+        self.slowest_allocate = 0.0
 
     # -- lifecycle -----------------------------------------------------------
     def start(self) -> None:
@@ -589,6 +591,7 @@ class KubeletSimulator:
         options: pb.DevicePluginOptions,
         chosen: list[str],
     ) -> pb.ContainerAllocateResponse:
+        asked = time.monotonic()
         try:
             response = stub.Allocate(
                 pb.AllocateRequest(
@@ -599,6 +602,9 @@ class KubeletSimulator:
         except grpc.RpcError as exc:
             code, details = rpc_failure(exc)
             raise AdmissionError(f"{resource}: Allocate failed: {details}", code) from exc
+        finally:
+            with self._cond:
+                self.slowest_allocate = max(self.slowest_allocate, time.monotonic() - asked)
         if len(response.container_responses) != 1:
             raise AdmissionError(
                 f"{resource}: Allocate returned {len(response.container_responses)} responses"

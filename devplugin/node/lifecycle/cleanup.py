@@ -355,7 +355,10 @@ class CleanupManager:
                 taken = {key: self._get(key) for key in keys if self._get(key).phase is Phase.FREE}
                 for key, record in taken.items():
                     self._set(key, custody.taking(record, now))
-                self._save_locked(set(keys))
+                # Only a kind with a cleanup hook needs the take on disk
+                # before its init runs: a restart cleans what it finds taken.
+                if kind in self._hooks:
+                    self._save_locked(set(keys))
                 if self._save_error is not None and kind in self._hooks:
                     # Unrecorded, a crash would forget they were handed out
                     # and offer them uncleaned: not taken.
@@ -705,7 +708,11 @@ class CleanupManager:
 
     def _due_locked(self, now: float) -> Key | None:
         """The device due a cleanup longest, if any."""
-        due = [(r.next_at, order(k), k) for k, r in self._records.items() if custody.due(r, now)]
+        due = [
+            (custody.urgency(r), order(k), k)
+            for k, r in self._records.items()
+            if custody.due(r, now)
+        ]
         return min(due, key=lambda item: item[:2])[2] if due else None
 
     def _idle_locked(self, now: float) -> float | None:

@@ -77,6 +77,8 @@ class Custody:
     attempts: int = 0
     ended: int = 0
     next_at: float = 0.0
+    # A take waits for its cleanup: cleaned before devices nobody waits for.
+    wanted: bool = False
     last_error: str = ""
     # When the phase began (monotonic), for the messages of those who wait.
     since: float = 0.0
@@ -107,7 +109,7 @@ def released(record: Custody, number: int, now: float, *, owes: bool) -> Custody
         record,
         phase=Phase.OWED if owes else Phase.FREE,
         claims=(), owner=None, release=number, answers=0, attempts=0, ended=0, next_at=0.0,
-        last_error="", since=now, missing=0, unnamed=False, held_back=False,
+        wanted=False, last_error="", since=now, missing=0, unnamed=False, held_back=False,
     )  # fmt: skip
 
 
@@ -139,7 +141,7 @@ def owed_again(record: Custody, number: int, now: float) -> Custody:
 
 def cleaning(record: Custody, now: float) -> Custody:
     """A cleanup starts; it answers for the last release."""
-    return replace(record, phase=Phase.CLEANING, answers=record.release, since=now)
+    return replace(record, phase=Phase.CLEANING, answers=record.release, since=now, wanted=False)
 
 
 def cleaned(record: Custody, now: float) -> Custody:
@@ -171,10 +173,16 @@ def _waiting(record: Custody, now: float, error: str) -> Custody:
 
 
 def expedited(record: Custody, now: float) -> Custody:
-    """Someone waits for it: its cleanup is due now, backoff or not."""
-    if record.phase in (Phase.OWED, Phase.QUARANTINED) and record.next_at > now:
-        return replace(record, next_at=now)
+    """Someone waits for it: its cleanup is due now, backoff or not, and
+    before those of devices nobody waits for."""
+    if record.phase in (Phase.OWED, Phase.QUARANTINED):
+        return replace(record, next_at=min(record.next_at, now), wanted=True)
     return record
+
+
+def urgency(record: Custody) -> tuple[bool, float]:
+    """Which due cleanup runs first (smallest): wanted ones, then the longest due."""
+    return not record.wanted, record.next_at
 
 
 def due(record: Custody, now: float) -> bool:
