@@ -62,28 +62,30 @@ class Report:
 
 
 def hook_runs(*logs: Path) -> list[HookRun]:
-    """Every run in these hook logs (hook_helper.py's lines)."""
-    runs: dict[int, HookRun] = {}
-    ended: dict[int, tuple[float, bool]] = {}
+    """Every run in these hook logs (hook_helper.py's lines). A log is read
+    in order: an end line closes the run its pid has open in the same log
+    (pids are reused; a run whose pid starts again had been killed)."""
+    runs: list[HookRun] = []
     for log in logs:
         if not log.exists():
             continue
         text = log.read_text()
+        open_runs: dict[int, HookRun] = {}
         # A line not yet ended with a newline is a hook writing it right now.
         for line in text[: text.rfind("\n") + 1].splitlines():
             entry = json.loads(line)
             if "stdin" in entry:
                 ids = entry["env"]["DEVPLUGIN_DEVICE_IDS"]
-                runs[entry["pid"]] = HookRun(
+                run = HookRun(
                     entry["env"]["DEVPLUGIN_HOOK"], tuple(ids.split(",")) if ids else (),
                     entry["pid"], entry["start"],
                 )  # fmt: skip
-            elif "end" in entry:
-                ended[entry["pid"]] = (entry["end"], entry.get("ok", True))
-    for pid, (end, ok) in ended.items():
-        if pid in runs:
-            runs[pid].end, runs[pid].ok = end, ok
-    return sorted(runs.values(), key=lambda run: run.start)
+                open_runs[run.pid] = run
+                runs.append(run)
+            elif "end" in entry and entry["pid"] in open_runs:
+                run = open_runs.pop(entry["pid"])
+                run.end, run.ok = entry["end"], entry.get("ok", True)
+    return sorted(runs, key=lambda run: run.start)
 
 
 def _overlap(a: tuple[float, float], b: tuple[float, float]) -> bool:
@@ -102,16 +104,23 @@ def check(runs: Sequence[HookRun], holds: Iterable[Hold], *, horizon: float) -> 
     report.inits = sum(len(v) for v in inits.values())
     report.cleanups = sum(len(v) for v in cleanups.values())
     by_device: dict[str, list[tuple[Hold, float, HookRun | None]]] = defaultdict(list)
-    for hold in holds:
+    # Each hold's init: in the order holds were granted, the latest init of
+    # exactly its devices begun while it was asked for that no earlier hold
+    # took (a pod's asking includes waiting in the kubelet's admission queue,
+    # through other pods' inits; the storms give every holder its own set).
+    taken: set[int] = set()
+    for hold in sorted(holds, key=lambda hold: hold.granted):
         report.holds += 1
+        first = hold.devices[0] if hold.devices else ""
+        mine = [
+            r for r in inits[first]
+            if hold.asked <= r.start <= hold.granted and set(r.devices) == set(hold.devices)
+            and id(r) not in taken
+        ]  # fmt: skip
+        init = mine[-1] if mine else None
+        if init is not None:
+            taken.add(id(init))
         for device in hold.devices:
-            # Its init: the latest one of exactly its devices begun while it
-            # was asked for (the storms give every holder its own device set).
-            mine = [
-                r for r in inits[device]
-                if hold.asked <= r.start <= hold.granted and set(r.devices) == set(hold.devices)
-            ]  # fmt: skip
-            init = mine[-1] if mine else None
             by_device[device].append((hold, init.start if init else hold.granted, init))
     for device, entries in sorted(by_device.items()):
         entries.sort(key=lambda entry: entry[1])

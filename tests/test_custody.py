@@ -52,7 +52,7 @@ from tests.custody_storm import (
     pod_actor,
     run,
 )
-from tests.custody_support import Hold, check, hook_runs
+from tests.custody_support import Hold, HookRun, check, hook_runs
 from tests.dra_support import DRIVER, NODE, DraCluster, start_dra
 from tests.test_dra import published
 from tests.test_hooks import hook, runs
@@ -210,6 +210,51 @@ def test_a_cleanup_someone_waits_for_runs_before_the_others(tmp_path: Path) -> N
         assert wait_until(lambda: sorted(map(tuple, runner.calls)) == [("a",), ("b",), ("c",)])
     finally:
         cleanup.stop()
+
+
+def test_the_hook_log_reader_tells_apart_runs_that_reused_a_pid(tmp_path: Path) -> None:
+    log = tmp_path / "hooks.log"
+    lines = [
+        {"stdin": {}, "env": {"DEVPLUGIN_HOOK": "cleanup", "DEVPLUGIN_DEVICE_IDS": "a"},
+         "pid": 7, "start": 1.0},
+        {"end": 2.0, "pid": 7, "ok": True},
+        {"stdin": {}, "env": {"DEVPLUGIN_HOOK": "init", "DEVPLUGIN_DEVICE_IDS": "a,b"},
+         "pid": 7, "start": 3.0},  # killed: no end line
+        {"stdin": {}, "env": {"DEVPLUGIN_HOOK": "cleanup", "DEVPLUGIN_DEVICE_IDS": "b"},
+         "pid": 7, "start": 4.0},
+        {"end": 5.0, "pid": 7, "ok": False},
+    ]  # fmt: skip
+    log.write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"partial')
+    runs_ = hook_runs(log)
+    assert [(r.phase, r.devices, r.start, r.end, r.ok) for r in runs_] == [
+        ("cleanup", ("a",), 1.0, 2.0, True),
+        ("init", ("a", "b"), 3.0, None, None),
+        ("cleanup", ("b",), 4.0, 5.0, False),
+    ]
+
+
+def test_the_rules_find_each_kind_of_violation() -> None:
+    def run(phase: str, device: str, start: float, end: float, pid: int) -> HookRun:
+        return HookRun(phase, (device,), pid, start, end, True)
+
+    # Two pods asked at 0; the second waited in the admission queue through
+    # the first's init (1) and got its own init at 5 after a cleanup at 3.
+    clean = [run("init", "d", 1.0, 1.5, 1), run("cleanup", "d", 3.0, 4.0, 2),
+             run("init", "d", 5.0, 5.5, 3)]  # fmt: skip
+    holds = [Hold("p1", ("d",), 0.0, 2.0, 2.5), Hold("p2", ("d",), 0.0, 6.0)]
+    assert check(clean, holds, horizon=10.0).violations == []
+    # A cleanup while p1 holds it; no cleanup after p1's release before p2's init.
+    early = [run("init", "d", 1.0, 1.5, 1), run("cleanup", "d", 2.2, 2.4, 2),
+             run("init", "d", 5.0, 5.5, 3)]  # fmt: skip
+    found = check(early, holds, horizon=10.0).violations
+    assert len(found) == 2
+    assert found[0].startswith("d: cleanup (pid 2, 2.200-2.400) while p1 held it")
+    assert found[1].startswith("d: used again at 5.000 (init pid 3) with no cleanup")
+    # Two holders at once, and an init on a device another holds.
+    both = [Hold("p1", ("d",), 0.0, 2.0), Hold("p2", ("d",), 0.0, 6.0)]
+    found = check(clean, both, horizon=10.0).violations
+    assert any("held by p1 and p2 at once" in v for v in found)
+    assert any("init (pid 3) at 5.000 while p1 held it" in v for v in found)
 
 
 # -- the two races, each on its own ----------------------------------------------------

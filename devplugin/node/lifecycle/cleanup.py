@@ -15,10 +15,11 @@ record's phase. Four pieces work around the records:
   released in that step and cleaned before it is taken.
 * releases from the pod side (`releases.py`): PodResources answers and the
   pod watch say when a device-plugin device is let go.
-* the cleaners: a few threads that run the cleanup hook of released devices,
-  one device at a time each, only on devices nobody holds. A cleanup counts
-  for a release only if it started after it. A failed one quarantines the
-  device and is retried with exponential backoff.
+* the cleaners (`cleaners.py`): a few threads that run the cleanup hook of
+  released devices, one device at a time each, only on devices nobody
+  holds (this book hands them out). A cleanup counts for a release only if
+  it started after it. A failed one quarantines the device and is retried
+  with exponential backoff; one that a take waits for runs first.
 * the checkpoint: written on every change, derived from the records in a
   stable order. After a restart, devices that were in use stay out until
   their holder is confirmed (then held, not cleaned) or released (then
