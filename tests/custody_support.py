@@ -36,6 +36,8 @@ class HookRun:
     start: float
     end: float | None = None
     ok: bool | None = None
+    # The process that started it.
+    parent: int = 0
 
     def finish(self, horizon: float) -> float:
         """When it stopped: its own end, else `horizon` (a killed hook is
@@ -78,7 +80,7 @@ def hook_runs(*logs: Path) -> list[HookRun]:
                 ids = entry["env"]["DEVPLUGIN_DEVICE_IDS"]
                 run = HookRun(
                     entry["env"]["DEVPLUGIN_HOOK"], tuple(ids.split(",")) if ids else (),
-                    entry["pid"], entry["start"],
+                    entry["pid"], entry["start"], parent=entry.get("ppid", 0),
                 )  # fmt: skip
                 open_runs[run.pid] = run
                 runs.append(run)

@@ -33,11 +33,15 @@ def append(log: Path, record: dict[str, object]) -> None:
 
 
 def main() -> int:
+    # Before waiting on stdin: the daemon that started this may die meanwhile.
+    parent = os.getppid()
     log, mode = Path(sys.argv[1]), sys.argv[2]
     record = {
         "stdin": json.load(sys.stdin),
         "env": {k: v for k, v in os.environ.items() if k.startswith("DEVPLUGIN_")},
         "pid": os.getpid(),
+        # The daemon that started it (its parent until that parent dies).
+        "ppid": parent,
         "start": time.monotonic(),
     }
     append(log, record)

@@ -39,7 +39,7 @@ from devplugin.node.lifecycle.checkpoint import (
 )
 from devplugin.node.lifecycle.custody import Custody, Phase, Take, state_of
 from devplugin.testing.apiserver import ApiServerImitation
-from devplugin.testing.dra_kubelet import ClaimCall, DraKubeletSimulator
+from devplugin.testing.dra_kubelet import ClaimCall, DraKubeletSimulator, DraPluginRecord
 from devplugin.testing.kubelet import ContainerRequest, KubeletSimulator
 from devplugin.testing.layouts import LAYOUTS
 from devplugin.testing.node import BuiltNode, build_node, devices_from_spec, hgx_node
@@ -698,14 +698,14 @@ def test_sigkill_at_random_moments_under_a_storm_keeps_custody(
     def started(registrations: int, identity: object) -> bool:
         """The new daemon registered both ways: it loaded its checkpoint and
         killed what its predecessor left running before it did."""
-        plugin = dra.plugin(DRIVER) if dra.registered(DRIVER) else None
+        plugin = registered_plugin(dra)
         return (
             len([r for r in kubelet.registrations if r.resource == GPU_NAME]) > registrations
             and plugin is not None and plugin.identity != identity
         )  # fmt: skip
 
     def current() -> tuple[int, object]:
-        plugin = dra.plugin(DRIVER) if dra.registered(DRIVER) else None
+        plugin = registered_plugin(dra)
         count = len([r for r in kubelet.registrations if r.resource == GPU_NAME])
         return count, plugin.identity if plugin is not None else None
 
@@ -753,9 +753,20 @@ def test_sigkill_at_random_moments_under_a_storm_keeps_custody(
         assert processes[-1].wait(timeout=30) == 0
         horizon = time.monotonic()
         runs_ = hook_runs(init, cleanup)
+        # A run without an end was killed, by the daemon started after its
+        # own, which kills what its predecessor left before it starts any
+        # hook or serves; so by the earlier of those two, for the first
+        # restart where that comes after the run began (a hook may log its
+        # start after its daemon died: it waits for stdin the daemon wrote
+        # just before) or at the final stop.
+        daemon = {process.pid: number for number, process in enumerate(processes)}
+        ready = [
+            min([serving, *(r.start for r in runs_ if daemon.get(r.parent, -1) > number)])
+            for number, (_, serving) in enumerate(restarts)
+        ]
         for run_ in runs_:
-            if run_.end is None:  # killed: dead by the next restart at the latest
-                run_.end = min([s for k, s in restarts if k >= run_.start], default=horizon)
+            if run_.end is None:
+                run_.end = next((at for at in ready if at > run_.start), horizon)
                 run_.ok = False
         report = check(runs_, log.holds, horizon=horizon)
         text = (tmp_path / "daemon.log").read_text()
@@ -766,6 +777,14 @@ def test_sigkill_at_random_moments_under_a_storm_keeps_custody(
             f"{report.cleanups} cleanups, {report.reuses} reuses, "
             f"{len(report.violations)} violations"
         )
+        for violation in report.violations:
+            print(violation)
+        if report.violations:
+            (tmp_path / "holds.json").write_text(json.dumps(
+                [dataclasses.asdict(hold) for hold in log.holds]
+                + [dataclasses.asdict(run_) for run_ in runs_]
+                + [{"restarts": restarts, "daemons": [p.pid for p in processes]}]
+            ))  # fmt: skip
         assert report.violations == []
         assert orphans == []
         assert log.failures == []
@@ -782,6 +801,14 @@ def test_sigkill_at_random_moments_under_a_storm_keeps_custody(
         output.close()
         dra.stop()
         kubelet.stop()
+
+
+def registered_plugin(dra: DraKubeletSimulator) -> DraPluginRecord | None:
+    """The driver's registration now, if any (it may go between two looks)."""
+    try:
+        return dra.plugin(DRIVER)
+    except KeyError:
+        return None
 
 
 def dra_devices(api: ApiServerImitation) -> dict[str, str]:
