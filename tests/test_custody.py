@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,7 @@ from tests.custody_storm import (
 from tests.custody_support import Hold, HookRun, check, hook_runs
 from tests.dra_support import DRIVER, NODE, DraCluster, start_dra
 from tests.test_dra import published
+from tests.test_fail_closed import alive
 from tests.test_hooks import hook, runs
 from tests.test_lifecycle_units import Node, Runner
 from tests.waiting import wait_until
@@ -260,36 +262,96 @@ def test_the_rules_find_each_kind_of_violation() -> None:
 # -- the two races, each on its own ----------------------------------------------------
 
 
-def test_a_claim_that_waited_for_a_cleanup_never_cleans_a_device_another_claim_took(
-    start_dra: StartDra, tmp_path: Path
-) -> None:
-    # B = {E, D} waits for E's cleanup; meanwhile A takes D. When E is clean,
-    # B must be refused without a hook on D; D stays A's (in the checkpoint
-    # too); after A's release D is cleaned before its next use.
-    cleanup, init, gates = tmp_path / "cleanup.log", tmp_path / "init.log", tmp_path / "gates"
-    gates.mkdir()
-    cluster = start_dra(
-        hgx_node(),
-        **{
-            "resources.gpu.hooks.cleanup": hook(cleanup, f"gate:{gates}"),
-            "resources.gpu.hooks.init": hook(init, "ok"),
-        },
-    )
+@dataclass
+class Gated:
+    """Where a test's hooks log, and the folder of per-device gates its
+    cleanups wait at (`gate:` mode): touch gates/<device id> to let one end."""
+
+    cleanup: Path
+    init: Path
+    gates: Path
+
+    @classmethod
+    def under(cls, tmp_path: Path) -> Gated:
+        gated = cls(tmp_path / "cleanup.log", tmp_path / "init.log", tmp_path / "gates")
+        gated.gates.mkdir()
+        return gated
+
+    def hooks(self, cleaned: DeviceKind, inited: DeviceKind | None = None) -> dict[str, Any]:
+        """Gated cleanups on one kind, quick inits on another (if any)."""
+        config = {
+            f"resources.{cleaned.value}.hooks.cleanup": hook(self.cleanup, f"gate:{self.gates}")
+        }
+        if inited is not None:
+            config[f"resources.{inited.value}.hooks.init"] = hook(self.init, "ok")
+        return config
+
+    def open(self, device: str) -> None:
+        (self.gates / device).touch()
+
+
+def dra_with(
+    start_dra: StartDra, gated: Gated, cleaned: DeviceKind, inited: DeviceKind | None
+) -> DraCluster:
+    cluster = start_dra(hgx_node(), **gated.hooks(cleaned, inited))
     assert wait_until(lambda: published(cluster, 16), timeout=10)
+    return cluster
+
+
+@dataclass
+class Race:
+    """Claim W = {E, D} waits for E's cleanup while D is free; claim A takes
+    D meanwhile; E's cleanup ends. (Cleanups wait at a gate per device.)"""
+
+    cluster: DraCluster
+    cleanup: Path
+    init: Path
+    gates: Path
+    uuid: dict[str, str]
+    e: str
+    d: str
+    waiting: ClaimCall
+    a: ClaimCall
+    hold_a: Hold
+    holds: list[Hold]
+    answers: dict[str, tuple[float, float, dict[str, Any]]]
+    caller: threading.Thread
+
+    def cleaned(self, name: str) -> list[dict[str, Any]]:
+        return [
+            r for r in runs(self.cleanup) if r["env"]["DEVPLUGIN_DEVICE_IDS"] == self.uuid[name]
+        ]
+
+    def release_a(self) -> None:
+        self.hold_a.released = time.monotonic()
+        assert self.cluster.unprepare(self.a) == {self.a.uid: ""}
+        (self.gates / self.uuid[self.d]).touch()
+        self.caller.join(timeout=30)
+
+    def report(self) -> list[str]:
+        return check(
+            hook_runs(self.cleanup, self.init), self.holds, horizon=time.monotonic()
+        ).violations
+
+
+def race(start_dra: StartDra, tmp_path: Path, pick: slice) -> Race:
+    gated = Gated.under(tmp_path)
+    cleanup, init, gates = gated.cleanup, gated.init, gated.gates
+    cluster = dra_with(start_dra, gated, GPU, GPU)
     uuid = gpu_ids(cluster)
-    e, d = sorted(uuid)[:2]
+    e, d = sorted(uuid)[pick]
     holds: list[Hold] = []
     x = cluster.claim("x", [("gpu", e)])
     asked, granted, answer = timed_prepare(cluster, x)
     assert answer["error"] == ""
     holds.append(Hold("x", (uuid[e],), asked, granted, time.monotonic()))
     assert cluster.unprepare(x) == {x.uid: ""}
-    assert wait_until(lambda: len(runs(cleanup)) == 1, timeout=10)  # E's cleanup, gated
-    b = cluster.claim("b", [("gpu", e), ("gpu2", d)])
+    assert wait_until(lambda: len(runs(cleanup)) == 1, timeout=10)  # E's, at its gate
+    waiting = cluster.claim("w", [("gpu", e), ("gpu2", d)])
     answers: dict[str, tuple[float, float, dict[str, Any]]] = {}
-    caller = threading.Thread(target=lambda: answers.update(b=timed_prepare(cluster, b)))
+    caller = threading.Thread(target=lambda: answers.update(w=timed_prepare(cluster, waiting)))
     caller.start()
-    path = f"/apis/resource.k8s.io/v1/namespaces/default/resourceclaims/{b.name}"
+    path = f"/apis/resource.k8s.io/v1/namespaces/default/resourceclaims/{waiting.name}"
     assert wait_until(lambda: ("GET", path) in cluster.api.requests, timeout=10)
     a = cluster.claim("a", [("gpu", d)])
     asked, granted, answer = timed_prepare(cluster, a)
@@ -297,92 +359,54 @@ def test_a_claim_that_waited_for_a_cleanup_never_cleans_a_device_another_claim_t
     hold_a = Hold("a", (uuid[d],), asked, granted)
     holds.append(hold_a)
     (gates / uuid[e]).touch()
-    # Either B is answered, or (what this test is for) a cleanup of D began.
-    assert wait_until(
-        lambda: "b" in answers or any(r["env"]["DEVPLUGIN_DEVICE_IDS"] == uuid[d]
-                                      for r in runs(cleanup)),
-        timeout=15,
-    )  # fmt: skip
-    saved = json.loads(cluster.checkpoint.read_text())
-    hold_a.released = time.monotonic()
-    assert cluster.unprepare(a) == {a.uid: ""}
-    (gates / uuid[d]).touch()
-    caller.join(timeout=30)
-    b_asked, b_granted, b_answer = answers["b"]
-    if b_answer["error"] == "":
-        holds.append(Hold("b", (uuid[e], uuid[d]), b_asked, b_granted))
+    found = Race(
+        cluster, cleanup, init, gates, uuid, e, d, waiting, a, hold_a, holds, answers, caller
+    )
+    # Either W is answered, or (what these tests are for) a cleanup of D began.
+    assert wait_until(lambda: "w" in answers or bool(found.cleaned(d)), timeout=15)
+    return found
+
+
+def test_a_claim_that_waited_for_a_cleanup_never_cleans_a_device_another_claim_took(
+    start_dra: StartDra, tmp_path: Path
+) -> None:
+    # W must be refused without a hook on D; D stays A's (in the checkpoint
+    # too); after A's release D is cleaned before its next use.
+    run_ = race(start_dra, tmp_path, slice(0, 2))
+    saved = json.loads(run_.cluster.checkpoint.read_text())
+    run_.release_a()
+    w_asked, w_granted, w_answer = run_.answers["w"]
+    if w_answer["error"] == "":
+        run_.holds.append(Hold("w", (run_.uuid[run_.e], run_.uuid[run_.d]), w_asked, w_granted))
     # D is free again once cleaned: the next claim of it gets it.
-    f = cluster.claim("f", [("gpu", d)])
-    asked, granted, answer = timed_prepare(cluster, f)
-    holds.append(Hold("f", (uuid[d],), asked, granted))
-    report = check(hook_runs(cleanup, init), holds, horizon=time.monotonic())
-    assert report.violations == []
-    assert b_answer["error"] == f"device {d} is prepared for claim {a.uid}"
+    f = run_.cluster.claim("f", [("gpu", run_.d)])
+    asked, granted, answer = timed_prepare(run_.cluster, f)
+    run_.holds.append(Hold("f", (run_.uuid[run_.d],), asked, granted))
+    assert run_.report() == []
+    assert w_answer["error"] == f"device {run_.d} is prepared for claim {run_.a.uid}"
     assert answer["error"] == ""
-    assert uuid[d] in saved["assigned"]["gpu"]
-    assert [c["uid"] for c in saved["claims"]] == [a.uid]
-    on_d = [r for r in runs(cleanup) if r["env"]["DEVPLUGIN_DEVICE_IDS"] == uuid[d]]
-    assert len(on_d) == 1
-    assert on_d[0]["start"] > hold_a.released
+    assert run_.uuid[run_.d] in saved["assigned"]["gpu"]
+    assert [c["uid"] for c in saved["claims"]] == [run_.a.uid]
+    (on_d,) = run_.cleaned(run_.d)
+    assert on_d["start"] > run_.hold_a.released
 
 
 def test_a_device_released_while_another_claim_waits_for_it_is_cleaned_after_the_release(
     start_dra: StartDra, tmp_path: Path
 ) -> None:
-    # C = {E, D} waits for E's cleanup while D is free; A takes D; E is
-    # clean; A lets D go while C is still in flight. C may have D only after
-    # a cleanup that began after A's release (a cleanup begun before it,
-    # during A's hold, answers for nothing).
-    cleanup, init, gates = tmp_path / "cleanup.log", tmp_path / "init.log", tmp_path / "gates"
-    gates.mkdir()
-    cluster = start_dra(
-        hgx_node(),
-        **{
-            "resources.gpu.hooks.cleanup": hook(cleanup, f"gate:{gates}"),
-            "resources.gpu.hooks.init": hook(init, "ok"),
-        },
-    )
-    assert wait_until(lambda: published(cluster, 16), timeout=10)
-    uuid = gpu_ids(cluster)
-    e, d = sorted(uuid)[2:4]
-    holds: list[Hold] = []
-    x = cluster.claim("x", [("gpu", e)])
-    asked, granted, answer = timed_prepare(cluster, x)
-    assert answer["error"] == ""
-    holds.append(Hold("x", (uuid[e],), asked, granted, time.monotonic()))
-    assert cluster.unprepare(x) == {x.uid: ""}
-    assert wait_until(lambda: len(runs(cleanup)) == 1, timeout=10)  # E's, gated
-    c = cluster.claim("c", [("gpu", e), ("gpu2", d)])
-    answers: dict[str, tuple[float, float, dict[str, Any]]] = {}
-    caller = threading.Thread(target=lambda: answers.update(c=timed_prepare(cluster, c)))
-    caller.start()
-    path = f"/apis/resource.k8s.io/v1/namespaces/default/resourceclaims/{c.name}"
-    assert wait_until(lambda: ("GET", path) in cluster.api.requests, timeout=10)
-    a = cluster.claim("a", [("gpu", d)])
-    asked, granted, answer = timed_prepare(cluster, a)
-    assert answer["error"] == ""
-    hold_a = Hold("a", (uuid[d],), asked, granted)
-    holds.append(hold_a)
-    (gates / uuid[e]).touch()
-    assert wait_until(
-        lambda: "c" in answers or any(r["env"]["DEVPLUGIN_DEVICE_IDS"] == uuid[d]
-                                      for r in runs(cleanup)),
-        timeout=15,
-    )  # fmt: skip
-    hold_a.released = time.monotonic()
-    assert cluster.unprepare(a) == {a.uid: ""}
-    (gates / uuid[d]).touch()
-    caller.join(timeout=30)
-    c_asked, c_granted, c_answer = answers["c"]
-    if c_answer["error"] != "":  # refused while A held D: the kubelet asks again
-        c_asked, c_granted, c_answer = timed_prepare(cluster, c)
-    assert c_answer["error"] == ""
-    holds.append(Hold("c", (uuid[e], uuid[d]), c_asked, c_granted))
-    report = check(hook_runs(cleanup, init), holds, horizon=time.monotonic())
-    assert report.violations == []
-    on_d = [r for r in runs(cleanup) if r["env"]["DEVPLUGIN_DEVICE_IDS"] == uuid[d]]
-    assert len(on_d) == 1
-    assert on_d[0]["start"] > hold_a.released
+    # A lets D go while W is still in flight. W may have D only after a
+    # cleanup that began after A's release (one begun before it, during A's
+    # hold, answers for nothing).
+    run_ = race(start_dra, tmp_path, slice(2, 4))
+    run_.release_a()
+    w_asked, w_granted, w_answer = run_.answers["w"]
+    if w_answer["error"] != "":  # refused while A held D: the kubelet asks again
+        w_asked, w_granted, w_answer = timed_prepare(run_.cluster, run_.waiting)
+    assert w_answer["error"] == ""
+    run_.holds.append(Hold("w", (run_.uuid[run_.e], run_.uuid[run_.d]), w_asked, w_granted))
+    assert run_.report() == []
+    (on_d,) = run_.cleaned(run_.d)
+    assert on_d["start"] > run_.hold_a.released
 
 
 # -- hooks of both kinds at once --------------------------------------------------------
@@ -391,16 +415,12 @@ def test_a_device_released_while_another_claim_waits_for_it_is_cleaned_after_the
 def test_an_allocate_with_an_init_hook_beside_a_running_cleanup_of_the_other_kind(
     start_cluster: StartCluster, tmp_path: Path
 ) -> None:
-    cleanup, init, gates = tmp_path / "cleanup.log", tmp_path / "init.log", tmp_path / "gates"
-    gates.mkdir()
+    gated = Gated.under(tmp_path)
+    cleanup, init, gates = gated.cleanup, gated.init, gated.gates
     cluster = start_cluster(
         hgx_node(),
-        **{
-            "resources.hca.hooks.cleanup": hook(cleanup, f"gate:{gates}"),
-            "resources.gpu.hooks.init": hook(init, "ok"),
-            "resources.gpu.hooks.cleanup": hook(cleanup, "ok"),
-        },
-    )
+        **gated.hooks(HCA, GPU), **{"resources.gpu.hooks.cleanup": hook(cleanup, "ok")},
+    )  # fmt: skip
     kubelet = cluster.kubelet
     pod = kubelet.admit("h", [ContainerRequest("c", {HCA_NAME: 1})])
     (hca,) = pod.container("c").devices[HCA_NAME]
@@ -421,16 +441,9 @@ def test_an_allocate_with_an_init_hook_beside_a_running_cleanup_of_the_other_kin
 def test_a_prepare_with_an_init_hook_beside_a_running_cleanup_of_the_other_kind(
     start_dra: StartDra, tmp_path: Path
 ) -> None:
-    cleanup, init, gates = tmp_path / "cleanup.log", tmp_path / "init.log", tmp_path / "gates"
-    gates.mkdir()
-    cluster = start_dra(
-        hgx_node(),
-        **{
-            "resources.hca.hooks.cleanup": hook(cleanup, f"gate:{gates}"),
-            "resources.gpu.hooks.init": hook(init, "ok"),
-        },
-    )
-    assert wait_until(lambda: published(cluster, 16), timeout=10)
+    gated = Gated.under(tmp_path)
+    cleanup, init = gated.cleanup, gated.init
+    cluster = dra_with(start_dra, gated, HCA, GPU)
     hca = sorted(n for n in cluster.devices() if n.startswith("hca-"))[0]
     gpu = sorted(gpu_ids(cluster))[0]
     x = cluster.claim("x", [("hca", hca)])
@@ -439,9 +452,13 @@ def test_a_prepare_with_an_init_hook_beside_a_running_cleanup_of_the_other_kind(
     assert wait_until(lambda: len(runs(cleanup)) == 1, timeout=10)
     g = cluster.claim("g", [("gpu", gpu)])
     assert cluster.prepare(g)[g.uid]["error"] == ""
+    # The GPU's init ran (and was recorded) while the HCA's cleanup ran.
+    assert [r["env"]["DEVPLUGIN_DEVICE_IDS"] for r in runs(init)] == [
+        cluster.attribute(gpu, "uuid")
+    ]
     assert cluster.unprepare(g) == {g.uid: ""}
     assert cluster.daemon.cleanup.checkpoint_error() is None
-    (gates / cluster.attribute(hca, "resource.kubernetes.io/pciBusID")).touch()
+    gated.open(cluster.attribute(hca, "resource.kubernetes.io/pciBusID"))
     assert wait_until(lambda: published(cluster, 16), timeout=15)
     saved = json.loads(cluster.checkpoint.read_text())
     assert saved["claims"] == []
@@ -454,12 +471,9 @@ def test_a_prepare_with_an_init_hook_beside_a_running_cleanup_of_the_other_kind(
 def test_prepares_waiting_for_a_cleanup_answer_before_the_deadline_and_starve_no_one(
     start_dra: StartDra, tmp_path: Path
 ) -> None:
-    cleanup, gates = tmp_path / "cleanup.log", tmp_path / "gates"
-    gates.mkdir()
-    cluster = start_dra(
-        hgx_node(), **{"resources.gpu.hooks.cleanup": hook(cleanup, f"gate:{gates}")}
-    )
-    assert wait_until(lambda: published(cluster, 16), timeout=10)
+    gated = Gated.under(tmp_path)
+    cleanup, gates = gated.cleanup, gated.gates
+    cluster = dra_with(start_dra, gated, GPU, None)
     deadline = 4.0
     cluster.kubelet.call_timeout = deadline
     uuid = gpu_ids(cluster)
@@ -509,11 +523,9 @@ def test_prepares_waiting_for_a_cleanup_answer_before_the_deadline_and_starve_no
 def test_an_allocate_of_a_device_being_cleaned_answers_before_its_deadline(
     start_cluster: StartCluster, tmp_path: Path
 ) -> None:
-    cleanup, gates = tmp_path / "cleanup.log", tmp_path / "gates"
-    gates.mkdir()
-    cluster = start_cluster(
-        hgx_node(), **{"resources.gpu.hooks.cleanup": hook(cleanup, f"gate:{gates}")}
-    )
+    gated = Gated.under(tmp_path)
+    cleanup, gates = gated.cleanup, gated.gates
+    cluster = start_cluster(hgx_node(), **gated.hooks(GPU))
     kubelet = cluster.kubelet
     pod = kubelet.admit("p", [ContainerRequest("c", {GPU_NAME: 1})])
     (gpu,) = pod.container("c").devices[GPU_NAME]
@@ -655,14 +667,6 @@ def daemon_file(node: BuiltNode, sock_dir: Path, tmp_path: Path, *, init: Path, 
     path = tmp_path / "devplugin.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 @pytest.mark.slow
