@@ -1,12 +1,13 @@
 """Small helpers shared by the gRPC servers and clients (the daemon's and
 the simulator's): unix socket paths and identities, a server on one unix
-socket, failure details."""
+socket, failure details, a call's deadline."""
 
 from __future__ import annotations
 
 import logging
 import os
 import secrets
+import time
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
@@ -22,6 +23,12 @@ MAX_SOCKET_PATH = 107
 # A server binds `.<name>.<hex token>` beside its path first (see SocketServer.start).
 _HIDDEN_TOKEN_BYTES = 3
 _HIDDEN_EXTRA = len(".") + len(".") + 2 * _HIDDEN_TOKEN_BYTES
+
+
+def deadline_of(context: grpc.ServicerContext) -> float | None:
+    """The caller's deadline on the monotonic clock, if it set one."""
+    left = context.time_remaining()
+    return None if left is None else time.monotonic() + left
 
 
 def check_socket_path(path: Path) -> None:

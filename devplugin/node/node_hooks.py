@@ -18,6 +18,7 @@ from devplugin.model import DeviceKind, Refused
 from devplugin.node.coordination import Coordinator
 from devplugin.node.ledger import ContainerKey, Ledger
 from devplugin.node.lifecycle.cleanup import CleanupManager
+from devplugin.node.lifecycle.custody import wait_until
 from devplugin.node.lifecycle.devices import describe
 from devplugin.node.lifecycle.hooks import HookRunner, HookSpec
 from devplugin.node.pipeline import Pipeline
@@ -25,9 +26,6 @@ from devplugin.node.resources import ContainerAllocation, HcaResource, Resource
 
 log = logging.getLogger(__name__)
 
-# The share of the time left before the caller's deadline an Allocate may
-# spend waiting for a cleanup; the rest is for its init hook and answer.
-WAIT_SHARE = 0.5
 # Without a deadline (the kubelet sets none on Allocate), a wait ends this
 # long after the cleanup hook's own timeout, by when the hook was killed.
 KILL_GRACE = 5.0
@@ -65,11 +63,8 @@ class ResourceHooks:
         self._identify = identify
 
     def take(self, physical: Sequence[str], deadline: float | None) -> None:
-        now = time.monotonic()
-        if deadline is not None:
-            until = now + max(0.0, deadline - now) * WAIT_SHARE
-        else:
-            until = now + self._cleanup.cleanup_timeout(self._kind) + KILL_GRACE
+        otherwise = self._cleanup.cleanup_timeout(self._kind) + KILL_GRACE
+        until = wait_until(time.monotonic(), deadline, otherwise)
         problem = self._cleanup.take(
             self._kind, physical, shared=not self._resource.reuse_proves_release,
             wait_until=until,

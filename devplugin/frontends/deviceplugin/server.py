@@ -25,7 +25,7 @@ from devplugin.node.resources import (
     merge_allocations,
 )
 from devplugin.policy.allocator import Role
-from devplugin.rpc import SocketServer
+from devplugin.rpc import SocketServer, deadline_of
 
 log = logging.getLogger(__name__)
 
@@ -326,8 +326,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
                 resource.validate(state, ids)
             except Refused as exc:
                 self._refuse(context, status_of(exc), index, ids, exc.reason)
-        left = context.time_remaining()
-        deadline = None if left is None else time.monotonic() + left
+        deadline = deadline_of(context)
         response = pb.AllocateResponse()
         given: list[list[str]] = []
         inited = 0  # containers whose init hook ran (or began)

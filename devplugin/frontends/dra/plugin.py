@@ -38,7 +38,7 @@ from devplugin.api import pluginregistration_v1_pb2_grpc as reg_grpc
 from devplugin.frontends.dra.prepare import ClaimRef, Preparer
 from devplugin.model import shown
 from devplugin.node.lifecycle.checkpoint import ClaimDevice
-from devplugin.rpc import SocketServer
+from devplugin.rpc import SocketServer, deadline_of
 
 log = logging.getLogger(__name__)
 
@@ -73,12 +73,6 @@ def _refs(claims: Sequence[Any], context: grpc.ServicerContext) -> list[ClaimRef
     return refs
 
 
-def _deadline(context: grpc.ServicerContext) -> float | None:
-    """The caller's deadline on the monotonic clock, if it set one."""
-    left = context.time_remaining()
-    return None if left is None else time.monotonic() + left
-
-
 class _DraServicer:
     """Both DRAPlugin versions: the same calls on messages of either module."""
 
@@ -88,7 +82,7 @@ class _DraServicer:
 
     def NodePrepareResources(self, request: Any, context: grpc.ServicerContext) -> Any:
         answer = self._pb.NodePrepareResourcesResponse()
-        deadline = _deadline(context)
+        deadline = deadline_of(context)
         for ref in _refs(request.claims, context):
             devices, error = self._preparer.prepare(ref, deadline)
             entry = answer.claims[ref.uid]
@@ -101,7 +95,7 @@ class _DraServicer:
 
     def NodeUnprepareResources(self, request: Any, context: grpc.ServicerContext) -> Any:
         answer = self._pb.NodeUnprepareResourcesResponse()
-        deadline = _deadline(context)
+        deadline = deadline_of(context)
         for ref in _refs(request.claims, context):
             error = self._preparer.unprepare(ref, deadline)
             answer.claims[ref.uid].error = error

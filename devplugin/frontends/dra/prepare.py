@@ -46,6 +46,7 @@ from devplugin.model import DeviceKind, Health, Refused
 from devplugin.node.lifecycle.cdi_spec import ClaimSpecs
 from devplugin.node.lifecycle.checkpoint import ClaimDevice, ClaimRecord
 from devplugin.node.lifecycle.cleanup import CleanupManager, Problem
+from devplugin.node.lifecycle.custody import WAIT_SHARE, wait_until
 from devplugin.node.lifecycle.devices import describe
 from devplugin.node.lifecycle.hooks import HookRunner, HookSpec
 from devplugin.node.metrics import Metrics
@@ -59,9 +60,6 @@ log = logging.getLogger(__name__)
 # The kubelet's deadline for a DRA call (defaultClientCallTimeout), for a
 # call that carries none.
 DEFAULT_DEADLINE = 45.0
-# The share of the time left before the caller's deadline a prepare may
-# spend waiting; the rest is for its init hooks and its answer.
-WAIT_SHARE = 0.5
 # Calls that may wait at once (the DRA socket has 8 gRPC workers).
 MAX_WAITING = 4
 
@@ -154,12 +152,11 @@ class Preparer:
         """Until when this call may wait: a share of the time left, when one
         of the waiting places is free, else not at all."""
         now = self._clock()
-        left = (deadline if deadline is not None else now + DEFAULT_DEADLINE) - now
         if not self._waiting.acquire(blocking=False):
             yield now
             return
         try:
-            yield now + max(0.0, left) * WAIT_SHARE
+            yield wait_until(now, deadline, DEFAULT_DEADLINE * WAIT_SHARE)
         finally:
             self._waiting.release()
 

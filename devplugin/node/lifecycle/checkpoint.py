@@ -136,7 +136,7 @@ class LifecycleState:
                     self.running.items(), key=lambda item: (item[0][0].value, item[0][1])
                 )
             ],
-            "claims": [claim.to_json() for _, claim in sorted(self.claims.items(), key=_first)],
+            "claims": [claim.to_json() for _, claim in sorted(self.claims.items())],
         }
 
     @classmethod
@@ -182,10 +182,6 @@ class LifecycleState:
                 raise ValueError(f"claim {claim.uid} is listed twice")
             state.claims[claim.uid] = claim
         return state
-
-
-def _first(item: tuple[str, ClaimRecord]) -> str:
-    return item[0]
 
 
 def _is_int(value: object) -> bool:

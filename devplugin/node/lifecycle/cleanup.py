@@ -360,12 +360,12 @@ class CleanupManager:
                 # before its init runs: a restart cleans what it finds taken.
                 if kind in self._hooks:
                     self._save_locked(set(keys))
-                if self._save_error is not None and kind in self._hooks:
-                    # Unrecorded, a crash would forget they were handed out
-                    # and offer them uncleaned: not taken.
-                    for key, record in taken.items():
-                        self._set(key, record)
-                    problem = Problem(f"checkpoint not written: {self._save_error}")
+                    if self._save_error is not None:
+                        # Unrecorded, a crash would forget they were handed
+                        # out and offer them uncleaned: not taken.
+                        for key, record in taken.items():
+                            self._set(key, record)
+                        problem = Problem(f"checkpoint not written: {self._save_error}")
         if released:
             self._on_change()
         return problem
@@ -597,8 +597,7 @@ class CleanupManager:
         with self._cond:
             if self._get(key).phase is not Phase.FREE:
                 return
-            self._releases += 1
-            self._set(key, custody.owed_again(self._get(key), self._releases, self._clock()))
+            self._release_locked(key)
             self._save_locked({key})
             self._cond.notify_all()
         self._on_change()
@@ -718,11 +717,7 @@ class CleanupManager:
 
     def _idle_locked(self, now: float) -> float | None:
         """How long until a cleanup or a checkpoint retry is due (None: none is)."""
-        waits = [
-            r.next_at - now
-            for r in self._records.values()
-            if r.phase in (Phase.OWED, Phase.QUARANTINED) and r.hook is None
-        ]
+        waits = [r.next_at - now for r in self._records.values() if custody.queued(r)]
         if self._save_error is not None:
             waits.append(self._save_retry_at - now)
         return max(0.0, min(waits)) if waits else None

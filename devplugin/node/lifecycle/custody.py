@@ -57,6 +57,20 @@ IN_USE = frozenset({Phase.TAKING, Phase.HELD, Phase.UNVERIFIED})
 OWING = frozenset({Phase.OWED, Phase.CLEANING, Phase.QUARANTINED})
 
 
+# The share of the time left before a caller's deadline that a take may
+# spend waiting for cleanups; the rest is for the caller's own init hooks
+# and its answer.
+WAIT_SHARE = 0.5
+
+
+def wait_until(now: float, deadline: float | None, otherwise: float) -> float:
+    """Until when a take may wait: a share of the time left before the
+    caller's deadline, or `otherwise` seconds when it set none."""
+    if deadline is None:
+        return now + otherwise
+    return now + max(0.0, deadline - now) * WAIT_SHARE
+
+
 def order(key: Key) -> tuple[str, str]:
     """A total order on keys (DeviceKind itself has none)."""
     return key[0].value, key[1]
@@ -134,11 +148,6 @@ def unverified(record: Custody, now: float, *, adopted: bool) -> Custody:
     return replace(record, phase=Phase.UNVERIFIED, adopted=adopted, since=now)
 
 
-def owed_again(record: Custody, number: int, now: float) -> Custody:
-    """An idle device asked to be cleaned (after_cleanup recovery)."""
-    return released(record, number, now, owes=True)
-
-
 def cleaning(record: Custody, now: float) -> Custody:
     """A cleanup starts; it answers for the last release."""
     return replace(record, phase=Phase.CLEANING, answers=record.release, since=now, wanted=False)
@@ -185,12 +194,13 @@ def urgency(record: Custody) -> tuple[bool, float]:
     return not record.wanted, record.next_at
 
 
+def queued(record: Custody) -> bool:
+    """Owed a cleanup that no one runs yet (due now or after its backoff)."""
+    return record.phase in (Phase.OWED, Phase.QUARANTINED) and record.hook is None
+
+
 def due(record: Custody, now: float) -> bool:
-    return (
-        record.phase in (Phase.OWED, Phase.QUARANTINED)
-        and record.next_at <= now
-        and record.hook is None
-    )
+    return queued(record) and record.next_at <= now
 
 
 # -- takes ---------------------------------------------------------------------------
