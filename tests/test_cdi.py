@@ -62,6 +62,12 @@ def good_spec() -> dict[str, Any]:
             hooks=[{"hookName": "x", "path": "/y"}]), "known hook"),
         (lambda s: s["devices"][0]["containerEdits"].update(env=["NOVALUE"]), "NAME=value"),
         (lambda s: s.update(devices=[]), "no devices"),
+        # What the released library (v1.0.1) refuses and an older validator took.
+        (lambda s: s["devices"][0]["containerEdits"]["deviceNodes"][0].update(
+            permissions="none"), "not made of r, w, m"),
+        (lambda s: s.update(cdiVersion="1.1.0"), "not a known version"),
+        (lambda s: s["devices"][0]["containerEdits"].update(
+            netDevices=[{"hostInterfaceName": "eth0", "name": "net0"}]), "unknown field"),
     ],
 )  # fmt: skip
 def test_a_spec_a_runtime_would_refuse_is_refused_with_the_reason(
@@ -81,8 +87,8 @@ def test_the_version_declared_is_the_oldest_the_contents_allow() -> None:
     assert minimum_version(spec) == "0.5.0"  # a name starting with a digit
     spec["annotations"] = {"a": "b"}
     assert minimum_version(spec) == "0.6.0"
-    spec["containerEdits"] = {"netDevices": [{"hostInterfaceName": "eth0", "name": "net0"}]}
-    assert minimum_version(spec) == "1.1.0"
+    spec["containerEdits"] = {"additionalGids": [44]}
+    assert minimum_version(spec) == "0.7.0"
     written = device_spec(
         "devplugin.io/hca", {"mlx5_0": [Node("/dev/infiniband/uverbs0", 231, 192)]}
     )

@@ -4,7 +4,10 @@ A CDI spec file declares a `kind` (`vendor/class`) and devices by name; a
 runtime resolves the fully qualified name `vendor/class=name` to the
 device's container edits (plus the spec's own edits) and applies them.
 This module holds what devplugin needs to know of the format, written from
-the specification:
+the specification and held to the rules of the released reference library
+at v1.0.1 (`pkg/cdi` and `specs-go` of tags.cncf.io/container-device-interface),
+never looser: a spec that library refuses is refused here, so the daemon
+never counts on a name a runtime will not resolve:
 
 * names: vendor and class start with a letter, end with a letter or digit
   and hold letters, digits, `_`, `-`, `.`; device names start and end with
@@ -13,9 +16,15 @@ the specification:
   least as new as the fields it uses need (0.3.0 is the oldest still read;
   mount `type` needs 0.4.0; device node `hostPath` and device names that
   start with a digit 0.5.0; annotations and a `.` in the class 0.6.0;
-  `additionalGids` and `intelRdt` 0.7.0; `netDevices` 1.1.0);
+  `additionalGids` and `intelRdt` 0.7.0; 0.8.0 and 1.0.0 added no field;
+  1.1.0 and its `netDevices` are not known to v1.0.1, so they are refused);
 * validation as a runtime does it: unknown fields refused, bad names
-  refused, duplicate device names refused, a device must edit something.
+  refused, duplicate device names refused, a device must edit something,
+  a device node's permissions made of `r`, `w` and `m` only (no `none`).
+
+The oldest runtimes in use know fewer versions (the library at 0.5.2, in
+Debian 12's podman 4.3.1, reads up to 0.5.0): devplugin writes the oldest
+version its contents allow, which stays at 0.5.0 or below.
 
 No I/O: callers read and parse the files (JSON or YAML) and hand the data in.
 """
@@ -29,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # Known spec versions, oldest first; runtimes read 0.3.0 and later.
-VERSIONS = ("0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "1.0.0", "1.1.0")
+VERSIONS = ("0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "1.0.0")
 OLDEST = "0.3.0"
 ANNOTATION_PREFIX = "cdi.k8s.io/"
 # The part of an annotation key after the prefix.
@@ -139,8 +148,6 @@ def minimum_version(spec: Mapping[str, Any]) -> str:
             need("0.5.0")
         if edit.get("additionalGids") or edit.get("intelRdt") is not None:
             need("0.7.0")
-        if edit.get("netDevices"):
-            need("1.1.0")
     devices = spec.get("devices") or []
     if any(str(device.get("name", "a"))[:1].isdigit() for device in devices):
         need("0.5.0")
@@ -172,14 +179,13 @@ _SPEC_FIELDS = {"cdiVersion": str, "kind": str, "annotations": dict, "devices": 
                 "containerEdits": dict}  # fmt: skip
 _DEVICE_FIELDS = {"name": str, "annotations": dict, "containerEdits": dict}
 _EDIT_FIELDS = {"env": list, "deviceNodes": list, "hooks": list, "mounts": list,
-                "intelRdt": dict, "additionalGids": list, "netDevices": list}  # fmt: skip
+                "intelRdt": dict, "additionalGids": list}  # fmt: skip
 _NODE_FIELDS = {"path": str, "hostPath": str, "type": str, "major": int, "minor": int,
                 "fileMode": int, "permissions": str, "uid": int, "gid": int}  # fmt: skip
 _MOUNT_FIELDS = {"hostPath": str, "containerPath": str, "options": list, "type": str}
 _HOOK_FIELDS = {"hookName": str, "path": str, "args": list, "env": list, "timeout": int}
 _RDT_FIELDS = {"closID": str, "l3CacheSchema": str, "memBwSchema": str, "schemata": list,
                "enableCMT": bool, "enableMBM": bool, "enableMonitoring": bool}  # fmt: skip
-_NET_FIELDS = {"hostInterfaceName": str, "name": str}
 
 
 def _fields(obj: Any, allowed: Mapping[str, type], where: str) -> Mapping[str, Any]:
@@ -222,7 +228,7 @@ def _edits(obj: Any, where: str) -> Mapping[str, Any]:
         if (node.get("major") or 0) < 0 or (node.get("minor") or 0) < 0:
             raise SpecError(f"{at}: negative device number")
         permissions = node.get("permissions") or ""
-        if permissions not in ("", "none") and permissions.strip("rwm"):
+        if permissions.strip("rwm"):
             raise SpecError(f"{at}.permissions: {permissions!r} is not made of r, w, m")
     for i, hook in enumerate(edits.get("hooks") or []):
         at = f"{where}.hooks[{i}]"
@@ -244,11 +250,6 @@ def _edits(obj: Any, where: str) -> Mapping[str, Any]:
     for i, gid in enumerate(edits.get("additionalGids") or []):
         if not isinstance(gid, int) or isinstance(gid, bool) or gid < 0:
             raise SpecError(f"{where}.additionalGids[{i}]: must be a group id")
-    for i, net in enumerate(edits.get("netDevices") or []):
-        at = f"{where}.netDevices[{i}]"
-        _fields(net, _NET_FIELDS, at)
-        if not net.get("hostInterfaceName") or not net.get("name"):
-            raise SpecError(f"{at}: hostInterfaceName and name are required")
     return edits
 
 
