@@ -230,15 +230,22 @@ class HcaInfo:
         return self.pci.numa_node if self.pci is not None else None
 
     @property
-    def char_devices(self) -> tuple[CharDevice, ...]:
-        """Every node this HCA needs in a container, rdma_cm last."""
+    def own_devices(self) -> tuple[CharDevice, ...]:
+        """The nodes this HCA cannot be used without: its uverbs, umad and
+        issm nodes."""
         nodes: list[CharDevice] = []
         if self.uverbs is not None:
             nodes.append(self.uverbs)
         nodes.extend(self.umads)
         nodes.extend(self.issms)
-        nodes.append(self.rdma_cm)
         return tuple(nodes)
+
+    @property
+    def char_devices(self) -> tuple[CharDevice, ...]:
+        """Every node this HCA names, rdma_cm last. rdma_cm (the RDMA CM's
+        node, there once rdma_ucm is loaded) is optional: verbs work without
+        it, only connection setup through the CM does not."""
+        return (*self.own_devices, self.rdma_cm)
 
 
 @dataclass(frozen=True)

@@ -385,8 +385,8 @@ class Daemon:
                 network = loop is self.pods or loop in self.cluster_loops or loop is self.dra
                 loop.join(timeout=0.5 if network else 10)
         self.cleanup.join()
-        # A clean stop leaves no CDI spec naming HCAs nobody serves.
-        self.pipeline.stop()
+        # The HCA CDI spec stays: containers that hold an HCA may restart
+        # while no daemon runs (a rollout, a crash loop) and need it then.
         if self._writer is not None:
             try:
                 self._writer.close()

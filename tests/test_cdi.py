@@ -27,7 +27,15 @@ from devplugin.policy.cdi import (
 from devplugin.testing.cdi import CdiRuntime, Unresolvable, nvidia_like_spec, write_spec
 from devplugin.testing.kubelet import ContainerRequest
 from devplugin.testing.layouts import LAYOUTS
-from devplugin.testing.node import BuiltHca, BuiltNode, hgx_node, replug, unplug_hca
+from devplugin.testing.node import (
+    BuiltHca,
+    BuiltNode,
+    Hca,
+    NodeSpec,
+    hgx_node,
+    replug,
+    unplug_hca,
+)
 from tests.conftest import GPU, HCA, Cluster
 from tests.waiting import wait_until
 
@@ -139,10 +147,16 @@ def dirs(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def cdi_cluster(
-    start_cluster: Start, tmp_path: Path, layout: str, strategy: list[str], **extra: Any
+    start_cluster: Start,
+    tmp_path: Path,
+    layout: str,
+    strategy: list[str],
+    *,
+    spec: NodeSpec | None = None,
+    **extra: Any,
 ) -> tuple[Cluster, CdiRuntime]:
     static, dynamic = dirs(tmp_path)
-    cluster = start_cluster(LAYOUTS[layout](), wait=False, **{
+    cluster = start_cluster(spec or LAYOUTS[layout](), wait=False, **{
         "resources.gpu.device_list_strategy": strategy,
         "resources.hca.device_list_strategy": strategy,
         "cdi.spec_dirs": [str(static), str(dynamic)],
@@ -312,7 +326,7 @@ def spec_names(tmp_path: Path) -> set[str]:
     return {device["name"] for device in hca_spec(tmp_path)["devices"]}
 
 
-def test_the_hca_spec_follows_hotplug_and_restarts_and_goes_at_a_clean_stop(
+def test_the_hca_spec_follows_hotplug_and_restarts_and_outlives_a_clean_stop(
     start_cluster: Start, tmp_path: Path
 ) -> None:
     settings = {"hotplug.udev": False, "discovery.rescan_interval_seconds": 0.3}
@@ -335,9 +349,17 @@ def test_the_hca_spec_follows_hotplug_and_restarts_and_goes_at_a_clean_stop(
     assert wait_until(lambda: spec_names(tmp_path) == every - {"mlx5_2"}, timeout=5)
     replug(unplugged)
     assert wait_until(lambda: spec_names(tmp_path) == every, timeout=5)
-    # A restart (a new daemon on the same node): the same one file, written again.
+    spec_file = dirs(tmp_path)[1] / "devplugin.io-hca.json"
+    assert spec_file.stat().st_mode & 0o777 == 0o644
+    for device in hca_spec(tmp_path)["devices"]:
+        assert {n["permissions"] for n in device["containerEdits"]["deviceNodes"]} == {"rw"}
+    # A clean stop leaves the spec: containers that hold an HCA may restart
+    # while no daemon runs, and must still resolve their names.
     cluster.daemon.stop()
-    assert not list(dirs(tmp_path)[1].glob("*.json"))  # a clean stop leaves none
+    assert spec_names(tmp_path) == every
+    runtime.refresh()
+    assert resolved(runtime, [f"devplugin.io/hca={name}" for name in sorted(every)])
+    # A restart (a new daemon on the same node): the same one file, written again.
     # A daemon that was killed left one naming an HCA that is gone since.
     stale = device_spec("devplugin.io/hca", {"mlx5_99": [Node("/dev/infiniband/uverbs99", 1, 2)]})
     write_spec(dirs(tmp_path)[1], "devplugin.io-hca.json", stale)
@@ -376,3 +398,36 @@ def test_a_name_no_spec_declares_does_not_resolve(tmp_path: Path) -> None:
     assert runtime.resolve(["example.com/dev=d0"]).node_paths() == {"/dev/d0"}
     with pytest.raises(Unresolvable):
         runtime.resolve(["example.com/dev=missing", "not-qualified"])
+
+
+@pytest.mark.parametrize("strategy", [CDI_BOTH, ["device-nodes"]], ids=["cdi", "device-nodes"])
+def test_hcas_are_served_without_rdma_cm_in_every_strategy_with_one_log_line(
+    start_cluster: Start, tmp_path: Path, strategy: list[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    # rdma_ucm not loaded: no /dev/infiniband/rdma_cm. Verbs work without it.
+    built = hgx_node()
+    for root in built.roots:
+        _leave_out_rdma_cm(root.children)
+    with caplog.at_level(logging.INFO):
+        cluster, _ = cdi_cluster(start_cluster, tmp_path, "hgx-h100", strategy, spec=built)
+        checks = cluster.daemon.checks
+        assert wait_until(lambda: cluster.daemon.checks >= checks + 3, timeout=10)
+    pod = cluster.kubelet.admit("p", [ContainerRequest("main", {HCA: 2})])
+    got = pod.container("main").responses[HCA]
+    if "cdi-cri" in strategy:
+        names = [device.name for device in got.cdi_devices]
+        nodes = resolved(CdiRuntime(dirs(tmp_path)), names)
+        assert len(nodes) >= 2
+    else:
+        nodes = {device.container_path: (0, 0) for device in got.devices}
+    assert "/dev/infiniband/rdma_cm" not in nodes
+    lines = [r for r in caplog.records if "rdma_cm is missing" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in lines]
+
+
+def _leave_out_rdma_cm(children: list[Any]) -> None:
+    for child in children:
+        if isinstance(child, Hca):
+            child.missing_nodes = (*child.missing_nodes, "rdma_cm")
+        elif hasattr(child, "children"):
+            _leave_out_rdma_cm(child.children)

@@ -82,6 +82,8 @@ class Pipeline:
         self._judged: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         self._topology_key: Hashable = None
+        # Whether rdma_cm was there at the last scan with HCAs (None: none yet).
+        self._rdma_cm: bool | None = None
         # Replaced whole under the lock; readers take the reference without it.
         self._current = _Published(Inventory(), {}, {}, None)
         self.scans = 0
@@ -118,6 +120,7 @@ class Pipeline:
                 log.info("device set changed; topology rebuilt")
             self._coordinator.set_topology(Topology.from_inventory(inventory))
             self._topology_key = key
+        self._note_rdma_cm(inventory)
         unwritten = self._hca_spec.sync(inventory.hcas) if self._hca_spec is not None else {}
         live = {resource.kind: resource.state(inventory) for resource in self._resources}
         if unwritten and DeviceKind.HCA in live:
@@ -144,10 +147,22 @@ class Pipeline:
             self._judge_locked()
             self.scans += 1
 
-    def stop(self) -> None:
-        """A clean stop: the HCA CDI spec goes (nothing is served by it now)."""
-        if self._hca_spec is not None:
-            self._hca_spec.remove()
+    def _note_rdma_cm(self, inventory: Inventory) -> None:
+        """One line when rdma_cm goes or comes: HCAs are served either way."""
+        if not inventory.hcas:
+            return
+        present = any(hca.rdma_cm.present for hca in inventory.hcas)
+        if present == self._rdma_cm:
+            return
+        if not present:
+            log.warning(
+                "%s is missing (rdma_ucm not loaded?): HCAs are served without it; "
+                "containers get verbs but not the RDMA connection manager",
+                inventory.hcas[0].rdma_cm.path,
+            )
+        elif self._rdma_cm is not None:
+            log.info("%s is there again", inventory.hcas[0].rdma_cm.path)
+        self._rdma_cm = present
 
     def rejudge(self) -> None:
         """Judge again from the last scan (an event changed a verdict)."""

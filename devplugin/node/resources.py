@@ -330,8 +330,9 @@ class GpuResource(Exclusive):
 
 
 def hca_health(hca: HcaInfo, *, numbered: bool = False) -> tuple[Health, str]:
-    """Healthy when every port is ACTIVE/LinkUp and every device node exists
-    (`numbered`: with its device number known, which a CDI spec needs)."""
+    """Healthy when every port is ACTIVE/LinkUp and every device node of its
+    own exists (`numbered`: with its device number known, which a CDI spec
+    needs); rdma_cm is optional in every strategy."""
     if hca.error:
         return Health.UNHEALTHY, hca.error
     problems: list[str] = []
@@ -342,11 +343,11 @@ def hca_health(hca: HcaInfo, *, numbered: bool = False) -> tuple[Health, str]:
             problems.append(f"port {port.number} is {port.state or '?'} / {port.phys_state or '?'}")
     if hca.uverbs is None:
         problems.append("no uverbs device")
-    missing = [node.path for node in hca.char_devices if not node.present]
+    missing = [node.path for node in hca.own_devices if not node.present]
     if missing:
         problems.append(f"missing device nodes: {', '.join(missing)}")
     if numbered:
-        unknown = [node.path for node in hca.char_devices if node.number is None]
+        unknown = [node.path for node in hca.own_devices if node.number is None]
         if unknown:
             problems.append(f"no device number in sysfs for {', '.join(unknown)}")
         try:

@@ -311,7 +311,8 @@ class Node:
 
 def device_spec(kind: str, devices: Mapping[str, Sequence[Node]]) -> dict[str, Any]:
     """A spec of `kind` whose devices (name -> nodes) each add their character
-    device nodes, declaring the oldest version its contents allow."""
+    device nodes, read-write (a runtime grants `rwm` when a node says
+    nothing), declaring the oldest version its contents allow."""
     spec: dict[str, Any] = {
         "kind": kind,
         "devices": [
@@ -319,9 +320,10 @@ def device_spec(kind: str, devices: Mapping[str, Sequence[Node]]) -> dict[str, A
                 "name": name,
                 "containerEdits": {
                     "deviceNodes": [
-                        {"path": node.path, "type": "c", "major": node.major, "minor": node.minor}
+                        {"path": node.path, "type": "c", "major": node.major,
+                         "minor": node.minor, "permissions": "rw"}
                         for node in nodes
-                    ]
+                    ]  # fmt: skip
                 },
             }
             for name, nodes in sorted(devices.items())

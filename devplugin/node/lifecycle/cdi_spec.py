@@ -3,13 +3,18 @@
 One spec file of kind `hca_kind` in the last (highest priority) spec
 directory: one device per HCA, named by its ibdev name (made valid for
 CDI), whose edits add its uverbs, umad and issm device nodes and
-`rdma_cm`, with the device numbers sysfs gives. It declares the oldest
+`rdma_cm` (when it is there), with the device numbers sysfs gives and
+`rw` access (no mknod: nothing in a container needs to create nodes). It
+is readable by all (0644, as runtimes and tools expect of a spec). It
+declares the oldest
 `cdiVersion` its contents allow. The check loop calls `sync` with each
 scan's HCAs before they are judged: the file is rewritten (a temporary file
 renamed over it) only when what it would say changed, so an HCA is never
 offered before the spec naming it exists. A daemon that starts again
-rewrites it from what it finds (nothing stale, nothing twice); a clean stop
-removes it.
+rewrites it from what it finds (nothing stale, nothing twice). A stop
+leaves it: a container holding an HCA may restart while no daemon runs (a
+rollout, a crash loop), and its runtime resolves the name then. An HCA
+leaves the file only when its hardware leaves the node.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ from devplugin.policy.cdi import Node, SpecError, device_spec, kind_problem, san
 
 log = logging.getLogger(__name__)
 
+# Spec files are read by runtimes and by people (`cdi list`); they hold no secret.
+SPEC_MODE = 0o644
+
 
 def spec_file_name(kind: str) -> str:
     """`<vendor>-<class>.json`, the name CDI tools give a vendor's spec."""
@@ -36,12 +44,15 @@ def spec_file_name(kind: str) -> str:
 
 def hca_nodes(hca: HcaInfo) -> list[Node] | None:
     """The HCA's character device nodes with their numbers, or None when one
-    of them is missing or its number unknown (the HCA is then Unhealthy)."""
+    of its own is missing or its number unknown (the HCA is then
+    Unhealthy); rdma_cm is added when it is there and numbered."""
     nodes = []
-    for char in hca.char_devices:
+    for char in hca.own_devices:
         if not char.present or char.number is None:
             return None
         nodes.append(Node(char.path, *char.number))
+    if hca.rdma_cm.present and hca.rdma_cm.number is not None:
+        nodes.append(Node(hca.rdma_cm.path, *hca.rdma_cm.number))
     return nodes
 
 
@@ -81,7 +92,9 @@ class HcaSpecWriter:
             return problems
         try:
             if self._on_disk() != document:
-                write_atomically(self.path, json.dumps(document, indent=2).encode())
+                write_atomically(
+                    self.path, json.dumps(document, indent=2).encode(), SPEC_MODE
+                )
         except OSError as exc:
             reason = f"CDI spec {self.path} not written: {exc.strerror or exc}"
             if reason != self._failing:
@@ -95,7 +108,7 @@ class HcaSpecWriter:
         return problems
 
     def remove(self) -> None:
-        """No HCA to describe, or a clean stop: no spec left behind."""
+        """No HCA on the node any more: no spec names one."""
         self._written = None
         try:
             os.unlink(self.path)
@@ -133,7 +146,7 @@ class ClaimSpecs:
 
     def write(self, uid: str, document: Mapping[str, Any]) -> None:
         """Raises OSError when the file cannot be written."""
-        write_atomically(self.path(uid), json.dumps(document, indent=2).encode())
+        write_atomically(self.path(uid), json.dumps(document, indent=2).encode(), SPEC_MODE)
 
     def remove(self, uid: str) -> str | None:
         """Why the spec could not be removed, or None (also when it was not there)."""

@@ -28,7 +28,7 @@ def describe(inventory: Inventory, kind: DeviceKind, ids: Sequence[str]) -> list
         hca = hcas.get(device_id)
         if hca is None:
             return None
-        nodes = tuple(node.path for node in hca.char_devices)
+        nodes = tuple(node.path for node in hca.char_devices if node.present)
         found.append(
             HookDevice(device_id, str(hca.pci_address), nodes, hca.numa_node, hca_name=hca.name)
         )

@@ -7,15 +7,16 @@ import tempfile
 from pathlib import Path
 
 
-def write_atomically(path: Path, data: bytes) -> None:
+def write_atomically(path: Path, data: bytes, mode: int = 0o600) -> None:
     """Write a temporary file beside `path` (its name starts with a dot and
-    ends in random letters, so nothing reading `*.json` sees it), fsync it,
-    rename it over `path`, fsync the directory."""
+    ends in random letters, so nothing reading `*.json` sees it) with
+    permissions `mode`, fsync it, rename it over `path`, fsync the directory."""
     directory = path.parent
     directory.mkdir(parents=True, exist_ok=True)
     fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=directory)
     try:
         with os.fdopen(fd, "wb") as handle:
+            os.fchmod(handle.fileno(), mode)
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
