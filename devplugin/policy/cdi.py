@@ -320,10 +320,15 @@ def device_spec(kind: str, devices: Mapping[str, Sequence[Node]]) -> dict[str, A
                 "name": name,
                 "containerEdits": {
                     "deviceNodes": [
-                        {"path": node.path, "type": "c", "major": node.major,
-                         "minor": node.minor, "permissions": "rw"}
+                        {
+                            "path": node.path,
+                            "type": "c",
+                            "major": node.major,
+                            "minor": node.minor,
+                            "permissions": "rw",
+                        }
                         for node in nodes
-                    ]  # fmt: skip
+                    ]
                 },
             }
             for name, nodes in sorted(devices.items())

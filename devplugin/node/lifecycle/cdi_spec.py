@@ -92,9 +92,7 @@ class HcaSpecWriter:
             return problems
         try:
             if self._on_disk() != document:
-                write_atomically(
-                    self.path, json.dumps(document, indent=2).encode(), SPEC_MODE
-                )
+                write_atomically(self.path, json.dumps(document, indent=2).encode(), SPEC_MODE)
         except OSError as exc:
             reason = f"CDI spec {self.path} not written: {exc.strerror or exc}"
             if reason != self._failing:
