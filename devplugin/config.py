@@ -207,6 +207,9 @@ class PathsConfig:
     # watcher). Both paths must be the same inside the container and on the host.
     kubelet_plugins_dir: str = _checked("/var/lib/kubelet/plugins", _absolute)
     kubelet_registry_dir: str = _checked("/var/lib/kubelet/plugins_registry", _absolute)
+    # The kernel's boot id (the host's, also inside a container): a DRA claim
+    # prepared in another boot is prepared again.
+    boot_id: str = _checked("/proc/sys/kernel/random/boot_id", _absolute)
 
 
 @dataclass(frozen=True)

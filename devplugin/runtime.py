@@ -59,6 +59,7 @@ from devplugin.node.deadline import Deadlines
 from devplugin.node.discovery import CdiReader, Discoverer, NvmlGpuSource, Roots
 from devplugin.node.discovery.udev import HotplugWatcher, udev_monitor
 from devplugin.node.ledger import Ledger
+from devplugin.node.lifecycle.boot import read_boot_id
 from devplugin.node.lifecycle.cdi_spec import ClaimSpecs, HcaSpecWriter
 from devplugin.node.lifecycle.checkpoint import Checkpoint
 from devplugin.node.lifecycle.cleanup import CleanupManager
@@ -673,7 +674,7 @@ def _dra_frontend(
         specs=ClaimSpecs(Path(config.cdi.spec_dirs[-1]), dra_cdi_kind(config)),
         reader=reader,
         names=lambda: slice_names(node_devices(pipeline.inventory, kinds)),
-        metrics=metrics,
+        metrics=metrics, boot=read_boot_id(Path(paths.boot_id)),
     )  # fmt: skip
     service_path, registration_path = socket_paths(
         Path(paths.kubelet_plugins_dir), Path(paths.kubelet_registry_dir), dra.driver

@@ -238,8 +238,15 @@ def test_demo_runs_the_main_job_and_cleans_up(sock_dir: Path) -> None:
     assert dra.count("allocated gpu-") == 2
     assert "pair 0: " in dra
     assert dra.count(" at PIX") == 2
-    assert dra.count(": k8s.devplugin.io/claim=") == 4
-    assert "env NCCL_IB_HCA==mlx5_" in dra
+    assert dra.count(": k8s.devplugin.io/claim=") == 5  # 4 devices, then the whole claim's
+    assert "for the whole claim: k8s.devplugin.io/claim=" in dra
+    whole, one = dra.split("a container naming the whole claim gets", 1)[1].split(
+        "a container naming request hca-0 gets", 1
+    )
+    assert whole.count(",mlx5_") == 1  # NCCL_IB_HCA names both HCAs
+    assert "env NVIDIA_VISIBLE_DEVICES=GPU-" in whole
+    assert "env NCCL_IB_HCA==mlx5_" in one
+    assert "NVIDIA_VISIBLE_DEVICES" not in one.split("NodeUnprepareResources", 1)[0]
     assert "NodeUnprepareResources: done; the claim's CDI spec removed: True" in dra
     assert list(sock_dir.iterdir()) == []
 

@@ -15,6 +15,7 @@ import pytest
 
 from devplugin.policy.cdi import validate_spec
 from devplugin.policy.topology import Level, Topology
+from devplugin.testing.cdi import CdiRuntime
 from devplugin.testing.dra_kubelet import ClaimCall
 from devplugin.testing.dra_limits import slice_problems
 from devplugin.testing.kubelet import ContainerRequest, KubeletSimulator
@@ -132,20 +133,25 @@ def test_prepare_runs_init_once_writes_the_claims_cdi_spec_and_answers_again(
     assert set(devices) == {gpu, hca}
     assert devices[gpu]["requests"] == ["gpu"]
     assert devices[hca]["requests"] == ["hca"]  # the subrequest is not the kubelet's business
-    assert devices[gpu]["cdi"] == [f"k8s.{DRIVER}/claim={claim.uid}-{gpu}"]
-    assert devices[hca]["cdi"] == [f"k8s.{DRIVER}/claim={claim.uid}-{hca}"]
+    kind = f"k8s.{DRIVER}/claim"
+    # Its own nodes, then its request's variables.
+    assert devices[gpu]["cdi"] == [f"{kind}={claim.uid}-{gpu}", f"{kind}={claim.uid}-request-gpu"]
+    assert devices[hca]["cdi"] == [f"{kind}={claim.uid}-{hca}", f"{kind}={claim.uid}-request-hca"]
     spec_file = cluster.cdi_dir / f"k8s.{DRIVER}-claim_{claim.uid}.json"
     document = json.loads(spec_file.read_text())
     spec = validate_spec(document)
-    assert spec.kind == f"k8s.{DRIVER}/claim"
+    assert spec.kind == kind
+    assert "containerEdits" not in document  # nothing spec-wide
     nodes = {
-        d["name"]: [n["path"] for n in d["containerEdits"]["deviceNodes"]]
+        d["name"]: [n["path"] for n in d["containerEdits"].get("deviceNodes", [])]
         for d in document["devices"]
     }
     gpu_info = next(g for g in cluster.node.gpus if g.uuid == cluster.attribute(gpu, "uuid"))
-    assert nodes[f"{claim.uid}-{gpu}"] == [f"/dev/nvidia{gpu_info.minor}"]
+    assert nodes[f"{claim.uid}-{gpu}"][0] == f"/dev/nvidia{gpu_info.minor}"
+    assert "/dev/nvidiactl" in nodes[f"{claim.uid}-{gpu}"]
     assert any(path.startswith("/dev/infiniband/uverbs") for path in nodes[f"{claim.uid}-{hca}"])
-    env = dict(item.split("=", 1) for item in document["containerEdits"]["env"])
+    runtime = CdiRuntime([cluster.cdi_dir], host_dev=cluster.node.dev_root)
+    env = runtime.resolve(devices[gpu]["cdi"] + devices[hca]["cdi"]).environment()
     assert env["NVIDIA_VISIBLE_DEVICES"] == gpu_info.uuid
     assert env["NCCL_IB_HCA"] == "=" + cluster.attribute(hca, "ibdev")
     inits = runs(log)

@@ -50,11 +50,19 @@ ACTIVE_STATE = 4  # "4: ACTIVE"
 LINK_UP_PHYS_STATE = 5  # "5: LinkUp"
 
 
+# The character major the NVIDIA driver registers for /dev/nvidiaN and
+# /dev/nvidiactl (NV_MAJOR_DEVICE_NUMBER in its open kernel modules).
+NVIDIA_MAJOR = 195
+
+
 @dataclass(frozen=True)
 class DeviceNode:
     container_path: str
     host_path: str
     permissions: str = "rw"
+    # (major, minor) where the daemon knows them: a CDI spec then names the
+    # node whole, and no runtime has to find it on the host at injection.
+    number: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -250,7 +258,7 @@ def _merge(state: ResourceState, ids: Sequence[str]) -> ContainerAllocation:
 
 
 def _node(char: CharDevice) -> DeviceNode:
-    return DeviceNode(container_path=char.path, host_path=char.path)
+    return DeviceNode(container_path=char.path, host_path=char.path, number=char.number)
 
 
 class Exclusive:
@@ -323,10 +331,11 @@ class GpuResource(Exclusive):
 
     def _allocation(self, gpu: GpuInfo) -> ContainerAllocation:
         path = f"/dev/nvidia{gpu.minor_number}"
+        node = DeviceNode(path, path, number=(NVIDIA_MAJOR, gpu.minor_number))
         names = (
             (qualified(self.delivery.cdi_kind, self.cdi_name(gpu)),) if self.delivery.cdi else ()
         )
-        return ContainerAllocation(devices=(DeviceNode(path, path),), cdi_devices=names)
+        return ContainerAllocation(devices=(node,), cdi_devices=names)
 
 
 def hca_health(hca: HcaInfo, *, numbered: bool = False) -> tuple[Health, str]:

@@ -338,46 +338,47 @@ def device_spec(kind: str, devices: Mapping[str, Sequence[Node]]) -> dict[str, A
 
 
 @dataclass(frozen=True)
-class PathNode:
-    """A device node by path: the runtime reads its type and numbers from
-    the host path (`host` differs from `path` only when the container's
-    path is another)."""
+class ClaimNode:
+    """A device node of a claim. With its number it is named whole (type
+    `c`, major, minor): the runtime creates it as given. Without one, by path
+    only: the runtime reads type and number from the host path at injection
+    and refuses the container when that is missing. `host` differs from
+    `path` only when the container's path is another."""
 
     path: str
     host: str
     permissions: str = "rw"
+    number: tuple[int, int] | None = None
 
-    def as_json(self) -> dict[str, str]:
-        entry = {"path": self.path, "permissions": self.permissions}
+    def as_json(self) -> dict[str, Any]:
+        entry: dict[str, Any] = {"path": self.path}
         if self.host != self.path:
             entry["hostPath"] = self.host
+        if self.number is not None:
+            entry.update(type="c", major=self.number[0], minor=self.number[1])
+        entry["permissions"] = self.permissions
         return entry
 
 
 def claim_spec(
     kind: str,
-    devices: Mapping[str, Sequence[PathNode]],
-    *,
-    shared: Sequence[PathNode] = (),
-    env: Mapping[str, str] | None = None,
+    devices: Mapping[str, Sequence[ClaimNode]],
+    variables: Mapping[str, Mapping[str, str]],
 ) -> dict[str, Any]:
-    """A spec for one DRA claim: each device adds its own nodes; the spec's
-    own edits (applied once whenever any of its devices is) add the nodes
-    every device needs and the claim's variables, which name all of its
-    devices at once (per-device variables would overwrite each other)."""
-    spec: dict[str, Any] = {
-        "kind": kind,
-        "devices": [
-            {"name": name, "containerEdits": {"deviceNodes": [node.as_json() for node in nodes]}}
-            for name, nodes in sorted(devices.items())
-        ],
-    }
-    edits: dict[str, Any] = {}
-    if env:
-        edits["env"] = [f"{key}={value}" for key, value in sorted(env.items())]
-    unique = {node.path: node for node in shared}
-    if unique:
-        edits["deviceNodes"] = [node.as_json() for _, node in sorted(unique.items())]
-    if edits:
-        spec["containerEdits"] = edits
+    """A spec for one DRA claim with no spec-wide edits: the kubelet hands a
+    container only the CDI ids of the requests it names, and spec-wide edits
+    would reach it whatever it named. `devices`: each claim device's nodes
+    (its own and those every device of its kind needs). `variables`: CDI
+    devices that only set variables (one per request, listing that request's
+    devices; one for the whole claim), applied after the devices they go with."""
+    entries: list[dict[str, Any]] = [
+        {"name": name, "containerEdits": {"deviceNodes": [n.as_json() for n in nodes]}}
+        for name, nodes in sorted(devices.items())
+    ]
+    entries.extend(
+        {"name": name, "containerEdits": {"env": [f"{k}={v}" for k, v in sorted(env.items())]}}
+        for name, env in sorted(variables.items())
+        if env
+    )
+    spec: dict[str, Any] = {"kind": kind, "devices": entries}
     return {"cdiVersion": minimum_version(spec), **spec}

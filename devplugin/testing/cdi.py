@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import stat
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,10 +51,58 @@ class Edits:
     def node_paths(self) -> set[str]:
         return {node["path"] for node in self.device_nodes}
 
+    def environment(self) -> dict[str, str]:
+        """The variables the container ends with: applied in order, a later
+        value of a name replaces an earlier one (the library's Apply, through
+        runtime-tools' AddMultipleProcessEnv)."""
+        found: dict[str, str] = {}
+        for entry in self.env:
+            name, _, value = entry.partition("=")
+            found[name] = value
+        return found
+
+    def nodes(self) -> dict[str, tuple[str, int, int]]:
+        """Container path -> (type, major, minor), each path once (a later
+        node of a path replaces the earlier, as the library does)."""
+        return {
+            node["path"]: (node.get("type", ""), node.get("major", 0), node.get("minor", 0))
+            for node in self.device_nodes
+        }
+
+
+def host_device(path: Path) -> tuple[str, int, int] | None:
+    """(type, major, minor) of a device node as a runtime finds it on the
+    host, or None where a runtime finds none. A real character or block
+    device answers for itself. The simulated /dev trees hold plain files
+    instead: one whose text is `c MAJOR:MINOR` (what `mark_device` writes)
+    stands for that device; any other file is not a device."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    if stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode):
+        kind = "c" if stat.S_ISCHR(info.st_mode) else "b"
+        return kind, os.major(info.st_rdev), os.minor(info.st_rdev)
+    if not stat.S_ISREG(info.st_mode) or info.st_size > 64:
+        return None
+    match = _MARK.fullmatch(path.read_text(encoding="ascii", errors="replace").strip())
+    if match is None:
+        return None
+    return match[1], int(match[2]), int(match[3])
+
+
+_MARK = re.compile(r"([cb]) (\d+):(\d+)")
+
 
 class CdiRuntime:
-    def __init__(self, dirs: Iterable[Path | str]) -> None:
+    """`host_dev`: where the host's /dev is for the lookup a runtime does of
+    a node named by path only (the library's fillMissingInfo): it must exist
+    there as a device, and its type and numbers are taken from it. Without
+    `host_dev` no lookup is made (only for tests of spec loading)."""
+
+    def __init__(self, dirs: Iterable[Path | str], host_dev: Path | None = None) -> None:
         self.dirs = [Path(d) for d in dirs]
+        self.host_dev = host_dev
         self.refused: dict[str, str] = {}
         self.conflicts: set[str] = set()
         # qualified name -> (priority, the spec, the device's edits)
@@ -110,7 +160,30 @@ class CdiRuntime:
                 specs_done.append(spec)
                 edits.add(spec.edits)
             edits.add(device_edits)
+        if self.host_dev is not None:
+            edits.device_nodes = [self._filled(node) for node in edits.device_nodes]
         return edits
+
+    def _filled(self, node: Mapping[str, Any]) -> dict[str, Any]:
+        """The node with type and numbers, looked up on the host where the
+        spec leaves them out (pkg/cdi/container-edits_unix.go,
+        fillMissingInfo): a missing host node fails the container."""
+        kind = node.get("type", "")
+        if kind and (node.get("major") or kind == "p"):
+            return dict(node)
+        host = str(node.get("hostPath") or node["path"])
+        found = None
+        if host.startswith("/dev/") and self.host_dev is not None:
+            found = host_device(self.host_dev / host.removeprefix("/dev/"))
+        if found is None:
+            raise Unresolvable(f"failed to stat CDI host device {host!r}")
+        if kind and kind != found[0]:
+            raise Unresolvable(f"CDI device {host!r}: host type {found[0]}, spec type {kind}")
+        filled = dict(node)
+        filled["type"] = found[0]
+        if not node.get("major"):
+            filled["major"], filled["minor"] = found[1], found[2]
+        return filled
 
 
 def nvidia_like_spec(node: BuiltNode, *, names: str = "index", skip: Sequence[int] = ()) -> Any:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from devplugin.config import Config, override
+from devplugin.frontends.dra.plugin import WHOLE_CLAIM
 from devplugin.node.alignment import alignment
 from devplugin.node.report import topo_text
 from devplugin.policy.topology import Topology
@@ -222,7 +223,7 @@ def _print_cluster_view(api: ApiServerImitation, pods: int, out: Callable[[str],
 def _dra_demo(base: Path, api: ApiServerImitation, out: Callable[[str], None]) -> int:
     """Both resources through DRA on a second node, one claim end to end."""
     from devplugin.policy.claim_templates import Shape, claim_template, device_classes
-    from devplugin.testing.dra_kubelet import ClaimCall, DraKubeletSimulator
+    from devplugin.testing.dra_kubelet import ClaimCall, DraKubeletSimulator, container_cdi_ids
 
     try:
         # The allocator imitation evaluates CEL with cel-python (a dev extra).
@@ -316,22 +317,25 @@ def _dra_demo(base: Path, api: ApiServerImitation, out: Callable[[str], None]) -
             out(f"demo failed: prepare: {answer['error']}")
             return 1
         topology = daemon.coordinator.topology
-        by_request = {d["requests"][0]: d for d in answer["devices"]}
+        devices = [d for d in answer["devices"] if d["requests"] != [WHOLE_CLAIM]]
+        by_request = {d["requests"][0]: d for d in devices}
         out("NodePrepareResources answered:")
         for device in answer["devices"]:
             requests, ids = ",".join(device["requests"]), ", ".join(device["cdi"])
-            out(f"  {device['device']} for {requests}: {ids}")
+            whom = "the whole claim" if device["requests"] == [WHOLE_CLAIM] else requests
+            out(f"  {device['device']} for {whom}: {ids}")
         names = {d.name: d.id for d in daemon.dra.devices()} if daemon.dra is not None else {}
         for i in range(2):
             gpu, hca = by_request[f"gpu-{i}"]["device"], by_request[f"hca-{i}"]["device"]
             level = topology.level(names[gpu], names[hca]).name
             out(f"  pair {i}: {gpu} + {hca} at {level}")
-        runtime = CdiRuntime(cdi_dirs)
-        runtime.refresh()
-        edits = runtime.resolve([cdi for d in answer["devices"] for cdi in d["cdi"]])
-        out(f"a CDI runtime resolves the claim to {len(edits.device_nodes)} device nodes and:")
-        for variable in edits.env:
-            out(f"  env {variable}")
+        runtime = CdiRuntime(cdi_dirs, host_dev=node.dev_root)
+        for request in ("", "hca-0"):
+            edits = runtime.resolve(container_cdi_ids(answer["devices"], request))
+            whom = f"request {request}" if request else "the whole claim"
+            out(f"a container naming {whom} gets {len(edits.nodes())} device nodes and:")
+            for key, value in sorted(edits.environment().items()):
+                out(f"  env {key}={value}")
         errors = kubelet.unprepare(driver, [call])
         out(f"NodeUnprepareResources: {errors[call.uid] or 'done'}; the claim's CDI spec removed: "
             f"{not any((cdi_dirs[1]).glob(f'*{call.uid}*'))}")  # fmt: skip

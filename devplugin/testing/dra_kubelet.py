@@ -298,3 +298,17 @@ class DraKubeletSimulator:
         )
         answer = stub.NodeUnprepareResources(request, timeout=self.call_timeout)
         return {uid: entry.error for uid, entry in answer.claims.items()}
+
+
+def container_cdi_ids(devices: Sequence[Mapping[str, Any]], request: str = "") -> list[str]:
+    """The CDI ids the kubelet hands a container for one entry of its
+    `resources.claims`, from a prepared claim's devices (as `prepare`
+    returns them): for the whole claim (`request` empty) every device's;
+    for a request, those of devices listing it or listing no request.
+    Follows pkg/kubelet/cm/dra/claiminfo.go, ClaimInfo.cdiDevicesAsList."""
+    found: list[str] = []
+    for device in devices:
+        requests = device["requests"]
+        if not request or not requests or request in requests:
+            found.extend(device["cdi"])
+    return found

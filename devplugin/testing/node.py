@@ -197,9 +197,11 @@ class _Builder:
                     root_port.directory
                 )
                 self.child(root_port, child)
-        self.sysfs.dev_node("nvidiactl")
-        self.sysfs.dev_node("nvidia-uvm")
-        self.sysfs.dev_node("nvidia-uvm-tools")
+        # nvidiactl's number is fixed; nvidia-uvm's major is the kernel's
+        # choice (510 here).
+        self.sysfs.dev_node("nvidiactl", (195, 255))
+        self.sysfs.dev_node("nvidia-uvm", (510, 0))
+        self.sysfs.dev_node("nvidia-uvm-tools", (510, 1))
         if self.hcas:
             self.sysfs.rdma_cm()
         fixture = self.base / "nvml.json"
@@ -255,7 +257,7 @@ class _Builder:
         )
         uuid = gpu_uuid(index, address)
         if spec.dev_node:
-            self.sysfs.dev_node(f"nvidia{index}")
+            self.sysfs.dev_node(f"nvidia{index}", (195, index))
         self.gpus.append(BuiltGpu(index, uuid, address, index, node.directory))
         self.fixture_gpus.append(
             {

@@ -95,12 +95,17 @@ class SysfsBuilder:
             self.sysfs / "class" / "misc" / "rdma_cm",
             self.sysfs / "devices" / "virtual" / "misc" / "rdma_cm",
         )
-        self.dev_node("infiniband/rdma_cm")
+        self.dev_node("infiniband/rdma_cm", (10, 58))
 
-    def dev_node(self, relative: str) -> Path:
+    def dev_node(self, relative: str, number: tuple[int, int] | None = None) -> Path:
+        """A node of the simulated /dev: a plain file, whose text says which
+        character device it stands for (`mark_device`), for the tests' model
+        of a runtime's host lookup. The daemon never reads it."""
         path = self.dev / relative
         path.parent.mkdir(parents=True, exist_ok=True)
         path.touch()
+        if number is not None:
+            mark_device(path, "c", *number)
         return path
 
     def ib_device(
@@ -141,7 +146,7 @@ class SysfsBuilder:
         _write(entry / "dev", f"231:{192 + index}")
         _link(self.sysfs / "class" / "infiniband_verbs" / f"uverbs{index}", entry)
         if with_dev_node:
-            self.dev_node(f"infiniband/uverbs{index}")
+            self.dev_node(f"infiniband/uverbs{index}", (231, 192 + index))
 
     def mad(
         self,
@@ -161,4 +166,9 @@ class SysfsBuilder:
         _write(entry / "dev", f"231:{minor}")
         _link(self.sysfs / "class" / "infiniband_mad" / f"{kind}{index}", entry)
         if with_dev_node:
-            self.dev_node(f"infiniband/{kind}{index}")
+            self.dev_node(f"infiniband/{kind}{index}", (231, minor))
+
+
+def mark_device(path: Path, kind: str, major: int, minor: int) -> None:
+    """Make a plain file of a simulated /dev tree stand for a device node."""
+    path.write_text(f"{kind} {major}:{minor}\n", encoding="ascii")

@@ -58,6 +58,14 @@ class DeviceHealth:
     message: str = ""
 
 
+# The request name of the entry that carries CDI ids for containers naming
+# the whole claim. The kubelet gives a container that names the claim every
+# entry, and one that names a request only the entries listing that request
+# (pkg/kubelet/cm/dra/claiminfo.go, cdiDevicesAsList). Request names are DNS
+# labels, so no container can name this one.
+WHOLE_CLAIM = "devplugin.io/whole-claim"
+
+
 def _refs(claims: Sequence[Any], context: grpc.ServicerContext) -> list[ClaimRef]:
     if len(claims) > MAX_CLAIMS:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{len(claims)} claims in one call "
@@ -91,6 +99,15 @@ class _DraServicer:
                 continue
             for device in devices:
                 entry.devices.append(self._device(device))
+            # After every device: applied last, the claim's variables win
+            # in a container that names the whole claim.
+            for device in devices:
+                if device.whole:
+                    entry.devices.append(
+                        self._pb.Device(request_names=[WHOLE_CLAIM], pool_name=device.pool,
+                                        device_name=device.device,
+                                        cdi_device_ids=list(device.whole))
+                    )  # fmt: skip
         return answer
 
     def NodeUnprepareResources(self, request: Any, context: grpc.ServicerContext) -> Any:

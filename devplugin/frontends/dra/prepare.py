@@ -12,8 +12,14 @@ device. Then, in this order:
 2. refuse a device that is unhealthy for any other reason (the take is
    undone; nothing ran on the devices);
 3. run the init hooks;
-4. write the claim's CDI spec;
-5. record the claim as completed, with what each device was answered.
+4. write the claim's CDI spec: each device's own nodes (with the nodes
+   every device of its kind needs), one variables-only device per request
+   (`NVIDIA_VISIBLE_DEVICES`, `NCCL_IB_HCA` listing that request's devices)
+   and, when a kind has several requests, one for the whole claim. Nothing
+   is spec-wide: a container that names one request gets only its devices
+   and its variables;
+5. record the claim as completed in this boot, with what each device was
+   answered.
 
 A failure after 2 rolls back: the spec goes, the claim is forgotten and its
 devices are owed a cleanup (the init hook may have half run), so they are
@@ -28,7 +34,9 @@ hooks; then it answers with an error naming the device and the cleanup, and
 the kubelet asks again. Only `max_waiting` calls wait at once, so the gRPC
 workers left answer other claims at once whatever those wait for.
 
-A claim already completed answers what it answered before; unprepare of a
+A claim already completed in this boot, whose spec is still there, answers
+what it answered before; one completed before a reboot (the spec went with
+/var/run/cdi, the devices were reset) is prepared again. Unprepare of a
 claim this node does not know is success (it may have been rolled back, or
 never prepared here).
 """
@@ -39,8 +47,9 @@ import contextlib
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from devplugin.model import DeviceKind, Health, Refused
 from devplugin.node.lifecycle.cdi_spec import ClaimSpecs
@@ -52,7 +61,7 @@ from devplugin.node.lifecycle.hooks import HookRunner, HookSpec
 from devplugin.node.metrics import Metrics
 from devplugin.node.pipeline import Pipeline
 from devplugin.node.resources import DeviceNode, Resource
-from devplugin.policy.cdi import PathNode, claim_spec, qualified
+from devplugin.policy.cdi import ClaimNode, claim_spec, qualified
 from devplugin.policy.claims import ClaimReader, ClaimReadError, claim_uid, results_for
 
 log = logging.getLogger(__name__)
@@ -91,6 +100,7 @@ class Preparer:
         metrics: Metrics | None = None,
         max_waiting: int = MAX_WAITING,
         clock: Callable[[], float] = time.monotonic,
+        boot: str = "",
     ) -> None:
         self.driver = driver
         self.pool = pool
@@ -113,6 +123,7 @@ class Preparer:
         self._claim_locks: dict[str, tuple[threading.Lock, int]] = {}
         self._waiting = threading.BoundedSemaphore(max_waiting)
         self._clock = clock
+        self._boot = boot
 
     @property
     def kinds(self) -> Collection[DeviceKind]:
@@ -170,7 +181,7 @@ class Preparer:
             try:
                 with self._claim_lock(ref.uid, until):
                     known = self._cleanup.claim(ref.uid)
-                    again = known is not None and known.completed
+                    again = known is not None and known.completed and self._current(known)
                     devices, error = self._prepare_guarded(ref, until)
             except Refused as exc:
                 log.warning("claim %s not prepared: %s", ref, exc.reason)
@@ -273,13 +284,18 @@ class Preparer:
     def _prepare(self, ref: ClaimRef, until: float) -> tuple[ClaimDevice, ...]:
         known = self._cleanup.claim(ref.uid)
         if known is not None and known.completed:
-            return known.devices
-        if known is not None:
+            if self._current(known):
+                return known.devices
+            # Completed in another boot (or its spec is gone): the spec went
+            # with /var/run/cdi and the devices were reset. Prepared again,
+            # its devices still its own (the take finds them held by it).
+            log.info("claim %s was prepared before a reboot; preparing it again", ref)
+        elif known is not None:
             self._roll_back(known, "rolled back (found half prepared)")
         devices = self._devices(ref)
         if not devices:
             return ()
-        started = ClaimRecord(ref.uid, ref.namespace, ref.name, devices)
+        started = ClaimRecord(ref.uid, ref.namespace, ref.name, devices, boot=self._boot)
         problem = self._cleanup.begin_claim(started, wait_until=until)
         if problem is not None:
             raise Refused(_named(problem, devices), invalid_argument=False)
@@ -289,13 +305,21 @@ class Preparer:
         except Refused:
             self._roll_back(started, "rolled back after a failed prepare")
             raise
-        done = ClaimRecord(ref.uid, ref.namespace, ref.name, answered, completed=True)
+        done = ClaimRecord(ref.uid, ref.namespace, ref.name, answered, True, self._boot)
         error = self._cleanup.complete_claim(done)
         if error is not None:
             self._roll_back(started, "rolled back (completion not recorded)")
             raise Refused(error, invalid_argument=False)
         log.info("claim %s prepared: %s", ref, ", ".join(device.device for device in answered))
         return answered
+
+    def _current(self, claim: ClaimRecord) -> bool:
+        """Whether a completed claim's answer still holds: completed in this
+        boot (a record from before boot ids were kept counts as this boot's)
+        and its spec still there."""
+        if claim.boot and claim.boot != self._boot:
+            return False
+        return self._specs.exists(claim.uid)
 
     def _devices(self, ref: ClaimRef) -> tuple[ClaimDevice, ...]:
         try:
@@ -377,9 +401,8 @@ class Preparer:
             )  # fmt: skip
             if not result.ok:
                 raise Refused(result.describe("init", spec.timeout), invalid_argument=False)
-        cdi_devices: dict[str, list[PathNode]] = {}
-        shared: list[PathNode] = []
-        env: dict[str, str] = {}
+        states = {}
+        nodes: dict[str, list[ClaimNode]] = {}
         extra: dict[str, tuple[str, ...]] = {}
         for kind, chosen in per_kind.items():
             if not chosen:
@@ -387,29 +410,65 @@ class Preparer:
             state = self._pipeline.served(kind)
             if state is None:
                 raise Refused(f"no {kind.value} is served now", invalid_argument=False)
-            merged = self._resources[kind].allocate(state, [device.id for device in chosen])
-            env.update(merged.envs)
-            shared.extend(map(_path_node, state.shared_nodes))
+            states[kind] = state
+            # The nodes every device of the kind needs go with each device,
+            # so a container that gets no device of the kind gets none.
+            shared = [_claim_node(node) for node in state.shared_nodes]
             for device in chosen:
                 own = state.allocations.get(device.id)
-                nodes = own.devices if own is not None else ()
-                cdi_devices[f"{ref.uid}-{device.device}"] = list(map(_path_node, nodes))
+                mine = [_claim_node(node) for node in (own.devices if own is not None else ())]
+                nodes[_own_name(ref.uid, device)] = list(dict.fromkeys([*mine, *shared]))
                 # The vendor's own CDI names (a GPU's driver libraries), when
                 # the resource delivers by CDI.
                 extra[device.device] = own.cdi_devices if own is not None else ()
-        document = claim_spec(self._specs.kind, cdi_devices, shared=shared, env=env)
+
+        def variables_of(chosen: Sequence[ClaimDevice]) -> dict[str, str]:
+            env: dict[str, str] = {}
+            for kind, state in states.items():
+                ids = [device.id for device in chosen if device.kind is kind]
+                if ids:
+                    env.update(self._resources[kind].allocate(state, ids).envs)
+            return env
+
+        by_request: dict[str, list[ClaimDevice]] = {}
+        for device in devices:
+            for request in device.requests:
+                by_request.setdefault(request, []).append(device)
+        per_request = {request: variables_of(chosen) for request, chosen in by_request.items()}
+        variables = {_request_name(ref.uid, r): env for r, env in per_request.items()}
+        # A container naming the whole claim gets every request's variables,
+        # and a later one overwrites an earlier of the same name: when a kind
+        # has several requests, the claim's own variables come last for it.
+        requests_of_kind = Counter(
+            kind for chosen in by_request.values() for kind in {d.kind for d in chosen}
+        )
+        whole = variables_of(devices) if max(requests_of_kind.values(), default=0) > 1 else {}
+        if whole:
+            variables[_whole_name(ref.uid)] = whole
+        document = claim_spec(self._specs.kind, nodes, variables)
         try:
             self._specs.write(ref.uid, document)
         except OSError as exc:
             raise Refused(f"CDI spec {self._specs.path(ref.uid)} not written: "
                           f"{exc.strerror or exc}", invalid_argument=False) from exc  # fmt: skip
-        return tuple(
-            ClaimDevice(
-                device.kind, device.id, device.pool, device.device, device.requests,
-                (qualified(self._specs.kind, f"{ref.uid}-{device.device}"), *extra[device.device]),
+        kind_of = self._specs.kind
+        answered = []
+        for index, device in enumerate(devices):
+            ids = [qualified(kind_of, _own_name(ref.uid, device))]
+            ids.extend(
+                qualified(kind_of, _request_name(ref.uid, request))
+                for request in device.requests
+                if per_request.get(request)
             )
-            for device in devices
-        )  # fmt: skip
+            last = index == len(devices) - 1
+            answered.append(
+                replace(
+                    device,
+                    cdi_ids=(*ids, *extra[device.device]),
+                    whole=(qualified(kind_of, _whole_name(ref.uid)),) if whole and last else (),
+                )
+            )
+        return tuple(answered)
 
     def _roll_back(self, claim: ClaimRecord, why: str) -> None:
         problem = self._specs.remove(claim.uid)
@@ -428,5 +487,20 @@ def _named(problem: Problem, devices: Sequence[ClaimDevice]) -> str:
     return str(problem)
 
 
-def _path_node(node: DeviceNode) -> PathNode:
-    return PathNode(node.container_path, node.host_path, node.permissions)
+def _claim_node(node: DeviceNode) -> ClaimNode:
+    return ClaimNode(node.container_path, node.host_path, node.permissions, node.number)
+
+
+# CDI device names in a claim's spec. The claim uid starts each, so a
+# runtime that cached another claim's spec never confuses the two; slice
+# device names never start with "request-" nor are "claim".
+def _own_name(uid: str, device: ClaimDevice) -> str:
+    return f"{uid}-{device.device}"
+
+
+def _request_name(uid: str, request: str) -> str:
+    return f"{uid}-request-{request}"
+
+
+def _whole_name(uid: str) -> str:
+    return f"{uid}-claim"

@@ -11,6 +11,7 @@ import errno
 import logging
 import os
 import re
+import stat
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -162,12 +163,16 @@ def _link_name(path: Path) -> str | None:
 
 def _char_device(dev_root: Path, relative: str, class_entry: Path | None = None) -> CharDevice:
     """A node under /dev; `class_entry` is its sysfs class entry, whose `dev`
-    attribute gives its device number (`231:192`)."""
-    return CharDevice(
-        path=f"{HOST_DEV}/{relative}",
-        present=os.path.exists(dev_root / relative),
-        number=_device_number(class_entry / "dev") if class_entry is not None else None,
-    )
+    attribute gives its device number (`231:192`). Without one, the number
+    is the node's own when it is a character device."""
+    try:
+        info: os.stat_result | None = os.stat(dev_root / relative)
+    except OSError:
+        info = None
+    number = _device_number(class_entry / "dev") if class_entry is not None else None
+    if number is None and info is not None and stat.S_ISCHR(info.st_mode):
+        number = (os.major(info.st_rdev), os.minor(info.st_rdev))
+    return CharDevice(path=f"{HOST_DEV}/{relative}", present=info is not None, number=number)
 
 
 def _device_number(path: Path) -> tuple[int, int] | None:

@@ -146,6 +146,9 @@ class ClaimSpecs:
         """Raises OSError when the file cannot be written."""
         write_atomically(self.path(uid), json.dumps(document, indent=2).encode(), SPEC_MODE)
 
+    def exists(self, uid: str) -> bool:
+        return os.path.isfile(self.path(uid))
+
     def remove(self, uid: str) -> str | None:
         """Why the spec could not be removed, or None (also when it was not there)."""
         try:

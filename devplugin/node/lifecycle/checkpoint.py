@@ -40,12 +40,19 @@ class ClaimDevice:
     device: str
     requests: tuple[str, ...] = ()
     cdi_ids: tuple[str, ...] = ()
+    # CDI ids only a container that names the whole claim gets (the claim's
+    # variables, when one request's would not do); answered as a second
+    # entry for this device under a request name no container can name.
+    whole: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, object]:
-        return {
+        data: dict[str, object] = {
             "kind": self.kind.value, "id": self.id, "pool": self.pool, "device": self.device,
             "requests": list(self.requests), "cdi_ids": list(self.cdi_ids),
         }  # fmt: skip
+        if self.whole:
+            data["whole_claim_cdi_ids"] = list(self.whole)
+        return data
 
     @classmethod
     def from_json(cls, data: object) -> ClaimDevice:
@@ -58,13 +65,13 @@ class ClaimDevice:
         texts = [data.get(key) for key in ("id", "pool", "device")]
         if not all(isinstance(text, str) and text for text in texts):
             raise ValueError("claim device without id, pool or device")
-        lists = [data.get(key, []) for key in ("requests", "cdi_ids")]
+        lists = [data.get(key, []) for key in ("requests", "cdi_ids", "whole_claim_cdi_ids")]
         for values in lists:
             if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
                 raise ValueError("claim device requests and cdi_ids must be lists of strings")
         return cls(
             kinds[kind], str(texts[0]), str(texts[1]), str(texts[2]),
-            requests=tuple(lists[0]), cdi_ids=tuple(lists[1]),
+            requests=tuple(lists[0]), cdi_ids=tuple(lists[1]), whole=tuple(lists[2]),
         )  # fmt: skip
 
 
@@ -79,13 +86,19 @@ class ClaimRecord:
     # False between the start of a prepare and its end: a daemon that finds
     # such a claim at start rolls it back (its init may have half run).
     completed: bool = False
+    # The boot it was completed in: its CDI spec (in /var/run/cdi) and what
+    # its init hooks did are gone after a reboot, though this record is not.
+    boot: str = ""
 
     def to_json(self) -> dict[str, object]:
-        return {
+        data: dict[str, object] = {
             "uid": self.uid, "namespace": self.namespace, "name": self.name,
             "state": "completed" if self.completed else "started",
             "devices": [device.to_json() for device in self.devices],
         }  # fmt: skip
+        if self.boot:
+            data["boot_id"] = self.boot
+        return data
 
     @classmethod
     def from_json(cls, data: object) -> ClaimRecord:
@@ -102,9 +115,12 @@ class ClaimRecord:
         devices = data.get("devices", [])
         if not isinstance(devices, list):
             raise ValueError("claim devices must be a list")
+        boot = data.get("boot_id", "")
+        if not isinstance(boot, str):
+            raise ValueError("claim boot_id must be a string")
         return cls(
             uid, namespace, name, tuple(ClaimDevice.from_json(d) for d in devices),
-            completed=state == "completed",
+            completed=state == "completed", boot=boot,
         )  # fmt: skip
 
 

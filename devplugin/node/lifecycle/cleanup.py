@@ -509,7 +509,7 @@ class CleanupManager:
 
     def complete_claim(self, claim: ClaimRecord) -> str | None:
         """A prepare succeeded: recorded as completed, with its answers."""
-        done = ClaimRecord(claim.uid, claim.namespace, claim.name, claim.devices, completed=True)
+        done = replace(claim, completed=True)
         with self._cond:
             self._claims[claim.uid] = done
             self._save_locked(set())
