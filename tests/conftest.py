@@ -76,11 +76,14 @@ def start_cluster(tmp_path: Path, sock_dir: Path) -> Iterator[Callable[..., Clus
         api: ApiServerImitation | None = None,
         api_url: str | None = None,
         node_name: str = "node-1",
+        on_built: Callable[[BuiltNode], None] | None = None,
         **config: Any,
     ) -> Cluster:
         # Several clusters may run in one test, each in its own directories.
         tag = str(len(started))
         node = build_node(spec, tmp_path / f"node{tag}")
+        if on_built is not None:
+            on_built(node)
         plugin_dir = sock_dir / f"dp{tag}"
         pod_resources = sock_dir / f"pr{tag}" / "kubelet.sock"
         kubelet = KubeletSimulator(plugin_dir, pod_resources, seed=1, api=api, node_name=node_name)

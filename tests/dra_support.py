@@ -34,12 +34,13 @@ class DraCluster:
     plugins_dir: Path
     registry_dir: Path
     checkpoint: Path
+    driver: str = DRIVER
 
     def slices(self) -> list[dict[str, Any]]:
         return [
             item
             for item in self.api.items("resourceslices")
-            if item["spec"].get("nodeName") == NODE and item["spec"].get("driver") == DRIVER
+            if item["spec"].get("nodeName") == NODE and item["spec"].get("driver") == self.driver
         ]
 
     def devices(self) -> dict[str, dict[str, Any]]:
@@ -68,17 +69,17 @@ class DraCluster:
         self.api.set_status(
             "resourceclaims", name, namespace,
             {"allocation": {"devices": {"results": [
-                {"request": request, "driver": DRIVER, "pool": NODE, "device": device}
+                {"request": request, "driver": self.driver, "pool": NODE, "device": device}
                 for request, device in results
             ]}}},
         )  # fmt: skip
         return ClaimCall(namespace, created["metadata"]["uid"], name)
 
     def prepare(self, *claims: ClaimCall) -> dict[str, Any]:
-        return dict(self.kubelet.prepare(DRIVER, claims))
+        return dict(self.kubelet.prepare(self.driver, claims))
 
     def unprepare(self, *claims: ClaimCall) -> dict[str, str]:
-        return dict(self.kubelet.unprepare(DRIVER, claims))
+        return dict(self.kubelet.unprepare(self.driver, claims))
 
 
 def dra_settings(sock_dir: Path, tmp: Path, kubeconfig: Path, checkpoint: Path) -> dict[str, Any]:
@@ -102,9 +103,17 @@ def start_dra(
 ) -> Iterator[Callable[..., DraCluster]]:
     started: list[tuple[Daemon, DraKubeletSimulator]] = []
 
-    def start(spec: NodeSpec, *, known_clean: bool = True, **config: Any) -> DraCluster:
+    def start(
+        spec: NodeSpec,
+        *,
+        known_clean: bool = True,
+        on_built: Callable[[BuiltNode], None] | None = None,
+        **config: Any,
+    ) -> DraCluster:
         tag = str(len(started))
         node = build_node(spec, tmp_path / f"node{tag}")
+        if on_built is not None:
+            on_built(node)
         api.put("nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE}})
         kubeconfig = tmp_path / f"kubeconfig{tag}"
         kubeconfig.write_text(yaml.safe_dump(api.kubeconfig()))
@@ -122,11 +131,13 @@ def start_dra(
         )
         daemon.start()
         started.append((daemon, kubelet))
+        driver = str(settings.get("dra.driver", DRIVER))
+        cdi_dir = Path(settings["cdi.spec_dirs"][-1])
         cluster = DraCluster(
-            node, api, kubelet, daemon, lib, tmp_path / "run-cdi", sock_dir / "plugins",
-            sock_dir / "registry", checkpoint,
+            node, api, kubelet, daemon, lib, cdi_dir, sock_dir / "plugins",
+            sock_dir / "registry", checkpoint, driver,
         )  # fmt: skip
-        assert kubelet.wait_for(lambda: kubelet.registered(DRIVER), timeout=10)
+        assert kubelet.wait_for(lambda: kubelet.registered(driver), timeout=10)
         return cluster
 
     yield start

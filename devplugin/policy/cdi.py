@@ -66,6 +66,9 @@ def kind_problem(kind: str) -> str | None:
     vendor, slash, klass = kind.partition("/")
     if not slash or not vendor or not klass:
         return "must be vendor/class, like nvidia.com/gpu"
+    if len(vendor) < 2 or len(klass) < 2:
+        # The library at 0.5.2 (Debian 12's podman 4.3.1) panics on one.
+        return "vendor and class must be two characters or more"
     if not _VENDOR_OR_CLASS.match(vendor):
         return (
             f"vendor {vendor!r}: letters, digits, '_', '-', '.', from a letter to a letter or digit"

@@ -172,9 +172,11 @@ class CdiRuntime:
         if kind and (node.get("major") or kind == "p"):
             return dict(node)
         host = str(node.get("hostPath") or node["path"])
-        found = None
+        # The simulated host's /dev is `host_dev`; any other path is this machine's.
         if host.startswith("/dev/") and self.host_dev is not None:
             found = host_device(self.host_dev / host.removeprefix("/dev/"))
+        else:
+            found = host_device(Path(host))
         if found is None:
             raise Unresolvable(f"failed to stat CDI host device {host!r}")
         if kind and kind != found[0]:
@@ -186,46 +188,58 @@ class CdiRuntime:
         return filled
 
 
-def nvidia_like_spec(node: BuiltNode, *, names: str = "index", skip: Sequence[int] = ()) -> Any:
+def nvidia_like_spec(
+    node: BuiltNode,
+    *,
+    names: str = "index",
+    skip: Sequence[int] = (),
+    kind: str = "nvidia.com/gpu",
+    host_dev: Path | None = None,
+    driver_files: bool = True,
+) -> Any:
     """The shape of the spec `nvidia-ctk cdi generate` writes for this node's
-    GPUs (kind nvidia.com/gpu): a device per GPU named by its index (or UUID)
-    plus `all`, the control nodes, driver mounts and a hook as common edits.
-    GPUs whose index is in `skip` are left out."""
+    GPUs: a device per GPU named by its index (or UUID) plus `all`, the
+    control nodes, driver mounts and a hook as common edits, every node by
+    path only. GPUs whose index is in `skip` are left out. `host_dev`: the
+    nodes are found there on the host (hostPath) instead of at /dev;
+    `driver_files` False leaves out the mounts and the hook (a host without
+    the driver)."""
+
+    def node_at(name: str) -> dict[str, str]:
+        entry = {"path": f"/dev/{name}"}
+        if host_dev is not None:
+            entry["hostPath"] = str(host_dev / name)
+        return entry
+
     devices = []
     for gpu in node.gpus:
         if gpu.index in skip:
             continue
         devices.append({
             "name": str(gpu.index) if names == "index" else gpu.uuid,
-            "containerEdits": {"deviceNodes": [{"path": f"/dev/nvidia{gpu.minor}"}]},
+            "containerEdits": {"deviceNodes": [node_at(f"nvidia{gpu.minor}")]},
         })  # fmt: skip
     devices.append({
         "name": "all",
         "containerEdits": {"deviceNodes": [
-            {"path": f"/dev/nvidia{gpu.minor}"} for gpu in node.gpus if gpu.index not in skip
+            node_at(f"nvidia{gpu.minor}") for gpu in node.gpus if gpu.index not in skip
         ]},
     })  # fmt: skip
-    return {
-        "cdiVersion": "0.5.0",
-        "kind": "nvidia.com/gpu",
-        "devices": devices,
-        "containerEdits": {
-            "env": ["NVIDIA_VISIBLE_DEVICES=void"],
-            "deviceNodes": [
-                {"path": "/dev/nvidiactl"}, {"path": "/dev/nvidia-uvm"},
-                {"path": "/dev/nvidia-uvm-tools"},
-            ],
-            "mounts": [{
-                "hostPath": f"{LIBS}/libcuda.so.550.54.15",
-                "containerPath": f"{LIBS}/libcuda.so.550.54.15",
-                "options": ["ro", "nosuid", "nodev", "bind"],
-            }],
-            "hooks": [{
-                "hookName": "createContainer", "path": "/usr/bin/nvidia-cdi-hook",
-                "args": ["nvidia-cdi-hook", "update-ldcache", "--folder", LIBS],
-            }],
-        },
-    }  # fmt: skip
+    common: dict[str, Any] = {
+        "env": ["NVIDIA_VISIBLE_DEVICES=void"],
+        "deviceNodes": [node_at(n) for n in ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")],
+    }
+    if driver_files:
+        common["mounts"] = [{
+            "hostPath": f"{LIBS}/libcuda.so.550.54.15",
+            "containerPath": f"{LIBS}/libcuda.so.550.54.15",
+            "options": ["ro", "nosuid", "nodev", "bind"],
+        }]  # fmt: skip
+        common["hooks"] = [{
+            "hookName": "createContainer", "path": "/usr/bin/nvidia-cdi-hook",
+            "args": ["nvidia-cdi-hook", "update-ldcache", "--folder", LIBS],
+        }]  # fmt: skip
+    return {"cdiVersion": "0.5.0", "kind": kind, "devices": devices, "containerEdits": common}
 
 
 def write_spec(directory: Path, name: str, spec: Any) -> Path:

@@ -1,0 +1,176 @@
+"""Real containers for the real-runtime tier: Debian's podman with runc, on
+a tiny image made of busybox-static, reading CDI specs from the two
+directories podman 4.3.1 knows (/etc/cdi, /var/run/cdi).
+
+Each test writes its specs under kinds of its own (a vendor `t<random>.…`)
+and removes them after, so tests running at once, or a real toolkit's
+specs, are never in each other's way. The simulated node's /dev tree is
+made of real character device nodes (mknod, with the numbers the node's
+sysfs gives), so a runtime's lookup of a node named by path finds them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import tarfile
+import tempfile
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from devplugin.testing.cdi import host_device
+from devplugin.testing.node import BuiltNode
+
+CDI_DIRS = (Path("/etc/cdi"), Path("/var/run/cdi"))
+IMAGE = "localhost/devplugin-tiny:1"
+# What the container prints: every character device under /dev with its
+# numbers (hexadecimal, as stat gives them), then its environment.
+SCRIPT = 'for f in $(find /dev -type c); do stat -c "%n %t %T" "$f"; done; echo ---; env'
+APPLETS = ("sh", "find", "stat", "env", "echo", "cat", "ls", "true")
+# Without CAP_SYS_RESOURCE runc cannot raise these limits to podman's defaults.
+LIMITS = ("--ulimit", "nofile=1024:1024", "--ulimit", "nproc=4096:4096")
+
+
+def missing() -> str | None:
+    """Why the tier cannot run here, in one line, or None."""
+    for tool in ("podman", "runc"):
+        if shutil.which(tool) is None:
+            return f"real-runtime tier: {tool} is not installed (.ci/run installs it)"
+    if not Path("/bin/busybox").is_file() and shutil.which("busybox") is None:
+        return "real-runtime tier: busybox is not installed (.ci/run installs busybox-static)"
+    if os.geteuid() != 0:
+        return "real-runtime tier: needs root (mknod, /etc/cdi, rootful podman)"
+    return None
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What a container saw: its character devices and its environment."""
+
+    nodes: Mapping[str, tuple[int, int]]
+    env: Mapping[str, str]
+
+
+class Podman:
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self._baseline: Seen | None = None
+
+    def command(self, *args: str) -> list[str]:
+        return [
+            "podman", "--root", str(self.base / "root"), "--runroot", str(self.base / "run"),
+            "--storage-driver", "vfs", "--runtime", "runc", "--cgroup-manager", "cgroupfs",
+            "--events-backend", "file", *args,
+        ]  # fmt: skip
+
+    def build_image(self) -> None:
+        """A busybox-static image, imported from a tar made here (no registry)."""
+        busybox = shutil.which("busybox") or "/bin/busybox"
+        tar_path = self.base / "image.tar"
+        with tarfile.open(tar_path, "w") as tar:
+            tar.add(busybox, arcname="bin/busybox")
+            for applet in APPLETS:
+                link = tarfile.TarInfo(f"bin/{applet}")
+                link.type, link.linkname = tarfile.SYMTYPE, "busybox"
+                tar.addfile(link)
+            for directory in ("dev", "proc", "sys", "etc", "tmp"):
+                entry = tarfile.TarInfo(directory)
+                entry.type, entry.mode = tarfile.DIRTYPE, 0o755
+                tar.addfile(entry)
+        self.check(self.command("import", str(tar_path), IMAGE))
+
+    def run(self, devices: Sequence[str] = (), env: Mapping[str, str] | None = None) -> Seen:
+        """Start a container with these CDI names (`--device`) and variables
+        (as the kubelet passes an Allocate answer's); what it saw."""
+        args = ["run", "--rm", "--network", "none", *LIMITS]
+        for name in devices:
+            args += ["--device", name]
+        for key, value in (env or {}).items():
+            args += ["--env", f"{key}={value}"]
+        result = self.check(self.command(*args, IMAGE, "/bin/sh", "-c", SCRIPT))
+        return parse(result.stdout)
+
+    def refuses(self, devices: Sequence[str]) -> str | None:
+        """Why the container does not start, or None when it does."""
+        args = ["run", "--rm", "--network", "none", *LIMITS]
+        for name in devices:
+            args += ["--device", name]
+        result = subprocess.run(
+            self.command(*args, IMAGE, "/bin/true"),
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        return None if result.returncode == 0 else result.stderr.strip()[-400:]
+
+    def added(self, seen: Seen) -> Seen:
+        """What a container saw beyond what any container sees."""
+        if self._baseline is None:
+            self._baseline = self.run()
+        base = self._baseline
+        return Seen(
+            {p: n for p, n in seen.nodes.items() if p not in base.nodes},
+            {k: v for k, v in seen.env.items() if k not in base.env},
+        )
+
+    @staticmethod
+    def check(command: list[str]) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+        if result.returncode != 0:
+            raise AssertionError(f"{' '.join(command[-6:])}: {result.stderr.strip()[-1500:]}")
+        return result
+
+
+def parse(output: str) -> Seen:
+    devices, _, environment = output.partition("---\n")
+    nodes = {}
+    for line in devices.splitlines():
+        path, major, minor = line.split()
+        nodes[path] = (int(major, 16), int(minor, 16))
+    env = dict(line.split("=", 1) for line in environment.splitlines() if "=" in line)
+    return Seen(nodes, env)
+
+
+def realize(node: BuiltNode) -> None:
+    """Replace every marked file of the node's /dev tree with the real
+    character device it stands for."""
+    for path in sorted(node.dev_root.rglob("*")):
+        if not path.is_file():
+            continue
+        found = host_device(path)
+        if found is None:
+            continue
+        _, major, minor = found
+        path.unlink()
+        os.mknod(path, 0o600 | stat.S_IFCHR, os.makedev(major, minor))
+
+
+@pytest.fixture(scope="session")
+def podman() -> Iterator[Podman]:
+    why = missing()
+    if why is not None:
+        pytest.skip(why)
+    # Short: podman refuses a runroot path longer than 50 characters.
+    base = Path(tempfile.mkdtemp(prefix="dpp-", dir="/tmp"))
+    try:
+        engine = Podman(base)
+        engine.build_image()
+        yield engine
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def vendor() -> Iterator[str]:
+    """A CDI vendor of this test's own; its spec files go after the test."""
+    name = f"t{uuid.uuid4().hex[:10]}.devplugin.io"
+    yield name
+    for directory in CDI_DIRS:
+        if directory.is_dir():
+            for path in directory.iterdir():
+                if name in path.name:
+                    path.unlink(missing_ok=True)
