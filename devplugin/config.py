@@ -264,9 +264,12 @@ class PodResourcesConfig:
 @dataclass(frozen=True)
 class HealthConfig:
     # Light health checks (HCA ports, device nodes, NVML handles) this often.
-    # GPU faults arrive between checks as NVML events; an HCA port's state
-    # has no event in sysfs, so this bounds how late a port going down is seen.
+    # GPU faults arrive between checks as NVML events.
     interval_seconds: float = _checked(5.0, _positive)
+    # An HCA port's state has no event in sysfs: between checks only the
+    # ports' state files are read this often, and a change checks at once.
+    # This bounds how late a port going down is seen.
+    port_interval_seconds: float = _checked(1.0, _positive)
     # How an unhealthy device comes back: after `good_checks` consecutive
     # good checks, or only after its cleanup hook succeeds.
     recovery: Literal["auto", "after_cleanup"] = "auto"

@@ -524,6 +524,7 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
         discoverer,
         pipeline,
         interval=health_config.interval_seconds,
+        port_interval=health_config.port_interval_seconds,
         rescan=config.discovery.rescan_interval_seconds,
         stale_after=health_config.stale_after_seconds,
         requests=requests,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +24,43 @@ from devplugin.testing.node import BuiltNode, NodeSpec, build_node
 
 GPU = "nvidia.com/gpu"
 HCA = "rdma/hca"
+
+
+# How long a test's threads get to finish after its fixtures stopped them.
+THREAD_GRACE = 5.0
+
+
+def _project_code(thread: threading.Thread) -> str | None:
+    """The module of the project's code a thread runs (devplugin, bench,
+    tests), or None for a library's own thread."""
+    target = getattr(thread, "_target", None)
+    code = target if target is not None else type(thread).run
+    module = getattr(code, "__module__", None) or ""
+    if module.startswith(("devplugin", "bench", "tests")):
+        return f"{module}.{getattr(code, '__qualname__', '?')}"
+    return None
+
+
+@pytest.fixture(autouse=True)
+def no_thread_left_behind() -> Iterator[None]:
+    """Fails a test that leaves a thread of the project's running: every
+    loop a test starts is stopped and joined by the time it ends (a thread
+    that outlives its test logs into the next one, or into nothing)."""
+    before = set(threading.enumerate())
+    yield
+    deadline = time.monotonic() + THREAD_GRACE
+    left: list[str] = []
+    for thread in threading.enumerate():
+        if thread in before or thread is threading.current_thread():
+            continue
+        code = _project_code(thread)
+        if code is None:
+            continue
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            left.append(f"{thread.name} ({code})")
+    if left:
+        pytest.fail(f"threads left running after the test: {', '.join(sorted(left))}")
 
 
 @pytest.fixture

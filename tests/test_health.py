@@ -53,6 +53,29 @@ def test_port_down_makes_the_hca_unhealthy_and_back_within_two_seconds(
     assert becomes(cluster, HCA, hca.device_id, "Healthy", within=2.0)
 
 
+def test_with_the_default_five_second_check_a_port_going_down_is_seen_by_the_port_watch(
+    start_cluster: Start,
+) -> None:
+    # The light check every 5 s (the default), the port watch every second:
+    # only the watch can make the HCA Unhealthy within 3 s, every time.
+    cluster = start_cluster(
+        hgx_node(), **{"health.interval_seconds": 5.0, "discovery.rescan_interval_seconds": 30.0}
+    )
+    for index, new_state in ((1, "1: DOWN\n"), (3, "2: INIT\n")):
+        hca = cluster.node.hcas[index]
+        state = hca.directory / "infiniband" / hca.name / "ports" / "1" / "state"
+        checks = cluster.daemon.checks
+        state.write_text(new_state)
+        assert becomes(cluster, HCA, hca.device_id, "Unhealthy", within=3.0)
+        assert cluster.daemon.checks == checks + 1  # one check, started by the watch
+        state.write_text("4: ACTIVE\n")
+        assert becomes(cluster, HCA, hca.device_id, "Healthy", within=3.0)
+    # Nothing changed: the watch starts no check of its own.
+    checks = cluster.daemon.checks
+    time.sleep(2.5)
+    assert cluster.daemon.checks <= checks + 1
+
+
 def test_physical_state_counts_too(start_cluster: Start) -> None:
     cluster = start_cluster(hgx_node())
     hca = cluster.node.hcas[0]

@@ -3,6 +3,10 @@
 A light check (ports, device nodes, NVML per GPU) every `interval`, a full
 rescan of the PCI tree every `rescan` seconds or at once on a hotplug event,
 and a re-judgement without a scan whenever an event changed a verdict.
+Between checks, the port watch reads only the HCAs' port states every
+`port_interval` (sysfs has no event for them, and the light check's other
+reads cost far more); a change starts a light check at once, so a port
+going down reaches the kubelet within about `port_interval`.
 Every read runs under the discoverer's deadlines, so a wedged GPU or a
 blocking sysfs file costs one check at most `read_timeout` and leaves that
 device Unhealthy; the rest of the node keeps being checked and served.
@@ -22,6 +26,7 @@ from collections.abc import Callable
 
 from devplugin.model import Inventory
 from devplugin.node.discovery import Discoverer
+from devplugin.node.discovery.sysfs import PortStates, port_states_of
 from devplugin.node.metrics import Metrics
 from devplugin.node.pipeline import Pipeline
 
@@ -63,8 +68,12 @@ class CheckLoop:
         on_scan: Callable[[Inventory], None] = lambda inventory: None,
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        port_interval: float | None = None,
     ) -> None:
         self._discoverer = discoverer
+        self._port_interval = port_interval
+        # The port states the last check or port read saw.
+        self._ports: PortStates | None = None
         self._pipeline = pipeline
         self._interval = interval
         self._rescan = rescan
@@ -97,8 +106,18 @@ class CheckLoop:
                 self._metrics.check_age.set(now - self._last_complete)
             self._pipeline.ingest(inventory)
             self._on_scan(inventory)
+            self._ports = port_states_of(inventory.hcas)
             self.checks += 1
             return inventory
+
+    def ports_changed(self) -> bool:
+        """Read the port states; whether they differ from the last seen."""
+        found = self._discoverer.port_states()
+        if found is None or found == self._ports:
+            return False
+        changed = self._ports is not None
+        self._ports = found
+        return changed
 
     def healthy(self) -> tuple[bool, str]:
         """False once no check has read every device for `stale_after` seconds."""
@@ -135,15 +154,20 @@ class CheckLoop:
 
     def _run(self) -> None:
         log.info(
-            "check loop started (health every %.1fs, full rescan every %.1fs)",
+            "check loop started (health every %.1fs, HCA ports every %s, full rescan every %.1fs)",
             self._interval,
+            f"{self._port_interval:.1f}s" if self._port_interval else "check",
             self._rescan,
         )
         next_check = self._clock() + self._interval
         next_full = self._clock() + self._rescan
+        never = float("inf")
+        port_every = self._port_interval or never
+        next_ports = self._clock() + port_every
         requests = self.requests
         while not self._stop.is_set():
-            requests.wake.wait(max(0.0, min(next_check, next_full) - self._clock()))
+            wake_at = min(next_check, next_full, next_ports)
+            requests.wake.wait(max(0.0, wake_at - self._clock()))
             requests.wake.clear()
             if self._stop.is_set():
                 break
@@ -151,13 +175,20 @@ class CheckLoop:
             judge, requests.judge = requests.judge, False
             now = self._clock()
             try:
+                if now >= next_ports and not full and now < next_full and now < next_check:
+                    next_ports = now + port_every
+                    if self.ports_changed():
+                        log.debug("an HCA port changed state; checking now")
+                        next_check = now
                 if full or now >= next_full:
                     self.check(full=True)
                     next_full = now + self._rescan
                     next_check = now + self._interval
+                    next_ports = now + port_every
                 elif now >= next_check:
                     self.check(full=False)
                     next_check = now + self._interval
+                    next_ports = now + port_every
                 elif judge:
                     self._pipeline.rejudge()
             except Exception:

@@ -22,11 +22,13 @@ from devplugin.node.discovery.cdi import CdiReader
 from devplugin.node.discovery.nvml import READ_TIMEOUT, NvmlGpuSource
 from devplugin.node.discovery.sysfs import (
     DescriptorsExhausted,
+    PortStates,
     gpu_control_nodes,
     hca_addresses,
     list_hcas,
     read_hca,
     read_pci_functions,
+    read_port_states,
 )
 
 log = logging.getLogger(__name__)
@@ -77,6 +79,20 @@ class Discoverer:
     @property
     def deadlines(self) -> Deadlines:
         return self._deadlines
+
+    def port_states(self) -> PortStates | None:
+        """The ports of the HCAs the last scan found, read now under a
+        deadline; None when the read did not return in time (the next
+        check reports the HCAs as it finds them)."""
+        names = [hca.name for hca in self._last.hcas]
+        if not names:
+            return ()
+        try:
+            return self._deadlines.call(
+                "ports", partial(read_port_states, self._roots.sysfs, names)
+            )
+        except Stuck:
+            return None
 
     def scan(self, *, full: bool = True) -> Inventory:
         """A whole snapshot. `full=False` re-reads only what health depends on

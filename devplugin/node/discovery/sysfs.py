@@ -13,7 +13,7 @@ import os
 import re
 import stat
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -268,6 +268,40 @@ def _read_ports(ib_dir: Path) -> tuple[IbPort, ...]:
         )
     ports.sort(key=lambda port: port.number)
     return tuple(ports)
+
+
+# (HCA name, port number, state, phys_state) of every port: what the port
+# watch compares between reads.
+PortStates = tuple[tuple[str, int, str, str], ...]
+
+
+def port_states_of(hcas: Sequence[HcaInfo]) -> PortStates:
+    """The port states a scan read, in the order `read_port_states` gives."""
+    return tuple(
+        sorted(
+            (hca.name, port.number, port.state, port.phys_state)
+            for hca in hcas
+            for port in hca.ports
+        )
+    )
+
+
+def read_port_states(sysfs_root: Path, names: Sequence[str]) -> PortStates:
+    """The state and phys_state of every port of these HCAs, and nothing
+    else: two small reads a port, cheap enough to repeat every second."""
+    found: list[tuple[str, int, str, str]] = []
+    for name in names:
+        ports_dir = sysfs_root / "class" / "infiniband" / name / "ports"
+        for entry in _class_entries(ports_dir):
+            number = ascii_int(entry)
+            if number is None:
+                continue
+            port_dir = ports_dir / entry
+            state = read_text(port_dir / "state") or ""
+            phys_state = read_text(port_dir / "phys_state") or ""
+            found.append((name, number, state, phys_state))
+    found.sort(key=lambda item: (item[0], item[1]))
+    return tuple(found)
 
 
 @dataclass(frozen=True)
