@@ -10,9 +10,12 @@ ARG PYTHON=3.11
 ARG BASE=python:${PYTHON}-slim
 
 FROM ${BASE} AS build
-# A C compiler for the allocator's compiled fold (this stage only).
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends gcc libc6-dev \
+# A C compiler for the allocator's compiled fold (this stage only), and
+# Python's headers where the base's Python comes without them (Debian's).
+RUN headers="$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
+    && dev="$([ -f "$headers/Python.h" ] || echo python3-dev)" \
+    && apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev $dev \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY pyproject.toml setup.py README.md ./

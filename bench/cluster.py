@@ -65,9 +65,11 @@ def node_records(base: Path) -> list[tuple[str, NodeState]]:
         built = build_node(LAYOUTS[layout](), base / layout)
         deadlines = Deadlines(5)
         source = NvmlGpuSource(FakeNvml.from_file(built.fixture), deadlines)
-        inventory = Discoverer(Roots(built.sysfs_root, built.dev_root), source, deadlines).scan(
-            full=True
-        )
+        discoverer = Discoverer(Roots(built.sysfs_root, built.dev_root), source, deadlines)
+        try:
+            inventory = discoverer.scan(full=True)
+        finally:
+            discoverer.close()
         states = {
             DeviceKind.GPU: ResourceState(
                 tuple(PluginDevice(g.uuid, Health.HEALTHY) for g in inventory.gpus), {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import logging
 import os
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="devplugin",
         description="Kubelet device plugin for GPUs and RDMA HCAs with topology-aware allocation",
     )
+    parser.add_argument("--version", action="version", version=f"devplugin {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="run the device plugin daemon")
     _add_source_flags(run)
@@ -191,6 +193,14 @@ def nvml_library(config: Config) -> Any | None:
     except ImportError as exc:  # pragma: no cover - it is a dependency
         log.error("cannot import pynvml (nvidia-ml-py): %s; GPUs will not be served", exc)
         return None
+
+
+def _version() -> str:
+    """The installed distribution's version (an image says which it runs)."""
+    try:
+        return importlib.metadata.version("devplugin")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _scan(config: Config) -> Any:

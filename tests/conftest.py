@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 import tempfile
 import threading
@@ -15,6 +16,7 @@ import pytest
 import yaml
 
 from devplugin.config import Config, override
+from devplugin.logs import CHATTY
 from devplugin.node.lifecycle.checkpoint import Checkpoint, LifecycleState
 from devplugin.runtime import Daemon, build
 from devplugin.testing.apiserver import ApiServerImitation
@@ -61,6 +63,23 @@ def no_thread_left_behind() -> Iterator[None]:
             left.append(f"{thread.name} ({code})")
     if left:
         pytest.fail(f"threads left running after the test: {', '.join(sorted(left))}")
+
+
+@pytest.fixture(autouse=True)
+def root_logging_restored() -> Iterator[None]:
+    """`devplugin` commands run in-process set the root logger up for a
+    stream (pytest's capture of that moment) and quiet some loggers; both
+    are undone after the test, so no later thread writes to a closed stream."""
+    root = logging.getLogger()
+    before, level = set(root.handlers), root.level
+    chatty = {name: logging.getLogger(name).level for name in CHATTY}
+    yield
+    for handler in list(root.handlers):
+        if handler not in before and type(handler) is logging.StreamHandler:
+            root.removeHandler(handler)
+    root.setLevel(level)
+    for name, previous in chatty.items():
+        logging.getLogger(name).setLevel(previous)
 
 
 @pytest.fixture

@@ -113,19 +113,26 @@ def test_injected_failures_cuts_and_delays(api: ApiServerImitation, client: Clie
     with pytest.raises(ApiError) as missing:
         client.get(NodeDevices, "missing")
     assert missing.value.status.code == 404
-    ended = threading.Event()
+    done = threading.Event()
 
     def watch() -> None:
         for _ in client.watch(RawPod, namespace="*"):
-            pass
-        ended.set()
+            if done.is_set():
+                return
 
-    threading.Thread(target=watch, daemon=True).start()
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
     assert wait_until(lambda: any("watch" in path for _, path in api.requests))
     api.cut_watches()
     # lightkube re-opens a watch the server ended cleanly: a new request arrives.
     count = sum("watch" in path for _, path in api.requests)
     assert wait_until(lambda: sum("watch" in path for _, path in api.requests) > count)
+    # An event ends the watcher (a watch ends only when its reader stops).
+    done.set()
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "namespace": "default"}}
+    api.put("pods", pod)
+    watcher.join(5)
+    assert not watcher.is_alive()
 
 
 def test_traffic_is_counted_by_resource_and_verb(api: ApiServerImitation, client: Client) -> None:

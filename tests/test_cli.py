@@ -293,3 +293,10 @@ def test_kubeconfig_and_node_name_flags_alone_turn_api_access_on(
         in messages
     )
     assert "pods cache started" in messages
+
+
+def test_version_names_the_installed_release(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == "devplugin 0.1.0"

@@ -135,6 +135,7 @@ def test_nvml_failure_is_one_clear_log_line_and_recovers(
         assert "NVML unavailable: Driver Not Loaded" in errors[0].getMessage()
         lib.init_error = None
         gpus, status = source.scan(pci)
+    source.close()
     assert status.ok
     assert len(gpus) == 2
     assert any("NVML initialised after earlier failure" in r.getMessage() for r in caplog.records)
@@ -143,9 +144,18 @@ def test_nvml_failure_is_one_clear_log_line_and_recovers(
 def test_lost_gpu_is_skipped_and_others_still_found(tmp_path: Path) -> None:
     node, lib = two_gpu_node(tmp_path)
     lib.lost.add(0)
-    gpus, status = NvmlGpuSource(lib).scan(read_pci_functions(node.sysfs_root))
+    gpus, status = scan_once(lib, read_pci_functions(node.sysfs_root))
     assert status.ok
     assert [gpu.uuid for gpu in gpus] == [node.gpus[1].uuid]
+
+
+def scan_once(lib: Any, pci: Any) -> Any:
+    """One scan by a source that is closed after it (its read threads end)."""
+    source = NvmlGpuSource(lib)
+    try:
+        return source.scan(pci)
+    finally:
+        source.close()
 
 
 class SwitchedNvml(FakeNvml):
@@ -164,7 +174,7 @@ def test_nvswitch_links_join_every_switch_attached_pair(tmp_path: Path) -> None:
         tmp_path,
     )
     lib = SwitchedNvml(load_fixture(node.fixture))
-    gpus, _ = NvmlGpuSource(lib).scan(read_pci_functions(node.sysfs_root))
+    gpus, _ = scan_once(lib, read_pci_functions(node.sysfs_root))
     # Each GPU has 12 switch links (6 described per peer, two peers).
     assert [gpu.nvlink_peers for gpu in gpus] == [
         ((1, 12), (2, 12)),
@@ -182,7 +192,7 @@ def test_real_pynvml_without_a_driver_reports_an_error() -> None:
     else:  # pragma: no cover - only on machines with an NVIDIA driver
         pynvml.nvmlShutdown()
         pytest.skip("an NVIDIA driver is present; this test is for driverless machines")
-    gpus, status = NvmlGpuSource(pynvml).scan({})
+    gpus, status = scan_once(pynvml, {})
     assert gpus == ()
     assert status.error is not None
     assert "NVML error" in status.error

@@ -39,7 +39,11 @@ def inventory(layout: str, base: Path) -> Inventory:
     node = build_node(LAYOUTS[layout](), base)
     deadlines = Deadlines(5)
     source = NvmlGpuSource(FakeNvml.from_file(node.fixture), deadlines)
-    return Discoverer(Roots(node.sysfs_root, node.dev_root), source, deadlines).scan(full=True)
+    discoverer = Discoverer(Roots(node.sysfs_root, node.dev_root), source, deadlines)
+    try:
+        return discoverer.scan(full=True)
+    finally:
+        discoverer.close()
 
 
 def record(inv: Inventory, name: str = "n1", unhealthy: frozenset[str] = frozenset(),

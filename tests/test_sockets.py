@@ -19,10 +19,14 @@ from devplugin.testing.dra_kubelet import DraKubeletSimulator
 from tests.waiting import wait_until
 
 
-def _first_sight(path: Path, seen: list[tuple[int, bool]], go: threading.Event) -> None:
+def _first_sight(
+    path: Path, seen: list[tuple[int, bool]], go: threading.Event, done: threading.Event
+) -> None:
     """Polls as tightly as it can; at the first sight of the file after each
-    `go`, notes its mode and whether it took a connection."""
-    while go.wait(5):
+    `go`, notes its mode and whether it took a connection. Until `done`."""
+    while not done.is_set():
+        if not go.wait(0.05):
+            continue
         try:
             mode = stat.S_IMODE(os.stat(path).st_mode)
         except FileNotFoundError:
@@ -41,8 +45,8 @@ def test_a_socket_appears_only_listening_and_with_its_final_mode(sock_dir: Path)
     path = sock_dir / "plugins" / "probe.sock"
     server = SocketServer("probe", path, lambda _server: None)
     seen: list[tuple[int, bool]] = []
-    go = threading.Event()
-    watcher = threading.Thread(target=_first_sight, args=(path, seen, go), daemon=True)
+    go, done = threading.Event(), threading.Event()
+    watcher = threading.Thread(target=_first_sight, args=(path, seen, go, done), daemon=True)
     watcher.start()
     # The process umask would leave a socket bound in place readable by all
     # until the chmod; the first sight must already be the final file.
@@ -60,7 +64,8 @@ def test_a_socket_appears_only_listening_and_with_its_final_mode(sock_dir: Path)
     finally:
         os.umask(old_umask)
         server.stop()
-        go.set()
+        done.set()
+        watcher.join(5)
     assert seen == [(SOCKET_MODE, True)] * 20
     # Nothing of the hidden names is left behind.
     assert sorted(p.name for p in path.parent.iterdir()) == []

@@ -62,8 +62,13 @@ class SilentProxy:
 
     def stop(self) -> None:
         self._stopped.set()
+        # A close alone does not wake a thread blocked in accept(); a shutdown does.
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             self._listener.close()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(5)
         with self._lock:
             links, self._links = self._links, []
         for link in links:

@@ -63,6 +63,8 @@ class NvmlGpuSource:
     def __init__(self, lib: Any, deadlines: Deadlines | None = None) -> None:
         self._lib = lib
         self._deadlines = deadlines if deadlines is not None else Deadlines(READ_TIMEOUT)
+        # Deadlines made here are this source's to close.
+        self._owns_deadlines = deadlines is None
         self._session = 0
         self._lock = threading.Lock()
         self._initialised = False
@@ -240,10 +242,11 @@ class NvmlGpuSource:
 
     def close(self) -> None:
         with self._lock:
-            if not self._initialised:
-                return
-            try:
-                self._deadlines.call("nvml", self._lib.nvmlShutdown)
-            except Exception as exc:  # noqa: BLE001 - NVML bindings raise various types
-                log.warning("nvmlShutdown failed: %s", self._error_text(exc))
-            self._initialised = False
+            if self._initialised:
+                try:
+                    self._deadlines.call("nvml", self._lib.nvmlShutdown)
+                except Exception as exc:  # noqa: BLE001 - NVML bindings raise various types
+                    log.warning("nvmlShutdown failed: %s", self._error_text(exc))
+                self._initialised = False
+            if self._owns_deadlines:
+                self._deadlines.close()
