@@ -3,6 +3,7 @@ devices, and a wedged read is still caught and never holds up the others."""
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import pytest
@@ -58,4 +59,32 @@ def test_an_error_in_a_read_reaches_its_caller_and_the_pool_survives() -> None:
             deadlines.call("hca0", lambda: (_ for _ in ()).throw(OSError("gone")))
         assert deadlines.call("hca0", lambda: 7) == 7
     finally:
+        deadlines.close()
+
+
+def test_a_key_read_again_at_once_is_free_and_needs_no_new_thread() -> None:
+    # The check loop reads each key once per check, back to back with the
+    # next check under load: the key must be free when its caller wakes
+    # (it was once freed after, and a loaded node saw every HCA "stuck").
+    deadlines = Deadlines(5.0)
+    interval = sys.getswitchinterval()
+    done = threading.Event()
+
+    def busy() -> None:  # other threads wanting the interpreter, as on a loaded node
+        while not done.is_set():
+            sum(range(200))
+
+    hogs = [threading.Thread(target=busy) for _ in range(2)]
+    sys.setswitchinterval(1e-6)  # and thread switches as often as it makes them
+    try:
+        for hog in hogs:
+            hog.start()
+        for round_ in range(3000):
+            assert deadlines.call("sysfs", lambda r=round_: r) == round_
+        assert deadlines.threads <= POOL
+    finally:
+        sys.setswitchinterval(interval)
+        done.set()
+        for hog in hogs:
+            hog.join()
         deadlines.close()

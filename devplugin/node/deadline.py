@@ -51,12 +51,11 @@ class _Call(Generic[T]):
         self.error: BaseException | None = None
 
     def run(self) -> None:
+        """Call fn; `done` is the worker's to set, once its key is free again."""
         try:
             self.value = self.fn()
         except BaseException as exc:  # noqa: BLE001 - handed to the caller as is
             self.error = exc
-        finally:
-            self.done.set()
 
 
 # Idle workers kept; more are started only while all are busy.
@@ -144,9 +143,13 @@ class Deadlines:
                 return
             key, call = item
             call.run()
+            # The key is free and this worker idle before the caller wakes: a
+            # caller that reads the same key again at once must find it so
+            # (else its next read is refused as stuck, and a new worker made).
             with self._lock:
                 since = self._busy.pop(key, None)
                 late = since is not None and self._clock() - since > self.timeout
                 self._idle += 1
+            call.done.set()
             if late:
                 log.info("%s: a read abandoned earlier has returned", key)
