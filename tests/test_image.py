@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.real_runtime import LIMITS, Podman, podman
+from tests.real_runtime import LIMITS, Podman, podman, skip_or_fail
 
 __all__ = ["podman"]
 
@@ -80,7 +80,7 @@ def test_the_image_builds_with_podman_and_runs_the_demo(podman: Podman) -> None:
             )  # fmt: skip
         assert imported.returncode == 0, imported.stderr[-2000:]
     if not base:
-        pytest.skip(
+        skip_or_fail(
             "image test: no base (set DEVPLUGIN_IMAGE_BASE_ROOTFS to a folder "
             "scripts/image-base.sh made, or DEVPLUGIN_IMAGE_BASE to a pullable image)"
         )
