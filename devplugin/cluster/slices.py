@@ -212,7 +212,7 @@ class SlicePublisher:
             )
         ):
             return False
-        generation = max(generations, default=0) + 1
+        generation = next_generation(generations)
         # What the view must show before the next comparison: each written
         # slice at a version other than the one it replaced (None: created),
         # each deleted one gone.
@@ -322,9 +322,21 @@ class SlicePublisher:
         return self._owner
 
 
+# A pool's generation is an int64 in the API: the server refuses more.
+GENERATION_MAX = 2**63 - 1
+
+
+def next_generation(generations: list[int]) -> int:
+    """One past the newest generation found, back to 1 past the int64 limit
+    (every slice of the pool is rewritten with it, so the pool is whole at
+    generation 1 once the writes land; a server never accepts 2^63)."""
+    newest = max(generations, default=0)
+    return newest + 1 if 0 <= newest < GENERATION_MAX else 1
+
+
 def _generation(item: Mapping[str, Any]) -> int:
     value = item.get("spec", {}).get("pool", {}).get("generation", 0)
-    return value if isinstance(value, int) else 0
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def _count(item: Mapping[str, Any]) -> int:

@@ -72,6 +72,9 @@ def _device_problems(where: str, device: Mapping[str, Any]) -> list[str]:
     return found
 
 
+INT64_MAX = 2**63 - 1
+
+
 def slice_problems(obj: Mapping[str, Any]) -> list[str]:
     """Why the API server would refuse this ResourceSlice (empty: it would not)."""
     spec = obj.get("spec")
@@ -92,6 +95,9 @@ def slice_problems(obj: Mapping[str, Any]) -> list[str]:
     generation, count = pool.get("generation"), pool.get("resourceSliceCount")
     if not isinstance(generation, int) or generation < 0:
         found.append("spec.pool.generation: must be a non-negative integer")
+    elif generation > INT64_MAX:
+        # The API's int64: the server cannot even decode the body.
+        found.append("spec.pool.generation: cannot unmarshal number into an int64")
     if not isinstance(count, int) or count < 1:
         found.append("spec.pool.resourceSliceCount: must be at least 1")
     chosen = [key for key in ("nodeName", "nodeSelector", "allNodes", "perDeviceNodeSelection")

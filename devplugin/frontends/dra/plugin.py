@@ -18,6 +18,7 @@ gone or replaced, which makes the plugin watcher register it again.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -66,19 +67,51 @@ class DeviceHealth:
 WHOLE_CLAIM = "devplugin.io/whole-claim"
 
 
+def claim_problem(namespace: str, uid: str, name: str) -> str | None:
+    """Why a claim the kubelet names is not one a kubelet can mean: a uid is
+    a UUID-like name (never a path: it names a file), a namespace a DNS
+    label, a name a DNS subdomain."""
+    if not uid:
+        return "has no uid"
+    if not _UID.fullmatch(uid):
+        return f"uid {shown(uid)} is not a uid (letters, digits, '-'; at most 64)"
+    if not _LABEL.fullmatch(namespace):
+        return f"namespace {shown(namespace)} is not a DNS label"
+    if len(name) > 253 or not _SUBDOMAIN.fullmatch(name):
+        return f"name {shown(name)} is not a DNS subdomain"
+    return None
+
+
+_UID = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,62}[A-Za-z0-9])?")
+_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
+_SUBDOMAIN = re.compile(r"[a-z0-9]([a-z0-9.-]*[a-z0-9])?")
+
+
 def _refs(claims: Sequence[Any], context: grpc.ServicerContext) -> list[ClaimRef]:
+    """The call's claims, each once, before anything is done for any."""
     if len(claims) > MAX_CLAIMS:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{len(claims)} claims in one call "
                       f"(at most {MAX_CLAIMS})")  # fmt: skip
-    refs: list[ClaimRef] = []
+    refs: dict[str, ClaimRef] = {}
     for claim in claims:
-        if not claim.uid:
+        problem = claim_problem(claim.namespace, claim.uid, claim.name)
+        if problem is not None:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"claim {shown(claim.namespace)}/{shown(claim.name)} has no uid",
+                f"claim {shown(claim.namespace)}/{shown(claim.name)} {problem}",
             )
-        refs.append(ClaimRef(claim.namespace, claim.uid, claim.name))
-    return refs
+        ref = ClaimRef(claim.namespace, claim.uid, claim.name)
+        if refs.setdefault(ref.uid, ref) != ref:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"claim uid {ref.uid} is named twice, for two claims")  # fmt: skip
+    return list(refs.values())
+
+
+def _expired(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() >= deadline
+
+
+LATE = "not started: the call's deadline had passed"
 
 
 class _DraServicer:
@@ -92,8 +125,12 @@ class _DraServicer:
         answer = self._pb.NodePrepareResourcesResponse()
         deadline = deadline_of(context)
         for ref in _refs(request.claims, context):
-            devices, error = self._preparer.prepare(ref, deadline)
             entry = answer.claims[ref.uid]
+            if _expired(deadline):
+                # The kubelet stopped waiting: nothing more is started for it.
+                entry.error = LATE
+                continue
+            devices, error = self._preparer.prepare(ref, deadline)
             if error:
                 entry.error = error
                 continue
@@ -114,6 +151,9 @@ class _DraServicer:
         answer = self._pb.NodeUnprepareResourcesResponse()
         deadline = deadline_of(context)
         for ref in _refs(request.claims, context):
+            if _expired(deadline):
+                answer.claims[ref.uid].error = LATE
+                continue
             error = self._preparer.unprepare(ref, deadline)
             answer.claims[ref.uid].error = error
         return answer

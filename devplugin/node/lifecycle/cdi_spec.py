@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from devplugin.policy.cdi import Node, SpecError, device_spec, kind_problem, san
 
 log = logging.getLogger(__name__)
 
+_UID = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,63}")
 # Spec files are read by runtimes and by people (`cdi list`); they hold no secret.
 SPEC_MODE = 0o644
 
@@ -140,6 +142,10 @@ class ClaimSpecs:
         self._prefix = f"{vendor}-{klass}_"
 
     def path(self, uid: str) -> Path:
+        """The spec's file; ValueError for a uid that is not a plain name
+        (a uid with `/` or `..` must never name a file elsewhere)."""
+        if not _UID.fullmatch(uid):
+            raise ValueError(f"claim uid {uid[:80]!r} is not a plain name")
         return self.directory / f"{self._prefix}{uid}.json"
 
     def write(self, uid: str, document: Mapping[str, Any]) -> None:
@@ -165,8 +171,9 @@ class ClaimSpecs:
             names = os.listdir(self.directory)
         except OSError:
             return set()
-        return {
+        found = {
             name[len(self._prefix) : -len(".json")]
             for name in names
             if name.startswith(self._prefix) and name.endswith(".json")
         }
+        return {uid for uid in found if _UID.fullmatch(uid)}
