@@ -64,6 +64,10 @@ class Discoverer:
         self._gpus = gpus
         self._cdi = cdi
         self._deadlines = deadlines if deadlines is not None else Deadlines(READ_TIMEOUT)
+        # Spec files are anyone's to write: their reads get a pool of their
+        # own, so one that is slow never counts as a stuck hardware read
+        # (which /healthz reports) nor holds a worker the checks need.
+        self._cdi_deadlines = Deadlines(self._deadlines.timeout) if cdi is not None else None
         self._warned_unplaced: set[str] = set()
         self._pci: dict[PciAddress, PciFunction] | None = None
         # Last good description of each HCA, by PCI function.
@@ -134,10 +138,10 @@ class Discoverer:
         return self._last
 
     def _read_cdi(self) -> CdiCatalog | None:
-        if self._cdi is None:
+        if self._cdi is None or self._cdi_deadlines is None:
             return None
         try:
-            return self._deadlines.call("cdi", self._cdi.read)
+            return self._cdi_deadlines.call("cdi", self._cdi.read)
         except Stuck as exc:
             # The spec files are on the node's own disk; a stuck read keeps
             # what was last read rather than dropping every GPU at once.
@@ -197,3 +201,5 @@ class Discoverer:
         if self._gpus is not None:
             self._gpus.close()
         self._deadlines.close()
+        if self._cdi_deadlines is not None:
+            self._cdi_deadlines.close()
