@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from functools import partial
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from lightkube import Client
@@ -62,6 +62,7 @@ from devplugin.policy.placement import (
     shape_of,
 )
 from devplugin.policy.podinfo import ContainerInfo, PodInfo, parse_pod
+from devplugin.web import BoundedHandler, BoundedServer
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +75,21 @@ log = logging.getLogger(__name__)
 MAX_BODY = 16 << 20
 IN_FLIGHT_BYTES = 20 << 20
 BODY_WAIT = 10.0
-# Calls handled at once (each holds a thread); the rest queue in the backlog.
+# Calls answered at once; a call whose body has arrived waits up to
+# SLOT_WAIT for one, then gets a 503 (the scheduler retries). Bodies are
+# read before a slot is taken, each within REQUEST_TIMEOUT as a whole.
 CONCURRENT = 8
+SLOT_WAIT = 5.0
+REQUEST_TIMEOUT = 30.0
+# A connection with no request for this long is closed (the scheduler opens
+# new ones freely; idle ones only hold threads).
+IDLE_TIMEOUT = 5.0
+# Connections at once (a thread each); more are closed at once.
+MAX_CONNECTIONS = 256
 BACKLOG = 128
 MAX_REASON = 256
+# /healthz fails once every call slot has been busy this long.
+FULL_FOR = 10.0
 
 
 class BadRequest(ValueError):
@@ -86,6 +98,37 @@ class BadRequest(ValueError):
 
 class Busy(RuntimeError):
     """Too much request data in flight: answered 503, the scheduler retries."""
+
+
+class Slots:
+    """The call slots, and since when all of them have been taken."""
+
+    def __init__(self, count: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self._count = count
+        self._used = 0
+        self._cond = threading.Condition()
+        self._clock = clock
+        self.full_since: float | None = None
+
+    def take(self, wait: float) -> bool:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._used < self._count, wait):
+                return False
+            self._used += 1
+            if self._used == self._count:
+                self.full_since = self._clock()
+            return True
+
+    def give(self) -> None:
+        with self._cond:
+            self._used -= 1
+            self.full_since = None
+            self._cond.notify()
+
+    def stuck(self) -> float:
+        """How long every slot has been taken (0 when one is free)."""
+        since = self.full_since
+        return 0.0 if since is None else self._clock() - since
 
 
 class Budget:
@@ -462,15 +505,18 @@ class ExtenderServer:
         address: tuple[str, int],
         *,
         tls: tuple[str, str] | None = None,
-        timeout: float = 30.0,
+        timeout: float = REQUEST_TIMEOUT,
+        idle: float = IDLE_TIMEOUT,
+        full_for: float = FULL_FOR,
     ) -> None:
         self.extender = extender
-        handler = _handler(extender, timeout)
+        self.slots = Slots(CONCURRENT)
+        handler = _handler(extender, self.slots, full_for)
         context = None
         if tls is not None:
             context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             context.load_cert_chain(*tls)
-        self._server = _Server(address, handler, context, timeout)
+        self._server = _Server(address, handler, context, timeout, idle)
         self._thread: threading.Thread | None = None
 
     @property
@@ -485,17 +531,22 @@ class ExtenderServer:
         )  # fmt: skip
         self._thread.start()
 
+    @property
+    def connections(self) -> int:
+        return self._server.open
+
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+        if self._thread is not None:
+            self._thread.join(5)
 
 
-class _Server(ThreadingHTTPServer):
+class _Server(BoundedServer):
     """TLS, when on, is negotiated in each connection's own thread (with the
     connection's timeout): a client that never finishes its handshake holds
     only its thread, never the accept loop."""
 
-    daemon_threads = True
     request_queue_size = BACKLOG
 
     def __init__(
@@ -504,8 +555,12 @@ class _Server(ThreadingHTTPServer):
         handler: type[BaseHTTPRequestHandler],
         context: ssl.SSLContext | None,
         timeout: float,
+        idle: float,
     ) -> None:
-        super().__init__(address, handler)
+        super().__init__(
+            address, handler, max_connections=MAX_CONNECTIONS, request_timeout=timeout,
+            idle_timeout=idle,
+        )  # fmt: skip
         self._context = context
         self._timeout = timeout
 
@@ -519,20 +574,15 @@ class _Server(ThreadingHTTPServer):
         log.debug("extender connection from %s failed", client_address, exc_info=True)
 
 
-def _handler(extender: Extender, timeout: float) -> type[BaseHTTPRequestHandler]:
+def _handler(extender: Extender, slots: Slots, full_for: float) -> type[BaseHTTPRequestHandler]:
     verbs: dict[str, Callable[[Mapping[str, Any]], Any]] = {
         "/scheduler/filter": extender.filter,
         "/scheduler/prioritize": extender.prioritize,
     }
-    slots = threading.BoundedSemaphore(CONCURRENT)
     budget = Budget(IN_FLIGHT_BYTES)
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(BoundedHandler):
         protocol_version = "HTTP/1.1"
-
-        def setup(self) -> None:
-            super().setup()
-            self.connection.settimeout(timeout)
 
         def do_POST(self) -> None:
             path = self.path.split("?", 1)[0]
@@ -540,9 +590,7 @@ def _handler(extender: Extender, timeout: float) -> type[BaseHTTPRequestHandler]
             if verb is None:
                 self._send(404, {"Error": f"no such verb: {path[:100]}"})
                 return
-            name = path.rsplit("/", 1)[1]
-            with slots:
-                self._serve(name, verb)
+            self._serve(path.rsplit("/", 1)[1], verb)
 
         def _serve(self, name: str, verb: Callable[[Mapping[str, Any]], Any]) -> None:
             started = time.perf_counter()
@@ -569,7 +617,11 @@ def _handler(extender: Extender, timeout: float) -> type[BaseHTTPRequestHandler]
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
             if path == "/healthz":
-                self._text(200, "ok\n")
+                stuck = slots.stuck()
+                if stuck > full_for:
+                    self._text(503, f"every call slot busy for {stuck:.0f}s\n")
+                else:
+                    self._text(200, "ok\n")
             elif path == "/readyz":
                 ok, why = extender.ready()
                 self._text(200 if ok else 503, "ok\n" if ok else why + "\n")
@@ -597,20 +649,32 @@ def _handler(extender: Extender, timeout: float) -> type[BaseHTTPRequestHandler]
             if not budget.take(length, BODY_WAIT):
                 raise Busy(f"too many large requests at once; retry ({length} bytes waiting)")
             try:
+                # The whole body first (by the request's deadline), then a slot:
+                # a client that trickles its body holds its own thread only.
                 raw = self.rfile.read(length)
+                if len(raw) < length:
+                    self.close_connection = True
+                    raise BadRequest("body shorter than its Content-Length")
+                if not slots.take(SLOT_WAIT):
+                    raise Busy("every call slot is busy; retry")
                 try:
-                    body = json.loads(raw)
-                except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-                    reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
-                    raise BadRequest(f"body is not JSON: {reason[:100]}") from exc
-                del raw
-                try:
-                    answer = verb(body)
-                    return json.dumps(answer).encode()
-                except RecursionError as exc:
-                    raise BadRequest("a value nested too deeply") from exc
+                    return self._answer(verb, raw)
+                finally:
+                    slots.give()
             finally:
                 budget.give(length)
+
+        def _answer(self, verb: Callable[[Mapping[str, Any]], Any], raw: bytes) -> bytes:
+            try:
+                body = json.loads(raw)
+            except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+                reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+                raise BadRequest(f"body is not JSON: {reason[:100]}") from exc
+            del raw
+            try:
+                return json.dumps(verb(body)).encode()
+            except RecursionError as exc:
+                raise BadRequest("a value nested too deeply") from exc
 
         def _send(self, code: int, body: Any) -> None:
             self._raw(code, json.dumps(body).encode(), "application/json")

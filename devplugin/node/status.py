@@ -11,21 +11,22 @@ import logging
 import socket
 import threading
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from devplugin.config import parse_address
+from devplugin.web import BoundedHandler, BoundedServer
 
 log = logging.getLogger(__name__)
 
 Probe = Callable[[], tuple[bool, str]]
 
-# A scrape or probe takes milliseconds. Half-open or idle connections must not
-# pile up (one thread and one descriptor each): each is closed after
-# CONNECTION_TIMEOUT seconds of silence, and past MAX_CONNECTIONS at once new
-# ones are closed straight away.
+# A scrape or probe takes milliseconds. Half-open, idle or trickling
+# connections must not pile up (one thread and one descriptor each): a
+# request must arrive whole within CONNECTION_TIMEOUT seconds, and past
+# MAX_CONNECTIONS at once new ones are closed straight away.
 MAX_CONNECTIONS = 32
 CONNECTION_TIMEOUT = 5.0
 
@@ -43,36 +44,6 @@ def _knock(address: tuple[Any, ...]) -> None:
         socket.create_connection((host, port), timeout=0.5).close()
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    block_on_close = False
-    # The default backlog of 5 drops SYNs under a burst: clients (and the
-    # kubelet's probe) then wait out TCP's one-second retransmission.
-    request_queue_size = 128
-
-    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
-        super().__init__(address, handler)
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        self.refused = 0
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.refused += 1
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
-
-
 class StatusServer:
     def __init__(
         self,
@@ -86,7 +57,7 @@ class StatusServer:
         self._registry = registry
         self._healthy = healthy
         self._ready = ready
-        self._servers: list[_Server] = []
+        self._servers: list[BoundedServer] = []
         self._threads: list[threading.Thread] = []
 
     @property
@@ -100,7 +71,10 @@ class StatusServer:
         handler = self._handler()
         for host, port in self._addresses:
             try:
-                server = _Server((host, port), handler)
+                server = BoundedServer(
+                    (host, port), handler, max_connections=MAX_CONNECTIONS,
+                    request_timeout=CONNECTION_TIMEOUT,
+                )  # fmt: skip
             except OSError as exc:
                 self.stop()
                 raise OSError(
@@ -132,9 +106,7 @@ class StatusServer:
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         registry, healthy, ready = self._registry, self._healthy, self._ready
 
-        class Handler(BaseHTTPRequestHandler):
-            timeout = CONNECTION_TIMEOUT
-
+        class Handler(BoundedHandler):
             def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":

@@ -1,0 +1,173 @@
+"""Hostile HTTP clients of the extender and of the node's status endpoint:
+trickled bodies, idle connections by the hundred, a full call pool. Over
+real sockets, with the API server imitation."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from devplugin.cluster.extender import CONCURRENT, MAX_CONNECTIONS, ExtenderServer
+from devplugin.node.status import CONNECTION_TIMEOUT
+from devplugin.testing.apiserver import ApiServerImitation
+from devplugin.testing.node import hgx_node
+from tests.conftest import Cluster
+from tests.test_core import probe
+from tests.test_extender import Running, call, running_extender
+from tests.waiting import wait_until
+
+
+@pytest.fixture
+def extender(api: ApiServerImitation, tmp_path: Path) -> Iterator[Running]:
+    yield from running_extender(api, tmp_path)
+
+
+@pytest.fixture
+def quick_server(extender: Running) -> Iterator[ExtenderServer]:
+    """A second front on the same extender, with short limits."""
+    server = ExtenderServer(extender[0], ("127.0.0.1", 0), timeout=1.0, idle=0.5, full_for=0.5)
+    server.start()
+    yield server
+    server.stop()
+
+
+FILTER = {"Pod": {"metadata": {"name": "p", "namespace": "default", "uid": "u"},
+                  "spec": {"containers": [{"name": "c"}]}}, "NodeNames": []}  # fmt: skip
+
+
+class Trickler:
+    """Connections that send a request's headers, then a byte of its body now and then."""
+
+    def __init__(self, address: tuple[str, int], count: int, every: float) -> None:
+        self.socks = [socket.create_connection(address, timeout=5) for _ in range(count)]
+        for sock in self.socks:
+            sock.sendall(
+                b"POST /scheduler/filter HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
+            )
+        self.cut: set[int] = set()
+        self._every = every
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.wait(self._every):
+            for index, sock in enumerate(self.socks):
+                if index in self.cut:
+                    continue
+                try:
+                    sock.sendall(b" ")
+                except OSError:
+                    self.cut.add(index)
+
+    def close(self) -> None:
+        self._done.set()
+        self._thread.join(5)
+        for sock in self.socks:
+            sock.close()
+
+
+def test_trickled_bodies_hold_no_call_slot(extender: Running) -> None:
+    trickler = Trickler(extender[1].address, CONCURRENT + 2, 0.3)
+    try:
+        time.sleep(0.5)
+        for _ in range(3):
+            started = time.monotonic()
+            status, _ = call(extender, "filter", FILTER)
+            assert status == 200
+            assert time.monotonic() - started < 3
+    finally:
+        trickler.close()
+
+
+def test_a_trickled_request_is_cut_off_at_its_whole_deadline(quick_server: ExtenderServer) -> None:
+    trickler = Trickler(quick_server.address, 2, 0.1)
+    try:
+        # A byte every 0.1 s would keep a per-recv timeout of 1 s happy forever.
+        assert wait_until(lambda: len(trickler.cut) == 2, timeout=5)
+    finally:
+        trickler.close()
+
+
+def test_idle_connections_by_the_hundred_are_capped_and_closed(
+    extender: Running, quick_server: ExtenderServer
+) -> None:
+    threads = threading.active_count()
+    idle = []
+    for _ in range(MAX_CONNECTIONS + 150):
+        try:
+            idle.append(socket.create_connection(quick_server.address, timeout=5))
+        except OSError:
+            break
+    try:
+        assert threading.active_count() <= threads + MAX_CONNECTIONS + 5
+        assert wait_until(lambda: quick_server.connections == 0, timeout=5)
+        host, port = quick_server.address
+        request = urllib.request.Request(
+            f"http://{host}:{port}/scheduler/filter", data=json.dumps(FILTER).encode(),
+            headers={"Content-Type": "application/json"}, method="POST",
+        )  # fmt: skip
+        with urllib.request.urlopen(request, timeout=5) as answer:
+            assert answer.status == 200
+    finally:
+        for sock in idle:
+            sock.close()
+
+
+def test_healthz_fails_while_every_call_slot_stays_busy(quick_server: ExtenderServer) -> None:
+    host, port = quick_server.address
+
+    def healthz() -> int:
+        try:
+            with urllib.request.urlopen(f"http://{host}:{port}/healthz", timeout=5) as answer:
+                return int(answer.status)
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    assert healthz() == 200
+    for _ in range(CONCURRENT):
+        assert quick_server.slots.take(0)
+    try:
+        assert wait_until(lambda: healthz() == 503, timeout=5)
+    finally:
+        for _ in range(CONCURRENT):
+            quick_server.slots.give()
+    assert healthz() == 200
+
+
+def test_the_status_endpoint_cuts_off_a_trickled_request(start_cluster: object) -> None:
+    cluster: Cluster = start_cluster(hgx_node())  # type: ignore[operator]
+    assert cluster.daemon.status is not None
+    address = cluster.daemon.status.bound[0]
+    sock = socket.create_connection(address, timeout=5)
+    sock.sendall(b"GET /healthz HTTP/1.1\r\n")
+    started, cut = time.monotonic(), False
+    try:
+        while time.monotonic() - started < CONNECTION_TIMEOUT + 4:
+            time.sleep(0.5)
+            try:
+                sock.sendall(b"X")  # a header that never ends
+            except OSError:
+                cut = True
+                break
+            sock.settimeout(0.01)
+            try:
+                if sock.recv(1) == b"":
+                    cut = True
+                    break
+            except TimeoutError:
+                pass
+    finally:
+        sock.close()
+    assert cut
+    assert time.monotonic() - started < CONNECTION_TIMEOUT + 3
+    assert probe(cluster, "/healthz")[0] == 200
