@@ -21,7 +21,17 @@ from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.node import hgx_node
 from tests.conftest import Cluster
 from tests.test_core import probe
-from tests.test_extender import Running, call, running_extender
+from tests.test_extender import (
+    GPU,
+    HCA,
+    Running,
+    call,
+    lease,
+    pod,
+    put_record,
+    running_extender,
+    synced,
+)
 from tests.waiting import wait_until
 
 
@@ -171,3 +181,52 @@ def test_the_status_endpoint_cuts_off_a_trickled_request(start_cluster: object) 
     assert cut
     assert time.monotonic() - started < CONNECTION_TIMEOUT + 3
     assert probe(cluster, "/healthz")[0] == 200
+
+
+def forged_lease(
+    api: ApiServerImitation, name: str, node: str, renew: str, duration: int = 40
+) -> None:
+    api.put("leases", {
+        "metadata": {"name": name, "namespace": "default", "labels": {"devplugin.io/node": node}},
+        "spec": {"holderIdentity": node, "leaseDurationSeconds": duration, "renewTime": renew},
+    })  # fmt: skip
+
+
+def scores(running: Running, names: list[str]) -> dict[str, int]:
+    args = {"Pod": pod("t", [{GPU: 2, HCA: 2}]), "NodeNames": names}
+    return {e["Host"]: e["Score"] for e in call(running, "prioritize", args)[1]}
+
+
+def test_a_lease_is_timed_by_the_extender_not_by_the_time_it_carries(
+    api: ApiServerImitation, tmp_path: Path, extender: Running
+) -> None:
+    put_record(api, "forged", "hgx-h100", tmp_path, age=3600)
+    put_record(api, "live", "hgx-h100", tmp_path, age=3600)
+    put_record(api, "shadowed", "hgx-h100", tmp_path, age=3600)
+    # Renewed "in 2099", and never again.
+    forged_lease(api, "devplugin-forged", "forged", "2099-01-01T00:00:00.000000Z")
+    lease(api, "live", age=0)
+    lease(api, "shadowed", age=0)
+    # A second Lease labelled for a live node, saying it died long ago.
+    forged_lease(api, "not-its-lease", "shadowed", "2001-01-01T00:00:00.000000Z")
+    synced(extender, {"forged", "live", "shadowed"})
+    names = ["forged", "live", "shadowed"]
+    assert wait_until(lambda: set(names) <= set(extender[0].leases.items()), timeout=10)
+    assert wait_until(lambda: scores(extender, names)["live"] > 0, timeout=5)
+    found = scores(extender, names)
+    assert found["forged"] == 0  # a renewal in the future is none
+    assert found["shadowed"] == found["live"] > 0  # the real Lease counts, not the forged one
+    # The forged node's daemon comes back and renews: from then on it counts.
+    lease(api, "forged", age=0)
+    assert wait_until(lambda: scores(extender, names)["forged"] > 0, timeout=5)
+
+
+def test_a_lease_that_stops_changing_goes_stale_whatever_it_says(
+    api: ApiServerImitation, tmp_path: Path, extender: Running
+) -> None:
+    put_record(api, "quiet", "hgx-h100", tmp_path)
+    now = time.strftime("%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime())
+    forged_lease(api, "devplugin-quiet", "quiet", now, duration=1)
+    synced(extender, {"quiet"})
+    assert wait_until(lambda: "quiet" in extender[0].leases.items(), timeout=10)
+    assert wait_until(lambda: scores(extender, ["quiet"])["quiet"] == 0, timeout=5)

@@ -45,7 +45,7 @@ from lightkube import operators as op
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from devplugin.cluster.client import Heartbeat, make_client
-from devplugin.cluster.lease import NODE_LABEL, Lease, parse_micro_time
+from devplugin.cluster.lease import NODE_LABEL, Lease, lease_name, parse_micro_time
 from devplugin.cluster.pods import PodCache
 from devplugin.cluster.publisher import NodeDevices
 from devplugin.cluster.views import Layouts, NodeViews, parse_record
@@ -182,26 +182,71 @@ def record_entry(layouts: Layouts, data: Mapping[str, Any]) -> tuple[str, Record
     return parsed.name, Record(layouts.want(parsed), version, updated)
 
 
+# A Lease promising more than this is held to it (the chart's daemons
+# promise 40 s).
+MAX_LEASE_SECONDS = 300.0
+# How far ahead of the extender's clock a renewTime may be at first sight.
+CLOCK_SKEW = 5.0
+
+
 @dataclass(frozen=True)
 class NodeLease:
-    """A node daemon's heartbeat (cluster/lease.py)."""
+    """A node daemon's heartbeat (cluster/lease.py), timed by the extender."""
 
-    renewed: float | None  # wall-clock seconds of spec.renewTime
+    # When (the extender's monotonic clock) this version of the Lease was
+    # first seen: a renewal is a new version, whatever time it says it is.
+    seen: float
     duration: float
 
 
-def lease_entry(data: Mapping[str, Any]) -> tuple[str, NodeLease]:
-    meta, spec = data.get("metadata"), data.get("spec")
-    if not isinstance(meta, dict) or not isinstance(spec, dict):
-        raise ValueError("metadata and spec must be objects")
-    labels = meta.get("labels")
-    node = labels.get(NODE_LABEL) if isinstance(labels, dict) else None
-    duration = spec.get("leaseDurationSeconds")
-    if not isinstance(node, str) or not node:
-        raise ValueError(f"no {NODE_LABEL} label")
-    if not isinstance(duration, int) or isinstance(duration, bool) or duration < 1:
-        raise ValueError("spec.leaseDurationSeconds must be a positive integer")
-    return node, NodeLease(parse_micro_time(spec.get("renewTime")), float(duration))
+class LeaseClock:
+    """The Lease watch's entry function, with memory: each node's Lease
+    counts from when the extender saw its version change, never from the
+    time it carries (a forged or skewed renewTime in 2099 buys nothing).
+    At first sight (a start, a re-list) its renewTime may only make it
+    older: one that says it was renewed long ago, or later than now (past
+    CLOCK_SKEW), is stale until it changes. Only the
+    Lease the daemon writes for a node (`devplugin-<node>`) counts for it."""
+
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self._clock, self._wall = clock, wall
+        self._seen: dict[str, tuple[str, float]] = {}
+
+    def __call__(self, data: Mapping[str, Any]) -> tuple[str, NodeLease]:
+        meta, spec = data.get("metadata"), data.get("spec")
+        if not isinstance(meta, dict) or not isinstance(spec, dict):
+            raise ValueError("metadata and spec must be objects")
+        labels = meta.get("labels")
+        node = labels.get(NODE_LABEL) if isinstance(labels, dict) else None
+        duration = spec.get("leaseDurationSeconds")
+        if not isinstance(node, str) or not node:
+            raise ValueError(f"no {NODE_LABEL} label")
+        if meta.get("name") != lease_name(node):
+            raise ValueError(
+                f"labelled for node {node[:100]} but not named {lease_name(node)[:120]}"
+            )
+        if not isinstance(duration, int) or isinstance(duration, bool) or duration < 1:
+            raise ValueError("spec.leaseDurationSeconds must be a positive integer")
+        renewed = parse_micro_time(spec.get("renewTime"))
+        if renewed is None:
+            raise ValueError("spec.renewTime is not a time")
+        version = str(meta.get("resourceVersion") or "")
+        now = self._clock()
+        known = self._seen.get(node)
+        if known is not None and known[0] == version:
+            seen = known[1]
+        elif known is None:
+            age = self._wall() - renewed
+            # Claiming a renewal in the future is no renewal at all.
+            seen = now - age if age >= -CLOCK_SKEW else float("-inf")
+        else:
+            seen = now
+        self._seen[node] = (version, seen)
+        return node, NodeLease(seen, min(float(duration), MAX_LEASE_SECONDS))
 
 
 class ExtenderMetrics:
@@ -250,6 +295,7 @@ class Extender:
         metrics: ExtenderMetrics | None = None,
         wall: Callable[[], float] = time.time,
         layouts: Layouts | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.records = records
         self.pods = pods
@@ -261,6 +307,7 @@ class Extender:
             self.metrics.watch_current.labels(cache.name).set_function(partial(_current, cache))
             self.metrics.watch_age.labels(cache.name).set_function(cache.age)
         self._wall = wall
+        self._clock = clock
         self.layouts = layouts if layouts is not None else Layouts()
         self.views = NodeViews(
             self.layouts, on_node=pods.on_node, generation=pods.generation,
@@ -391,9 +438,11 @@ class Extender:
         if now is None:
             now = self._wall()
         lease = self.leases.get(name) if self.leases is not None else None
-        if lease is not None and lease.renewed is not None:
-            return record if now - lease.renewed <= lease.duration else None
-        if record.updated is None or now - record.updated > self.stale_after:
+        if lease is not None:
+            return record if self._clock() - lease.seen <= lease.duration else None
+        # No Lease (an older daemon rewrites its record instead): a record
+        # dated in the future counts as written now, no later.
+        if record.updated is None or now - min(record.updated, now) > self.stale_after:
             return None
         return record
 
@@ -474,7 +523,7 @@ def lease_cache(
 ) -> WatchCache[NodeLease]:  # fmt: skip
     kube = kube or KubernetesConfig()
     return WatchCache(
-        client, Lease, lease_entry, name="leases", namespaced=True, namespace=namespace,
+        client, Lease, LeaseClock(), name="leases", namespaced=True, namespace=namespace,
         labels={NODE_LABEL: op.exists()}, backoff_max=kube.watch_backoff_max_seconds,
         server_timeout=kube.watch_timeout_seconds, read_margin=kube.request_timeout_seconds,
         heartbeat=heartbeat,
