@@ -4,14 +4,17 @@ real sockets, with the API server imitation."""
 
 from __future__ import annotations
 
+import copy
 import json
+import logging
 import socket
 import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,6 +33,7 @@ from tests.test_extender import (
     pod,
     put_record,
     running_extender,
+    stamp,
     synced,
 )
 from tests.waiting import wait_until
@@ -230,3 +234,74 @@ def test_a_lease_that_stops_changing_goes_stale_whatever_it_says(
     synced(extender, {"quiet"})
     assert wait_until(lambda: "quiet" in extender[0].leases.items(), timeout=10)
     assert wait_until(lambda: scores(extender, ["quiet"])["quiet"] == 0, timeout=5)
+
+
+def _gpus(record: dict[str, Any]) -> list[dict[str, Any]]:
+    return [d for d in record["status"]["devices"] if d["kind"] == "gpu"]
+
+
+def _duplicate_id(record: dict[str, Any]) -> None:
+    gpus = _gpus(record)
+    gpus[1]["id"] = gpus[0]["id"]
+
+
+def _shared_address(record: dict[str, Any]) -> None:
+    hca = next(d for d in record["status"]["devices"] if d["kind"] == "hca")
+    _gpus(record)[0]["pciAddress"] = hca["pciAddress"]
+
+
+def _one_sided(record: dict[str, Any]) -> None:
+    gpus = _gpus(record)
+    gpus[0]["nvlinkPeers"] = [{"id": gpus[1]["id"], "links": 12}]
+    gpus[1]["nvlinkPeers"] = []
+
+
+def _self_peer(record: dict[str, Any]) -> None:
+    gpu = _gpus(record)[0]
+    gpu["nvlinkPeers"] = [{"id": gpu["id"], "links": 12}]
+
+
+def _huge_count(record: dict[str, Any]) -> None:
+    gpus = _gpus(record)
+    gpus[0]["nvlinkPeers"] = [{"id": gpus[1]["id"], "links": 2**70}]
+    gpus[1]["nvlinkPeers"] = [{"id": gpus[0]["id"], "links": 2**70}]
+
+
+MALFORMED = {
+    "duplicate GPU ids": _duplicate_id,
+    "a GPU and an HCA on one PCI address": _shared_address,
+    "a one-sided NVLink": _one_sided,
+    "a GPU its own NVLink peer": _self_peer,
+    "2^70 NVLinks": _huge_count,
+}
+
+
+@pytest.mark.parametrize("damage", list(MALFORMED.values()), ids=list(MALFORMED))
+def test_a_malformed_record_leaves_its_node_unscored_with_one_line_and_a_metric(
+    api: ApiServerImitation,
+    tmp_path: Path,
+    extender: Running,
+    caplog: pytest.LogCaptureFixture,
+    damage: Callable[[dict[str, Any]], None],
+) -> None:
+    put_record(api, "correct", "hgx-h100", tmp_path)
+    bad = put_record(api, "malformed", "hgx-h100", tmp_path)
+    synced(extender, {"correct", "malformed"})
+    assert scores(extender, ["correct", "malformed"])["malformed"] > 0
+    with caplog.at_level(logging.WARNING):
+        broken = copy.deepcopy(bad)
+        damage(broken)
+        for _ in range(3):  # rewritten: still one line
+            broken["status"]["updated"] = stamp()
+            api.put("nodedevices", copy.deepcopy(broken))
+        assert wait_until(lambda: "malformed" not in extender[0].records.items(), timeout=5)
+    found = scores(extender, ["correct", "malformed"])
+    assert found["malformed"] == 0
+    assert found["correct"] > 0
+    lines = [r for r in caplog.records if "malformed" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in lines]
+    refused = extender[0].metrics.registry.get_sample_value(
+        "devplugin_watch_refused_objects", {"cache": "nodedevices"}
+    )
+    assert refused is not None
+    assert refused >= 1

@@ -200,10 +200,17 @@ def test_a_record_with_a_wrong_type_is_skipped_and_others_keep_updating(
             }]  # fmt: skip
             version = api.put("nodedevices", changed)["metadata"]["resourceVersion"]
             assert wait_until(lambda v=version: records.items()["good"].version == v, timeout=5)
-        # The damaged record is not believed; mended, it is again.
+        # The damaged record is not believed, nor what it said before it was
+        # damaged; mended, it is again.
+        assert "bad" not in records.items()
         assert wait_until(lambda: extender.ready()[0], timeout=5)
         mended = api.put("nodedevices", copy.deepcopy(bad))["metadata"]["resourceVersion"]
-        assert wait_until(lambda: records.items()["bad"].version == mended, timeout=5)
+
+        def landed() -> bool:
+            found = records.items().get("bad")
+            return found is not None and found.version == mended
+
+        assert wait_until(landed, timeout=5)
         assert records.current
     finally:
         server.stop()

@@ -278,6 +278,11 @@ class ExtenderMetrics:
             "Seconds since an API watch cache last heard from the API server",
             ["cache"], registry=self.registry,
         )  # fmt: skip
+        self.watch_refused = Gauge(
+            "devplugin_watch_refused_objects",
+            "Objects an API watch cache refused (a malformed record, a forged Lease) since start",
+            ["cache"], registry=self.registry,
+        )  # fmt: skip
 
 
 class Extender:
@@ -306,6 +311,9 @@ class Extender:
         for cache in self._caches():
             self.metrics.watch_current.labels(cache.name).set_function(partial(_current, cache))
             self.metrics.watch_age.labels(cache.name).set_function(cache.age)
+            self.metrics.watch_refused.labels(cache.name).set_function(
+                partial(lambda c: float(c.skipped), cache)
+            )
         self._wall = wall
         self._clock = clock
         self.layouts = layouts if layouts is not None else Layouts()

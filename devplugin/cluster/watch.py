@@ -102,6 +102,9 @@ class WatchCache(Generic[T]):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._skipped: set[str] = set()
+        # Object name -> the key its last accepted version was kept under.
+        self._key_by_name: dict[str, str] = {}
+        self._refused = False
         self._listeners: list[Callable[[], None]] = []
         # True from a successful list until the next error.
         self._listed = False
@@ -249,6 +252,7 @@ class WatchCache(Generic[T]):
             parsed = self._parse(obj)
             if parsed is not None:
                 items[parsed[0]] = parsed[1]
+                self._key_by_name[_name_of(obj)] = parsed[0]
         self._version = listed.resourceVersion
         self.relists += 1
         previous = self._items
@@ -280,11 +284,23 @@ class WatchCache(Generic[T]):
             if kind == "BOOKMARK":
                 continue
             parsed = self._parse(obj)
+            name = _name_of(obj)
+            value: T | None
             if parsed is None:
-                continue
-            key, value = parsed
+                # A refused new version takes the old one's place as nothing:
+                # what it said before must not go on steering.
+                refused_key = self._key_by_name.get(name) if self._refused else None
+                if refused_key is None or refused_key not in self._items:
+                    continue
+                key, value, event = refused_key, None, "DELETED"
+            else:
+                (key, value), event = parsed, kind
+            if event == "DELETED":
+                self._key_by_name.pop(name, None)
+            else:
+                self._key_by_name[name] = key
             before = self._items.get(key)
-            after = None if kind == "DELETED" else value
+            after = None if event == "DELETED" else value
             if before == after:
                 continue
             self._safely(self.changed, key, before, after)
@@ -316,12 +332,14 @@ class WatchCache(Generic[T]):
         return scope
 
     def _parse(self, obj: Any) -> tuple[str, T] | None:
+        self._refused = False
         try:
             data = _as_dict(obj)
             return self._parse_object(data)
         except Incomplete:
             return None
         except Exception as exc:  # noqa: BLE001 - whatever is wrong with one object
+            self._refused = True
             self.skipped += 1
             name = _name_of(obj)
             if name not in self._skipped:

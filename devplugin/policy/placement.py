@@ -193,6 +193,34 @@ def node_from_record(record: Mapping[str, Any]) -> NodeState:
     return parsed.node(Topology(parsed.gpus, parsed.hcas))
 
 
+# A GPU has at most 18 NVLinks today; a count far past that is not one.
+MAX_NVLINKS = 64
+MAX_NUMA = 1023
+
+
+def _check_unique(devices: list[Any]) -> None:
+    """One entry per device id and per PCI function: a record naming a
+    device twice, or two devices at one address, describes no real node."""
+    ids: set[str] = set()
+    addresses: dict[str, str] = {}
+    for i, entry in enumerate(devices):
+        if not isinstance(entry, dict):
+            raise ValueError(f"status.devices[{i}] must be an object")
+        device_id, address = entry.get("id"), entry.get("pciAddress")
+        if isinstance(device_id, str):
+            if device_id in ids:
+                raise ValueError(f"device {device_id[:80]!r} is listed twice")
+            ids.add(device_id)
+        if isinstance(address, str):
+            key = address.lower()
+            if key in addresses:
+                raise ValueError(
+                    f"devices {addresses[key][:80]!r} and {str(device_id)[:80]!r} share "
+                    f"PCI address {address[:40]}"
+                )
+            addresses[key] = str(device_id)
+
+
 def parse_record(record: Mapping[str, Any], *, canonical: bool = False) -> ParsedRecord:
     """A NodeDevices record's content; ValueError when it is not one.
     Strict: a field of the wrong type anywhere refuses the whole record (a
@@ -214,9 +242,12 @@ def parse_record(record: Mapping[str, Any], *, canonical: bool = False) -> Parse
     hcas: list[HcaInfo] = []
     layout: list[tuple[Any, ...]] = []
     healthy: dict[DeviceKind, set[str]] = {kind: set() for kind in DeviceKind}
+    # (GPU id, peer id) -> links, as the record says them (before renaming).
+    wired: dict[tuple[str, str], int] = {}
     for i, entry in enumerate(devices):
         if not isinstance(entry, dict):
             raise ValueError(f"status.devices[{i}] must be an object")
+    _check_unique(devices)
     gpu_entries = [d for d in devices if d.get("kind") == "gpu"]
     index_of = {str(d.get("id")): i for i, d in enumerate(gpu_entries)}
     named = {uuid: _CANONICAL[i] for uuid, i in index_of.items()} if canonical else {}
@@ -226,6 +257,8 @@ def parse_record(record: Mapping[str, Any], *, canonical: bool = False) -> Parse
         address = _address(_field(entry, "pciAddress", str, where))
         path = _strings(_field(entry, "topologyPath", list, where, []), f"{where}.topologyPath")
         numa = _field(entry, "numaNode", int, where, -1)
+        if not -1 <= numa <= MAX_NUMA:
+            raise ValueError(f"{where}.numaNode {numa} is not a NUMA node")
         health = _field(entry, "health", str, where)
         function = _function(address, path, numa)
         kind = entry.get("kind")
@@ -236,8 +269,13 @@ def parse_record(record: Mapping[str, Any], *, canonical: bool = False) -> Parse
                     raise ValueError(f"{where}.nvlinkPeers[{j}] must be an object")
                 peer_id = _field(peer, "id", str, f"{where}.nvlinkPeers[{j}]")
                 links = _field(peer, "links", int, f"{where}.nvlinkPeers[{j}]")
+                if peer_id == device_id:
+                    raise ValueError(f"{where}: GPU {device_id[:80]!r} is its own NVLink peer")
+                if not 0 <= links <= MAX_NVLINKS:
+                    raise ValueError(f"{where}.nvlinkPeers[{j}].links {links} is not a count")
                 if peer_id in index_of and links > 0:
                     peers.append((index_of[peer_id], links))
+                    wired[(device_id, peer_id)] = links
             device_id = named.get(device_id, device_id)
             layout.append((device_id, str(address), tuple(path), numa, tuple(peers)))
             gpus.append(
@@ -265,6 +303,12 @@ def parse_record(record: Mapping[str, Any], *, canonical: bool = False) -> Parse
             raise ValueError(f"device {device_id!r}: unknown kind {kind!r}")
         if health == "Healthy":
             healthy[kind_value].add(device_id)
+    for (one, other), links in wired.items():
+        if wired.get((other, one)) != links:
+            raise ValueError(
+                f"GPU {one[:80]!r} lists {links} NVLinks to {other[:80]!r}, which does not "
+                "list as many back"
+            )
     held: set[str] = set()
     holdings: list[Holding] = []
     for i, allocation in enumerate(allocations):
