@@ -79,6 +79,10 @@ def _at_least_one(value: Any) -> str | None:
     return None if value >= 1 else "must be at least 1"
 
 
+def _lease_duration(value: Any) -> str | None:
+    return None if 1 <= value <= 300 else "must be between 1 and 300"
+
+
 def _argv(value: Any) -> str | None:
     if value and not all(value):
         return "every argument must be a non-empty string"
@@ -326,7 +330,9 @@ class KubernetesConfig:
     # $POD_NAMESPACE, or "default".
     lease_namespace: str = ""
     lease_renew_seconds: float = _checked(10.0, _positive)
-    lease_duration_seconds: int = _checked(40, _at_least_one)
+    # At most 300: the chart's admission policy and the extender hold a
+    # Lease to that.
+    lease_duration_seconds: int = _checked(40, _lease_duration)
 
 
 @dataclass(frozen=True)

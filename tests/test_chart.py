@@ -723,6 +723,12 @@ def test_the_policy_refuses_another_nodes_record_and_admits_the_nodes_own(
     other = judge(policy, _request(node_a, "UPDATE", *leases), lease_b, lease_b)
     assert not other.allowed
     assert "only the Lease devplugin-node-a, not devplugin-node-b" in other.message
+    for duration in (0, 301, 2**31 - 1):  # a promise of years keeps a dead node alive
+        long = _lease("devplugin-node-a", "node-a")
+        long["spec"]["leaseDurationSeconds"] = duration
+        verdict = judge(policy, _request(node_a, "UPDATE", *leases), long, lease_a)
+        assert not verdict.allowed, duration
+        assert "between 1 and 300 seconds" in verdict.message
     forged = judge(policy, _request(node_a, "UPDATE", *leases),
                    _lease("devplugin-node-a", "node-b"), lease_a)  # fmt: skip
     assert not forged.allowed
@@ -840,3 +846,10 @@ def test_the_policy_lets_a_node_write_only_its_own_slices(
         assert verdict.applies
         assert not verdict.allowed, operation
         assert "may write only ResourceSlices of its own node" in verdict.message
+    # On its own node, but another node's pool, or another driver's name.
+    for spec in ({"pool": {"name": "node-b"}}, {"driver": "gpu.nvidia.com"}):
+        forged = piece("node-a")
+        forged["spec"].update(spec)
+        verdict = judge(policy, _request(node_a, "CREATE", *slices), forged)
+        assert not verdict.allowed, spec
+        assert "may publish only the pool node-a of the driver dra.example.com" in verdict.message
