@@ -9,10 +9,13 @@ threads for a bounded time.
   kept alive by each byte (a per-`recv` timeout would be).
 * At most `max_connections` connections at once, each on its own thread;
   past that a new connection is closed at once.
+* One accept loop per server on its own thread (`Listener`), stopped the
+  same way for both: shut down, woken by a knock, closed, joined.
 """
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -154,3 +157,48 @@ class BoundedServer(ThreadingHTTPServer):
         with self._lock:
             self.open -= 1
         self._slots.release()
+
+
+# How often an idle accept loop looks at its stop flag. `stop` knocks
+# instead of waiting, so this can be long: a short poll was a fifth of an
+# idle daemon's CPU.
+POLL = 5.0
+
+
+def knock(address: tuple[Any, ...]) -> None:
+    """Connect once to wake an accept loop (nothing is sent)."""
+    host, port = str(address[0]), int(address[1])
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    # Not listening any more, or not reachable: the poll ends it.
+    with contextlib.suppress(OSError):
+        socket.create_connection((host, port), timeout=0.5).close()
+
+
+class Listener:
+    """One server's accept loop on its own thread, with one way to stop it:
+    shut down (woken by a knock, not by the poll), close, join."""
+
+    def __init__(self, server: BoundedServer, name: str) -> None:
+        self.server = server
+        self._thread = threading.Thread(
+            target=server.serve_forever, kwargs={"poll_interval": POLL}, name=name, daemon=True
+        )
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self.server.server_address[:2]
+        return str(host), int(port)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            stopping = threading.Thread(target=self.server.shutdown, daemon=True)
+            stopping.start()
+            while stopping.is_alive():
+                knock(self.server.server_address)
+                stopping.join(0.05)
+        self.server.server_close()
+        if self._thread.is_alive():
+            self._thread.join(5)

@@ -62,7 +62,7 @@ from devplugin.policy.placement import (
     shape_of,
 )
 from devplugin.policy.podinfo import ContainerInfo, PodInfo, parse_pod
-from devplugin.web import BoundedHandler, BoundedServer
+from devplugin.web import BoundedHandler, BoundedServer, Listener
 
 log = logging.getLogger(__name__)
 
@@ -574,29 +574,21 @@ class ExtenderServer:
             context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             context.load_cert_chain(*tls)
         self._server = _Server(address, handler, context, timeout, idle)
-        self._thread: threading.Thread | None = None
+        self._listener = Listener(self._server, "extender-http")
 
     @property
     def address(self) -> tuple[str, int]:
-        host, port = self._server.server_address[:2]
-        return str(host), int(port)
+        return self._listener.address
 
     def start(self) -> None:
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
-            name="extender-http", daemon=True,
-        )  # fmt: skip
-        self._thread.start()
+        self._listener.start()
 
     @property
     def connections(self) -> int:
         return self._server.open
 
     def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        if self._thread is not None:
-            self._thread.join(5)
+        self._listener.stop()
 
 
 class _Server(BoundedServer):

@@ -6,18 +6,14 @@ when the chart passes it), each a plain `host:port`; port 0 picks a free port.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import socket
-import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler
-from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from devplugin.config import parse_address
-from devplugin.web import BoundedHandler, BoundedServer
+from devplugin.web import BoundedHandler, BoundedServer, Listener
 
 log = logging.getLogger(__name__)
 
@@ -29,19 +25,6 @@ Probe = Callable[[], tuple[bool, str]]
 # MAX_CONNECTIONS at once new ones are closed straight away.
 MAX_CONNECTIONS = 32
 CONNECTION_TIMEOUT = 5.0
-
-
-# How often an idle listener looks at its stop flag (stop knocks instead of
-# waiting): a short poll here was a fifth of an idle daemon's CPU.
-POLL = 5.0
-
-
-def _knock(address: tuple[Any, ...]) -> None:
-    host, port = str(address[0]), int(address[1])
-    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
-    # Not listening any more, or not reachable: the poll ends it.
-    with contextlib.suppress(OSError):
-        socket.create_connection((host, port), timeout=0.5).close()
 
 
 class StatusServer:
@@ -57,15 +40,11 @@ class StatusServer:
         self._registry = registry
         self._healthy = healthy
         self._ready = ready
-        self._servers: list[BoundedServer] = []
-        self._threads: list[threading.Thread] = []
+        self._listeners: list[Listener] = []
 
     @property
     def bound(self) -> list[tuple[str, int]]:
-        return [
-            (str(server.server_address[0]), int(server.server_address[1]))
-            for server in self._servers
-        ]
+        return [listener.address for listener in self._listeners]
 
     def start(self) -> None:
         handler = self._handler()
@@ -80,28 +59,15 @@ class StatusServer:
                 raise OSError(
                     exc.errno, f"cannot listen on {host}:{port}: {exc.strerror or exc}"
                 ) from exc
-            thread = threading.Thread(
-                target=server.serve_forever, kwargs={"poll_interval": POLL},
-                name=f"http-{port}", daemon=True,
-            )  # fmt: skip
-            thread.start()
-            self._servers.append(server)
-            self._threads.append(thread)
-            log.info("metrics and probes on http://%s:%d", *server.server_address[:2])
+            listener = Listener(server, f"http-{port}")
+            listener.start()
+            self._listeners.append(listener)
+            log.info("metrics and probes on http://%s:%d", *listener.address)
 
     def stop(self) -> None:
-        for server in self._servers:
-            # The accept loop waits POLL seconds between looks at its stop flag;
-            # a connection wakes it at once.
-            stopping = threading.Thread(target=server.shutdown, daemon=True)
-            stopping.start()
-            while stopping.is_alive():
-                _knock(server.server_address)
-                stopping.join(0.05)
-            server.server_close()
-        for thread in self._threads:
-            thread.join(timeout=5)
-        self._servers, self._threads = [], []
+        for listener in self._listeners:
+            listener.stop()
+        self._listeners = []
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         registry, healthy, ready = self._registry, self._healthy, self._ready
