@@ -34,6 +34,7 @@ from devplugin.cluster.pods import PodCache
 from devplugin.cluster.publisher import RecordPublisher
 from devplugin.cluster.record import Registration, build_status
 from devplugin.cluster.slices import SlicePublisher, slice_cache
+from devplugin.cluster.watch import WatchTiming
 from devplugin.config import (
     CDI_STRATEGIES,
     Config,
@@ -455,10 +456,8 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
         client = make_client(kube, heartbeat=heartbeat)
         if client is not None:
             pods = PodCache(
-                client, node_name(config), backoff_max=kube.watch_backoff_max_seconds,
-                server_timeout=kube.watch_timeout_seconds,
-                read_margin=kube.request_timeout_seconds, heartbeat=heartbeat,
-            )  # fmt: skip
+                client, node_name(config), timing=WatchTiming.of(kube), heartbeat=heartbeat
+            )
             # Writes (the record, events) on their own connection: the pod
             # watch's is closed to end it at stop.
             writer = make_client(kube)
@@ -696,13 +695,7 @@ def _dra_frontend(
     if writer is not None and watcher is not None:
         frontend.publisher = SlicePublisher(
             writer,
-            slice_cache(
-                watcher,
-                node,
-                backoff_max=kube.watch_backoff_max_seconds,
-                server_timeout=kube.watch_timeout_seconds,
-                read_margin=kube.request_timeout_seconds,
-            ),
+            slice_cache(watcher, node, WatchTiming.of(kube)),
             driver=dra.driver,
             node=node,
             desired=frontend.desired,

@@ -10,6 +10,7 @@ import pytest
 from lightkube import Client, KubeConfig
 
 from devplugin.cluster.pods import PodCache
+from devplugin.cluster.watch import WatchTiming
 from devplugin.policy.podinfo import parse_pod
 from devplugin.testing.apiserver import ApiServerImitation
 from tests.waiting import wait_until
@@ -31,7 +32,7 @@ def pod(name: str, node: str = NODE, *, gpus: int = 0, hcas: int = 0, **extra: o
 
 def cache_for(api: ApiServerImitation, **options: float) -> PodCache:
     client = Client(config=KubeConfig.from_dict(api.kubeconfig()), timeout=httpx2.Timeout(5.0))
-    return PodCache(client, NODE, server_timeout=2, **options)  # type: ignore[arg-type]
+    return PodCache(client, NODE, timing=WatchTiming(server_timeout=2, **options))
 
 
 def names(cache: PodCache) -> set[str]:

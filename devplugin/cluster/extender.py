@@ -49,7 +49,7 @@ from devplugin.cluster.lease import NODE_LABEL, Lease, lease_name, parse_micro_t
 from devplugin.cluster.pods import PodCache
 from devplugin.cluster.publisher import NodeDevices
 from devplugin.cluster.views import Layouts, NodeViews, parse_record
-from devplugin.cluster.watch import Incomplete, WatchCache
+from devplugin.cluster.watch import Incomplete, WatchCache, WatchTiming
 from devplugin.config import KubernetesConfig
 from devplugin.policy.placement import (
     Outcome,
@@ -520,8 +520,7 @@ def record_cache(
     return WatchCache(
         client, NodeDevices, partial(record_entry, layouts or Layouts()), name="nodedevices",
         namespaced=False,
-        backoff_max=kube.watch_backoff_max_seconds, server_timeout=kube.watch_timeout_seconds,
-        read_margin=kube.request_timeout_seconds, heartbeat=heartbeat,
+        timing=WatchTiming.of(kube), heartbeat=heartbeat,
     )  # fmt: skip
 
 
@@ -532,8 +531,7 @@ def lease_cache(
     kube = kube or KubernetesConfig()
     return WatchCache(
         client, Lease, LeaseClock(), name="leases", namespaced=True, namespace=namespace,
-        labels={NODE_LABEL: op.exists()}, backoff_max=kube.watch_backoff_max_seconds,
-        server_timeout=kube.watch_timeout_seconds, read_margin=kube.request_timeout_seconds,
+        labels={NODE_LABEL: op.exists()}, timing=WatchTiming.of(kube),
         heartbeat=heartbeat,
     )  # fmt: skip
 
@@ -544,8 +542,7 @@ def pod_cache(
 ) -> PodCache:  # fmt: skip
     kube = kube or KubernetesConfig()
     return PodCache(
-        client, None, backoff_max=kube.watch_backoff_max_seconds,
-        server_timeout=kube.watch_timeout_seconds, read_margin=kube.request_timeout_seconds,
+        client, None, timing=WatchTiming.of(kube),
         heartbeat=heartbeat, keep=partial(placement_pod, names),
     )  # fmt: skip
 

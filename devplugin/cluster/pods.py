@@ -30,7 +30,7 @@ from lightkube import Client
 from lightkube.generic_resource import create_namespaced_resource
 
 from devplugin.cluster.client import Heartbeat
-from devplugin.cluster.watch import Incomplete, WatchCache
+from devplugin.cluster.watch import DEFAULT_TIMING, Incomplete, WatchCache, WatchTiming
 from devplugin.policy.podinfo import PodInfo, parse_pod
 
 # Pods as plain dicts: the shape is checked here, so one odd pod cannot stop
@@ -69,10 +69,7 @@ class PodCache(WatchCache[PodInfo]):
         client: Client,
         node: str | None,
         *,
-        backoff_initial: float = 0.2,
-        backoff_max: float = 10.0,
-        server_timeout: float = 30.0,
-        read_margin: float = 5.0,
+        timing: WatchTiming = DEFAULT_TIMING,
         heartbeat: Heartbeat | None = None,
         clock: Callable[[], float] = time.monotonic,
         keep: Keep | None = None,
@@ -81,9 +78,7 @@ class PodCache(WatchCache[PodInfo]):
         super().__init__(
             client, RawPod, parse, name="pods", namespaced=True,
             fields={"spec.nodeName": node} if node else None,
-            backoff_initial=backoff_initial, backoff_max=backoff_max,
-            server_timeout=server_timeout, read_margin=read_margin, heartbeat=heartbeat,
-            clock=clock,
+            timing=timing, heartbeat=heartbeat, clock=clock,
         )  # fmt: skip
         self._ended_listeners: list[Callable[[PodInfo], None]] = []
         self._started_listeners: list[Callable[[PodInfo], None]] = []

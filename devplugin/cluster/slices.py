@@ -24,7 +24,7 @@ from lightkube import ApiError, Client
 from lightkube.generic_resource import create_global_resource
 
 from devplugin.cluster.objects import as_dict, node_owner
-from devplugin.cluster.watch import WatchCache
+from devplugin.cluster.watch import DEFAULT_TIMING, WatchCache, WatchTiming
 from devplugin.node.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -49,10 +49,12 @@ def parse_slice(data: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     return name, dict(data)
 
 
-def slice_cache(client: Client, node: str, **kwargs: Any) -> WatchCache[dict[str, Any]]:
+def slice_cache(
+    client: Client, node: str, timing: WatchTiming = DEFAULT_TIMING
+) -> WatchCache[dict[str, Any]]:
     return WatchCache(
         client, ResourceSlice, parse_slice, name="resourceslices", namespaced=False,
-        fields={"spec.nodeName": node}, **kwargs,
+        fields={"spec.nodeName": node}, timing=timing,
     )  # fmt: skip
 
 

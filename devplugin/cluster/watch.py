@@ -35,12 +35,14 @@ import random
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Generic, TypeVar
 
 from lightkube import ApiError, Client
 
 from devplugin.cluster.client import Heartbeat
+from devplugin.config import KubernetesConfig
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,29 @@ class Incomplete(ValueError):
 SKIPPED_NAMES = 1024
 
 
+@dataclass(frozen=True)
+class WatchTiming:
+    """The timing every watch cache takes together: its retry backoff, how
+    long the server keeps a watch open, and how late past that a live
+    watch may still be heard from."""
+
+    backoff_initial: float = 0.2
+    backoff_max: float = 10.0
+    server_timeout: float = 30.0
+    read_margin: float = 5.0
+
+    @classmethod
+    def of(cls, kube: KubernetesConfig) -> WatchTiming:
+        return cls(
+            backoff_max=kube.watch_backoff_max_seconds,
+            server_timeout=kube.watch_timeout_seconds,
+            read_margin=kube.request_timeout_seconds,
+        )
+
+
+DEFAULT_TIMING = WatchTiming()
+
+
 class WatchCache(Generic[T]):
     """Owns `client`: closing it is how a stop ends a watch blocked on the network."""
 
@@ -72,10 +97,7 @@ class WatchCache(Generic[T]):
         fields: Mapping[str, str] | None = None,
         labels: Mapping[str, Any] | None = None,
         namespace: str = "*",
-        backoff_initial: float = 0.2,
-        backoff_max: float = 10.0,
-        server_timeout: float = 30.0,
-        read_margin: float = 5.0,
+        timing: WatchTiming = DEFAULT_TIMING,
         heartbeat: Heartbeat | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -87,11 +109,11 @@ class WatchCache(Generic[T]):
         self._fields = dict(fields) if fields else None
         self._labels = dict(labels) if labels else None
         self._namespace = namespace
-        self._backoff_initial = backoff_initial
-        self._backoff_max = max(backoff_max, backoff_initial)
-        self._server_timeout = max(1, math.ceil(server_timeout))
+        self._backoff_initial = timing.backoff_initial
+        self._backoff_max = max(timing.backoff_max, timing.backoff_initial)
+        self._server_timeout = max(1, math.ceil(timing.server_timeout))
         # Nothing from a live watch for longer than this means it is dead.
-        self.bound = self._server_timeout + read_margin
+        self.bound = self._server_timeout + timing.read_margin
         self._heartbeat = heartbeat
         self._clock = clock
         self._cond = threading.Condition()
