@@ -17,7 +17,7 @@ from devplugin.node.discovery.cdi import BACKOFF_MIN, MAX_SPEC_BYTES, CdiReader
 from devplugin.testing.cdi import nvidia_like_spec, write_spec
 from devplugin.testing.node import hgx_node
 from tests.conftest import GPU, HCA, Cluster
-from tests.test_core import probe
+from tests.support import probe
 
 Start = Callable[..., Cluster]
 

@@ -16,7 +16,7 @@ from devplugin.testing.cdi import CdiRuntime, Edits
 from devplugin.testing.dra_kubelet import container_cdi_ids
 from devplugin.testing.node import hgx_node
 from tests.dra_support import DRIVER, DraCluster, start_dra
-from tests.test_hooks import hook, runs
+from tests.support import hook, runs
 from tests.waiting import wait_until
 
 __all__ = ["start_dra"]

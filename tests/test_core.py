@@ -15,8 +15,6 @@ import os
 import shutil
 import sys
 import threading
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -32,6 +30,7 @@ from devplugin.testing.fake_nvml import NVML_ERROR_DRIVER_NOT_LOADED, NVML_ERROR
 from devplugin.testing.kubelet import ContainerRequest
 from devplugin.testing.node import build_node, hgx_node
 from tests.conftest import GPU, HCA, Cluster
+from tests.support import probe
 from tests.waiting import wait_until
 
 Start = Callable[..., Cluster]
@@ -55,16 +54,6 @@ def with_hooks() -> dict[str, object]:
 def health(cluster: Cluster, resource: str, device: str) -> str | None:
     record = cluster.kubelet.devices(resource).get(device)
     return record.health if record is not None else None
-
-
-def probe(cluster: Cluster, path: str) -> tuple[int, str]:
-    assert cluster.daemon.status is not None
-    host, port = cluster.daemon.status.bound[0]
-    try:
-        with urllib.request.urlopen(f"http://{host}:{port}{path}", timeout=5) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
 
 
 def allocate_quickly(cluster: Cluster, resource: str, ids: list[str]) -> pb.AllocateResponse:

@@ -16,19 +16,9 @@ from devplugin.policy.allocator import Role
 from devplugin.policy.topology import Topology
 from devplugin.testing.layouts import LAYOUTS
 from devplugin.testing.node import devices_from_spec
+from tests.support import Clock
 
 GPU, HCA = DeviceKind.GPU, DeviceKind.HCA
-
-
-class Clock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 def held(**containers: tuple[str, ...]) -> Holdings:

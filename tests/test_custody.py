@@ -55,9 +55,9 @@ from tests.custody_storm import (
 )
 from tests.custody_support import Hold, HookRun, check, hook_runs
 from tests.dra_support import DRIVER, NODE, DraCluster, start_dra
+from tests.support import hook, runs
 from tests.test_dra import published
 from tests.test_fail_closed import alive
-from tests.test_hooks import hook, runs
 from tests.test_lifecycle_units import Node, Runner
 from tests.waiting import wait_until
 

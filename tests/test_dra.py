@@ -21,7 +21,7 @@ from devplugin.testing.dra_limits import slice_problems
 from devplugin.testing.kubelet import ContainerRequest, KubeletSimulator
 from devplugin.testing.node import hgx_node
 from tests.dra_support import DRIVER, NODE, DraCluster, start_dra
-from tests.test_hooks import hook, runs
+from tests.support import hook, runs
 from tests.waiting import wait_until
 
 __all__ = ["start_dra"]

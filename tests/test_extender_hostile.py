@@ -23,7 +23,7 @@ from devplugin.node.status import CONNECTION_TIMEOUT
 from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.node import hgx_node
 from tests.conftest import Cluster
-from tests.test_core import probe
+from tests.support import probe
 from tests.test_extender import (
     GPU,
     HCA,

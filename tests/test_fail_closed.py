@@ -27,9 +27,7 @@ from devplugin.testing.fake_nvml import FakeNvml
 from devplugin.testing.kubelet import ContainerRequest, KubeletSimulator
 from devplugin.testing.node import BuiltNode, build_node, hgx_node
 from tests.conftest import GPU, HCA, Cluster, fast_config
-from tests.test_core import probe
-from tests.test_hooks import hook
-from tests.test_restart import cleanup_runs, daemon_config, spawn
+from tests.support import cleanup_runs, daemon_config, hook, probe, spawn
 from tests.waiting import log_entries, wait_until
 
 Start = Callable[..., Cluster]

@@ -181,7 +181,7 @@ def test_a_lost_gpu_leaves_the_others_allocatable(start_cluster: Start) -> None:
 def test_after_cleanup_recovery_waits_for_a_successful_cleanup(
     start_cluster: Start, tmp_path: Path
 ) -> None:
-    from tests.test_hooks import hook, runs
+    from tests.support import hook, runs
 
     log = tmp_path / "cleanup.log"
     cluster = start_cluster(

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
@@ -15,18 +13,10 @@ import pytest
 from devplugin.testing.kubelet import AdmissionError, ContainerRequest
 from devplugin.testing.node import hgx_node
 from tests.conftest import GPU, HCA, Cluster
-from tests.waiting import log_entries, wait_until
+from tests.support import hook, runs
+from tests.waiting import wait_until
 
 Start = Callable[..., Cluster]
-HELPER = str(Path(__file__).with_name("hook_helper.py"))
-
-
-def hook(log: Path, mode: str) -> list[str]:
-    return [sys.executable, HELPER, str(log), mode]
-
-
-def runs(log: Path) -> list[dict[str, Any]]:
-    return [entry for entry in log_entries(log) if "stdin" in entry]
 
 
 def test_init_receives_exactly_the_allocated_devices(start_cluster: Start, tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from devplugin.frontends.deviceplugin.server import MAX_DETAIL, socket_name
 from devplugin.node.status import MAX_CONNECTIONS
 from devplugin.testing.node import build_node, hgx_node
 from tests.conftest import GPU, HCA, Cluster
-from tests.test_core import probe
+from tests.support import probe
 from tests.waiting import wait_until
 
 Start = Callable[..., Cluster]

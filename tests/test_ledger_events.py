@@ -9,7 +9,7 @@ from devplugin.node.ledger import ENDED_LIMIT, Holdings, Ledger
 from devplugin.policy.topology import Topology
 from devplugin.testing.layouts import LAYOUTS
 from devplugin.testing.node import devices_from_spec
-from tests.test_core_units import Clock
+from tests.support import Clock
 
 GPU, HCA = DeviceKind.GPU, DeviceKind.HCA
 MAIN = ("ns", "train", "main")

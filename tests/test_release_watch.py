@@ -11,7 +11,7 @@ from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.kubelet import ContainerRequest, KubeletSimulator
 from devplugin.testing.node import hgx_node
 from tests.conftest import GPU, HCA, Cluster
-from tests.test_hooks import hook, runs
+from tests.support import hook, runs
 from tests.waiting import wait_until
 
 Start = Callable[..., Cluster]

@@ -4,56 +4,16 @@ device released while the daemon was down is cleaned before it is offered."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
-
-import yaml
 
 from devplugin.node.lifecycle.checkpoint import Checkpoint, LifecycleState
 from devplugin.testing.kubelet import ContainerRequest, KubeletSimulator
-from devplugin.testing.node import BuiltNode, build_node, hgx_node
+from devplugin.testing.node import build_node, hgx_node
 from tests.conftest import GPU, HCA
-from tests.test_hooks import hook
-from tests.waiting import log_entries, wait_until
-
-Runs = dict[str, list[tuple[float, float]]]
-
-
-def cleanup_runs(log: Path) -> Runs:
-    """Device id -> (start, end) of every finished cleanup run."""
-    starts: dict[int, tuple[str, float]] = {}
-    found: Runs = {}
-    for entry in log_entries(log):
-        if "stdin" in entry:
-            starts[entry["pid"]] = (entry["env"]["DEVPLUGIN_DEVICE_IDS"], entry["start"])
-        elif entry["pid"] in starts:
-            device, start = starts[entry["pid"]]
-            found.setdefault(device, []).append((start, entry["end"]))
-    return found
-
-
-def spawn(config: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "devplugin", "run", "--config", str(config)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
-    )  # fmt: skip
-
-
-def daemon_config(
-    node: BuiltNode, sock_dir: Path, path: Path, *, checkpoint: Path,
-    resources: dict[str, object],
-) -> Path:  # fmt: skip
-    """A config file for a daemon run as a subprocess against a simulated node."""
-    config = node.run_config(sock_dir, checkpoint)
-    config["resources"] = resources
-    config["health"] = {"interval_seconds": 0.2}
-    config["pod_resources"] = {"poll_interval_seconds": 0.3, "min_interval_seconds": 0.05}
-    path.write_text(yaml.safe_dump(config))
-    return path
+from tests.support import cleanup_runs, daemon_config, hook, spawn
+from tests.waiting import wait_until
 
 
 def test_sigkill_then_restart_cleans_only_what_was_released(tmp_path: Path, sock_dir: Path) -> None:

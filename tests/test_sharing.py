@@ -17,7 +17,7 @@ from devplugin.policy.topology import Level
 from devplugin.testing.kubelet import AdmissionError, ContainerRequest
 from devplugin.testing.node import hgx_node
 from tests.conftest import GPU, HCA, Cluster
-from tests.test_hooks import hook, runs
+from tests.support import hook, runs
 from tests.waiting import wait_until
 
 Start = Callable[..., Cluster]

@@ -25,7 +25,7 @@ from devplugin.testing.kubelet import ContainerRequest
 from devplugin.testing.node import hgx_node
 from devplugin.testing.proxy import SilentProxy
 from tests.conftest import GPU, HCA, Cluster
-from tests.test_core import probe
+from tests.support import probe
 from tests.test_extender import put_record
 from tests.waiting import wait_until
 

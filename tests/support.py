@@ -1,0 +1,95 @@
+"""Small helpers several test modules share: hook commands and their logs,
+the status endpoint, a settable clock, a daemon run as a process.
+
+Test modules import helpers from here (or from conftest, dra_support,
+custody_support and devplugin.testing), never from one another."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from devplugin.testing.node import BuiltNode
+from tests.conftest import Cluster
+from tests.waiting import log_entries
+
+# The hook program the tests configure (it logs what it was given).
+HELPER = str(Path(__file__).with_name("hook_helper.py"))
+# Device id -> (start, end) of every finished cleanup run.
+Runs = dict[str, list[tuple[float, float]]]
+
+
+def hook(log: Path, mode: str) -> list[str]:
+    """A hook command that logs its runs to `log` and behaves as `mode` says."""
+    return [sys.executable, HELPER, str(log), mode]
+
+
+def runs(log: Path) -> list[dict[str, Any]]:
+    """The runs a hook log holds, in the order they started."""
+    return [entry for entry in log_entries(log) if "stdin" in entry]
+
+
+def cleanup_runs(log: Path) -> Runs:
+    """Device id -> (start, end) of every finished cleanup run."""
+    starts: dict[int, tuple[str, float]] = {}
+    found: Runs = {}
+    for entry in log_entries(log):
+        if "stdin" in entry:
+            starts[entry["pid"]] = (entry["env"]["DEVPLUGIN_DEVICE_IDS"], entry["start"])
+        elif entry["pid"] in starts:
+            device, start = starts[entry["pid"]]
+            found.setdefault(device, []).append((start, entry["end"]))
+    return found
+
+
+def probe(cluster: Cluster, path: str) -> tuple[int, str]:
+    """GET a path of the daemon's status endpoint: (status, body)."""
+    assert cluster.daemon.status is not None
+    host, port = cluster.daemon.status.bound[0]
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}{path}", timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+class Clock:
+    """A clock a test sets."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def spawn(config: Path) -> subprocess.Popen[str]:
+    """`devplugin run` as a process of its own."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "devplugin", "run", "--config", str(config)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )  # fmt: skip
+
+
+def daemon_config(
+    node: BuiltNode, sock_dir: Path, path: Path, *, checkpoint: Path,
+    resources: dict[str, object],
+) -> Path:  # fmt: skip
+    """A config file for a daemon run as a subprocess against a simulated node."""
+    config = node.run_config(sock_dir, checkpoint)
+    config["resources"] = resources
+    config["health"] = {"interval_seconds": 0.2}
+    config["pod_resources"] = {"poll_interval_seconds": 0.3, "min_interval_seconds": 0.05}
+    path.write_text(yaml.safe_dump(config))
+    return path
