@@ -144,3 +144,19 @@ def start_dra(
     for daemon, kubelet in started:
         daemon.stop()
         kubelet.stop()
+
+
+def published(cluster: DraCluster, count: int) -> bool:
+    return len(cluster.devices()) == count and all(
+        "taints" not in d for d in cluster.devices().values()
+    )
+
+
+def pix_pair(cluster: DraCluster) -> tuple[str, str]:
+    """A GPU and an HCA under one switch, by their slice attributes."""
+    devices = cluster.devices()
+    for gpu in sorted(n for n in devices if n.startswith("gpu-")):
+        for hca in sorted(n for n in devices if n.startswith("hca-")):
+            if cluster.attribute(gpu, "pcieSwitch") == cluster.attribute(hca, "pcieSwitch"):
+                return gpu, hca
+    raise AssertionError("no PIX pair published")

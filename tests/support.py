@@ -16,6 +16,11 @@ from typing import Any
 
 import yaml
 
+from devplugin.model import DeviceKind
+from devplugin.node.ledger import Holdings, Ledger
+from devplugin.node.lifecycle.checkpoint import Checkpoint
+from devplugin.node.lifecycle.cleanup import CleanupManager
+from devplugin.node.lifecycle.hooks import HookDevice, HookResult, HookSpec
 from devplugin.testing.node import BuiltNode
 from tests.conftest import Cluster
 from tests.waiting import log_entries
@@ -93,3 +98,55 @@ def daemon_config(
     config["pod_resources"] = {"poll_interval_seconds": 0.3, "min_interval_seconds": 0.05}
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+def alive(pid: int) -> bool:
+    """Whether a process is running (a zombie is not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+class Runner:
+    """A hook runner that answers from a list of results (ok when it runs out)."""
+
+    def __init__(self, results: list[bool]) -> None:
+        self.results = results
+        self.calls: list[list[str]] = []
+
+    def __call__(
+        self, spec: HookSpec, phase: str, resource: str, devices: object, **_: object
+    ) -> HookResult:
+        assert isinstance(devices, list)
+        self.calls.append([d.id for d in devices])
+        ok = self.results.pop(0) if self.results else True
+        return HookResult(ok, 0 if ok else 1, "" if ok else "nope", 0.0)
+
+
+class Node:
+    """A cleanup manager and the ledger it reads, fed as the daemon feeds them."""
+
+    def __init__(self, runner: Runner, tmp_path: Path, **kwargs: object) -> None:
+        self.ledger = Ledger(grace=5.0)
+        self.cleanup = CleanupManager(
+            hooks={DeviceKind.GPU: HookSpec(("x",), 5)},
+            resource_names={DeviceKind.GPU: "nvidia.com/gpu", DeviceKind.HCA: "rdma/hca"},
+            describe=lambda kind, ids: [HookDevice(i, "", (), None) for i in ids],
+            checkpoint=Checkpoint(tmp_path / "c.json"),
+            ledger=self.ledger,
+            runner=runner,
+            **kwargs,  # type: ignore[arg-type]
+        )
+
+    def allocated(self, kind: DeviceKind, ids: list[str]) -> None:
+        self.ledger.allocated(kind, ids)
+        self.cleanup.allocated(kind, ids)
+
+    def observe(self, held: dict[DeviceKind, set[str]], polled_at: float) -> None:
+        containers = {
+            ("ns", f"pod-{d}", "c"): {kind: (d,)} for kind, ids in held.items() for d in ids
+        }
+        self.ledger.observe(Holdings(containers), polled_at)
+        self.cleanup.observe()

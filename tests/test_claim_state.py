@@ -11,7 +11,7 @@ import pytest
 
 from devplugin.model import DeviceKind
 from devplugin.node.lifecycle.checkpoint import Checkpoint, ClaimDevice, ClaimRecord
-from tests.test_lifecycle_units import Node, Runner
+from tests.support import Node, Runner
 from tests.waiting import wait_until
 
 GPU, HCA = DeviceKind.GPU, DeviceKind.HCA

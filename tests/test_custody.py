@@ -54,11 +54,8 @@ from tests.custody_storm import (
     run,
 )
 from tests.custody_support import Hold, HookRun, check, hook_runs
-from tests.dra_support import DRIVER, NODE, DraCluster, start_dra
-from tests.support import hook, runs
-from tests.test_dra import published
-from tests.test_fail_closed import alive
-from tests.test_lifecycle_units import Node, Runner
+from tests.dra_support import DRIVER, NODE, DraCluster, published, start_dra
+from tests.support import Node, Runner, alive, hook, runs
 from tests.waiting import wait_until
 
 __all__ = ["start_dra"]

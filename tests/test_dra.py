@@ -20,29 +20,13 @@ from devplugin.testing.dra_kubelet import ClaimCall
 from devplugin.testing.dra_limits import slice_problems
 from devplugin.testing.kubelet import ContainerRequest, KubeletSimulator
 from devplugin.testing.node import hgx_node
-from tests.dra_support import DRIVER, NODE, DraCluster, start_dra
+from tests.dra_support import DRIVER, NODE, DraCluster, pix_pair, published, start_dra
 from tests.support import hook, runs
 from tests.waiting import wait_until
 
 __all__ = ["start_dra"]
 
 Start = Callable[..., DraCluster]
-
-
-def published(cluster: DraCluster, count: int) -> bool:
-    return len(cluster.devices()) == count and all(
-        "taints" not in d for d in cluster.devices().values()
-    )
-
-
-def pix_pair(cluster: DraCluster) -> tuple[str, str]:
-    """A GPU and an HCA under one switch, by their slice attributes."""
-    devices = cluster.devices()
-    for gpu in sorted(n for n in devices if n.startswith("gpu-")):
-        for hca in sorted(n for n in devices if n.startswith("hca-")):
-            if cluster.attribute(gpu, "pcieSwitch") == cluster.attribute(hca, "pcieSwitch"):
-                return gpu, hca
-    raise AssertionError("no PIX pair published")
 
 
 def test_the_driver_registers_and_publishes_one_valid_pool(start_dra: Start) -> None:

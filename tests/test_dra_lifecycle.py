@@ -21,9 +21,8 @@ from devplugin.testing.dra_kubelet import DraKubeletSimulator
 from devplugin.testing.dra_limits import slice_problems
 from devplugin.testing.layouts import LAYOUTS
 from devplugin.testing.node import build_node, hgx_node, replug, unplug_hca
-from tests.dra_support import DRIVER, NODE, DraCluster, start_dra
+from tests.dra_support import DRIVER, NODE, DraCluster, pix_pair, published, start_dra
 from tests.support import hook, runs, spawn
-from tests.test_dra import pix_pair, published
 from tests.waiting import wait_until
 
 __all__ = ["start_dra"]

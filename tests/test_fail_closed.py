@@ -27,7 +27,7 @@ from devplugin.testing.fake_nvml import FakeNvml
 from devplugin.testing.kubelet import ContainerRequest, KubeletSimulator
 from devplugin.testing.node import BuiltNode, build_node, hgx_node
 from tests.conftest import GPU, HCA, Cluster, fast_config
-from tests.support import cleanup_runs, daemon_config, hook, probe, spawn
+from tests.support import alive, cleanup_runs, daemon_config, hook, probe, spawn
 from tests.waiting import log_entries, wait_until
 
 Start = Callable[..., Cluster]
@@ -190,14 +190,6 @@ def hook_pids(log: Path) -> list[int]:
     if not log.exists():
         return []
     return [entry["pid"] for entry in log_entries(log) if "stdin" in entry]
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def owe_cleanup(path: Path, device: str) -> None:

@@ -15,11 +15,10 @@ import pytest
 from devplugin.hooks.gpu_cleanup import clean
 from devplugin.hooks.hca_check import check_ports
 from devplugin.model import DeviceKind, Health
-from devplugin.node.ledger import Holdings, Ledger
 from devplugin.node.lifecycle.checkpoint import Checkpoint, LifecycleState
 from devplugin.node.lifecycle.cleanup import CleanupManager
 from devplugin.node.lifecycle.health import HealthTracker, Recovery
-from devplugin.node.lifecycle.hooks import HookDevice, HookResult, HookSpec, run_hook
+from devplugin.node.lifecycle.hooks import HookDevice, HookSpec, run_hook
 from devplugin.testing.fake_nvml import FakeNvml, load_fixture
 from devplugin.testing.node import (
     DOWN,
@@ -31,6 +30,7 @@ from devplugin.testing.node import (
     build_node,
     hgx_node,
 )
+from tests.support import Node, Runner
 from tests.waiting import wait_until
 
 GPU, HCA = DeviceKind.GPU, DeviceKind.HCA
@@ -180,47 +180,6 @@ def test_corrupt_checkpoint_is_set_aside_not_trusted(tmp_path: Path) -> None:
 
 
 # -- cleanup manager ----------------------------------------------------------------
-
-
-class Runner:
-    def __init__(self, results: list[bool]) -> None:
-        self.results = results
-        self.calls: list[list[str]] = []
-
-    def __call__(
-        self, spec: HookSpec, phase: str, resource: str, devices: object, **_: object
-    ) -> HookResult:
-        assert isinstance(devices, list)
-        self.calls.append([d.id for d in devices])
-        ok = self.results.pop(0) if self.results else True
-        return HookResult(ok, 0 if ok else 1, "" if ok else "nope", 0.0)
-
-
-class Node:
-    """A cleanup manager and the ledger it reads, fed as the daemon feeds them."""
-
-    def __init__(self, runner: Runner, tmp_path: Path, **kwargs: object) -> None:
-        self.ledger = Ledger(grace=5.0)
-        self.cleanup = CleanupManager(
-            hooks={GPU: HookSpec(("x",), 5)},
-            resource_names={GPU: "nvidia.com/gpu", HCA: "rdma/hca"},
-            describe=lambda kind, ids: [HookDevice(i, "", (), None) for i in ids],
-            checkpoint=Checkpoint(tmp_path / "c.json"),
-            ledger=self.ledger,
-            runner=runner,
-            **kwargs,  # type: ignore[arg-type]
-        )
-
-    def allocated(self, kind: DeviceKind, ids: list[str]) -> None:
-        self.ledger.allocated(kind, ids)
-        self.cleanup.allocated(kind, ids)
-
-    def observe(self, held: dict[DeviceKind, set[str]], polled_at: float) -> None:
-        containers = {
-            ("ns", f"pod-{d}", "c"): {kind: (d,)} for kind, ids in held.items() for d in ids
-        }
-        self.ledger.observe(Holdings(containers), polled_at)
-        self.cleanup.observe()
 
 
 def manager(runner: Runner, tmp_path: Path, **kwargs: object) -> CleanupManager:
