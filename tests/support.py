@@ -16,12 +16,22 @@ from typing import Any
 
 import yaml
 
-from devplugin.model import DeviceKind
+from devplugin.model import DeviceKind, Inventory
+from devplugin.node.discovery import Discoverer, NvmlGpuSource, Roots
 from devplugin.node.ledger import Holdings, Ledger
 from devplugin.node.lifecycle.checkpoint import Checkpoint
 from devplugin.node.lifecycle.cleanup import CleanupManager
 from devplugin.node.lifecycle.hooks import HookDevice, HookResult, HookSpec
-from devplugin.testing.node import BuiltNode
+from devplugin.testing.fake_nvml import FakeNvml
+from devplugin.testing.node import (
+    BuiltNode,
+    Gpu,
+    Hca,
+    NodeSpec,
+    Port,
+    RootComplex,
+    Switch,
+)
 from tests.conftest import Cluster
 from tests.waiting import log_entries
 
@@ -150,3 +160,38 @@ class Node:
         }
         self.ledger.observe(Holdings(containers), polled_at)
         self.cleanup.observe()
+
+
+def nested_spec() -> NodeSpec:
+    """GPUs and HCAs behind nested switches, a dual-port HCA, one without a netdev."""
+    return NodeSpec(
+        roots=[
+            RootComplex(
+                numa_node=0,
+                local_cpulist="0-15",
+                children=[
+                    Switch(
+                        [
+                            Switch([Gpu(), Hca()]),
+                            Switch([Gpu(), Hca(ports=[Port(), Port()])]),
+                        ]
+                    ),
+                    Gpu(),
+                ],
+            ),
+            RootComplex(numa_node=0, local_cpulist="0-15", children=[Switch([Hca(netdevs=0)])]),
+            RootComplex(numa_node=1, local_cpulist="16-31", children=[Switch([Gpu(), Gpu()])]),
+        ],
+        nvlink_pairs={(0, 1): 12},
+    )
+
+
+def scan(node: BuiltNode) -> Inventory:
+    """One scan of a simulated node with its fake NVML, read threads closed after."""
+    discoverer = Discoverer(
+        Roots(node.sysfs_root, node.dev_root), NvmlGpuSource(FakeNvml.from_file(node.fixture))
+    )
+    try:
+        return discoverer.scan()
+    finally:
+        discoverer.close()

@@ -7,13 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from devplugin.model import Inventory, PciAddress
-from devplugin.node.discovery import Discoverer, NvmlGpuSource, Roots
+from devplugin.model import PciAddress
 from devplugin.node.discovery.sysfs import read_hcas, read_pci_functions
-from devplugin.testing.fake_nvml import FakeNvml
 from devplugin.testing.node import (
     DOWN,
-    BuiltNode,
     Gpu,
     Hca,
     NodeSpec,
@@ -22,40 +19,7 @@ from devplugin.testing.node import (
     Switch,
     build_node,
 )
-
-
-def nested_spec() -> NodeSpec:
-    """GPUs and HCAs behind nested switches, a dual-port HCA, one without a netdev."""
-    return NodeSpec(
-        roots=[
-            RootComplex(
-                numa_node=0,
-                local_cpulist="0-15",
-                children=[
-                    Switch(
-                        [
-                            Switch([Gpu(), Hca()]),
-                            Switch([Gpu(), Hca(ports=[Port(), Port()])]),
-                        ]
-                    ),
-                    Gpu(),
-                ],
-            ),
-            RootComplex(numa_node=0, local_cpulist="0-15", children=[Switch([Hca(netdevs=0)])]),
-            RootComplex(numa_node=1, local_cpulist="16-31", children=[Switch([Gpu(), Gpu()])]),
-        ],
-        nvlink_pairs={(0, 1): 12},
-    )
-
-
-def scan(node: BuiltNode) -> Inventory:
-    discoverer = Discoverer(
-        Roots(node.sysfs_root, node.dev_root), NvmlGpuSource(FakeNvml.from_file(node.fixture))
-    )
-    try:
-        return discoverer.scan()
-    finally:
-        discoverer.close()
+from tests.support import nested_spec, scan
 
 
 def test_tree_uses_relative_symlinks(tmp_path: Path) -> None:

@@ -6,92 +6,37 @@ from __future__ import annotations
 
 import http.client
 import json
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
 
-from devplugin.cluster.extender import Extender, ExtenderServer, serve
-from devplugin.cluster.watch import WatchCache
+from devplugin.cluster.extender import serve
 from devplugin.config import KubernetesConfig
 from devplugin.node.alignment import ContainerAlignment
 from devplugin.policy.topology import Level
 from devplugin.testing.apiserver import ApiServerImitation
-from tests.test_placement import inventory, record
+from tests.extender_support import (
+    GPU,
+    HCA,
+    Running,
+    call,
+    inventory,
+    lease,
+    pod,
+    put_record,
+    running_extender,
+    synced,
+)
 from tests.waiting import wait_until
-
-GPU, HCA = "nvidia.com/gpu", "rdma/hca"
-Running = tuple[Extender, ExtenderServer, list[WatchCache[Any]]]
-
-
-def stamp(age: float = 0.0) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - age))
-
-
-def put_record(
-    api: ApiServerImitation, name: str, layout: str, base: Path, *,
-    held: list[ContainerAlignment] | None = None, age: float = 0.0,
-) -> dict[str, Any]:  # fmt: skip
-    inv = inventory(layout, base / name)
-    found = record(inv, name, allocations=held)
-    found["status"]["updated"] = stamp(age)
-    found["metadata"] = {"name": name}
-    api.put("nodedevices", found)
-    return found
-
-
-def pod(name: str, containers: list[dict[str, int]], **annotations: str) -> dict[str, Any]:
-    return {
-        "metadata": {"name": name, "namespace": "default", "uid": f"uid-{name}",
-                     "annotations": dict(annotations), "creationTimestamp": stamp()},
-        "spec": {"containers": [
-            {"name": f"c{i}", "resources": {"limits": {k: str(v) for k, v in c.items() if v}}}
-            for i, c in enumerate(containers)
-        ]},
-        "status": {"phase": "Pending"},
-    }  # fmt: skip
 
 
 @pytest.fixture
 def extender(api: ApiServerImitation, tmp_path: Path) -> Iterator[Running]:
     yield from running_extender(api, tmp_path)
-
-
-def running_extender(api: ApiServerImitation, tmp_path: Path) -> Iterator[Running]:
-    """The extender, serving on a free local port, over the API imitation."""
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump(api.kubeconfig()))
-    kube = KubernetesConfig(enabled=True, kubeconfig=str(kubeconfig))
-    running = serve(kube, ("127.0.0.1", 0), stale_after=60.0)
-    yield running
-    running[1].stop()
-    for cache in running[2]:
-        cache.signal_stop()
-
-
-def call(running: Running, verb: str, body: Any, raw: bytes | None = None) -> tuple[int, Any]:
-    host, port = running[1].address
-    data = raw if raw is not None else json.dumps(body).encode()
-    request = urllib.request.Request(
-        f"http://{host}:{port}/scheduler/{verb}", data=data,
-        headers={"Content-Type": "application/json"}, method="POST",
-    )  # fmt: skip
-    try:
-        with urllib.request.urlopen(request, timeout=10) as answer:
-            return answer.status, json.loads(answer.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
-
-
-def synced(running: Running, names: set[str]) -> None:
-    records = running[0].records
-    assert wait_until(lambda: names <= set(records.items()), timeout=10)
-    assert wait_until(lambda: running[0].ready()[0], timeout=10)
 
 
 def test_node_names_form_filters_by_count_and_ranks_by_alignment(
@@ -176,15 +121,6 @@ def test_pods_without_devices_and_nodes_without_fresh_records_pass_and_score_zer
     assert result["NodeNames"] == ["fresh", "old", "gone"]
     code, ranked = call(extender, "prioritize", args)
     assert {e["Host"]: e["Score"] for e in ranked} == {"fresh": 10, "old": 0, "gone": 0}
-
-
-def lease(api: ApiServerImitation, node: str, age: float, namespace: str = "default") -> None:
-    renewed = time.strftime("%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime(time.time() - age))
-    api.put("leases", {
-        "metadata": {"name": f"devplugin-{node}", "namespace": namespace,
-                     "labels": {"devplugin.io/node": node}},
-        "spec": {"holderIdentity": node, "leaseDurationSeconds": 40, "renewTime": renewed},
-    })  # fmt: skip
 
 
 def test_a_records_freshness_is_its_daemons_lease_not_its_last_write(

@@ -23,8 +23,7 @@ from devplugin.node.status import CONNECTION_TIMEOUT
 from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.node import hgx_node
 from tests.conftest import Cluster
-from tests.support import probe
-from tests.test_extender import (
+from tests.extender_support import (
     GPU,
     HCA,
     Running,
@@ -36,6 +35,7 @@ from tests.test_extender import (
     stamp,
     synced,
 )
+from tests.support import probe
 from tests.waiting import wait_until
 
 

@@ -21,15 +21,7 @@ from devplugin.cluster.pods import PodCache
 from devplugin.cluster.views import INLINE_DEVICES, MAX_DEVICES, Layouts, parse_record
 from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.records import gpu_id, hca_id, hgx_record
-from tests.test_extender import (
-    GPU,
-    HCA,
-    Running,
-    call,
-    pod,
-    running_extender,
-    stamp,
-)
+from tests.extender_support import GPU, HCA, Running, call, pod, running_extender, stamp
 from tests.waiting import wait_until
 
 

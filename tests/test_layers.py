@@ -8,6 +8,7 @@ a layer fails as surely as an upward import.
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 import subprocess
 import sys
@@ -72,3 +73,16 @@ def test_only_the_nvml_module_imports_pynvml() -> None:
         if "pynvml" in imports_of(path)
     )
     assert importers == ["node/discovery/nvml.py"]
+
+
+def test_no_test_module_imports_another() -> None:
+    # Shared helpers live in conftest, the *_support modules, support.py or
+    # devplugin.testing: a test module is never another's library.
+    tests = Path(__file__).resolve().parent
+    found = [
+        f"{path.name}: {line.strip()}"
+        for path in sorted(tests.glob("*.py"))
+        for line in path.read_text().splitlines()
+        if re.match(r"\s*(from tests\.test_\w+ import|import tests\.test_)", line)
+    ]
+    assert found == []

@@ -9,12 +9,8 @@ from typing import Any
 
 import pytest
 
-from devplugin.cluster.record import Registration, build_status
-from devplugin.model import DeviceKind, Health, Inventory, PluginDevice
+from devplugin.model import DeviceKind
 from devplugin.node.alignment import best_worst_level
-from devplugin.node.deadline import Deadlines
-from devplugin.node.discovery import Discoverer, NvmlGpuSource, Roots
-from devplugin.node.resources import ResourceState
 from devplugin.policy.allocator import Allocator
 from devplugin.policy.placement import (
     Requirement,
@@ -28,38 +24,7 @@ from devplugin.policy.placement import (
 )
 from devplugin.policy.podinfo import ContainerInfo, PodInfo
 from devplugin.policy.topology import Level, Topology
-from devplugin.testing.fake_nvml import FakeNvml
-from devplugin.testing.layouts import LAYOUTS
-from devplugin.testing.node import build_node
-
-GPU, HCA = "nvidia.com/gpu", "rdma/hca"
-
-
-def inventory(layout: str, base: Path) -> Inventory:
-    node = build_node(LAYOUTS[layout](), base)
-    deadlines = Deadlines(5)
-    source = NvmlGpuSource(FakeNvml.from_file(node.fixture), deadlines)
-    discoverer = Discoverer(Roots(node.sysfs_root, node.dev_root), source, deadlines)
-    try:
-        return discoverer.scan(full=True)
-    finally:
-        discoverer.close()
-
-
-def record(inv: Inventory, name: str = "n1", unhealthy: frozenset[str] = frozenset(),
-           allocations: list[Any] | None = None) -> dict[str, Any]:  # fmt: skip
-    def state(ids: list[str]) -> ResourceState:
-        devices = tuple(
-            PluginDevice(d, Health.UNHEALTHY if d in unhealthy else Health.HEALTHY) for d in ids
-        )
-        return ResourceState(devices=devices, allocations={})
-
-    states = {
-        DeviceKind.GPU: state([g.uuid for g in inv.gpus]),
-        DeviceKind.HCA: state([h.device_id for h in inv.hcas]),
-    }
-    status = build_status(inv, states, allocations or [], Registration(True, "registered"))
-    return {"metadata": {"name": name, "resourceVersion": "1"}, "status": status}
+from tests.extender_support import GPU, HCA, inventory, record
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ from devplugin.policy.topology import Level, Topology, pci_level
 from devplugin.testing.layouts import LAYOUTS
 from devplugin.testing.node import build_node, devices_from_spec
 from devplugin.testing.random_topology import random_spec
-from tests.test_discovery_sysfs import nested_spec, scan
+from tests.support import nested_spec, scan
 
 
 def fn(root: str, *chain: str, numa: int | None = 0) -> PciFunction:

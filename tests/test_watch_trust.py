@@ -25,8 +25,8 @@ from devplugin.testing.kubelet import ContainerRequest
 from devplugin.testing.node import hgx_node
 from devplugin.testing.proxy import SilentProxy
 from tests.conftest import GPU, HCA, Cluster
+from tests.extender_support import put_record
 from tests.support import probe
-from tests.test_extender import put_record
 from tests.waiting import wait_until
 
 Start = Callable[..., Cluster]

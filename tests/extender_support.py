@@ -1,0 +1,131 @@
+"""Helpers for the extender's tests: simulated nodes' records and inventories,
+pods shaped as the scheduler sends them, Leases, and the extender served
+over real HTTP against the API server imitation."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from devplugin.cluster.extender import Extender, ExtenderServer, serve
+from devplugin.cluster.record import Registration, build_status
+from devplugin.cluster.watch import WatchCache
+from devplugin.config import KubernetesConfig
+from devplugin.model import DeviceKind, Health, Inventory, PluginDevice
+from devplugin.node.alignment import ContainerAlignment
+from devplugin.node.deadline import Deadlines
+from devplugin.node.discovery import Discoverer, NvmlGpuSource, Roots
+from devplugin.node.resources import ResourceState
+from devplugin.testing.apiserver import ApiServerImitation
+from devplugin.testing.fake_nvml import FakeNvml
+from devplugin.testing.layouts import LAYOUTS
+from devplugin.testing.node import build_node
+from tests.waiting import wait_until
+
+GPU, HCA = "nvidia.com/gpu", "rdma/hca"
+
+
+def inventory(layout: str, base: Path) -> Inventory:
+    node = build_node(LAYOUTS[layout](), base)
+    deadlines = Deadlines(5)
+    source = NvmlGpuSource(FakeNvml.from_file(node.fixture), deadlines)
+    discoverer = Discoverer(Roots(node.sysfs_root, node.dev_root), source, deadlines)
+    try:
+        return discoverer.scan(full=True)
+    finally:
+        discoverer.close()
+
+
+def record(inv: Inventory, name: str = "n1", unhealthy: frozenset[str] = frozenset(),
+           allocations: list[Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    def state(ids: list[str]) -> ResourceState:
+        devices = tuple(
+            PluginDevice(d, Health.UNHEALTHY if d in unhealthy else Health.HEALTHY) for d in ids
+        )
+        return ResourceState(devices=devices, allocations={})
+
+    states = {
+        DeviceKind.GPU: state([g.uuid for g in inv.gpus]),
+        DeviceKind.HCA: state([h.device_id for h in inv.hcas]),
+    }
+    status = build_status(inv, states, allocations or [], Registration(True, "registered"))
+    return {"metadata": {"name": name, "resourceVersion": "1"}, "status": status}
+
+
+Running = tuple[Extender, ExtenderServer, list[WatchCache[Any]]]
+
+
+def stamp(age: float = 0.0) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - age))
+
+
+def put_record(
+    api: ApiServerImitation, name: str, layout: str, base: Path, *,
+    held: list[ContainerAlignment] | None = None, age: float = 0.0,
+) -> dict[str, Any]:  # fmt: skip
+    inv = inventory(layout, base / name)
+    found = record(inv, name, allocations=held)
+    found["status"]["updated"] = stamp(age)
+    found["metadata"] = {"name": name}
+    api.put("nodedevices", found)
+    return found
+
+
+def pod(name: str, containers: list[dict[str, int]], **annotations: str) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name, "namespace": "default", "uid": f"uid-{name}",
+                     "annotations": dict(annotations), "creationTimestamp": stamp()},
+        "spec": {"containers": [
+            {"name": f"c{i}", "resources": {"limits": {k: str(v) for k, v in c.items() if v}}}
+            for i, c in enumerate(containers)
+        ]},
+        "status": {"phase": "Pending"},
+    }  # fmt: skip
+
+
+def running_extender(api: ApiServerImitation, tmp_path: Path) -> Iterator[Running]:
+    """The extender, serving on a free local port, over the API imitation."""
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump(api.kubeconfig()))
+    kube = KubernetesConfig(enabled=True, kubeconfig=str(kubeconfig))
+    running = serve(kube, ("127.0.0.1", 0), stale_after=60.0)
+    yield running
+    running[1].stop()
+    for cache in running[2]:
+        cache.signal_stop()
+
+
+def call(running: Running, verb: str, body: Any, raw: bytes | None = None) -> tuple[int, Any]:
+    host, port = running[1].address
+    data = raw if raw is not None else json.dumps(body).encode()
+    request = urllib.request.Request(
+        f"http://{host}:{port}/scheduler/{verb}", data=data,
+        headers={"Content-Type": "application/json"}, method="POST",
+    )  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def synced(running: Running, names: set[str]) -> None:
+    records = running[0].records
+    assert wait_until(lambda: names <= set(records.items()), timeout=10)
+    assert wait_until(lambda: running[0].ready()[0], timeout=10)
+
+
+def lease(api: ApiServerImitation, node: str, age: float, namespace: str = "default") -> None:
+    renewed = time.strftime("%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime(time.time() - age))
+    api.put("leases", {
+        "metadata": {"name": f"devplugin-{node}", "namespace": namespace,
+                     "labels": {"devplugin.io/node": node}},
+        "spec": {"holderIdentity": node, "leaseDurationSeconds": 40, "renewTime": renewed},
+    })  # fmt: skip
