@@ -6,6 +6,7 @@ custody_support and devplugin.testing), never from one another."""
 
 from __future__ import annotations
 
+import http.client
 import os
 import subprocess
 import sys
@@ -73,6 +74,10 @@ def probe(cluster: Cluster, path: str) -> tuple[int, str]:
             return response.status, response.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()
+    except (OSError, http.client.HTTPException) as exc:
+        # Refused or closed unanswered (the connection cap, in a burst): no
+        # answer, as a kubelet's probe would see it; callers wait and retry.
+        return 0, f"{type(exc).__name__}: {exc}"
 
 
 class Clock:
