@@ -15,17 +15,13 @@ import pytest
 from devplugin.testing.cdi import CdiRuntime, Edits
 from devplugin.testing.dra_kubelet import container_cdi_ids
 from devplugin.testing.node import hgx_node
-from tests.dra_support import DRIVER, DraCluster, start_dra
+from tests.dra_support import DRIVER, DraCluster, published, start_dra
 from tests.support import hook, runs
 from tests.waiting import wait_until
 
 __all__ = ["start_dra"]
 
 Start = Callable[..., DraCluster]
-
-
-def published(cluster: DraCluster, count: int) -> bool:
-    return len(cluster.devices()) == count
 
 
 def pairs(cluster: DraCluster, count: int) -> list[tuple[str, str]]:

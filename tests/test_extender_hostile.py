@@ -149,12 +149,12 @@ def test_healthz_fails_while_every_call_slot_stays_busy(quick_server: ExtenderSe
 
     assert healthz() == 200
     for _ in range(CONCURRENT):
-        assert quick_server.slots.take(0)
+        assert quick_server.slots.take_one(0)
     try:
         assert wait_until(lambda: healthz() == 503, timeout=5)
     finally:
         for _ in range(CONCURRENT):
-            quick_server.slots.give()
+            quick_server.slots.give_one()
     assert healthz() == 200
 
 

@@ -100,37 +100,6 @@ class Busy(RuntimeError):
     """Too much request data in flight: answered 503, the scheduler retries."""
 
 
-class Slots:
-    """The call slots, and since when all of them have been taken."""
-
-    def __init__(self, count: int, clock: Callable[[], float] = time.monotonic) -> None:
-        self._count = count
-        self._used = 0
-        self._cond = threading.Condition()
-        self._clock = clock
-        self.full_since: float | None = None
-
-    def take(self, wait: float) -> bool:
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._used < self._count, wait):
-                return False
-            self._used += 1
-            if self._used == self._count:
-                self.full_since = self._clock()
-            return True
-
-    def give(self) -> None:
-        with self._cond:
-            self._used -= 1
-            self.full_since = None
-            self._cond.notify()
-
-    def stuck(self) -> float:
-        """How long every slot has been taken (0 when one is free)."""
-        since = self.full_since
-        return 0.0 if since is None else self._clock() - since
-
-
 class Budget:
     """Bytes of request bodies in flight (a request larger than the whole
     budget runs alone)."""
@@ -152,6 +121,34 @@ class Budget:
         with self._cond:
             self._used -= min(amount, self._total)
             self._cond.notify_all()
+
+
+class Slots(Budget):
+    """The call slots (a budget of one per call), and since when all of
+    them have been taken."""
+
+    def __init__(self, count: int, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(count)
+        self._clock = clock
+        self.full_since: float | None = None
+
+    def take_one(self, wait: float) -> bool:
+        if not self.take(1, wait):
+            return False
+        with self._cond:
+            if self._used == self._total and self.full_since is None:
+                self.full_since = self._clock()
+        return True
+
+    def give_one(self) -> None:
+        with self._cond:
+            self.full_since = None
+        self.give(1)
+
+    def stuck(self) -> float:
+        """How long every slot has been taken (0 when one is free)."""
+        since = self.full_since
+        return 0.0 if since is None else self._clock() - since
 
 
 @dataclass(frozen=True)
@@ -701,12 +698,12 @@ def _handler(extender: Extender, slots: Slots, full_for: float) -> type[BaseHTTP
                 if len(raw) < length:
                     self.close_connection = True
                     raise BadRequest("body shorter than its Content-Length")
-                if not slots.take(SLOT_WAIT):
+                if not slots.take_one(SLOT_WAIT):
                     raise Busy("every call slot is busy; retry")
                 try:
                     return self._answer(verb, raw)
                 finally:
-                    slots.give()
+                    slots.give_one()
             finally:
                 budget.give(length)
 

@@ -270,11 +270,12 @@ class WatchCache(Generic[T]):
     def _list(self) -> None:
         listed = self._client.list(self._resource, **self._scope())
         items: dict[str, T] = {}
+        keys: dict[str, str] = {}
         for obj in listed:
             parsed = self._parse(obj)
             if parsed is not None:
                 items[parsed[0]] = parsed[1]
-                self._key_by_name[_name_of(obj)] = parsed[0]
+                keys[_name_of(obj)] = parsed[0]
         self._version = listed.resourceVersion
         self.relists += 1
         previous = self._items
@@ -284,6 +285,7 @@ class WatchCache(Generic[T]):
                 self._safely(self.changed, key, before, after)
         self._listed = True
         self._alive()
+        self._key_by_name = keys
         with self._cond:
             self._items = items
             self._snapshot = None

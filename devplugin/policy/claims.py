@@ -3,9 +3,19 @@ results are its own, and the seam through which claims are read."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+# A claim uid as this driver accepts one: letters, digits and '-', from a
+# letter or digit to a letter or digit, at most 64. Kubernetes uids are
+# UUIDs; the uid also names the claim's CDI spec file, so it is never a path.
+_UID = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,62}[A-Za-z0-9])?")
+
+
+def plain_uid(uid: str) -> bool:
+    return _UID.fullmatch(uid) is not None
 
 
 class ClaimReadError(Exception):

@@ -39,6 +39,7 @@ from devplugin.api import pluginregistration_v1_pb2_grpc as reg_grpc
 from devplugin.frontends.dra.prepare import ClaimRef, Preparer
 from devplugin.model import shown
 from devplugin.node.lifecycle.checkpoint import ClaimDevice
+from devplugin.policy.claims import plain_uid
 from devplugin.rpc import SocketServer, deadline_of
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ def claim_problem(namespace: str, uid: str, name: str) -> str | None:
     label, a name a DNS subdomain."""
     if not uid:
         return "has no uid"
-    if not _UID.fullmatch(uid):
+    if not plain_uid(uid):
         return f"uid {shown(uid)} is not a uid (letters, digits, '-'; at most 64)"
     if not _LABEL.fullmatch(namespace):
         return f"namespace {shown(namespace)} is not a DNS label"
@@ -82,7 +83,6 @@ def claim_problem(namespace: str, uid: str, name: str) -> str | None:
     return None
 
 
-_UID = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,62}[A-Za-z0-9])?")
 _LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 _SUBDOMAIN = re.compile(r"[a-z0-9]([a-z0-9.-]*[a-z0-9])?")
 

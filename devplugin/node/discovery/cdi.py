@@ -60,9 +60,8 @@ class _Parsed:
     stamp: tuple[int, int]
     spec: Spec | None
     error: str
-    # When the parse ended, what it cost, and the pause before another.
+    # When the parse ended, and the pause before another.
     at: float = 0.0
-    cost: float = 0.0
     pause: float = 0.0
 
 
@@ -132,20 +131,18 @@ class CdiReader:
         self.parses += 1
         try:
             spec = validate_spec(_load(path, info.st_size))
-        except (SpecError, OSError, ValueError, yaml.YAMLError, RecursionError) as exc:
-            error = (
-                str(exc)[:300]
-                if not isinstance(exc, RecursionError)
-                else (f"nested too deeply (more than {MAX_DEPTH} levels)")
-            )
+        except RecursionError:
+            error = f"nested too deeply (more than {MAX_DEPTH} levels)"
+        except (SpecError, OSError, ValueError, yaml.YAMLError) as exc:
+            error = str(exc)[:300]
+        if spec is None:
             self._say(path, f"CDI spec {path} is not usable ({error}); it declares nothing")
         ended = self._clock()
-        cost = ended - started
         # A file seen changing since its last parse keeps doubling its pause.
-        pause = max(BACKOFF_MIN, BACKOFF_FACTOR * cost)
+        pause = max(BACKOFF_MIN, BACKOFF_FACTOR * (ended - started))
         if known is not None and known.at > 0 and started - known.at < 2 * known.pause + 1:
             pause = max(pause, min(BACKOFF_MAX, 2 * known.pause))
-        parsed = _Parsed(stamp, spec, error, ended, cost, pause)
+        parsed = _Parsed(stamp, spec, error, ended, pause)
         self._parsed[path] = parsed
         return parsed
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,10 +29,10 @@ from typing import Any
 from devplugin.model import HcaInfo
 from devplugin.node.lifecycle.files import write_atomically
 from devplugin.policy.cdi import Node, SpecError, device_spec, kind_problem, sanitize_device_name
+from devplugin.policy.claims import plain_uid
 
 log = logging.getLogger(__name__)
 
-_UID = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,63}")
 # Spec files are read by runtimes and by people (`cdi list`); they hold no secret.
 SPEC_MODE = 0o644
 
@@ -144,7 +143,7 @@ class ClaimSpecs:
     def path(self, uid: str) -> Path:
         """The spec's file; ValueError for a uid that is not a plain name
         (a uid with `/` or `..` must never name a file elsewhere)."""
-        if not _UID.fullmatch(uid):
+        if not plain_uid(uid):
             raise ValueError(f"claim uid {uid[:80]!r} is not a plain name")
         return self.directory / f"{self._prefix}{uid}.json"
 
@@ -176,4 +175,4 @@ class ClaimSpecs:
             for name in names
             if name.startswith(self._prefix) and name.endswith(".json")
         }
-        return {uid for uid in found if _UID.fullmatch(uid)}
+        return {uid for uid in found if plain_uid(uid)}
