@@ -18,7 +18,6 @@ errors backed off. Nothing else waits on it.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -28,6 +27,7 @@ from lightkube import ApiError, Client
 from lightkube.generic_resource import create_namespaced_resource
 
 from devplugin.cluster.objects import as_dict, node_owner
+from devplugin.loops import Backoff, ThreadLoop
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def parse_micro_time(text: object) -> float | None:
     return None
 
 
-class LeaseKeeper:
+class LeaseKeeper(ThreadLoop):
     def __init__(
         self,
         client: Client,
@@ -69,54 +69,35 @@ class LeaseKeeper:
         backoff_max: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        # A write gives up at its request timeout: a stop never waits on it long.
+        super().__init__(
+            "lease", backoff=Backoff(1.0, min(backoff_max, renew)), join_timeout=0.5,
+            failing="Lease not renewed",
+        )  # fmt: skip
         self._client = client
         self._node = node
         self._namespace = namespace
         self._renew = renew
         self._duration = duration
-        self._backoff_max = backoff_max
         self._clock = clock
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._version: str | None = None
-        self._failing: str | None = None
         self.renewals = 0
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="lease", daemon=True)
-        self._thread.start()
-
-    def signal_stop(self) -> None:
-        self._stop.set()
-
-    def join(self, timeout: float) -> None:
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    def _run(self) -> None:
+    def starting(self) -> None:
         log.info(
             "Lease %s/%s: renewed every %.0fs (valid %ds)",
             self._namespace, lease_name(self._node), self._renew, self._duration,
         )  # fmt: skip
-        backoff = 0.0
-        while not self._stop.is_set():
-            try:
-                self.renew_once()
-                backoff = 0.0
-                if self._failing is not None:
-                    log.info("Lease renewed again")
-                    self._failing = None
-                wait = self._renew
-            except Exception as exc:  # noqa: BLE001 - network, API: all mean retry
-                backoff = min(self._backoff_max, max(1.0, backoff * 2))
-                message = f"{type(exc).__name__}: {exc}"[:300]
-                if message != self._failing:
-                    log.warning("Lease not renewed (%s); retrying", message)
-                    self._failing = message
-                self._version = None
-                wait = min(backoff, self._renew)
-            self._stop.wait(wait)
-        log.info("Lease keeper stopped")
+
+    def step(self) -> float:
+        self.renew_once()
+        return self._renew
+
+    def failed(self, exc: Exception) -> None:
+        self._version = None
+
+    def recovered(self) -> None:
+        log.info("Lease renewed again")
 
     def renew_once(self) -> None:
         """One renewal: PUT with the known version; read or create on need."""

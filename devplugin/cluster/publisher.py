@@ -20,7 +20,6 @@ never wait on any of this.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -31,6 +30,7 @@ from lightkube.generic_resource import create_global_resource
 
 from devplugin.cluster.objects import as_dict, node_owner
 from devplugin.cluster.record import API_VERSION, GROUP, KIND, PLURAL, VERSION
+from devplugin.loops import Backoff, ThreadLoop
 from devplugin.node.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-class RecordPublisher:
+class RecordPublisher(ThreadLoop):
     def __init__(
         self,
         client: Client,
@@ -61,18 +61,19 @@ class RecordPublisher:
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        # A write gives up at its request timeout: a stop never waits on it long.
+        super().__init__(
+            "record", backoff=Backoff(check_interval, backoff_max), join_timeout=0.5,
+            failing="NodeDevices record not written",
+        )  # fmt: skip
         self._client = client
         self._node = node
         self._source = source
         self._check = check_interval
         self._min_interval = min_interval
         self._resync = resync
-        self._backoff_max = backoff_max
         self._metrics = metrics
         self._clock = clock
-        self._stop = threading.Event()
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
         self._written: dict[str, Any] | None = None
         # A change seen but not written yet (held back by min_interval).
         self._pending = False
@@ -80,52 +81,24 @@ class RecordPublisher:
         self._last_write = float("-inf")
         self._last_read = float("-inf")
         self._transitions: dict[tuple[str, str], str] = {}
-        self._failing: str | None = None
         self.writes = 0
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="record", daemon=True)
-        self._thread.start()
-
-    def poke(self) -> None:
-        """Something the record shows may have changed: look now."""
-        self._wake.set()
-
-    def signal_stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
-
-    def join(self, timeout: float) -> None:
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    def _run(self) -> None:
+    def starting(self) -> None:
         log.info("NodeDevices record for %s: publishing", self._node)
-        backoff = 0.0
-        while not self._stop.is_set():
-            self._wake.clear()
-            try:
-                self.sync_once()
-                backoff = 0.0
-                if self._failing is not None:
-                    log.info("NodeDevices record written again")
-                    self._failing = None
-                wait = self._check
-                if self._pending:
-                    # Held back by min_interval: write the moment it allows.
-                    wait = max(0.0, self._last_write + self._min_interval - self._clock())
-                self._wake.wait(wait)
-            except Exception as exc:  # noqa: BLE001 - network, API, decoding: all mean retry
-                backoff = min(self._backoff_max, max(self._check, backoff * 2))
-                message = f"{type(exc).__name__}: {exc}"[:300]
-                if message != self._failing:
-                    log.warning("NodeDevices record not written (%s); retrying", message)
-                    self._failing = message
-                self._count("error")
-                self._version = None  # read it again before the next write
-                # Changes do not shorten a backoff: a failing server is not hammered.
-                self._stop.wait(backoff)
-        log.info("NodeDevices record publisher stopped")
+
+    def step(self) -> float:
+        self.sync_once()
+        if self._pending:
+            # Held back by min_interval: write the moment it allows.
+            return max(0.0, self._last_write + self._min_interval - self._clock())
+        return self._check
+
+    def failed(self, exc: Exception) -> None:
+        self._count("error")
+        self._version = None  # read it again before the next write
+
+    def recovered(self) -> None:
+        log.info("NodeDevices record written again")
 
     def sync_once(self) -> bool:
         """Write the status if it changed (or the record needs checking); True if written."""

@@ -15,7 +15,6 @@ bumps the pool's generation in every slice. There is no periodic rewrite.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -25,6 +24,7 @@ from lightkube.generic_resource import create_global_resource
 
 from devplugin.cluster.objects import as_dict, node_owner
 from devplugin.cluster.watch import DEFAULT_TIMING, WatchCache, WatchTiming
+from devplugin.loops import Backoff, ThreadLoop
 from devplugin.node.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ def generate_name(index: int, driver: str, node: str) -> str:
     return f"{index:05x}-{driver}-{node}-"[:200]
 
 
-class SlicePublisher:
+class SlicePublisher(ThreadLoop):
     def __init__(
         self,
         writer: Client,
@@ -103,19 +103,19 @@ class SlicePublisher:
         clock: Callable[[], float] = time.monotonic,
         metrics: Metrics | None = None,
     ) -> None:
+        # A write gives up at its request timeout: a stop never waits on it long.
+        super().__init__(
+            "slices", backoff=Backoff(0.2, backoff_max), join_timeout=0.5,
+            failing="ResourceSlices not written",
+        )  # fmt: skip
         self._client = writer
         self._metrics = metrics
         self._slices = slices
         self.driver = driver
         self.node = node
         self._desired = desired
-        self._backoff_max = backoff_max
         self._clock = clock
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._owner: dict[str, Any] | None = None
-        self._failing: str | None = None
         self._syncing = False
         # What each write stored: name -> (resourceVersion, spec). A slice
         # still at that version is compared as written, whatever the server
@@ -129,64 +129,53 @@ class SlicePublisher:
     def pool(self) -> str:
         return self.node
 
-    def poke(self) -> None:
-        """Something changed (the devices, their health, the slices)."""
-        self._wake.set()
-
     def start(self) -> None:
         self._slices.start()
-        self._thread = threading.Thread(target=self._run, name="slices", daemon=True)
-        self._thread.start()
+        super().start()
 
     def signal_stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
+        super().signal_stop()
         self._slices.signal_stop()
 
-    def join(self, timeout: float) -> None:
+    def join(self, timeout: float | None = None) -> None:
         self._slices.join(timeout)
-        if self._thread is not None:
-            self._thread.join(timeout)
+        super().join(timeout)
 
     def current(self) -> bool:
         """The slices say what the node has: the view is current, the last
         sync succeeded, and none is running or asked for."""
         return (
             self._slices.current
-            and self._failing is None
+            and self.failing is None
             and not self._syncing
             and not self._wake.is_set()
         )
 
-    def _run(self) -> None:
+    def starting(self) -> None:
         log.info("ResourceSlices of driver %s, pool %s: publishing", self.driver, self.pool)
-        backoff = 0.0
-        while not self._stop.is_set():
-            if not self._slices.synced.wait(0.5):
-                continue
-            self._syncing = True
-            self._wake.clear()
-            try:
-                if self.sync_once() and self._metrics is not None:
-                    self._metrics.slice_writes.labels("ok").inc()
-                self._syncing = False
-                backoff = 0.0
-                if self._failing is not None:
-                    log.info("ResourceSlices written again")
-                    self._failing = None
-                self._wake.wait()
-            except Exception as exc:  # noqa: BLE001 - network, API: all mean retry
-                self._syncing = False
-                if self._metrics is not None:
-                    self._metrics.slice_writes.labels("error").inc()
-                backoff = min(self._backoff_max, max(0.2, backoff * 2))
-                message = f"{type(exc).__name__}: {exc}"[:300]
-                if message != self._failing:
-                    log.warning("ResourceSlices not written (%s); retrying", message)
-                    self._failing = message
-                self._wake.set()  # compare again after the backoff
-                self._stop.wait(backoff)
-        log.info("ResourceSlice publisher stopped")
+
+    def begin(self) -> None:
+        # Syncing before the pokes are taken: current() is never true while
+        # a change is waiting to be compared.
+        self._syncing = True
+        super().begin()
+
+    def step(self) -> float | None:
+        if not self._slices.synced.wait(0.5):
+            return 0.0
+        if self.sync_once() and self._metrics is not None:
+            self._metrics.slice_writes.labels("ok").inc()
+        self._syncing = False
+        return None
+
+    def failed(self, exc: Exception) -> None:
+        self._syncing = False
+        if self._metrics is not None:
+            self._metrics.slice_writes.labels("error").inc()
+        self._wake.set()  # compare again after the backoff
+
+    def recovered(self) -> None:
+        log.info("ResourceSlices written again")
 
     def ours(self) -> list[dict[str, Any]]:
         """This driver's slices of this pool, in pool order (by name)."""

@@ -43,6 +43,7 @@ from lightkube import ApiError, Client
 
 from devplugin.cluster.client import Heartbeat
 from devplugin.config import KubernetesConfig
+from devplugin.loops import Backoff, ThreadLoop
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ class WatchTiming:
 DEFAULT_TIMING = WatchTiming()
 
 
-class WatchCache(Generic[T]):
+class WatchCache(ThreadLoop, Generic[T]):
     """Owns `client`: closing it is how a stop ends a watch blocked on the network."""
 
     def __init__(
@@ -101,16 +102,19 @@ class WatchCache(Generic[T]):
         heartbeat: Heartbeat | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        # A watch blocked on the network ends at its read deadline; the
+        # thread is a daemon, so a stop never waits for it long.
+        backoff = Backoff(timing.backoff_initial, max(timing.backoff_max, timing.backoff_initial))
+        super().__init__(
+            name, backoff=backoff, join_timeout=0.5, failing=f"{name} cache: not current"
+        )
         self._client = client
         self._resource = resource
         self._parse_object = parse
-        self.name = name
         self._namespaced = namespaced
         self._fields = dict(fields) if fields else None
         self._labels = dict(labels) if labels else None
         self._namespace = namespace
-        self._backoff_initial = timing.backoff_initial
-        self._backoff_max = max(timing.backoff_max, timing.backoff_initial)
         self._server_timeout = max(1, math.ceil(timing.server_timeout))
         # Nothing from a live watch for longer than this means it is dead.
         self.bound = self._server_timeout + timing.read_margin
@@ -121,8 +125,6 @@ class WatchCache(Generic[T]):
         # The copy `items()` last handed out; None once a change made it old.
         self._snapshot: Mapping[str, T] | None = MappingProxyType({})
         self._version: str | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._skipped: set[str] = set()
         # Object name -> the key its last accepted version was kept under.
         self._key_by_name: dict[str, str] = {}
@@ -198,12 +200,8 @@ class WatchCache(Generic[T]):
         self._listeners.append(listener)
 
     # -- the loop --------------------------------------------------------------------
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-        self._thread.start()
-
     def signal_stop(self) -> None:
-        self._stop.set()
+        super().signal_stop()
         with self._cond:
             self._cond.notify_all()
         try:
@@ -211,61 +209,45 @@ class WatchCache(Generic[T]):
         except Exception:
             log.debug("closing the API client failed", exc_info=True)
 
-    def join(self, timeout: float) -> None:
-        # A watch blocked on the network ends at its read deadline; the
-        # thread is a daemon, so a stop never waits for it beyond `timeout`.
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    def _run(self) -> None:
+    def starting(self) -> None:
         log.info("%s cache started", self.name)
-        backoff = 0.0
-        while not self._stop.is_set():
-            try:
-                if self._version is None:
-                    self._list()
-                backoff = 0.0
-                try:
-                    self._watch()
-                except ValueError as exc:
-                    # An event the client cannot even decode (no real API
-                    # server sends one): the cache is still right up to it.
-                    # Skip it by listing again; stay current meanwhile.
-                    self.skipped += 1
-                    log.warning(
-                        "%s watch: an event could not be decoded (%s); listing again",
-                        self.name, str(exc)[:200],
-                    )  # fmt: skip
-                    # (An undecodable list is an error: backoff, not current.)
-                    self._version = None
-            except ApiError as exc:
-                if self._stop.is_set():
-                    break
-                if exc.status.code == 410:
-                    log.info(
-                        "%s watch: version %s is gone; listing again", self.name, self._version
-                    )
-                    self._version = None
-                    continue
-                backoff = self._fail(f"API error {exc.status.code}: {exc.status.message}", backoff)
-            except Exception as exc:  # noqa: BLE001 - network, decoding: all mean retry
-                if self._stop.is_set():
-                    break
-                backoff = self._fail(f"{type(exc).__name__}: {exc}", backoff)
-        log.info("%s cache stopped", self.name)
 
-    def _fail(self, message: str, backoff: float) -> float:
+    def step(self) -> float:
+        try:
+            if self._version is None:
+                self._list()  # an undecodable list is an error: backoff, not current
+            try:
+                self._watch()
+            except ValueError as exc:
+                # An event the client cannot even decode (no real API server
+                # sends one): the cache is still right up to it. Skip it by
+                # listing again; stay current meanwhile.
+                self.skipped += 1
+                log.warning(
+                    "%s watch: an event could not be decoded (%s); listing again",
+                    self.name, str(exc)[:200],
+                )  # fmt: skip
+                self._version = None
+        except ApiError as exc:
+            if exc.status.code != 410:
+                raise
+            log.info("%s watch: version %s is gone; listing again", self.name, self._version)
+            self._version = None
+        return 0.0
+
+    def failed(self, exc: Exception) -> None:
         self.errors += 1
         self._listed = False
         if self._down_since is None:
             self._down_since = self._clock()
-        backoff = min(self._backoff_max, max(self._backoff_initial, backoff * 2))
-        # Jitter: a fleet of daemons must not come back in lock step.
-        delay = backoff * (0.5 + self._random.random() / 2)
-        log.warning("%s cache: %s; listing again in %.1fs", self.name, message[:300], delay)
         self._version = None  # after an error, start from a fresh list
-        self._stop.wait(delay)
-        return backoff
+
+    def spread(self, pause: float) -> float:
+        # Jitter: a fleet of daemons must not come back in lock step.
+        return pause * (0.5 + self._random.random() / 2)
+
+    def recovered(self) -> None:
+        log.info("%s cache: listed again", self.name)
 
     def _list(self) -> None:
         listed = self._client.list(self._resource, **self._scope())

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from devplugin.loops import ThreadLoop
 from devplugin.model import DeviceKind
 from devplugin.node.coordination import Coordinator
 from devplugin.node.ledger import Held, Holdings, Ledger
@@ -78,7 +79,7 @@ def alignment(
     return Level(max(levels)), sum(levels)
 
 
-class AlignmentMonitor:
+class AlignmentMonitor(ThreadLoop):
     """Polls PodResources; feeds held devices to the coordinator; reports levels."""
 
     def __init__(
@@ -98,6 +99,7 @@ class AlignmentMonitor:
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        super().__init__("alignment")
         self._metrics = metrics
         self._listeners = list(listeners)
         self._on_new = list(on_new)
@@ -109,9 +111,6 @@ class AlignmentMonitor:
         self._interval = interval
         self._min_interval = min_interval
         self._clock = clock
-        self._stop = threading.Event()
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._report: dict[str, ContainerAlignment] = {}
         self._last_call = float("-inf")
@@ -122,41 +121,17 @@ class AlignmentMonitor:
         with self._lock:
             return dict(self._report)
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="alignment", daemon=True)
-        self._thread.start()
-
-    def signal_stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
-
-    def join(self, timeout: float) -> None:
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    def stop(self) -> None:
-        self.signal_stop()
-        self.join(10)
-
-    def poke(self) -> None:
-        """Ask for a poll soon (after an Allocate)."""
-        self._wake.set()
-
-    def _run(self) -> None:
+    def starting(self) -> None:
         log.info("alignment monitor started (PodResources every %.1fs)", self._interval)
-        first = True
-        while not self._stop.is_set():
-            if not first:
-                self._wake.wait(self._interval)
-            first = False
-            if self._stop.is_set():
-                break
-            wait = self._min_interval - (self._clock() - self._last_call)
-            if wait > 0 and self._stop.wait(wait):
-                break
-            self._wake.clear()
-            self.poll_once()
-        log.info("alignment monitor stopped")
+
+    def step(self) -> float:
+        # Pokes come with every Allocate: at most one List per min_interval.
+        wait = self._min_interval - (self._clock() - self._last_call)
+        if wait > 0 and self.sleep(wait):
+            return 0.0
+        self._wake.clear()
+        self.poll_once()
+        return self._interval
 
     def poll_once(self) -> bool:
         started = self._clock()

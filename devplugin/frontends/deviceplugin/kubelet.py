@@ -14,6 +14,7 @@ import grpc
 from devplugin.api import deviceplugin_v1beta1_pb2 as pb
 from devplugin.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from devplugin.frontends.deviceplugin.server import PluginServer
+from devplugin.loops import Backoff, ThreadLoop
 from devplugin.rpc import SocketIdentity, rpc_failure
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ class _Registration:
     attempts: int = 0
 
 
-class Registrar:
+class Registrar(ThreadLoop):
     """Keeps every plugin server serving and registered with the current kubelet.
 
     One loop, one owner: each tick it (1) restarts any server whose socket was
@@ -83,6 +84,11 @@ class Registrar:
         on_register: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        # A failed tick is tried again at the next one, not sooner or later.
+        super().__init__(
+            "registrar", backoff=Backoff(interval, interval), join_timeout=register_timeout + 5.0,
+            failing="registrar tick failed",
+        )  # fmt: skip
         self._plugin_dir = plugin_dir
         self._kubelet_socket = plugin_dir / KUBELET_SOCKET
         self._entries = [_Registration(server) for server in servers]
@@ -92,8 +98,6 @@ class Registrar:
         self._backoff_max = backoff_max
         self._on_register = on_register
         self._clock = clock
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._kubelet_seen: bool | None = None
         self._lock = threading.Lock()
 
@@ -113,36 +117,17 @@ class Registrar:
         with self._lock:
             return {e.server.servicer.resource.name: e.attempts for e in self._entries}
 
-    @property
-    def thread(self) -> threading.Thread | None:
-        return self._thread
-
     def start(self) -> None:
         if not self._entries:
             return  # every resource is served through DRA: nothing to register here
-        self._thread = threading.Thread(target=self._run, name="registrar", daemon=True)
-        self._thread.start()
+        super().start()
 
-    def signal_stop(self) -> None:
-        self._stop.set()
-
-    def join(self, timeout: float) -> None:
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    def stop(self) -> None:
-        self.signal_stop()
-        self.join(self._timeout + 5.0)
-
-    def _run(self) -> None:
+    def starting(self) -> None:
         log.info("registrar started (kubelet socket %s)", self._kubelet_socket)
-        while not self._stop.is_set():
-            try:
-                self.tick()
-            except Exception:
-                log.exception("registrar tick failed; continuing")
-            self._stop.wait(self._interval)
-        log.info("registrar stopped")
+
+    def step(self) -> float:
+        self.tick()
+        return self._interval
 
     def tick(self) -> None:
         for entry in self._entries:
