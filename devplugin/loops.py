@@ -131,6 +131,9 @@ class ThreadLoop:
     def failed(self, exc: Exception) -> None:
         """After a step raised: forget what the failure made doubtful."""
 
+    def finished(self) -> None:
+        """On the loop's thread after its last round: give back what it held."""
+
     def spread(self, pause: float) -> float:
         """The pause actually waited (a fleet's loops spread theirs)."""
         return pause
@@ -179,4 +182,5 @@ class ThreadLoop:
             self._log.exception("%s loop ended by an error", self.name)
             raise
         finally:
+            self.finished()
             self._log.info("%s loop stopped", self.name)

@@ -22,6 +22,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from devplugin.loops import ThreadLoop
+
 # Writing an answer to a client that does not read: given up after this.
 WRITE_TIMEOUT = 10.0
 _CHUNK = 65536
@@ -174,31 +176,33 @@ def knock(address: tuple[Any, ...]) -> None:
         socket.create_connection((host, port), timeout=0.5).close()
 
 
-class Listener:
+class Listener(ThreadLoop):
     """One server's accept loop on its own thread, with one way to stop it:
     shut down (woken by a knock, not by the poll), close, join."""
 
     def __init__(self, server: BoundedServer, name: str) -> None:
+        super().__init__(name, join_timeout=5.0)
         self.server = server
-        self._thread = threading.Thread(
-            target=server.serve_forever, kwargs={"poll_interval": POLL}, name=name, daemon=True
-        )
 
     @property
     def address(self) -> tuple[str, int]:
         host, port = self.server.server_address[:2]
         return str(host), int(port)
 
-    def start(self) -> None:
-        self._thread.start()
+    def run(self) -> None:
+        self.server.serve_forever(poll_interval=POLL)
 
-    def stop(self) -> None:
-        if self._thread.is_alive():
+    def signal_stop(self) -> None:
+        super().signal_stop()
+        thread = self._thread
+        if thread is not None and thread.is_alive():
             stopping = threading.Thread(target=self.server.shutdown, daemon=True)
             stopping.start()
             while stopping.is_alive():
                 knock(self.server.server_address)
                 stopping.join(0.05)
+
+    def stop(self) -> None:
+        self.signal_stop()
         self.server.server_close()
-        if self._thread.is_alive():
-            self._thread.join(5)
+        self.join()

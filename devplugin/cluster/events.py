@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
-import threading
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 from lightkube import Client
 from lightkube.generic_resource import create_namespaced_resource
 
+from devplugin.loops import ThreadLoop
 from devplugin.node.alignment import ContainerAlignment
 from devplugin.node.metrics import Metrics
 
@@ -43,7 +43,7 @@ def describe(item: ContainerAlignment) -> tuple[str, str]:
     return "Allocated", f"Allocated: {what}"
 
 
-class EventRecorder:
+class EventRecorder(ThreadLoop):
     def __init__(
         self,
         client: Client,
@@ -52,13 +52,14 @@ class EventRecorder:
         *,
         metrics: Metrics | None = None,
     ) -> None:
+        # A post gives up at its request timeout: a stop never waits on it long.
+        super().__init__("events", join_timeout=0.5)
         self._client = client
         self._node = node
         self._uid_of = uid_of
         self._metrics = metrics
         self._queue: queue.Queue[ContainerAlignment | None] = queue.Queue(QUEUE)
-        self._thread: threading.Thread | None = None
-        self._failing = False
+        self._posting_failed = False
         self.posted = 0
 
     def record(self, item: ContainerAlignment) -> None:
@@ -67,20 +68,15 @@ class EventRecorder:
         except queue.Full:
             self._count("dropped")
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="events", daemon=True)
-        self._thread.start()
-
     def signal_stop(self) -> None:
+        super().signal_stop()
         # On a full queue the worker sees the stop once it drains a slot.
         with contextlib.suppress(queue.Full):
             self._queue.put_nowait(None)
 
-    def join(self, timeout: float) -> None:
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    def _run(self) -> None:
+    def run(self) -> None:
+        # A queue worker, not rounds: each item is posted once, best effort
+        # (as the kubelet's own events), never retried.
         while True:
             item = self._queue.get()
             if item is None:
@@ -89,14 +85,14 @@ class EventRecorder:
                 self._post(item)
                 self.posted += 1
                 self._count("ok")
-                if self._failing:
+                if self._posting_failed:
                     log.info("pod events are posted again")
-                    self._failing = False
+                    self._posting_failed = False
             except Exception as exc:  # noqa: BLE001 - best effort, as the kubelet's events
                 self._count("failed")
-                if not self._failing:
+                if not self._posting_failed:
                     log.warning("pod event not posted (%s: %s)", type(exc).__name__, str(exc)[:200])
-                    self._failing = True
+                    self._posting_failed = True
 
     def _post(self, item: ContainerAlignment) -> None:
         reason, message = describe(item)

@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from devplugin.loops import ThreadLoop
 from devplugin.model import DeviceKind
 from devplugin.policy.allocator import Allocator
 from devplugin.policy.placement import NodeState, Outcome, ParsedRecord, Shape, place, shape_of
@@ -67,11 +68,14 @@ def parse_record(record: Mapping[str, Any]) -> ParsedRecord:
     return placement_record(record, canonical=True)
 
 
-class Layouts:
+class Layouts(ThreadLoop):
     """Each node's current layout, built once per distinct layout: records
-    name GPUs canonically, so the nodes of one model share one."""
+    name GPUs canonically, so the nodes of one model share one. Large ones
+    are built on the loop's thread, started with the first of them."""
 
     def __init__(self, on_ready: Callable[[str], None] = lambda node: None) -> None:
+        super().__init__("layouts", failing="a node's topology could not be built")
+        self._started = False
         self._lock = threading.Lock()
         self._by_node: dict[str, Layout] = {}
         self._shared: weakref.WeakValueDictionary[tuple[Any, ...], Layout] = (
@@ -80,7 +84,6 @@ class Layouts:
         self._wanted: dict[str, tuple[Any, ...]] = {}
         self._queue: queue.SimpleQueue[tuple[str, ParsedRecord] | None] = queue.SimpleQueue()
         self._on_ready = on_ready
-        self._thread: threading.Thread | None = None
         self.built = 0
 
     def get(self, node: str, key: tuple[Any, ...]) -> Layout | None:
@@ -107,13 +110,14 @@ class Layouts:
             if self._wanted.get(record.name) == record.layout_key:
                 return _slim(record, record.layout_key)
             self._wanted[record.name] = record.layout_key
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="layouts", daemon=True)
-                self._thread.start()
+            if not self._started:
+                self._started = True
+                self.start()
         self._queue.put((record.name, record))
         return _slim(record, record.layout_key)
 
-    def stop(self) -> None:
+    def signal_stop(self) -> None:
+        super().signal_stop()
         self._queue.put(None)
 
     def _store(self, node: str, layout: Layout) -> None:
@@ -122,7 +126,8 @@ class Layouts:
             self._shared[layout.key] = layout
             self.built += 1
 
-    def _run(self) -> None:
+    def run(self) -> None:
+        # A queue worker: each wanted layout built once, the newest only.
         while True:
             item = self._queue.get()
             if item is None:

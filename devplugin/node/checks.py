@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from devplugin.loops import Backoff, ThreadLoop
 from devplugin.model import Inventory
 from devplugin.node.discovery import Discoverer
 from devplugin.node.discovery.sysfs import PortStates, port_states_of
@@ -55,7 +56,7 @@ class Requests:
         self.wake.set()
 
 
-class CheckLoop:
+class CheckLoop(ThreadLoop):
     def __init__(
         self,
         discoverer: Discoverer,
@@ -70,6 +71,12 @@ class CheckLoop:
         clock: Callable[[], float] = time.monotonic,
         port_interval: float | None = None,
     ) -> None:
+        # A failed check keeps the previous device lists and is tried again
+        # after a pause, not at once in a tight loop.
+        super().__init__(
+            "checks", backoff=Backoff(min(1.0, interval), interval),
+            failing="health check failed; keeping the previous device lists",
+        )  # fmt: skip
         self._discoverer = discoverer
         self._port_interval = port_interval
         # The port states the last check or port read saw.
@@ -81,16 +88,15 @@ class CheckLoop:
         self._on_scan = on_scan
         self._metrics = metrics
         self._clock = clock
-        self._stop = threading.Event()
         self.requests = requests if requests is not None else Requests()
-        self._thread: threading.Thread | None = None
+        # The events that ask for a check are this loop's pokes.
+        self._wake = self.requests.wake
+        never = float("inf")
+        self._port_every = port_interval or never
+        self._next_check = self._next_full = self._next_ports = never
         self._last_complete = clock()
         self._scan_lock = threading.Lock()
         self.checks = 0  # completed scans, for observers
-
-    @property
-    def thread(self) -> threading.Thread | None:
-        return self._thread
 
     # -- one check ---------------------------------------------------------------
     def check(self, *, full: bool = True) -> Inventory:
@@ -140,57 +146,40 @@ class CheckLoop:
         return False, f"no health check completed for {age:.0f}s"
 
     # -- the loop ----------------------------------------------------------------
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="checks", daemon=True)
-        self._thread.start()
-
-    def signal_stop(self) -> None:
-        self._stop.set()
-        self.requests.wake.set()
-
-    def join(self, timeout: float) -> None:
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    def _run(self) -> None:
+    def starting(self) -> None:
         log.info(
             "check loop started (health every %.1fs, HCA ports every %s, full rescan every %.1fs)",
             self._interval,
             f"{self._port_interval:.1f}s" if self._port_interval else "check",
             self._rescan,
         )
-        next_check = self._clock() + self._interval
-        next_full = self._clock() + self._rescan
-        never = float("inf")
-        port_every = self._port_interval or never
-        next_ports = self._clock() + port_every
+        now = self._clock()
+        self._next_check = now + self._interval
+        self._next_full = now + self._rescan
+        self._next_ports = now + self._port_every
+
+    def step(self) -> float:
+        """What is due or asked for, then the seconds until the next due."""
         requests = self.requests
-        while not self._stop.is_set():
-            wake_at = min(next_check, next_full, next_ports)
-            requests.wake.wait(max(0.0, wake_at - self._clock()))
-            requests.wake.clear()
-            if self._stop.is_set():
-                break
-            full, requests.full = requests.full, False
-            judge, requests.judge = requests.judge, False
-            now = self._clock()
-            try:
-                if now >= next_ports and not full and now < next_full and now < next_check:
-                    next_ports = now + port_every
-                    if self.ports_changed():
-                        log.debug("an HCA port changed state; checking now")
-                        next_check = now
-                if full or now >= next_full:
-                    self.check(full=True)
-                    next_full = now + self._rescan
-                    next_check = now + self._interval
-                    next_ports = now + port_every
-                elif now >= next_check:
-                    self.check(full=False)
-                    next_check = now + self._interval
-                    next_ports = now + port_every
-                elif judge:
-                    self._pipeline.rejudge()
-            except Exception:
-                log.exception("health check failed; keeping the previous device lists")
-        log.info("check loop stopped")
+        full, requests.full = requests.full, False
+        judge, requests.judge = requests.judge, False
+        now = self._clock()
+        due_ports = now >= self._next_ports
+        if due_ports and not full and now < self._next_full and now < self._next_check:
+            self._next_ports = now + self._port_every
+            if self.ports_changed():
+                log.debug("an HCA port changed state; checking now")
+                self._next_check = now
+        if full or now >= self._next_full:
+            self.check(full=True)
+            self._next_full = now + self._rescan
+            self._next_check = now + self._interval
+            self._next_ports = now + self._port_every
+        elif now >= self._next_check:
+            self.check(full=False)
+            self._next_check = now + self._interval
+            self._next_ports = now + self._port_every
+        elif judge:
+            self._pipeline.rejudge()
+        wake_at = min(self._next_check, self._next_full, self._next_ports)
+        return max(0.0, wake_at - self._clock())

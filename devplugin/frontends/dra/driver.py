@@ -21,6 +21,7 @@ from typing import Any, Protocol
 from devplugin.frontends.dra.plugin import DraPlugin, health_list
 from devplugin.frontends.dra.prepare import Preparer
 from devplugin.frontends.dra.slices import SliceDevice, names, node_devices, published, split
+from devplugin.loops import Backoff, ThreadLoop
 from devplugin.model import DeviceKind, Health
 from devplugin.node.pipeline import Pipeline
 from devplugin.node.resources import ResourceState
@@ -35,11 +36,11 @@ class Publisher(Protocol):
     def poke(self) -> None: ...
     def start(self) -> None: ...
     def signal_stop(self) -> None: ...
-    def join(self, timeout: float) -> None: ...
+    def join(self, timeout: float | None = None) -> None: ...
     def current(self) -> bool: ...
 
 
-class DraFrontend:
+class DraFrontend(ThreadLoop):
     def __init__(
         self,
         *,
@@ -51,6 +52,11 @@ class DraFrontend:
         unhealthy: str,
         interval: float,
     ) -> None:
+        # The slice publisher's writes give up at their request timeout.
+        super().__init__(
+            "dra", backoff=Backoff(interval, max(interval, 5.0)), join_timeout=0.5,
+            failing="DRA sockets could not be restored",
+        )  # fmt: skip
         self.preparer = preparer
         self.plugin = plugin
         self.publisher = publisher
@@ -59,8 +65,6 @@ class DraFrontend:
         self._unhealthy = unhealthy
         self._interval = interval
         self._adopting = False
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._states: dict[DeviceKind, ResourceState] = {}
         # The last judgement: its devices as slices name them, and the states.
         self._snapshot: tuple[list[SliceDevice], Mapping[DeviceKind, ResourceState | None]] = (
@@ -128,26 +132,23 @@ class DraFrontend:
         self.plugin.start()
         if self.publisher is not None:
             self.publisher.start()
-        self._thread = threading.Thread(target=self._run, name="dra", daemon=True)
-        self._thread.start()
+        super().start()
 
-    def _run(self) -> None:
+    def starting(self) -> None:
         log.info("DRA driver %s started (pool %s)", self.preparer.driver, self.pool)
-        while not self._stop.wait(self._interval):
-            try:
-                self.plugin.watch()
-            except Exception:
-                log.exception("DRA sockets could not be restored; retrying")
-            if self._adopting:
-                self._adopt()
-        log.info("DRA driver %s stopped", self.preparer.driver)
+
+    def step(self) -> float:
+        if self._adopting:
+            self._adopt()
+        self.plugin.watch()
+        return self._interval
 
     def _adopt(self) -> None:
         try:
             self.preparer.adopt()
         except ClaimReadError as exc:
             log.warning("claims not listed (%s); devices stay out until they are", exc)
-            self._stop.wait(min(5.0, 10 * self._interval))
+            self.sleep(min(5.0, 10 * self._interval))
             return
         self._adopting = False
         self._pipeline.rejudge()
@@ -162,13 +163,12 @@ class DraFrontend:
         return True, ""
 
     def signal_stop(self) -> None:
-        self._stop.set()
+        super().signal_stop()
         if self.publisher is not None:
             self.publisher.signal_stop()
 
-    def join(self, timeout: float) -> None:
-        if self._thread is not None:
-            self._thread.join(timeout)
+    def join(self, timeout: float | None = None) -> None:
+        super().join(timeout)
         if self.publisher is not None:
             self.publisher.join(timeout)
 

@@ -11,9 +11,10 @@ import contextlib
 import logging
 import os
 import select
-import threading
 from collections.abc import Callable
 from typing import Any
+
+from devplugin.loops import Backoff, ThreadLoop
 
 log = logging.getLogger(__name__)
 
@@ -38,41 +39,35 @@ def udev_monitor() -> Any | None:
     return monitor
 
 
-class HotplugWatcher:
+class HotplugWatcher(ThreadLoop):
     """Calls `on_event` with a description of every relevant udev event."""
 
     def __init__(self, monitor: Any, on_event: Callable[[str], None]) -> None:
+        # Periodic rescans go on while udev fails: no hurry to ask it again.
+        super().__init__(
+            "hotplug", backoff=Backoff(5.0, 5.0), join_timeout=5.0,
+            failing="udev monitor failed; periodic rescans continue",
+        )  # fmt: skip
         self._monitor = monitor
         self._on_event = on_event
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         # A pipe that wakes the select below at once when asked to stop.
         self._wake_r, self._wake_w = os.pipe()
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="hotplug", daemon=True)
-        self._thread.start()
-
     def signal_stop(self) -> None:
-        if self._stop.is_set():
+        if self.stopping:
             return
-        self._stop.set()
+        super().signal_stop()
         with contextlib.suppress(OSError):
             os.write(self._wake_w, b"x")
 
-    def join(self, timeout: float) -> None:
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                return
+    def join(self, timeout: float | None = None) -> None:
+        super().join(timeout)
+        if self._thread is not None and self._thread.is_alive():
+            return
         if self._wake_w >= 0:
             os.close(self._wake_r)
             os.close(self._wake_w)
             self._wake_r = self._wake_w = -1
-
-    def stop(self) -> None:
-        self.signal_stop()
-        self.join(5)
 
     def _poll(self) -> Any:
         """The next event, or None; returns early when stopped."""
@@ -85,23 +80,15 @@ class HotplugWatcher:
             return None
         return self._monitor.poll(timeout=0)
 
-    def _run(self) -> None:
+    def starting(self) -> None:
         log.info("hotplug watcher started")
-        while not self._stop.is_set():
-            try:
-                device = self._poll()
-            except Exception as exc:  # noqa: BLE001
-                log.warning("udev monitor failed (%s); periodic rescans continue", exc)
-                self._stop.wait(5.0)
-                continue
-            if device is None:
-                continue
-            action = getattr(device, "action", None)
-            if action not in ACTIONS:
-                continue
-            what = (
-                f"{action} {getattr(device, 'subsystem', '?')} {getattr(device, 'sys_name', '?')}"
-            )
-            log.info("hotplug event: %s", what)
-            self._on_event(what)
-        log.info("hotplug watcher stopped")
+
+    def step(self) -> float:
+        device = self._poll()
+        action = getattr(device, "action", None)
+        if device is None or action not in ACTIONS:
+            return 0.0
+        what = f"{action} {getattr(device, 'subsystem', '?')} {getattr(device, 'sys_name', '?')}"
+        log.info("hotplug event: %s", what)
+        self._on_event(what)
+        return 0.0

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from devplugin.loops import ThreadLoop
 from devplugin.model import DeviceKind
 from devplugin.node.lifecycle.custody import Key
 from devplugin.node.lifecycle.hooks import HookDevice, HookResult, HookRunner, HookSpec, Tracker
@@ -72,24 +73,20 @@ class Cleaners:
         self._describe = describe
         self._runner = runner
         self._cancel = cancel
-        self._count = max(1, count)
-        self._threads: list[threading.Thread] = []
+        self._cleaners = [_Cleaner(f"cleanup-{n}", self) for n in range(max(1, count))]
 
     def start(self) -> None:
-        for number in range(self._count):
-            thread = threading.Thread(target=self._work, name=f"cleanup-{number}", daemon=True)
-            thread.start()
-            self._threads.append(thread)
+        for cleaner in self._cleaners:
+            cleaner.start()
 
     def join(self, timeout: float) -> None:
         """Wait for every cleaner (the book's stop ends them), `timeout` in all."""
         deadline = time.monotonic() + timeout
-        for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
+        for cleaner in self._cleaners:
+            cleaner.join(max(0.0, deadline - time.monotonic()))
 
-    def _work(self) -> None:
-        name = threading.current_thread().name
-        log.info("%s started", name)
+    def work(self) -> None:
+        """One cleaner's life: attempts until the book says stop."""
         while (key := self._book.next_cleanup()) is not None:
             try:
                 attempt = self._attempt(key)
@@ -97,7 +94,6 @@ class Cleaners:
                 log.exception("cleanup of %s failed unexpectedly; will retry", key[1])
                 attempt = Attempt(problem="internal error", internal=True)
             self._book.cleanup_ended(key, attempt)
-        log.info("%s stopped", name)
 
     def _attempt(self, key: Key) -> Attempt:
         kind, device = key
@@ -113,3 +109,14 @@ class Cleaners:
             track=self._book.tracker(kind, [device]), cancel=self._cancel,
         )  # fmt: skip
         return Attempt(result)
+
+
+class _Cleaner(ThreadLoop):
+    """One cleaner thread; its stop is the book's (next_cleanup answers None)."""
+
+    def __init__(self, name: str, pool: Cleaners) -> None:
+        super().__init__(name)
+        self._pool = pool
+
+    def run(self) -> None:
+        self._pool.work()

@@ -288,8 +288,12 @@ class CleanupManager:
             self._stop = True
             self._cond.notify_all()
 
-    def join(self, timeout: float = STOP_WAIT) -> None:
-        self._cleaners.join(timeout)
+    @property
+    def join_timeout(self) -> float:
+        return STOP_WAIT
+
+    def join(self, timeout: float | None = None) -> None:
+        self._cleaners.join(STOP_WAIT if timeout is None else timeout)
 
     def stop(self) -> None:
         self.signal_stop()

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from devplugin.loops import Backoff, ThreadLoop
 from devplugin.model import Inventory
 from devplugin.node.lifecycle.health import HealthTracker
 
@@ -33,7 +34,7 @@ def _text(value: object) -> str:
     return str(value)
 
 
-class XidWatcher:
+class XidWatcher(ThreadLoop):
     """One thread waiting on an NVML event set for every reachable GPU.
 
     The set is (re)registered whenever the GPUs the check loop found, or the
@@ -51,20 +52,22 @@ class XidWatcher:
         good_checks: int,
         on_fault: Callable[[], None] = lambda: None,
     ) -> None:
+        # The periodic checks watch the GPUs while an event wait fails.
+        super().__init__(
+            "xid", backoff=Backoff(1.0, 1.0), join_timeout=5.0,
+            failing="NVML event wait failed; health checks continue",
+        )  # fmt: skip
         self._lib = lib
         self._ignore = frozenset(ignore)
         self._health = health
         self._good_checks = good_checks
         self._on_fault = on_fault
-        self._stop = threading.Event()
-        self._changed = threading.Event()
         self._settled = threading.Event()
         self._lock = threading.Lock()
         self._wanted: tuple[int, frozenset[str]] = (0, frozenset())
         self._armed: tuple[int, frozenset[str]] | None = None
         self._event_set: Any | None = None
         self._initialised = False
-        self._thread: threading.Thread | None = None
         self.watched: frozenset[str] = frozenset()
         self.arms = 0
         self.events_seen = 0
@@ -80,27 +83,11 @@ class XidWatcher:
                 return
             self._wanted = wanted
             self._settled.clear()
-        self._changed.set()
+        self.poke()
 
     def wait_armed(self, timeout: float) -> bool:
         """Wait until the last tracked GPU set is registered (or failed to be)."""
         return self._settled.wait(timeout)
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="xid", daemon=True)
-        self._thread.start()
-
-    def signal_stop(self) -> None:
-        self._stop.set()
-        self._changed.set()
-
-    def join(self, timeout: float) -> None:
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    def stop(self) -> None:
-        self.signal_stop()
-        self.join(5)
 
     def _arm(self, wanted: tuple[int, frozenset[str]]) -> None:
         lib = self._lib
@@ -151,42 +138,36 @@ class XidWatcher:
             log.debug("NVML event set free failed", exc_info=True)
         self._event_set = None
 
-    def _run(self) -> None:
+    def starting(self) -> None:
         log.info("XID watcher started")
+
+    def step(self) -> float | None:
         lib = self._lib
-        timeout_code = getattr(lib, "NVML_ERROR_TIMEOUT", TIMEOUT)
-        xid_type = getattr(lib, "nvmlEventTypeXidCriticalError", XID_CRITICAL)
+        with self._lock:
+            wanted = self._wanted
+        if wanted != self._armed:
+            self._arm(wanted)
+        with self._lock:
+            if wanted == self._wanted:
+                self._settled.set()
+        if self._event_set is None:
+            return None  # nothing registered: sleep until the GPU set changes
         try:
-            while not self._stop.is_set():
-                with self._lock:
-                    wanted = self._wanted
-                    self._changed.clear()
-                if wanted != self._armed:
-                    self._arm(wanted)
-                with self._lock:
-                    if wanted == self._wanted:
-                        self._settled.set()
-                if self._event_set is None:
-                    # Nothing registered: sleep until the GPU set changes.
-                    self._changed.wait()
-                    continue
-                try:
-                    event = lib.nvmlEventSetWait_v2(self._event_set, WAIT_MS)
-                except Exception as exc:  # noqa: BLE001
-                    if getattr(exc, "value", None) == timeout_code:
-                        continue
-                    log.warning("NVML event wait failed (%s); health checks continue", exc)
-                    self._stop.wait(1.0)
-                    continue
-                self._handle(event, xid_type)
-        finally:
-            self._free()
-            if self._initialised:
-                try:
-                    lib.nvmlShutdown()
-                except Exception:
-                    log.debug("nvmlShutdown failed", exc_info=True)
-            log.info("XID watcher stopped")
+            event = lib.nvmlEventSetWait_v2(self._event_set, WAIT_MS)
+        except Exception as exc:
+            if getattr(exc, "value", None) == getattr(lib, "NVML_ERROR_TIMEOUT", TIMEOUT):
+                return 0.0
+            raise
+        self._handle(event, getattr(lib, "nvmlEventTypeXidCriticalError", XID_CRITICAL))
+        return 0.0
+
+    def finished(self) -> None:
+        self._free()
+        if self._initialised:
+            try:
+                self._lib.nvmlShutdown()
+            except Exception:
+                log.debug("nvmlShutdown failed", exc_info=True)
 
     def _handle(self, event: Any, xid_type: int) -> None:
         try:
