@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import yaml
 
+from devplugin.model import DeviceKind
 from devplugin.policy.cdi import kind_problem
 
 CONFIG_VERSION = "v1"
@@ -198,6 +199,11 @@ class CdiConfig:
 class ResourcesConfig:
     gpu: GpuResourceConfig = field(default_factory=GpuResourceConfig)
     hca: HcaResourceConfig = field(default_factory=HcaResourceConfig)
+
+    def of(self, kind: DeviceKind) -> GpuResourceConfig | HcaResourceConfig:
+        """A kind's section (each kind's section is named by its value)."""
+        section: GpuResourceConfig | HcaResourceConfig = getattr(self, kind.value)
+        return section
 
 
 @dataclass(frozen=True)

@@ -117,6 +117,11 @@ class AlignmentMonitor(ThreadLoop):
         self._failing: str | None = None
         self.polls = 0
 
+    def on_new(self, notify: Callable[[ContainerAlignment], None]) -> None:
+        """Also tell `notify` of each container that newly holds devices
+        (before start)."""
+        self._on_new.append(notify)
+
     def report(self) -> dict[str, ContainerAlignment]:
         with self._lock:
             return dict(self._report)

@@ -69,6 +69,17 @@ class StatusServer:
             listener.stop()
         self._listeners = []
 
+    # A part of the daemon's loops: stopping closes the ports at once.
+    @property
+    def join_timeout(self) -> float:
+        return 5.0
+
+    def signal_stop(self) -> None:
+        self.stop()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Nothing to wait for: `signal_stop` joined the listeners."""
+
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         registry, healthy, ready = self._registry, self._healthy, self._ready
 

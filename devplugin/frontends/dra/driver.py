@@ -15,17 +15,23 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
+from functools import partial
+from pathlib import Path
 from typing import Any, Protocol
 
-from devplugin.frontends.dra.plugin import DraPlugin, health_list
+from devplugin.config import Config, dra_cdi_kind, node_name
+from devplugin.frontends.dra.plugin import DraPlugin, health_list, socket_paths
 from devplugin.frontends.dra.prepare import Preparer
 from devplugin.frontends.dra.slices import SliceDevice, names, node_devices, published, split
 from devplugin.loops import Backoff, ThreadLoop
 from devplugin.model import DeviceKind, Health
+from devplugin.node.core import NodeCore, check_socket_field
+from devplugin.node.lifecycle.boot import read_boot_id
+from devplugin.node.lifecycle.cdi_spec import ClaimSpecs
 from devplugin.node.pipeline import Pipeline
 from devplugin.node.resources import ResourceState
-from devplugin.policy.claims import ClaimReadError
+from devplugin.policy.claims import ClaimReader, ClaimReadError
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +44,10 @@ class Publisher(Protocol):
     def signal_stop(self) -> None: ...
     def join(self, timeout: float | None = None) -> None: ...
     def current(self) -> bool: ...
+
+
+# The slices this node should have, as the publisher asks for them.
+Desired = Callable[[], Sequence[Sequence[Mapping[str, Any]]]]
 
 
 class DraFrontend(ThreadLoop):
@@ -71,6 +81,50 @@ class DraFrontend(ThreadLoop):
             [], {},
         )  # fmt: skip
         self._lock = threading.Lock()
+
+    @classmethod
+    def build(
+        cls,
+        config: Config,
+        core: NodeCore,
+        *,
+        reader: ClaimReader,
+        publisher: Callable[[Desired], Publisher | None],
+    ) -> DraFrontend:
+        """The DRA driver for the kinds configured for DRA; `reader` reads
+        claims, `publisher` makes the slice writer (None without API)."""
+        dra, paths, kinds, pipeline = config.dra, config.paths, core.dra_kinds, core.pipeline
+        node = node_name(config)
+        served = {resource.kind: resource for resource in core.resources if resource.kind in kinds}
+        init = {kind: hook for kind in served if (hook := core.init_hook(kind)) is not None}
+        preparer = Preparer(
+            driver=dra.driver, pool=node, resources=served, pipeline=pipeline,
+            cleanup=core.cleanup, runner=core.runner, init=init,
+            specs=ClaimSpecs(Path(config.cdi.spec_dirs[-1]), dra_cdi_kind(config)),
+            reader=reader,
+            names=lambda: names(node_devices(pipeline.inventory, kinds)),
+            metrics=core.metrics, boot=read_boot_id(Path(paths.boot_id)),
+        )  # fmt: skip
+        plugins_dir, registry_dir = (
+            Path(paths.kubelet_plugins_dir),
+            Path(paths.kubelet_registry_dir),
+        )
+        service_path, registration_path = socket_paths(plugins_dir, registry_dir, dra.driver)
+        check_socket_field("paths.kubelet_plugins_dir", service_path)
+        check_socket_field("paths.kubelet_registry_dir", registration_path)
+        plugin = DraPlugin(
+            preparer, plugins_dir=plugins_dir, registry_dir=registry_dir,
+            health_timeout=dra.health_timeout_seconds,
+        )  # fmt: skip
+        frontend = cls(
+            preparer=preparer, plugin=plugin, pipeline=pipeline, kinds=kinds, publisher=None,
+            unhealthy=dra.unhealthy, interval=config.kubelet.watch_interval_seconds,
+        )  # fmt: skip
+        frontend.publisher = publisher(frontend.desired)
+        for kind in kinds:
+            pipeline.connect(kind, partial(frontend.update, kind))
+        pipeline.on_judged(frontend.judged)
+        return frontend
 
     @property
     def pool(self) -> str:

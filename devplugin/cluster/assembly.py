@@ -1,0 +1,198 @@
+"""The cluster side of one node's daemon, assembled: the pod watch and what
+it lends the node core, the event recorder, the NodeDevices record with
+its Lease, and what the DRA front-end needs of the API (a claim reader and
+the ResourceSlice writer). Without API access every part is absent and
+the node serves from the kubelet alone."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any
+
+from lightkube import Client
+
+from devplugin.cluster.awareness import PodAwareness
+from devplugin.cluster.claims import ApiClaimReader
+from devplugin.cluster.client import Heartbeat, make_client
+from devplugin.cluster.events import EventRecorder
+from devplugin.cluster.lease import LeaseKeeper
+from devplugin.cluster.pods import PodCache
+from devplugin.cluster.publisher import RecordPublisher
+from devplugin.cluster.record import Registration, build_status
+from devplugin.cluster.slices import Desired, SlicePublisher, slice_cache
+from devplugin.cluster.watch import WatchTiming
+from devplugin.config import Config, lease_namespace, node_name
+from devplugin.loops import Loop
+from devplugin.model import DeviceKind, Inventory
+from devplugin.node.alignment import ContainerAlignment
+from devplugin.node.core import NodeCore
+from devplugin.node.ledger import Ledger
+from devplugin.node.metrics import Metrics
+from devplugin.node.resources import ResourceState
+from devplugin.policy.claims import ClaimReader, ClaimReadError
+from devplugin.policy.podinfo import PodInfo
+
+log = logging.getLogger(__name__)
+
+
+class _NoApi:
+    """Claims cannot be read without API access: every prepare fails (and
+    the kubelet retries), nothing is handed out unchecked."""
+
+    def get(self, namespace: str, name: str) -> Any:
+        raise ClaimReadError("no Kubernetes API access")
+
+    def on_node(self, driver: str, pool: str) -> Any:
+        raise ClaimReadError("no Kubernetes API access")
+
+
+@dataclass(frozen=True)
+class StatusInputs:
+    """What the NodeDevices record is made of, each a plain callable that
+    reads the last judged state (no I/O)."""
+
+    inventory: Callable[[], Inventory]
+    states: Callable[[], Mapping[DeviceKind, ResourceState]]
+    holders: Callable[[], list[ContainerAlignment]]
+    registered: Callable[[], dict[str, bool]]
+
+
+def node_status(
+    inputs: StatusInputs, uid_of: Callable[[str, str], str | None] | None
+) -> dict[str, Any]:
+    """The NodeDevices status from the last judged state and the holdings
+    as the events left them."""
+    registered = inputs.registered()
+    missing = sorted(name for name, ok in registered.items() if not ok)
+    registration = Registration(
+        registered=bool(registered) and not missing,
+        message=(
+            f"not registered: {', '.join(missing)}"
+            if missing
+            else f"registered: {', '.join(sorted(registered))}"
+        ),
+    )
+    containers = inputs.holders()
+    if uid_of is not None:
+        # Holders only PodResources named: their uid from the pod cache.
+        containers = [
+            replace(c, uid=uid_of(c.namespace, c.pod)) if c.uid is None and c.pod else c
+            for c in containers
+        ]
+    return build_status(inputs.inventory(), inputs.states(), containers, registration)
+
+
+def _pod_ended(ledger: Ledger, pods: PodCache, pod: PodInfo) -> None:
+    live = pods.uid_of(pod.namespace, pod.name)
+    ledger.pod_ended(
+        pod.namespace, pod.name, pod.uid, successor=live is not None and live != pod.uid
+    )
+
+
+@dataclass
+class ClusterSide:
+    config: Config
+    pods: PodCache | None = None
+    # Writes (the record, events, slices) on their own connection: the pod
+    # watch's is closed to end it at stop.
+    writer: Client | None = None
+    awareness: PodAwareness | None = None
+    events: EventRecorder | None = None
+    publisher: RecordPublisher | None = None
+    lease: LeaseKeeper | None = None
+
+    @classmethod
+    def connect(cls, config: Config) -> ClusterSide:
+        """The API clients and the pod watch, when the API is enabled."""
+        kube = config.kubernetes
+        if not kube.enabled:
+            return cls(config)
+        heartbeat = Heartbeat()
+        client = make_client(kube, heartbeat=heartbeat)
+        if client is None:
+            return cls(config)
+        pods = PodCache(client, node_name(config), timing=WatchTiming.of(kube), heartbeat=heartbeat)
+        return cls(config, pods=pods, writer=make_client(kube))
+
+    def witness(
+        self, ledger: Ledger, metrics: Metrics, names: Mapping[DeviceKind, str]
+    ) -> PodAwareness | None:
+        """The pod watch's view of who holds what, lent to the node core."""
+        if self.pods is None:
+            return None
+        config = self.config
+        self.awareness = PodAwareness(
+            self.pods, ledger, dict(names), wait=config.kubernetes.pod_wait_seconds,
+            metrics=metrics, pair_seconds=config.allocation.pairing_window_seconds,
+            claim_seconds=config.kubernetes.claim_seconds,
+        )  # fmt: skip
+        return self.awareness
+
+    def attach(self, core: NodeCore) -> None:
+        """Pod events move the holdings before any reader sees the change;
+        new holders become pod events."""
+        pods, config = self.pods, self.config
+        if pods is None:
+            return
+        pods.listen(core.cleanup.reconsider)
+        pods.on_ended(partial(_pod_ended, core.ledger, pods))
+        ledger = core.ledger
+        pods.on_started(lambda pod: ledger.pod_started(pod.namespace, pod.name, pod.uid))
+        core.metrics.watch_current.labels("pods").set_function(lambda: float(pods.current))
+        core.metrics.watch_age.labels("pods").set_function(pods.age)
+        if self.writer is not None and config.kubernetes.events:
+            self.events = EventRecorder(
+                self.writer, node_name(config), pods.uid_of, metrics=core.metrics
+            )
+            core.monitor.on_new(self.events.record)
+
+    def claim_reader(self) -> ClaimReader:
+        """Claims read with the DRA deadline, on a connection of their own."""
+        kube, dra = self.config.kubernetes, self.config.dra
+        reads = make_client(replace(kube, request_timeout_seconds=dra.claim_timeout_seconds))
+        return ApiClaimReader(reads) if reads is not None else _NoApi()
+
+    def slice_publisher(self, desired: Desired, metrics: Metrics) -> SlicePublisher | None:
+        kube = self.config.kubernetes
+        watcher = make_client(kube) if self.writer is not None else None
+        if self.writer is None or watcher is None:
+            return None
+        node = node_name(self.config)
+        return SlicePublisher(
+            self.writer, slice_cache(watcher, node, WatchTiming.of(kube)),
+            driver=self.config.dra.driver, node=node, desired=desired, metrics=metrics,
+        )  # fmt: skip
+
+    def publish_record(self, inputs: StatusInputs, core: NodeCore) -> None:
+        """The NodeDevices record and its Lease, when the config asks."""
+        kube, writer = self.config.kubernetes, self.writer
+        if writer is None or not kube.node_devices:
+            return
+        node = node_name(self.config)
+        uid_of = self.pods.uid_of if self.pods is not None else None
+        self.publisher = RecordPublisher(
+            writer, node, partial(node_status, inputs, uid_of),
+            min_interval=kube.record_min_interval_seconds, resync=kube.record_resync_seconds,
+            metrics=core.metrics,
+        )  # fmt: skip
+        core.ledger.listen(self.publisher.poke)
+        self.lease = LeaseKeeper(
+            writer, node, lease_namespace(self.config),
+            renew=kube.lease_renew_seconds, duration=kube.lease_duration_seconds,
+        )  # fmt: skip
+
+    @property
+    def loops(self) -> list[Loop]:
+        """In start order: the pod watch first, the record's writers after."""
+        found: list[Loop | None] = [self.pods, self.events, self.publisher, self.lease]
+        return [loop for loop in found if loop is not None]
+
+    def close(self) -> None:
+        if self.writer is not None:
+            try:
+                self.writer.close()
+            except Exception:
+                log.debug("closing the API writer failed", exc_info=True)

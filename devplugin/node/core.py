@@ -1,0 +1,280 @@
+"""The node core, assembled: what every front-end serves from.
+
+Discovery with its deadlines, the check loop, the judging pipeline, the
+holdings ledger, the coordinator, health, the cleanup manager, the XID
+watcher and the PodResources monitor, wired from the configuration. The
+front-ends and the cluster side connect to it afterwards (sinks on the
+pipeline, listeners on the ledger); nothing here knows which are there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+from devplugin.config import CDI_STRATEGIES, Config, ConfigError, HooksConfig, dra_kinds
+from devplugin.model import DeviceKind, Inventory
+from devplugin.node.alignment import AlignmentMonitor
+from devplugin.node.checks import CheckLoop, Requests
+from devplugin.node.coordination import Coordinator
+from devplugin.node.deadline import Deadlines
+from devplugin.node.discovery import CdiReader, Discoverer, NvmlGpuSource, Roots
+from devplugin.node.discovery.udev import HotplugWatcher, udev_monitor
+from devplugin.node.ledger import Ledger
+from devplugin.node.lifecycle.cdi_spec import HcaSpecWriter
+from devplugin.node.lifecycle.checkpoint import Checkpoint
+from devplugin.node.lifecycle.cleanup import CleanupManager
+from devplugin.node.lifecycle.devices import describe
+from devplugin.node.lifecycle.health import HealthTracker, Recovery
+from devplugin.node.lifecycle.hooks import HookRunner, HookSpec, run_hook
+from devplugin.node.lifecycle.releases import PodWitness
+from devplugin.node.lifecycle.xid import XidWatcher
+from devplugin.node.metrics import Metrics
+from devplugin.node.pipeline import Pipeline, log_inventory
+from devplugin.node.podresources import PodResourcesClient
+from devplugin.node.resources import Capabilities, Delivery, GpuResource, HcaResource, Resource
+from devplugin.node.sharing import SharedResource
+from devplugin.rpc import check_server_path
+
+log = logging.getLogger(__name__)
+
+# How long start waits for the XID watcher to register the first GPU set.
+XID_ARM_WAIT = 5.0
+
+# What the cluster side may lend the core (the pod watch's view), made
+# once the ledger and the metrics exist.
+Witness = Callable[[Ledger, Metrics, Mapping[DeviceKind, str]], PodWitness | None]
+
+
+def check_socket_field(field: str, path: Path) -> None:
+    """A socket path the kernel cannot bind is the configured directory's
+    fault: a config error naming it, not a failure at start."""
+    try:
+        check_server_path(path)
+    except ValueError as exc:
+        raise ConfigError(field, str(exc)) from exc
+
+
+def hooks_of(config: Config, kind: DeviceKind) -> HooksConfig:
+    return config.resources.of(kind).hooks
+
+
+def build_resources(config: Config) -> list[Resource]:
+    """One served resource per enabled kind, shared where sharing asks."""
+
+    def caps(hooks: HooksConfig) -> Capabilities:
+        return Capabilities(
+            preferred_allocation=config.allocation.preferred,
+            pre_start=bool(hooks.init) and hooks.init_phase == "pre_start",
+        )
+
+    resources: list[Resource] = []
+    gpu, hca = config.resources.gpu, config.resources.hca
+    sharing, cdi = config.sharing, config.cdi
+    if gpu.enabled:
+        gpu_delivery = Delivery(
+            strategy=frozenset(gpu.device_list_strategy), cdi_kind=cdi.gpu_kind,
+            gpu_names=cdi.gpu_device_name, plugin="devplugin.gpu",
+        )  # fmt: skip
+        gpu_resource: Resource = GpuResource(
+            name=gpu.name, capabilities=caps(gpu.hooks), delivery=gpu_delivery
+        )
+        if sharing.gpu.replicas > 1:
+            gpu_resource = SharedResource(
+                gpu_resource,
+                sharing.gpu.replicas,
+                policy=sharing.gpu.policy,
+                refuse_multiple=sharing.gpu.refuse_multiple_per_gpu,
+                renamed=sharing.gpu.resource_name,
+            )
+        resources.append(gpu_resource)
+    if hca.enabled:
+        hca_delivery = Delivery(
+            strategy=frozenset(hca.device_list_strategy), cdi_kind=cdi.hca_kind,
+            plugin="devplugin.hca",
+        )  # fmt: skip
+        hca_resource: Resource = HcaResource(
+            name=hca.name, env_var=hca.env_var, capabilities=caps(hca.hooks),
+            delivery=hca_delivery,
+        )  # fmt: skip
+        if sharing.hca.units > 1:
+            hca_resource = SharedResource(
+                hca_resource, sharing.hca.units, policy=sharing.hca.policy
+            )
+        resources.append(hca_resource)
+    return resources
+
+
+def hook_runner(config: Config, metrics: Metrics) -> HookRunner:
+    # Hooks see the roots the daemon reads (in the chart, /host/sys and
+    # /host/dev), so the example hooks check the same devices it does.
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "DEVPLUGIN_SYSFS_ROOT": config.paths.sysfs_root,
+        "DEVPLUGIN_DEV_ROOT": config.paths.dev_root,
+    }
+    return metrics.timed_hooks(partial(run_hook, base_env=env))
+
+
+@dataclass
+class NodeCore:
+    """The parts every front-end shares, wired; `prepare` and the loops
+    start them (in `Daemon`)."""
+
+    config: Config
+    discoverer: Discoverer
+    resources: list[Resource]
+    # Kinds served through DRA: judged like the others, served by the DRA
+    # front-end instead of a device-plugin server.
+    dra_kinds: frozenset[DeviceKind]
+    ledger: Ledger
+    metrics: Metrics
+    coordinator: Coordinator
+    runner: HookRunner
+    health: HealthTracker
+    cleanup: CleanupManager
+    pipeline: Pipeline
+    checks: CheckLoop
+    monitor: AlignmentMonitor
+    xid: XidWatcher | None
+    # The HCA as the GPU front-end's attach option and the pipeline see it.
+    hca_view: HcaResource
+
+    @property
+    def names(self) -> dict[DeviceKind, str]:
+        return {resource.kind: resource.name for resource in self.resources}
+
+    def init_hook(self, kind: DeviceKind) -> HookSpec | None:
+        hooks = hooks_of(self.config, kind)
+        return HookSpec(hooks.init, hooks.timeout_seconds) if hooks.init else None
+
+    def hotplug(self, monitor: object | None) -> HotplugWatcher | None:
+        """The udev watcher that asks for a rescan, where udev is there."""
+        if monitor is None and self.config.hotplug.udev:
+            monitor = udev_monitor()
+        if monitor is None:
+            return None
+        requests = self.checks.requests
+        return HotplugWatcher(monitor, lambda what: requests.rescan())
+
+    def prepare(self) -> Inventory:
+        """Before anything serves: the checkpoint (so devices in use before a
+        restart are judged Unhealthy by the very first scan), the XID
+        watcher, and the first full scan."""
+        self.cleanup.load()
+        if self.xid is not None:
+            self.xid.start()
+        inventory = self.checks.check(full=True)
+        log_inventory(inventory)
+        if self.xid is not None and not self.xid.wait_armed(XID_ARM_WAIT):
+            log.warning("XID watcher not armed after %.0fs; continuing", XID_ARM_WAIT)
+        return inventory
+
+
+def build_core(config: Config, nvml_lib: object | None, *, witness: Witness) -> NodeCore:
+    """Wire the node core (nothing starts here)."""
+    paths, health_config, lifecycle = config.paths, config.health, config.lifecycle
+    deadlines = Deadlines(health_config.read_timeout_seconds)
+    gpu_config, hca_config = config.resources.gpu, config.resources.hca
+    gpu_lib = nvml_lib if gpu_config.enabled else None
+    # The node's GPU spec is read only when GPUs are handed out by CDI name.
+    reads_cdi = gpu_config.enabled and bool(CDI_STRATEGIES & set(gpu_config.device_list_strategy))
+    discoverer = Discoverer(
+        Roots(Path(paths.sysfs_root), Path(paths.dev_root)),
+        NvmlGpuSource(gpu_lib, deadlines) if gpu_lib is not None else None,
+        deadlines,
+        cdi=CdiReader(config.cdi.spec_dirs) if reads_cdi else None,
+    )
+    writes_cdi = hca_config.enabled and bool(CDI_STRATEGIES & set(hca_config.device_list_strategy))
+    hca_spec = (
+        HcaSpecWriter(Path(config.cdi.spec_dirs[-1]), config.cdi.hca_kind) if writes_cdi else None
+    )
+    resources = build_resources(config)
+    names = {resource.kind: resource.name for resource in resources}
+    pods = config.pod_resources
+    ledger = Ledger(grace=pods.bookkeeping_grace_seconds, max_age=pods.unconfirmed_max_age_seconds)
+    metrics = Metrics()
+    metrics.holdings_age.set_function(ledger.age)
+    coordinator = Coordinator(
+        ledger,
+        pairing_window=config.allocation.pairing_window_seconds,
+        search_budget=config.allocation.search_budget_ms / 1000.0,
+        on_budget=metrics.budget_hits.inc,
+    )
+    runner = hook_runner(config, metrics)
+    health = HealthTracker(Recovery(health_config.recovery), health_config.good_checks)
+    requests = Requests()
+    dra = frozenset(DeviceKind(kind) for kind in dra_kinds(config))
+    cleanup = CleanupManager(
+        hooks={
+            resource.kind: HookSpec(hooks.cleanup, hooks.timeout_seconds)
+            for resource in resources
+            if (hooks := hooks_of(config, resource.kind)).cleanup
+        },
+        resource_names=names,
+        describe=lambda kind, ids: describe(discoverer.last, kind, ids),
+        checkpoint=Checkpoint(Path(lifecycle.checkpoint_file)),
+        ledger=ledger,
+        health=health,
+        confirmations=lifecycle.release_confirmations,
+        retry_initial=lifecycle.cleanup_retry_initial_seconds,
+        retry_max=lifecycle.cleanup_retry_max_seconds,
+        on_change=requests.rejudge,
+        on_save=metrics.checkpoint_written,
+        runner=runner,
+        witness=witness(ledger, metrics, names),
+        explicit=dra,
+    )
+    hca_view = HcaResource(name=hca_config.name, env_var=hca_config.env_var)
+    pipeline = Pipeline(
+        resources,
+        health=health,
+        cleanup=cleanup,
+        coordinator=coordinator,
+        metrics=metrics,
+        after_cleanup=health_config.recovery == "after_cleanup",
+        hca_view=hca_view,
+        hca_spec=hca_spec,
+    )
+    xid = (
+        XidWatcher(
+            gpu_lib,
+            ignore=health_config.xid_ignore,
+            health=health,
+            good_checks=health_config.xid_good_checks,
+            on_fault=requests.rejudge,
+        )
+        if gpu_lib is not None
+        else None
+    )
+    checks = CheckLoop(
+        discoverer,
+        pipeline,
+        interval=health_config.interval_seconds,
+        port_interval=health_config.port_interval_seconds,
+        rescan=config.discovery.rescan_interval_seconds,
+        stale_after=health_config.stale_after_seconds,
+        requests=requests,
+        on_scan=xid.track if xid is not None else lambda inventory: None,
+        metrics=metrics,
+    )
+    monitor = AlignmentMonitor(
+        PodResourcesClient(Path(paths.pod_resources_socket)),
+        coordinator,
+        ledger,
+        names,
+        interval=pods.poll_interval_seconds,
+        min_interval=pods.min_interval_seconds,
+        listeners=[cleanup.observe],
+        metrics=metrics,
+    )
+    return NodeCore(
+        config=config, discoverer=discoverer, resources=resources, dra_kinds=dra,
+        ledger=ledger, metrics=metrics, coordinator=coordinator, runner=runner, health=health,
+        cleanup=cleanup, pipeline=pipeline, checks=checks, monitor=monitor, xid=xid,
+        hca_view=hca_view,
+    )  # fmt: skip
