@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import yaml
 
-from devplugin.model import DeviceKind
+from devplugin.model import KINDS, DeviceKind, KindInfo
 from devplugin.policy.cdi import kind_problem
 
 CONFIG_VERSION = "v1"
@@ -193,6 +193,11 @@ class CdiConfig:
     # Where runtimes read specs; a later directory wins a conflict, and the
     # HCA spec is written into the last one.
     spec_dirs: tuple[str, ...] = _checked(("/etc/cdi", "/var/run/cdi"), _dirs)
+
+    def kind_of(self, kind: DeviceKind) -> str:
+        """The CDI kind a device kind is named under (`<key>_kind`)."""
+        value: str = getattr(self, f"{kind.value}_kind")
+        return value
 
 
 @dataclass(frozen=True)
@@ -528,23 +533,36 @@ def parse_config(data: Any) -> Config:
     return config
 
 
+def served_name(config: Config, kind: DeviceKind) -> str:
+    """The resource name the kubelet sees for a kind (sharing may rename it)."""
+    renamed = config.sharing.gpu.resource_name if kind is DeviceKind.GPU else ""
+    return renamed or config.resources.of(kind).name
+
+
 def validate(config: Config) -> None:
     """Checks that span fields (single-field checks live in the schema)."""
-    gpu, hca = config.resources.gpu, config.resources.hca
-    gpu_name = config.sharing.gpu.resource_name or gpu.name
+    gpu = config.resources.gpu
     if config.sharing.gpu.resource_name:
         problem = _resource_name(config.sharing.gpu.resource_name)
         if problem:
             raise ConfigError("sharing.gpu.resource_name", problem)
-    if gpu.enabled and hca.enabled and gpu_name == hca.name:
-        raise ConfigError("resources.hca.name", f"same as the GPU resource name ({gpu_name!r})")
-    if not gpu.enabled and not hca.enabled:
+    enabled = [info for info in KINDS if config.resources.of(info.kind).enabled]
+    if not enabled:
         raise ConfigError("resources", "every resource is disabled; nothing to serve")
+    named: dict[str, KindInfo] = {}
+    for info in enabled:
+        name = served_name(config, info.kind)
+        if name in named:
+            raise ConfigError(
+                f"resources.{info.key}.name",
+                f"same as the {named[name].noun} resource name ({name!r})",
+            )
+        named[name] = info
     if config.health.recovery == "after_cleanup":
-        for name, resource in (("gpu", gpu), ("hca", hca)):
-            if resource.enabled and not resource.hooks.cleanup:
+        for info in enabled:
+            if not config.resources.of(info.kind).hooks.cleanup:
                 raise ConfigError(
-                    f"resources.{name}.hooks.cleanup",
+                    f"resources.{info.key}.hooks.cleanup",
                     "health.recovery after_cleanup needs a cleanup hook for every resource",
                 )
     lifecycle = config.lifecycle
@@ -565,12 +583,11 @@ def validate(config: Config) -> None:
 
 
 def dra_kinds(config: Config) -> frozenset[str]:
-    """The enabled resources ("gpu", "hca") served through DRA."""
-    resources = config.resources
+    """The enabled resources (by key: "gpu", "hca") served through DRA."""
     return frozenset(
-        name
-        for name, resource in (("gpu", resources.gpu), ("hca", resources.hca))
-        if resource.enabled and resource.api == "dra"
+        info.key
+        for info in KINDS
+        if (resource := config.resources.of(info.kind)).enabled and resource.api == "dra"
     )
 
 
@@ -592,7 +609,7 @@ def _validate_dra(config: Config) -> None:
     if problem:
         raise ConfigError("dra.cdi_kind", f"{dra_cdi_kind(config)!r}: {problem}")
     for name in sorted(kinds):
-        hooks = config.resources.gpu.hooks if name == "gpu" else config.resources.hca.hooks
+        hooks = config.resources.of(DeviceKind(name)).hooks
         if hooks.init and hooks.init_phase == "pre_start":
             raise ConfigError(
                 f"resources.{name}.hooks.init_phase",
@@ -624,14 +641,15 @@ def check_hooks(config: Config) -> None:
     """Every configured hook can be started on this machine. `devplugin run`
     checks before starting, so a hook that can never run is a configuration
     error, not a device advertised Healthy that then fails every Allocate."""
-    for name, resource in (("gpu", config.resources.gpu), ("hca", config.resources.hca)):
+    for info in KINDS:
+        resource = config.resources.of(info.kind)
         if not resource.enabled:
             continue
         for phase in ("init", "cleanup"):
             argv = getattr(resource.hooks, phase)
             problem = _program_problem(argv[0]) if argv else None
             if problem:
-                raise ConfigError(f"resources.{name}.hooks.{phase}", problem)
+                raise ConfigError(f"resources.{info.key}.hooks.{phase}", problem)
 
 
 def node_name(config: Config) -> str:

@@ -33,6 +33,29 @@ class DeviceKind(enum.Enum):
         return DeviceKind.HCA if self is DeviceKind.GPU else DeviceKind.GPU
 
 
+@dataclass(frozen=True)
+class KindInfo:
+    """What every layer calls one kind of device. A new kind is one entry
+    here, its discovery, and one entry in each per-layer table keyed by
+    kind (how it is served: node/core.RESOURCE_BUILDERS)."""
+
+    kind: DeviceKind
+    # Its sections in the config (resources.<key>, sharing.<key>) and its
+    # name in log lines and hook variables.
+    key: str
+    # Its list in an inventory and in the NodeDevices record.
+    plural: str
+    # In sentences.
+    noun: str
+
+
+KINDS: tuple[KindInfo, ...] = (
+    KindInfo(DeviceKind.GPU, "gpu", "gpus", "GPU"),
+    KindInfo(DeviceKind.HCA, "hca", "hcas", "HCA"),
+)
+KIND_INFO: Mapping[DeviceKind, KindInfo] = {info.kind: info for info in KINDS}
+
+
 class Refused(Exception):
     """A request the daemon cannot answer; `reason` is shown to the kubelet."""
 

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from devplugin.model import DeviceKind, Health, Inventory, PciFunction
+from devplugin.model import KINDS, DeviceKind, Health, Inventory, PciFunction
 from devplugin.node.alignment import ContainerAlignment
 from devplugin.node.resources import ResourceState
 
@@ -107,10 +107,10 @@ def build_status(
             allocation["podUID"] = item.uid
         allocations.append(allocation)
     summary: dict[str, int] = {"unhealthy": 0}
-    for kind, label in (("gpu", "gpus"), ("hca", "hcas")):
-        mine = [d for d in devices if d["kind"] == kind]
-        summary[f"{label}Total"] = len(mine)
-        summary[f"{label}Free"] = sum(
+    for info in KINDS:
+        mine = [d for d in devices if d["kind"] == info.key]
+        summary[f"{info.plural}Total"] = len(mine)
+        summary[f"{info.plural}Free"] = sum(
             1 for d in mine if d["health"] == Health.HEALTHY.value and d["id"] not in held
         )
         summary["unhealthy"] += sum(1 for d in mine if d["health"] != Health.HEALTHY.value)

@@ -17,7 +17,7 @@ from functools import partial
 from pathlib import Path
 
 from devplugin.config import CDI_STRATEGIES, Config, ConfigError, HooksConfig, dra_kinds
-from devplugin.model import DeviceKind, Inventory
+from devplugin.model import KINDS, DeviceKind, Inventory
 from devplugin.node.alignment import AlignmentMonitor
 from devplugin.node.checks import CheckLoop, Requests
 from devplugin.node.coordination import Coordinator
@@ -63,49 +63,54 @@ def hooks_of(config: Config, kind: DeviceKind) -> HooksConfig:
     return config.resources.of(kind).hooks
 
 
+def _gpu_resource(config: Config, capabilities: Capabilities) -> Resource:
+    gpu, sharing, cdi = config.resources.gpu, config.sharing.gpu, config.cdi
+    delivery = Delivery(
+        strategy=frozenset(gpu.device_list_strategy), cdi_kind=cdi.kind_of(DeviceKind.GPU),
+        gpu_names=cdi.gpu_device_name, plugin="devplugin.gpu",
+    )  # fmt: skip
+    resource = GpuResource(name=gpu.name, capabilities=capabilities, delivery=delivery)
+    if sharing.replicas <= 1:
+        return resource
+    return SharedResource(
+        resource, sharing.replicas, policy=sharing.policy,
+        refuse_multiple=sharing.refuse_multiple_per_gpu, renamed=sharing.resource_name,
+    )  # fmt: skip
+
+
+def _hca_resource(config: Config, capabilities: Capabilities) -> Resource:
+    hca, sharing, cdi = config.resources.hca, config.sharing.hca, config.cdi
+    delivery = Delivery(
+        strategy=frozenset(hca.device_list_strategy), cdi_kind=cdi.kind_of(DeviceKind.HCA),
+        plugin="devplugin.hca",
+    )  # fmt: skip
+    resource = HcaResource(
+        name=hca.name, env_var=hca.env_var, capabilities=capabilities, delivery=delivery
+    )
+    if sharing.units <= 1:
+        return resource
+    return SharedResource(resource, sharing.units, policy=sharing.policy)
+
+
+# How each kind is served: the one place that knows a kind's resource type.
+RESOURCE_BUILDERS: dict[DeviceKind, Callable[[Config, Capabilities], Resource]] = {
+    DeviceKind.GPU: _gpu_resource,
+    DeviceKind.HCA: _hca_resource,
+}
+
+
 def build_resources(config: Config) -> list[Resource]:
-    """One served resource per enabled kind, shared where sharing asks."""
-
-    def caps(hooks: HooksConfig) -> Capabilities:
-        return Capabilities(
-            preferred_allocation=config.allocation.preferred,
-            pre_start=bool(hooks.init) and hooks.init_phase == "pre_start",
-        )
-
+    """One served resource per enabled kind, in the kinds' order."""
     resources: list[Resource] = []
-    gpu, hca = config.resources.gpu, config.resources.hca
-    sharing, cdi = config.sharing, config.cdi
-    if gpu.enabled:
-        gpu_delivery = Delivery(
-            strategy=frozenset(gpu.device_list_strategy), cdi_kind=cdi.gpu_kind,
-            gpu_names=cdi.gpu_device_name, plugin="devplugin.gpu",
-        )  # fmt: skip
-        gpu_resource: Resource = GpuResource(
-            name=gpu.name, capabilities=caps(gpu.hooks), delivery=gpu_delivery
+    for info in KINDS:
+        section = config.resources.of(info.kind)
+        if not section.enabled:
+            continue
+        capabilities = Capabilities(
+            preferred_allocation=config.allocation.preferred,
+            pre_start=bool(section.hooks.init) and section.hooks.init_phase == "pre_start",
         )
-        if sharing.gpu.replicas > 1:
-            gpu_resource = SharedResource(
-                gpu_resource,
-                sharing.gpu.replicas,
-                policy=sharing.gpu.policy,
-                refuse_multiple=sharing.gpu.refuse_multiple_per_gpu,
-                renamed=sharing.gpu.resource_name,
-            )
-        resources.append(gpu_resource)
-    if hca.enabled:
-        hca_delivery = Delivery(
-            strategy=frozenset(hca.device_list_strategy), cdi_kind=cdi.hca_kind,
-            plugin="devplugin.hca",
-        )  # fmt: skip
-        hca_resource: Resource = HcaResource(
-            name=hca.name, env_var=hca.env_var, capabilities=caps(hca.hooks),
-            delivery=hca_delivery,
-        )  # fmt: skip
-        if sharing.hca.units > 1:
-            hca_resource = SharedResource(
-                hca_resource, sharing.hca.units, policy=sharing.hca.policy
-            )
-        resources.append(hca_resource)
+        resources.append(RESOURCE_BUILDERS[info.kind](config, capabilities))
     return resources
 
 
