@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
@@ -94,6 +94,36 @@ def _overlap(a: tuple[float, float], b: tuple[float, float]) -> bool:
     return a[0] < b[1] and b[0] < a[1]
 
 
+Use = tuple[Hold, float, HookRun | None]
+
+
+def _uses(
+    holds: Iterable[Hold], inits: Mapping[str, list[HookRun]], report: Report
+) -> dict[str, list[Use]]:
+    """Each device's holds, each with when its use began and its init.
+
+    Each hold's init: in the order holds were granted, the latest init of
+    exactly its devices begun while it was asked for that no earlier hold
+    took (a pod's asking includes waiting in the kubelet's admission queue,
+    through other pods' inits; the storms give every holder its own set)."""
+    by_device: dict[str, list[Use]] = defaultdict(list)
+    taken: set[int] = set()
+    for hold in sorted(holds, key=lambda hold: hold.granted):
+        report.holds += 1
+        first = hold.devices[0] if hold.devices else ""
+        mine = [
+            r for r in inits.get(first, [])
+            if hold.asked <= r.start <= hold.granted and set(r.devices) == set(hold.devices)
+            and id(r) not in taken
+        ]  # fmt: skip
+        init = mine[-1] if mine else None
+        if init is not None:
+            taken.add(id(init))
+        for device in hold.devices:
+            by_device[device].append((hold, init.start if init else hold.granted, init))
+    return by_device
+
+
 def check(runs: Sequence[HookRun], holds: Iterable[Hold], *, horizon: float) -> Report:
     """The rules above over one node's runs and holds. `horizon`: by then
     every run without an end of its own had been stopped."""
@@ -105,25 +135,7 @@ def check(runs: Sequence[HookRun], holds: Iterable[Hold], *, horizon: float) -> 
             (inits if run.phase == "init" else cleanups)[device].append(run)
     report.inits = sum(len(v) for v in inits.values())
     report.cleanups = sum(len(v) for v in cleanups.values())
-    by_device: dict[str, list[tuple[Hold, float, HookRun | None]]] = defaultdict(list)
-    # Each hold's init: in the order holds were granted, the latest init of
-    # exactly its devices begun while it was asked for that no earlier hold
-    # took (a pod's asking includes waiting in the kubelet's admission queue,
-    # through other pods' inits; the storms give every holder its own set).
-    taken: set[int] = set()
-    for hold in sorted(holds, key=lambda hold: hold.granted):
-        report.holds += 1
-        first = hold.devices[0] if hold.devices else ""
-        mine = [
-            r for r in inits[first]
-            if hold.asked <= r.start <= hold.granted and set(r.devices) == set(hold.devices)
-            and id(r) not in taken
-        ]  # fmt: skip
-        init = mine[-1] if mine else None
-        if init is not None:
-            taken.add(id(init))
-        for device in hold.devices:
-            by_device[device].append((hold, init.start if init else hold.granted, init))
+    by_device = _uses(holds, inits, report)
     for device, entries in sorted(by_device.items()):
         entries.sort(key=lambda entry: entry[1])
         spans = [(since, hold.released or math.inf) for hold, since, _ in entries]

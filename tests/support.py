@@ -6,6 +6,7 @@ custody_support and devplugin.testing), never from one another."""
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import os
 import subprocess
@@ -21,7 +22,7 @@ from devplugin.model import DeviceKind, Inventory
 from devplugin.node.discovery import Discoverer, NvmlGpuSource, Roots
 from devplugin.node.ledger import Holdings, Ledger
 from devplugin.node.lifecycle.checkpoint import Checkpoint
-from devplugin.node.lifecycle.cleanup import CleanupManager
+from devplugin.node.lifecycle.cleanup import CleanupManager, CleanupPolicy
 from devplugin.node.lifecycle.hooks import HookDevice, HookResult, HookSpec
 from devplugin.testing.fake_nvml import FakeNvml
 from devplugin.testing.node import (
@@ -145,6 +146,12 @@ class Node:
 
     def __init__(self, runner: Runner, tmp_path: Path, **kwargs: object) -> None:
         self.ledger = Ledger(grace=5.0)
+        # The policy's fields may be given one by one, as keywords.
+        fields = {f.name for f in dataclasses.fields(CleanupPolicy)}
+        chosen = {key: kwargs.pop(key) for key in list(kwargs) if key in fields}
+        if "explicit" in chosen:
+            chosen["explicit"] = frozenset(chosen["explicit"])  # type: ignore[arg-type]
+        kwargs["policy"] = CleanupPolicy(**chosen)  # type: ignore[arg-type]
         self.cleanup = CleanupManager(
             hooks={DeviceKind.GPU: HookSpec(("x",), 5)},
             resource_names={DeviceKind.GPU: "nvidia.com/gpu", DeviceKind.HCA: "rdma/hca"},

@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from functools import partial
 from http.server import BaseHTTPRequestHandler
-from typing import Any
+from typing import Any, ClassVar
 
 from lightkube import Client
 from lightkube import operators as op
@@ -617,125 +617,136 @@ class _Server(BoundedServer):
         log.debug("extender connection from %s failed", client_address, exc_info=True)
 
 
+class ExtenderHandler(BoundedHandler):
+    """The extender's verbs and probes; `_handler` makes one subclass per
+    served extender with what it answers from."""
+
+    protocol_version = "HTTP/1.1"
+    extender: ClassVar[Extender]
+    slots: ClassVar[Slots]
+    full_for: ClassVar[float]
+    budget: ClassVar[Budget]
+    verbs: ClassVar[dict[str, Callable[[Mapping[str, Any]], Any]]]
+
+    def do_POST(self) -> None:
+        path = self.path.split("?", 1)[0]
+        verb = self.verbs.get(path)
+        if verb is None:
+            self._send(404, {"Error": f"no such verb: {path[:100]}"})
+            return
+        self._serve(path.rsplit("/", 1)[1], verb)
+
+    def _serve(self, name: str, verb: Callable[[Mapping[str, Any]], Any]) -> None:
+        started = time.perf_counter()
+        try:
+            answer = self._call(verb)
+        except BadRequest as exc:
+            self.extender.metrics.requests.labels(name, "bad-request").inc()
+            self._send(400, {"Error": str(exc)[: MAX_REASON * 4]})
+            return
+        except Busy as exc:
+            self.extender.metrics.requests.labels(name, "busy").inc()
+            self.close_connection = True  # the body was not read
+            self._send(503, {"Error": str(exc)})
+            return
+        except Exception as exc:  # answer, log, keep serving
+            log.exception("extender %s failed", name)
+            self.extender.metrics.requests.labels(name, "error").inc()
+            self._send(500, {"Error": f"{type(exc).__name__}: {exc}"[:MAX_REASON]})
+            return
+        self.extender.metrics.seconds.labels(name).observe(time.perf_counter() - started)
+        self.extender.metrics.requests.labels(name, "ok").inc()
+        self._raw(200, answer, "application/json")
+
+    def do_GET(self) -> None:
+        path = self.path.split("?", 1)[0]
+        if path == "/healthz":
+            stuck = self.slots.stuck()
+            if stuck > self.full_for:
+                self._text(503, f"every call slot busy for {stuck:.0f}s\n")
+            else:
+                self._text(200, "ok\n")
+        elif path == "/readyz":
+            ok, why = self.extender.ready()
+            self._text(200 if ok else 503, "ok\n" if ok else why + "\n")
+        elif path == "/metrics":
+            self.extender.count_records()
+            data = generate_latest(self.extender.metrics.registry)
+            self._raw(200, data, "text/plain; version=0.0.4")
+        else:
+            self._text(404, "not found\n")
+
+    def _call(self, verb: Callable[[Mapping[str, Any]], Any]) -> Any:
+        """Read, decode and answer within the body budget (the decoded
+        body and the answer built from it live only this long)."""
+        length_text = self.headers.get("Content-Length")
+        if length_text is None or not length_text.isdigit():
+            self.close_connection = True
+            raise BadRequest("Content-Length required")
+        length = int(length_text)
+        if length > MAX_BODY:
+            self.close_connection = True
+            raise BadRequest(
+                f"body larger than {MAX_BODY} bytes (a scheduler sending whole Nodes "
+                "should be nodeCacheCapable)"
+            )
+        if not self.budget.take(length, BODY_WAIT):
+            raise Busy(f"too many large requests at once; retry ({length} bytes waiting)")
+        try:
+            # The whole body first (by the request's deadline), then a slot:
+            # a client that trickles its body holds its own thread only.
+            raw = self.rfile.read(length)
+            if len(raw) < length:
+                self.close_connection = True
+                raise BadRequest("body shorter than its Content-Length")
+            if not self.slots.take_one(SLOT_WAIT):
+                raise Busy("every call slot is busy; retry")
+            try:
+                return self._answer(verb, raw)
+            finally:
+                self.slots.give_one()
+        finally:
+            self.budget.give(length)
+
+    def _answer(self, verb: Callable[[Mapping[str, Any]], Any], raw: bytes) -> bytes:
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+            raise BadRequest(f"body is not JSON: {reason[:100]}") from exc
+        del raw
+        try:
+            return json.dumps(verb(body)).encode()
+        except RecursionError as exc:
+            raise BadRequest("a value nested too deeply") from exc
+
+    def _send(self, code: int, body: Any) -> None:
+        self._raw(code, json.dumps(body).encode(), "application/json")
+
+    def _text(self, code: int, text: str) -> None:
+        self._raw(code, text.encode(), "text/plain; charset=utf-8")
+
+    def _raw(self, code: int, data: bytes, kind: str) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: object) -> None:
+        log.debug("extender http: " + format, *args)
+
+
 def _handler(extender: Extender, slots: Slots, full_for: float) -> type[BaseHTTPRequestHandler]:
     verbs: dict[str, Callable[[Mapping[str, Any]], Any]] = {
         "/scheduler/filter": extender.filter,
         "/scheduler/prioritize": extender.prioritize,
     }
-    budget = Budget(IN_FLIGHT_BYTES)
-
-    class Handler(BoundedHandler):
-        protocol_version = "HTTP/1.1"
-
-        def do_POST(self) -> None:
-            path = self.path.split("?", 1)[0]
-            verb = verbs.get(path)
-            if verb is None:
-                self._send(404, {"Error": f"no such verb: {path[:100]}"})
-                return
-            self._serve(path.rsplit("/", 1)[1], verb)
-
-        def _serve(self, name: str, verb: Callable[[Mapping[str, Any]], Any]) -> None:
-            started = time.perf_counter()
-            try:
-                answer = self._call(verb)
-            except BadRequest as exc:
-                extender.metrics.requests.labels(name, "bad-request").inc()
-                self._send(400, {"Error": str(exc)[: MAX_REASON * 4]})
-                return
-            except Busy as exc:
-                extender.metrics.requests.labels(name, "busy").inc()
-                self.close_connection = True  # the body was not read
-                self._send(503, {"Error": str(exc)})
-                return
-            except Exception as exc:  # answer, log, keep serving
-                log.exception("extender %s failed", name)
-                extender.metrics.requests.labels(name, "error").inc()
-                self._send(500, {"Error": f"{type(exc).__name__}: {exc}"[:MAX_REASON]})
-                return
-            extender.metrics.seconds.labels(name).observe(time.perf_counter() - started)
-            extender.metrics.requests.labels(name, "ok").inc()
-            self._raw(200, answer, "application/json")
-
-        def do_GET(self) -> None:
-            path = self.path.split("?", 1)[0]
-            if path == "/healthz":
-                stuck = slots.stuck()
-                if stuck > full_for:
-                    self._text(503, f"every call slot busy for {stuck:.0f}s\n")
-                else:
-                    self._text(200, "ok\n")
-            elif path == "/readyz":
-                ok, why = extender.ready()
-                self._text(200 if ok else 503, "ok\n" if ok else why + "\n")
-            elif path == "/metrics":
-                extender.count_records()
-                data = generate_latest(extender.metrics.registry)
-                self._raw(200, data, "text/plain; version=0.0.4")
-            else:
-                self._text(404, "not found\n")
-
-        def _call(self, verb: Callable[[Mapping[str, Any]], Any]) -> Any:
-            """Read, decode and answer within the body budget (the decoded
-            body and the answer built from it live only this long)."""
-            length_text = self.headers.get("Content-Length")
-            if length_text is None or not length_text.isdigit():
-                self.close_connection = True
-                raise BadRequest("Content-Length required")
-            length = int(length_text)
-            if length > MAX_BODY:
-                self.close_connection = True
-                raise BadRequest(
-                    f"body larger than {MAX_BODY} bytes (a scheduler sending whole Nodes "
-                    "should be nodeCacheCapable)"
-                )
-            if not budget.take(length, BODY_WAIT):
-                raise Busy(f"too many large requests at once; retry ({length} bytes waiting)")
-            try:
-                # The whole body first (by the request's deadline), then a slot:
-                # a client that trickles its body holds its own thread only.
-                raw = self.rfile.read(length)
-                if len(raw) < length:
-                    self.close_connection = True
-                    raise BadRequest("body shorter than its Content-Length")
-                if not slots.take_one(SLOT_WAIT):
-                    raise Busy("every call slot is busy; retry")
-                try:
-                    return self._answer(verb, raw)
-                finally:
-                    slots.give_one()
-            finally:
-                budget.give(length)
-
-        def _answer(self, verb: Callable[[Mapping[str, Any]], Any], raw: bytes) -> bytes:
-            try:
-                body = json.loads(raw)
-            except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-                reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
-                raise BadRequest(f"body is not JSON: {reason[:100]}") from exc
-            del raw
-            try:
-                return json.dumps(verb(body)).encode()
-            except RecursionError as exc:
-                raise BadRequest("a value nested too deeply") from exc
-
-        def _send(self, code: int, body: Any) -> None:
-            self._raw(code, json.dumps(body).encode(), "application/json")
-
-        def _text(self, code: int, text: str) -> None:
-            self._raw(code, text.encode(), "text/plain; charset=utf-8")
-
-        def _raw(self, code: int, data: bytes, kind: str) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, format: str, *args: object) -> None:
-            log.debug("extender http: " + format, *args)
-
-    return Handler
+    attributes = {
+        "extender": extender, "slots": slots, "full_for": full_for,
+        "budget": Budget(IN_FLIGHT_BYTES), "verbs": verbs,
+    }  # fmt: skip
+    return type("Handler", (ExtenderHandler,), attributes)
 
 
 def serve(

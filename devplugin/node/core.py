@@ -27,7 +27,7 @@ from devplugin.node.discovery.udev import HotplugWatcher, udev_monitor
 from devplugin.node.ledger import Ledger
 from devplugin.node.lifecycle.cdi_spec import HcaSpecWriter
 from devplugin.node.lifecycle.checkpoint import Checkpoint
-from devplugin.node.lifecycle.cleanup import CleanupManager
+from devplugin.node.lifecycle.cleanup import CleanupManager, CleanupPolicy
 from devplugin.node.lifecycle.devices import describe
 from devplugin.node.lifecycle.health import HealthTracker, Recovery
 from devplugin.node.lifecycle.hooks import HookRunner, HookSpec, run_hook
@@ -180,20 +180,25 @@ class NodeCore:
         return inventory
 
 
-def build_core(config: Config, nvml_lib: object | None, *, witness: Witness) -> NodeCore:
-    """Wire the node core (nothing starts here)."""
-    paths, health_config, lifecycle = config.paths, config.health, config.lifecycle
-    deadlines = Deadlines(health_config.read_timeout_seconds)
-    gpu_config, hca_config = config.resources.gpu, config.resources.hca
-    gpu_lib = nvml_lib if gpu_config.enabled else None
+def _discoverer(config: Config, gpu_lib: object | None) -> Discoverer:
+    paths, gpu = config.paths, config.resources.gpu
+    deadlines = Deadlines(config.health.read_timeout_seconds)
     # The node's GPU spec is read only when GPUs are handed out by CDI name.
-    reads_cdi = gpu_config.enabled and bool(CDI_STRATEGIES & set(gpu_config.device_list_strategy))
-    discoverer = Discoverer(
+    reads_cdi = gpu.enabled and bool(CDI_STRATEGIES & set(gpu.device_list_strategy))
+    return Discoverer(
         Roots(Path(paths.sysfs_root), Path(paths.dev_root)),
         NvmlGpuSource(gpu_lib, deadlines) if gpu_lib is not None else None,
         deadlines,
         cdi=CdiReader(config.cdi.spec_dirs) if reads_cdi else None,
     )
+
+
+def build_core(config: Config, nvml_lib: object | None, *, witness: Witness) -> NodeCore:
+    """Wire the node core (nothing starts here)."""
+    paths, health_config, lifecycle = config.paths, config.health, config.lifecycle
+    hca_config = config.resources.hca
+    gpu_lib = nvml_lib if config.resources.gpu.enabled else None
+    discoverer = _discoverer(config, gpu_lib)
     writes_cdi = hca_config.enabled and bool(CDI_STRATEGIES & set(hca_config.device_list_strategy))
     hca_spec = (
         HcaSpecWriter(Path(config.cdi.spec_dirs[-1]), config.cdi.hca_kind) if writes_cdi else None
@@ -225,14 +230,16 @@ def build_core(config: Config, nvml_lib: object | None, *, witness: Witness) -> 
         checkpoint=Checkpoint(Path(lifecycle.checkpoint_file)),
         ledger=ledger,
         health=health,
-        confirmations=lifecycle.release_confirmations,
-        retry_initial=lifecycle.cleanup_retry_initial_seconds,
-        retry_max=lifecycle.cleanup_retry_max_seconds,
+        policy=CleanupPolicy(
+            confirmations=lifecycle.release_confirmations,
+            retry_initial=lifecycle.cleanup_retry_initial_seconds,
+            retry_max=lifecycle.cleanup_retry_max_seconds,
+            explicit=dra,
+        ),
         on_change=requests.rejudge,
         on_save=metrics.checkpoint_written,
         runner=runner,
         witness=witness(ledger, metrics, names),
-        explicit=dra,
     )
     hca_view = HcaResource(name=hca_config.name, env_var=hca_config.env_var)
     pipeline = Pipeline(

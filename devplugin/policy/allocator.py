@@ -267,6 +267,16 @@ def exhaustive(topology: Topology, request: Request) -> Choice:
 TOP_PAIR = ("", "")
 
 
+def _domain_counts(topology: Topology, devices: Iterable[str]) -> dict[object, int]:
+    """How many of `devices` sit in each domain, keyed (depth, domain)."""
+    counts: dict[object, int] = {}
+    for device in devices:
+        for depth in range(DOMAIN_DEPTH):
+            key = (depth, topology.placement[device].keys[depth])
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
 def bounded_search(
     topology: Topology,
     request: Request,
@@ -296,12 +306,7 @@ def bounded_search(
         d: tuple((depth, topology.placement[d].keys[depth]) for depth in range(DOMAIN_DEPTH))
         for d in candidates
     }
-    base: dict[object, int] = {}
-    for device in (*request.available, *request.other_free):
-        for key in (
-            (depth, topology.placement[device].keys[depth]) for depth in range(DOMAIN_DEPTH)
-        ):
-            base[key] = base.get(key, 0) + 1
+    base = _domain_counts(topology, (*request.available, *request.other_free))
     base_spread = sum(c * c for c in base.values())
     pair = pairs if pairs is not None else gpu_pairs(topology)
     need = request.size - len(must)
@@ -310,18 +315,13 @@ def bounded_search(
     total0 = sum(cost[d] for d in must)
     conn0 = sum(pair[(a, b)] for a, b in itertools.combinations(must, 2))
     costs = [cost[d] for d in rest]
-    prefix = [0]
-    for value in costs:
-        prefix.append(prefix[-1] + value)
+    prefix = [0, *itertools.accumulate(costs)]
     top_pair = pair.get(TOP_PAIR, 0)
     best: list[Any] = [None, None]  # [rank, Choice]
     visited = [0]
     stopped = [False]
     chosen: list[str] = list(must)
-    taken: dict[object, int] = {}
-    for device in must:
-        for key in keys[device]:
-            taken[key] = taken.get(key, 0) + 1
+    taken = _domain_counts(topology, must)
 
     def spread_now() -> int:
         return base_spread - sum(base[key] ** 2 - (base[key] - k) ** 2 for key, k in taken.items())
@@ -1009,7 +1009,10 @@ class Allocator:
             self._native[request.kind] = None
             return self._fold_python(request, threshold, inputs)
 
-    def _fold_python(
+    # Kept whole on purpose (a listed lint exception): this is the readable
+    # specification _foldc.c follows step by step, and the twin tests compare
+    # them on thousands of cases; split, it would no longer read side by side.
+    def _fold_python(  # noqa: PLR0912, PLR0915
         self, request: Request, threshold: int, inputs: _Inputs
     ) -> tuple[int, dict[int, int], tuple[int, ...] | None] | None:
         """The tree fold: per node, the best value for each count taken below
@@ -1154,7 +1157,8 @@ class Allocator:
                 k -= take
         return best_value, counts, None  # components decoded by the caller
 
-    def _fold_linked(
+    # The linked fold's twin in _foldc.c: kept whole, as _fold_python.
+    def _fold_linked(  # noqa: PLR0912, PLR0915
         self,
         request: Request,
         threshold: int,

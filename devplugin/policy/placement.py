@@ -221,6 +221,46 @@ def _check_unique(devices: list[Any]) -> None:
             addresses[key] = str(device_id)
 
 
+def _nvlink_peers(
+    entry: Mapping[str, Any],
+    where: str,
+    device_id: str,
+    index_of: Mapping[str, int],
+    wired: dict[tuple[str, str], int],
+) -> list[tuple[int, int]]:
+    """A GPU entry's NVLink peers as (index, links); each link also goes in
+    `wired` (by the record's ids) for the symmetry check."""
+    peers = []
+    for j, peer in enumerate(_field(entry, "nvlinkPeers", list, where, [])):
+        if not isinstance(peer, dict):
+            raise ValueError(f"{where}.nvlinkPeers[{j}] must be an object")
+        peer_id = _field(peer, "id", str, f"{where}.nvlinkPeers[{j}]")
+        links = _field(peer, "links", int, f"{where}.nvlinkPeers[{j}]")
+        if peer_id == device_id:
+            raise ValueError(f"{where}: GPU {device_id[:80]!r} is its own NVLink peer")
+        if not 0 <= links <= MAX_NVLINKS:
+            raise ValueError(f"{where}.nvlinkPeers[{j}].links {links} is not a count")
+        if peer_id in index_of and links > 0:
+            peers.append((index_of[peer_id], links))
+            wired[(device_id, peer_id)] = links
+    return peers
+
+
+def _holdings(allocations: list[Any], named: Mapping[str, str]) -> list[Holding]:
+    holdings: list[Holding] = []
+    for i, allocation in enumerate(allocations):
+        where = f"status.allocations[{i}]"
+        if not isinstance(allocation, dict):
+            raise ValueError(f"{where} must be an object")
+        listed = _strings(_field(allocation, "devices", list, where), f"{where}.devices")
+        ids = frozenset(named.get(d, d) for d in listed)
+        namespace = _field(allocation, "namespace", str, where, "")
+        pod = _field(allocation, "pod", str, where, "")
+        uid = _field(allocation, "podUID", str, where, "")
+        holdings.append(Holding(namespace, pod, uid or None, ids))
+    return holdings
+
+
 def parse_record(record: Mapping[str, Any], *, canonical: bool = False) -> ParsedRecord:
     """A NodeDevices record's content; ValueError when it is not one.
     Strict: a field of the wrong type anywhere refuses the whole record (a
@@ -263,19 +303,7 @@ def parse_record(record: Mapping[str, Any], *, canonical: bool = False) -> Parse
         function = _function(address, path, numa)
         kind = entry.get("kind")
         if kind == "gpu":
-            peers = []
-            for j, peer in enumerate(_field(entry, "nvlinkPeers", list, where, [])):
-                if not isinstance(peer, dict):
-                    raise ValueError(f"{where}.nvlinkPeers[{j}] must be an object")
-                peer_id = _field(peer, "id", str, f"{where}.nvlinkPeers[{j}]")
-                links = _field(peer, "links", int, f"{where}.nvlinkPeers[{j}]")
-                if peer_id == device_id:
-                    raise ValueError(f"{where}: GPU {device_id[:80]!r} is its own NVLink peer")
-                if not 0 <= links <= MAX_NVLINKS:
-                    raise ValueError(f"{where}.nvlinkPeers[{j}].links {links} is not a count")
-                if peer_id in index_of and links > 0:
-                    peers.append((index_of[peer_id], links))
-                    wired[(device_id, peer_id)] = links
+            peers = _nvlink_peers(entry, where, device_id, index_of, wired)
             device_id = named.get(device_id, device_id)
             layout.append((device_id, str(address), tuple(path), numa, tuple(peers)))
             gpus.append(
@@ -309,19 +337,8 @@ def parse_record(record: Mapping[str, Any], *, canonical: bool = False) -> Parse
                 f"GPU {one[:80]!r} lists {links} NVLinks to {other[:80]!r}, which does not "
                 "list as many back"
             )
-    held: set[str] = set()
-    holdings: list[Holding] = []
-    for i, allocation in enumerate(allocations):
-        where = f"status.allocations[{i}]"
-        if not isinstance(allocation, dict):
-            raise ValueError(f"{where} must be an object")
-        listed = _strings(_field(allocation, "devices", list, where), f"{where}.devices")
-        ids = frozenset(named.get(d, d) for d in listed)
-        namespace = _field(allocation, "namespace", str, where, "")
-        pod = _field(allocation, "pod", str, where, "")
-        uid = _field(allocation, "podUID", str, where, "")
-        held.update(ids)
-        holdings.append(Holding(namespace, pod, uid or None, ids))
+    holdings = _holdings(allocations, named)
+    held = {device for holding in holdings for device in holding.devices}
     return ParsedRecord(
         name=meta["name"],
         layout_key=tuple(layout),

@@ -398,6 +398,24 @@ class ApiServerImitation:
                 return False
         return True
 
+    def _create_locked(self, kind: Kind, namespace: str, obj: Obj) -> Obj:
+        meta = obj["metadata"]
+        if kind.namespaced:
+            meta.setdefault("namespace", namespace)
+        if "generateName" in meta and "name" not in meta:
+            meta["name"] = f"{meta['generateName']}{self._version + 1:x}"
+        key = (kind, namespace, str(meta.get("name", "")))
+        if not key[2]:
+            raise ApiError(422, "Invalid", "metadata.name: Required value")
+        if key in self._objects:
+            raise ApiError(409, "AlreadyExists", f'{kind.plural} "{key[2]}" already exists')
+        meta["uid"] = f"uid-{self._version + 1}"
+        meta["creationTimestamp"] = _now()
+        meta.pop("resourceVersion", None)
+        if kind.status:
+            obj.pop("status", None)  # set through the subresource only
+        return self._store_locked(kind, key, obj, "ADDED")
+
     def _answer(
         self, method: str, route: tuple[Kind, str, str | None, bool], query: dict[str, str],
         body: bytes, headers: Any,
@@ -441,21 +459,7 @@ class ApiServerImitation:
             if method == "POST":
                 if name is not None:
                     raise ApiError(405, "MethodNotAllowed", "POST to a collection only")
-                if kind.namespaced:
-                    meta.setdefault("namespace", namespace)
-                if "generateName" in meta and "name" not in meta:
-                    meta["name"] = f"{meta['generateName']}{self._version + 1:x}"
-                key = (kind, namespace, str(meta.get("name", "")))
-                if not key[2]:
-                    raise ApiError(422, "Invalid", "metadata.name: Required value")
-                if key in self._objects:
-                    raise ApiError(409, "AlreadyExists", f'{kind.plural} "{key[2]}" already exists')
-                meta["uid"] = f"uid-{self._version + 1}"
-                meta["creationTimestamp"] = _now()
-                meta.pop("resourceVersion", None)
-                if kind.status:
-                    obj.pop("status", None)  # set through the subresource only
-                return 201, self._store_locked(kind, key, obj, "ADDED")
+                return 201, self._create_locked(kind, namespace, obj)
             # PUT: replace (the whole object, or only its status)
             existing = self._existing(key)
             wanted = meta.get("resourceVersion")

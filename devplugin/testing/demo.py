@@ -37,7 +37,7 @@ from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.cdi import CdiRuntime, nvidia_like_spec, write_spec
 from devplugin.testing.fake_nvml import FakeNvml
 from devplugin.testing.kubelet import AdmissionError, ContainerRequest, KubeletSimulator, PodResult
-from devplugin.testing.node import build_node, hgx_node
+from devplugin.testing.node import BuiltNode, build_node, hgx_node
 
 GPU = "nvidia.com/gpu"
 HCA = "rdma/hca"
@@ -220,6 +220,61 @@ def _print_cluster_view(api: ApiServerImitation, pods: int, out: Callable[[str],
         out(f"  {event['involvedObject']['name']}: {event['message']}")
 
 
+def _dra_config(
+    base: Path, node: BuiltNode, kubeconfig: Path, node_name: str, cdi_dirs: list[Path]
+) -> Config:
+    return override(
+        Config(),
+        **{
+            "paths.sysfs_root": str(node.sysfs_root),
+            "paths.dev_root": str(node.dev_root),
+            "paths.device_plugin_dir": str(base / "dp"),
+            "paths.pod_resources_socket": str(base / "pr" / "kubelet.sock"),
+            "paths.kubelet_plugins_dir": str(base / "plugins"),
+            "paths.kubelet_registry_dir": str(base / "registry"),
+            "nvml.fixture": str(node.fixture),
+            "lifecycle.checkpoint_file": str(base / "checkpoint.json"),
+            "metrics.addresses": ["127.0.0.1:0"],
+            "kubernetes.enabled": True,
+            "kubernetes.kubeconfig": str(kubeconfig),
+            "kubernetes.node_name": node_name,
+            "resources.gpu.api": "dra",
+            "resources.hca.api": "dra",
+            "cdi.spec_dirs": [str(d) for d in cdi_dirs],
+        },
+    )
+
+
+def _show_slices(
+    api: ApiServerImitation, node: BuiltNode, node_name: str, out: Callable[[str], None]
+) -> None:
+    """The node's ResourceSlices once every device is published (10 s at most)."""
+
+    def published() -> list[dict[str, Any]]:
+        return [s for s in api.items("resourceslices") if s["spec"]["nodeName"] == node_name]
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and sum(len(s["spec"]["devices"]) for s in published()) < len(
+        node.gpus
+    ) + len(node.hcas):
+        time.sleep(0.05)
+    slices = published()
+    out(f"kubectl get resourceslices --field-selector spec.nodeName={node_name}")
+    for item in slices:
+        spec = item["spec"]
+        out(f"  {item['metadata']['name']}: pool {spec['pool']['name']} generation "
+            f"{spec['pool']['generation']}, {len(spec['devices'])} devices")  # fmt: skip
+    first = slices[0]["spec"]["devices"][:2] if slices else []
+    for device in first:
+        attributes = {k: next(iter(v.values())) for k, v in device["attributes"].items()}
+        shown = ", ".join(
+            f"{k.split('/')[-1]}={attributes[k]}"
+            for k in ("type", "pcieSwitch", "pcieTopSwitch", "resource.kubernetes.io/pcieRoot")
+            if k in attributes
+        )
+        out(f"    {device['name']}: {shown}")
+
+
 def _dra_demo(base: Path, api: ApiServerImitation, out: Callable[[str], None]) -> int:
     """Both resources through DRA on a second node, one claim end to end."""
     from devplugin.policy.claim_templates import Shape, claim_template, device_classes
@@ -242,26 +297,7 @@ def _dra_demo(base: Path, api: ApiServerImitation, out: Callable[[str], None]) -
     cdi_dirs = [base / "etc-cdi", base / "run-cdi"]
     kubelet = DraKubeletSimulator(base / "registry", node=node_name, api=api)
     kubelet.start()
-    config = override(
-        Config(),
-        **{
-            "paths.sysfs_root": str(node.sysfs_root),
-            "paths.dev_root": str(node.dev_root),
-            "paths.device_plugin_dir": str(base / "dp"),
-            "paths.pod_resources_socket": str(base / "pr" / "kubelet.sock"),
-            "paths.kubelet_plugins_dir": str(base / "plugins"),
-            "paths.kubelet_registry_dir": str(base / "registry"),
-            "nvml.fixture": str(node.fixture),
-            "lifecycle.checkpoint_file": str(base / "checkpoint.json"),
-            "metrics.addresses": ["127.0.0.1:0"],
-            "kubernetes.enabled": True,
-            "kubernetes.kubeconfig": str(kubeconfig),
-            "kubernetes.node_name": node_name,
-            "resources.gpu.api": "dra",
-            "resources.hca.api": "dra",
-            "cdi.spec_dirs": [str(d) for d in cdi_dirs],
-        },
-    )
+    config = _dra_config(base, node, kubeconfig, node_name, cdi_dirs)
     daemon = build(config, FakeNvml.from_file(node.fixture))
     try:
         daemon.start()
@@ -272,29 +308,7 @@ def _dra_demo(base: Path, api: ApiServerImitation, out: Callable[[str], None]) -
         plugin = kubelet.plugin(driver)
         out(f"  registered: endpoint {plugin.endpoint}, services {', '.join(plugin.versions)}")
 
-        def published() -> list[dict[str, Any]]:
-            return [s for s in api.items("resourceslices") if s["spec"]["nodeName"] == node_name]
-
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and sum(
-            len(s["spec"]["devices"]) for s in published()
-        ) < len(node.gpus) + len(node.hcas):
-            time.sleep(0.05)
-        slices = published()
-        out(f"kubectl get resourceslices --field-selector spec.nodeName={node_name}")
-        for item in slices:
-            spec = item["spec"]
-            out(f"  {item['metadata']['name']}: pool {spec['pool']['name']} generation "
-                f"{spec['pool']['generation']}, {len(spec['devices'])} devices")  # fmt: skip
-        first = slices[0]["spec"]["devices"][:2] if slices else []
-        for device in first:
-            attributes = {k: next(iter(v.values())) for k, v in device["attributes"].items()}
-            shown = ", ".join(
-                f"{k.split('/')[-1]}={attributes[k]}"
-                for k in ("type", "pcieSwitch", "pcieTopSwitch", "resource.kubernetes.io/pcieRoot")
-                if k in attributes
-            )
-            out(f"    {device['name']}: {shown}")
+        _show_slices(api, node, node_name, out)
         template = claim_template(Shape(2, 2), driver, namespace="default")
         api.put("resourceclaims", {
             "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",

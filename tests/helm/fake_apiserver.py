@@ -19,7 +19,7 @@ import threading
 import uuid
 from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, ClassVar
 from urllib.parse import parse_qs, urlparse
 
 # group/version -> [(resource, kind, namespaced)]
@@ -100,154 +100,156 @@ def status(code: int, reason: str, message: str) -> dict[str, Any]:
             "reason": reason, "message": message, "code": code}  # fmt: skip
 
 
+class FakeApiHandler(BaseHTTPRequestHandler):
+    """What `make_handler` serves a store with."""
+
+    protocol_version = "HTTP/1.1"
+    store: ClassVar[Store]
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+    def _reply(self, code: int, body: dict[str, Any] | list[Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _body(self) -> dict[str, Any]:
+        length = int(self.headers.get("Content-Length") or 0)
+        return json.loads(self.rfile.read(length) or b"{}") if length else {}
+
+    def _route(self) -> tuple[str, str | None, str, str | None] | None:
+        """(group/version, namespace, resource, name) of an object path."""
+        parts = [p for p in urlparse(self.path).path.split("/") if p]
+        if parts[:1] == ["api"] and len(parts) >= 3:
+            group_version, rest = parts[1], parts[2:]
+        elif parts[:1] == ["apis"] and len(parts) >= 4:
+            group_version, rest = f"{parts[1]}/{parts[2]}", parts[3:]
+        else:
+            return None
+        namespace = None
+        if rest[:1] == ["namespaces"] and len(rest) >= 3:
+            namespace, rest = rest[1], rest[2:]
+        if not rest or group_version not in self.store.served:
+            return None
+        return group_version, namespace, rest[0], rest[1] if len(rest) > 1 else None
+
+    def _kind(self, group_version: str, resource: str) -> str:
+        for name, kind, _ in RESOURCES.get(group_version, []):
+            if name == resource:
+                return kind
+        return resource
+
+    def do_GET(self) -> None:
+        path = urlparse(self.path).path.rstrip("/")
+        if path == "/version":
+            major, minor = self.store.kube_version.lstrip("v").split(".")[:2]
+            return self._reply(200, {"major": major, "minor": minor,
+                                     "gitVersion": self.store.kube_version,
+                                     "platform": "linux/amd64"})  # fmt: skip
+        if path == "/api":
+            return self._reply(200, {"kind": "APIVersions", "versions": ["v1"],
+                                     "serverAddressByClientCIDRs": []})  # fmt: skip
+        if path == "/apis":
+            return self._reply(200, group_list(list(self.store.served)))
+        if path == "/api/v1":
+            return self._reply(200, resource_list("v1"))
+        if path.startswith("/apis/") and path.count("/") == 3:
+            group_version = path[len("/apis/") :]
+            if group_version in self.store.served:
+                return self._reply(200, resource_list(group_version))
+        if path == "/_objects":
+            with self.store.lock:
+                return self._reply(200, list(self.store.objects.values()))
+        route = self._route()
+        if route is None:
+            return self._reply(404, status(404, "NotFound", f"no route {path}"))
+        group_version, namespace, resource, name = route
+        with self.store.lock:
+            if name is not None:
+                found = self.store.objects.get((group_version, namespace or "", resource, name))
+                if found is None:
+                    missing = status(404, "NotFound", f"{resource} {name} not found")
+                    return self._reply(404, missing)
+                return self._reply(200, found)
+            query = parse_qs(urlparse(self.path).query)
+            wanted = dict(
+                pair.split("=", 1)
+                for pair in query.get("labelSelector", [""])[0].split(",")
+                if "=" in pair
+            )
+            items = [
+                obj
+                for (gv, ns, res, _), obj in self.store.objects.items()
+                if gv == group_version
+                and res == resource
+                and (namespace is None or ns == namespace)
+                and all(obj["metadata"].get("labels", {}).get(k) == v for k, v in wanted.items())
+            ]
+        return self._reply(200, {"kind": self._kind(group_version, resource) + "List",
+                                 "apiVersion": group_version,
+                                 "metadata": {"resourceVersion": str(self.store.version)},
+                                 "items": items})  # fmt: skip
+
+    def _write(self, create: bool) -> None:
+        route = self._route()
+        if route is None:
+            return self._reply(404, status(404, "NotFound", self.path))
+        group_version, namespace, resource, name = route
+        body = self._body()
+        meta = body.setdefault("metadata", {})
+        name = name or meta.get("name")
+        if namespace:
+            meta["namespace"] = namespace
+        key = (group_version, namespace or "", resource, name or "")
+        with self.store.lock:
+            if create and key in self.store.objects:
+                exists = status(409, "AlreadyExists", f"{resource} {name} exists")
+                return self._reply(409, exists)
+            self.store.version += 1
+            meta.setdefault("uid", str(uuid.uuid4()))
+            meta["resourceVersion"] = str(self.store.version)
+            meta.setdefault("creationTimestamp", "2026-01-01T00:00:00Z")
+            self.store.objects[key] = body
+        self._reply(201 if create else 200, body)
+
+    def do_POST(self) -> None:
+        self._write(create=True)
+
+    def do_PUT(self) -> None:
+        self._write(create=False)
+
+    def do_PATCH(self) -> None:
+        route = self._route()
+        if route is None:
+            return self._reply(404, status(404, "NotFound", self.path))
+        group_version, namespace, resource, name = route
+        self._body()
+        with self.store.lock:
+            found = self.store.objects.get((group_version, namespace or "", resource, name or ""))
+        if found is None:
+            return self._reply(404, status(404, "NotFound", f"{resource} {name} not found"))
+        self._reply(200, found)
+
+    def do_DELETE(self) -> None:
+        route = self._route()
+        if route is None:
+            return self._reply(404, status(404, "NotFound", self.path))
+        group_version, namespace, resource, name = route
+        with self.store.lock:
+            found = self.store.objects.pop(
+                (group_version, namespace or "", resource, name or ""), None
+            )
+        if found is None:
+            return self._reply(404, status(404, "NotFound", f"{resource} {name} not found"))
+        self._reply(200, found)
+
+
 def make_handler(store: Store) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, format: str, *args: object) -> None:
-            pass
-
-        def _reply(self, code: int, body: dict[str, Any] | list[Any]) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def _body(self) -> dict[str, Any]:
-            length = int(self.headers.get("Content-Length") or 0)
-            return json.loads(self.rfile.read(length) or b"{}") if length else {}
-
-        def _route(self) -> tuple[str, str | None, str, str | None] | None:
-            """(group/version, namespace, resource, name) of an object path."""
-            parts = [p for p in urlparse(self.path).path.split("/") if p]
-            if parts[:1] == ["api"] and len(parts) >= 3:
-                group_version, rest = parts[1], parts[2:]
-            elif parts[:1] == ["apis"] and len(parts) >= 4:
-                group_version, rest = f"{parts[1]}/{parts[2]}", parts[3:]
-            else:
-                return None
-            namespace = None
-            if rest[:1] == ["namespaces"] and len(rest) >= 3:
-                namespace, rest = rest[1], rest[2:]
-            if not rest or group_version not in store.served:
-                return None
-            return group_version, namespace, rest[0], rest[1] if len(rest) > 1 else None
-
-        def _kind(self, group_version: str, resource: str) -> str:
-            for name, kind, _ in RESOURCES.get(group_version, []):
-                if name == resource:
-                    return kind
-            return resource
-
-        def do_GET(self) -> None:
-            path = urlparse(self.path).path.rstrip("/")
-            if path == "/version":
-                major, minor = store.kube_version.lstrip("v").split(".")[:2]
-                return self._reply(200, {"major": major, "minor": minor,
-                                         "gitVersion": store.kube_version,
-                                         "platform": "linux/amd64"})  # fmt: skip
-            if path == "/api":
-                return self._reply(200, {"kind": "APIVersions", "versions": ["v1"],
-                                         "serverAddressByClientCIDRs": []})  # fmt: skip
-            if path == "/apis":
-                return self._reply(200, group_list(list(store.served)))
-            if path == "/api/v1":
-                return self._reply(200, resource_list("v1"))
-            if path.startswith("/apis/") and path.count("/") == 3:
-                group_version = path[len("/apis/") :]
-                if group_version in store.served:
-                    return self._reply(200, resource_list(group_version))
-            if path == "/_objects":
-                with store.lock:
-                    return self._reply(200, list(store.objects.values()))
-            route = self._route()
-            if route is None:
-                return self._reply(404, status(404, "NotFound", f"no route {path}"))
-            group_version, namespace, resource, name = route
-            with store.lock:
-                if name is not None:
-                    found = store.objects.get((group_version, namespace or "", resource, name))
-                    if found is None:
-                        missing = status(404, "NotFound", f"{resource} {name} not found")
-                        return self._reply(404, missing)
-                    return self._reply(200, found)
-                query = parse_qs(urlparse(self.path).query)
-                wanted = dict(
-                    pair.split("=", 1)
-                    for pair in query.get("labelSelector", [""])[0].split(",")
-                    if "=" in pair
-                )
-                items = [
-                    obj
-                    for (gv, ns, res, _), obj in store.objects.items()
-                    if gv == group_version
-                    and res == resource
-                    and (namespace is None or ns == namespace)
-                    and all(
-                        obj["metadata"].get("labels", {}).get(k) == v for k, v in wanted.items()
-                    )
-                ]
-            return self._reply(200, {"kind": self._kind(group_version, resource) + "List",
-                                     "apiVersion": group_version,
-                                     "metadata": {"resourceVersion": str(store.version)},
-                                     "items": items})  # fmt: skip
-
-        def _write(self, create: bool) -> None:
-            route = self._route()
-            if route is None:
-                return self._reply(404, status(404, "NotFound", self.path))
-            group_version, namespace, resource, name = route
-            body = self._body()
-            meta = body.setdefault("metadata", {})
-            name = name or meta.get("name")
-            if namespace:
-                meta["namespace"] = namespace
-            key = (group_version, namespace or "", resource, name or "")
-            with store.lock:
-                if create and key in store.objects:
-                    exists = status(409, "AlreadyExists", f"{resource} {name} exists")
-                    return self._reply(409, exists)
-                store.version += 1
-                meta.setdefault("uid", str(uuid.uuid4()))
-                meta["resourceVersion"] = str(store.version)
-                meta.setdefault("creationTimestamp", "2026-01-01T00:00:00Z")
-                store.objects[key] = body
-            self._reply(201 if create else 200, body)
-
-        def do_POST(self) -> None:
-            self._write(create=True)
-
-        def do_PUT(self) -> None:
-            self._write(create=False)
-
-        def do_PATCH(self) -> None:
-            route = self._route()
-            if route is None:
-                return self._reply(404, status(404, "NotFound", self.path))
-            group_version, namespace, resource, name = route
-            self._body()
-            with store.lock:
-                found = store.objects.get((group_version, namespace or "", resource, name or ""))
-            if found is None:
-                return self._reply(404, status(404, "NotFound", f"{resource} {name} not found"))
-            self._reply(200, found)
-
-        def do_DELETE(self) -> None:
-            route = self._route()
-            if route is None:
-                return self._reply(404, status(404, "NotFound", self.path))
-            group_version, namespace, resource, name = route
-            with store.lock:
-                found = store.objects.pop(
-                    (group_version, namespace or "", resource, name or ""), None
-                )
-            if found is None:
-                return self._reply(404, status(404, "NotFound", f"{resource} {name} not found"))
-            self._reply(200, found)
-
-    return Handler
+    return type("Handler", (FakeApiHandler,), {"store": store})
 
 
 def serve(

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from devplugin.config import Config, dra_cdi_kind, node_name
 from devplugin.frontends.dra.plugin import DraPlugin, health_list, socket_paths
-from devplugin.frontends.dra.prepare import Preparer
+from devplugin.frontends.dra.prepare import InitHooks, Preparer
 from devplugin.frontends.dra.slices import SliceDevice, names, node_devices, published, split
 from devplugin.loops import Backoff, ThreadLoop
 from devplugin.model import DeviceKind, Health
@@ -99,10 +99,9 @@ class DraFrontend(ThreadLoop):
         init = {kind: hook for kind in served if (hook := core.init_hook(kind)) is not None}
         preparer = Preparer(
             driver=dra.driver, pool=node, resources=served, pipeline=pipeline,
-            cleanup=core.cleanup, runner=core.runner, init=init,
+            cleanup=core.cleanup, init=InitHooks(core.runner, init),
             specs=ClaimSpecs(Path(config.cdi.spec_dirs[-1]), dra_cdi_kind(config)),
             reader=reader,
-            names=lambda: names(node_devices(pipeline.inventory, kinds)),
             metrics=core.metrics, boot=read_boot_id(Path(paths.boot_id)),
         )  # fmt: skip
         plugins_dir, registry_dir = (

@@ -51,6 +51,8 @@ from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from devplugin.frontends.dra.slices import names as slice_names
+from devplugin.frontends.dra.slices import node_devices
 from devplugin.model import DeviceKind, Health, Refused
 from devplugin.node.lifecycle.cdi_spec import ClaimSpecs
 from devplugin.node.lifecycle.checkpoint import ClaimDevice, ClaimRecord
@@ -83,6 +85,14 @@ class ClaimRef:
         return f"{self.namespace}/{self.name} ({self.uid})"
 
 
+@dataclass(frozen=True)
+class InitHooks:
+    """The init hook of each kind that has one, and what runs them."""
+
+    runner: HookRunner
+    specs: Mapping[DeviceKind, HookSpec]
+
+
 class Preparer:
     def __init__(
         self,
@@ -92,11 +102,9 @@ class Preparer:
         resources: Mapping[DeviceKind, Resource],
         pipeline: Pipeline,
         cleanup: CleanupManager,
-        runner: HookRunner,
-        init: Mapping[DeviceKind, HookSpec],
+        init: InitHooks,
         specs: ClaimSpecs,
         reader: ClaimReader,
-        names: Callable[[], Mapping[str, tuple[DeviceKind, str]]],
         metrics: Metrics | None = None,
         max_waiting: int = MAX_WAITING,
         clock: Callable[[], float] = time.monotonic,
@@ -107,11 +115,11 @@ class Preparer:
         self._resources = dict(resources)
         self._pipeline = pipeline
         self._cleanup = cleanup
-        self._runner = runner
-        self._init = dict(init)
+        self._runner = init.runner
+        self._init = dict(init.specs)
         self._specs = specs
         self._reader = reader
-        self._names = names
+        self._kinds = frozenset(resources)
         self._metrics = metrics
         if metrics is not None:
             metrics.dra_prepared.set_function(lambda: float(len(cleanup.claims())))
@@ -124,6 +132,10 @@ class Preparer:
         self._waiting = threading.BoundedSemaphore(max_waiting)
         self._clock = clock
         self._boot = boot
+
+    def _names(self) -> dict[str, tuple[DeviceKind, str]]:
+        """The devices as the slices name them (what a claim's results name)."""
+        return slice_names(node_devices(self._pipeline.inventory, self._kinds))
 
     @property
     def kinds(self) -> Collection[DeviceKind]:

@@ -103,6 +103,24 @@ def _problem(device: str, text: str, *, retry: bool = False) -> Problem:
     return Problem(before, device, after, retry=retry)
 
 
+@dataclass(frozen=True)
+class CleanupPolicy:
+    """How releases are judged and cleanups paced."""
+
+    # Polls that must agree a device is free before its release counts.
+    confirmations: int = 2
+    # Pauses between failed cleanups of one device: the first, the most.
+    retry_initial: float = 5.0
+    retry_max: float = 300.0
+    # Cleanups that may run at once (each on its own device).
+    cleaners: int = CLEANERS
+    # Kinds whose releases only end_claim says (DRA), never a poll.
+    explicit: frozenset[DeviceKind] = frozenset()
+
+
+DEFAULT_POLICY = CleanupPolicy()
+
+
 class CleanupManager:
     def __init__(
         self,
@@ -113,31 +131,26 @@ class CleanupManager:
         checkpoint: Checkpoint | None,
         ledger: Ledger,
         health: HealthTracker | None = None,
-        confirmations: int = 2,
-        retry_initial: float = 5.0,
-        retry_max: float = 300.0,
+        policy: CleanupPolicy = DEFAULT_POLICY,
         on_change: Callable[[], None] = lambda: None,
         on_save: Callable[[bool], None] = lambda ok: None,
         runner: HookRunner = run_hook,
         clock: Callable[[], float] = time.monotonic,
         witness: PodWitness | None = None,
-        explicit: Collection[DeviceKind] = (),
-        cleaners: int = CLEANERS,
     ) -> None:
         self._hooks = dict(hooks)
-        # Kinds whose releases only end_claim says (DRA), never a poll.
-        self._explicit = frozenset(explicit)
+        self._explicit = policy.explicit
         self._names = dict(resource_names)
         self._checkpoint = checkpoint
-        self._retry_initial = retry_initial
-        self._retry_max = retry_max
+        self._retry_initial = policy.retry_initial
+        self._retry_max = policy.retry_max
         self._on_change = on_change
         self._on_save = on_save
         self._ledger = ledger
         self._health = health
         self._clock = clock
         self._witness = witness
-        self._rule = ReleaseRule(confirmations, self._names, witness, self._explicit)
+        self._rule = ReleaseRule(policy.confirmations, self._names, witness, self._explicit)
         # The one lock: every record and claim changes under it, in one step.
         self._cond = threading.Condition()
         self._records: dict[Key, Custody] = {}
@@ -149,7 +162,7 @@ class CleanupManager:
         self._cancel = threading.Event()
         self._cleaners = Cleaners(
             self, hooks=self._hooks, names=self._names, describe=describe, runner=runner,
-            cancel=self._cancel, count=cleaners,
+            cancel=self._cancel, count=policy.cleaners,
         )  # fmt: skip
         # No trustworthy checkpoint: every device seen is adopted as possibly
         # dirty (in use until its holder is confirmed, else cleaned).
