@@ -230,9 +230,12 @@ def request_for(ids: list[str], size: int) -> pb.PreferredAllocationRequest:
 
 
 def quality(
-    daemon: Daemon, kind: DeviceKind, available: list[str], answer: list[str],
+    daemon: Daemon,
+    kind: DeviceKind,
+    available: list[str],
+    answer: list[str],
     limit: int = EXHAUSTIVE_LIMIT,
-) -> str:  # fmt: skip
+) -> str:
     """'optimal' when the answer's objective equals an exhaustive search's
     (of at most `limit` subsets; '-' when that would take more)."""
     coordinator = daemon.coordinator
@@ -240,9 +243,15 @@ def quality(
     other = coordinator.free(kind.other)
     size = len(answer)
     request = Request(
-        kind, frozenset(available), size, frozenset(), Role.FIRST, other, other,
+        kind,
+        frozenset(available),
+        size,
+        frozenset(),
+        Role.FIRST,
+        other,
+        other,
         coordinator.expected_partners(kind, size),
-    )  # fmt: skip
+    )
     candidates = validate_request(topology, request)
     expected = request.expected_partners
     if kind is DeviceKind.GPU and 0 < expected < size:
@@ -312,9 +321,15 @@ def node_daemon(name: str, tag: str, base: Path, **settings: object) -> Daemon:
 
 
 def measure_preferred(
-    ours: pb_grpc.DevicePluginStub, bare: pb_grpc.DevicePluginStub, ids: list[str],
-    size: int, *, rng: random.Random, iterations: int, warmup: int,
-) -> tuple[list[pb.PreferredAllocationRequest], list[float], list[float]]:  # fmt: skip
+    ours: pb_grpc.DevicePluginStub,
+    bare: pb_grpc.DevicePluginStub,
+    ids: list[str],
+    size: int,
+    *,
+    rng: random.Random,
+    iterations: int,
+    warmup: int,
+) -> tuple[list[pb.PreferredAllocationRequest], list[float], list[float]]:
     """GetPreferredAllocation of `size` over seeded available sets, ours and the floor's."""
     requests = [request_for(s, size) for s in states(ids, size, rng)]
     ours_ms, floor_ms = measure_pair(*preference_calls(ours, bare, requests), iterations, warmup)
@@ -350,10 +365,17 @@ def plugin_sockets(directory: str) -> dict[DeviceKind, str]:
 
 
 def preferred_rows(
-    daemon: Daemon, name: str, directory: str, bare: pb_grpc.DevicePluginStub, *,
-    rng: random.Random, iterations: int, warmup: int, limit: int = EXHAUSTIVE_LIMIT,
+    daemon: Daemon,
+    name: str,
+    directory: str,
+    bare: pb_grpc.DevicePluginStub,
+    *,
+    rng: random.Random,
+    iterations: int,
+    warmup: int,
+    limit: int = EXHAUSTIVE_LIMIT,
     interleave: bool = False,
-) -> list[Row]:  # fmt: skip
+) -> list[Row]:
     """Every size of both resources against the floor (size after size, or
     with `interleave` all sizes of a resource in turn), each answer's quality
     checked (exhaustive search of at most `limit` subsets)."""
@@ -373,16 +395,24 @@ def preferred_rows(
                 first = requests[size][0]
                 answer = ours.GetPreferredAllocation(first)
                 verdict = quality(
-                    daemon, kind,
+                    daemon,
+                    kind,
                     list(first.container_requests[0].available_deviceIDs),
                     list(answer.container_responses[0].deviceIDs),
                     limit,
-                )  # fmt: skip
+                )
                 rows.append(
-                    Row(name, kind.value, size, statistics.median(ours_ms),
-                        percentile(ours_ms, 0.99), statistics.median(floor_ms),
-                        percentile(floor_ms, 0.99), verdict)
-                )  # fmt: skip
+                    Row(
+                        name,
+                        kind.value,
+                        size,
+                        statistics.median(ours_ms),
+                        percentile(ours_ms, 0.99),
+                        statistics.median(floor_ms),
+                        percentile(floor_ms, 0.99),
+                        verdict,
+                    )
+                )
     return rows
 
 
@@ -402,9 +432,14 @@ def bench_node(name: str, iterations: int, warmup: int, base: Path) -> NodeResul
             # Every GetPreferredAllocation first: Allocates would change what is
             # free and make the next requests second ones of a pair.
             rows = preferred_rows(
-                daemon, name, f"{base}/{name}-dp", bare,
-                rng=rng, iterations=iterations, warmup=warmup,
-            )  # fmt: skip
+                daemon,
+                name,
+                f"{base}/{name}-dp",
+                bare,
+                rng=rng,
+                iterations=iterations,
+                warmup=warmup,
+            )
             for kind, socket in sockets.items():
                 ids = daemon.coordinator.topology.ids(kind)
                 with grpc.insecure_channel(f"unix://{socket}") as ours_channel:
@@ -421,10 +456,17 @@ def bench_node(name: str, iterations: int, warmup: int, base: Path) -> NodeResul
                             ours_allocs, bare_allocs, iterations, warmup
                         )
                         allocate_rows.append(
-                            Row(name, kind.value, size, statistics.median(ours_ms),
-                                percentile(ours_ms, 0.99), statistics.median(floor_ms),
-                                percentile(floor_ms, 0.99), "-")
-                        )  # fmt: skip
+                            Row(
+                                name,
+                                kind.value,
+                                size,
+                                statistics.median(ours_ms),
+                                percentile(ours_ms, 0.99),
+                                statistics.median(floor_ms),
+                                percentile(floor_ms, 0.99),
+                                "-",
+                            )
+                        )
         drift = allocate_drift(daemon, sockets[DeviceKind.GPU], iterations * 10)
     finally:
         floor.stop(0)
@@ -451,7 +493,9 @@ def bench_pod_cache(name: str, iterations: int, warmup: int, base: Path) -> list
     kubeconfig = base / f"{name}-kubeconfig"
     kubeconfig.write_text(json.dumps(api.kubeconfig()))
     daemon = node_daemon(
-        name, f"{name}-pods", base,
+        name,
+        f"{name}-pods",
+        base,
         **{
             "kubernetes.enabled": True,
             "kubernetes.kubeconfig": str(kubeconfig),
@@ -462,7 +506,7 @@ def bench_pod_cache(name: str, iterations: int, warmup: int, base: Path) -> list
             "kubernetes.node_devices": False,
             "kubernetes.events": False,
         },
-    )  # fmt: skip
+    )
     daemon.start()
     settle_heap()  # as `devplugin run` does once serving
     floor = start_floor(f"{base}/{name}-pods-floor.sock")
@@ -485,10 +529,17 @@ def bench_pod_cache(name: str, iterations: int, warmup: int, base: Path) -> list
                     ours, bare, ids, size, rng=rng, iterations=iterations, warmup=warmup
                 )
                 rows.append(
-                    Row(f"{name}+pods", "gpu", size, statistics.median(ours_ms),
-                        percentile(ours_ms, 0.99), statistics.median(floor_ms),
-                        percentile(floor_ms, 0.99), "-")
-                )  # fmt: skip
+                    Row(
+                        f"{name}+pods",
+                        "gpu",
+                        size,
+                        statistics.median(ours_ms),
+                        percentile(ours_ms, 0.99),
+                        statistics.median(floor_ms),
+                        percentile(floor_ms, 0.99),
+                        "-",
+                    )
+                )
         exact = daemon.metrics.pod_aware.labels("nvidia.com/gpu", "exact")._value.get()
         calls = len(rows) * (iterations + warmup)
         if exact < calls:
@@ -513,10 +564,16 @@ def bench_nvlink(name: str, iterations: int, warmup: int, base: Path) -> tuple[l
     try:
         with grpc.insecure_channel(f"unix://{base}/{name}-nvlink-floor.sock") as floor_channel:
             rows = preferred_rows(
-                daemon, name, f"{base}/{name}-nvlink-dp", pb_grpc.DevicePluginStub(floor_channel),
-                rng=rng, iterations=iterations, warmup=warmup, limit=NVLINK_EXHAUSTIVE_LIMIT,
+                daemon,
+                name,
+                f"{base}/{name}-nvlink-dp",
+                pb_grpc.DevicePluginStub(floor_channel),
+                rng=rng,
+                iterations=iterations,
+                warmup=warmup,
+                limit=NVLINK_EXHAUSTIVE_LIMIT,
                 interleave=True,
-            )  # fmt: skip
+            )
         hits = int(daemon.metrics.budget_hits._value.get())
         method = Allocator(daemon.coordinator.topology).method
     finally:
@@ -529,8 +586,10 @@ def bench_nvlink(name: str, iterations: int, warmup: int, base: Path) -> tuple[l
 def nvlink_section(layouts: Sequence[str], iterations: int, warmup: int, base: Path) -> bool:
     """The NVLink table and its verdict: True when every layout met the goal."""
     print("GetPreferredAllocation on NVLink layouts, end to end over gRPC (ms)")
-    print(f"{'node':14} {'kind':4} {'size':>4} {'p50':>7} {'p99':>7} {'fl p50':>7} "
-          f"{'fl p99':>7} {'ratio':>5}  quality")  # fmt: skip
+    print(
+        f"{'node':14} {'kind':4} {'size':>4} {'p50':>7} {'p99':>7} {'fl p50':>7} "
+        f"{'fl p99':>7} {'ratio':>5}  quality"
+    )
     met = True
     for name in layouts:
         rows, hits, method = bench_nvlink(name, iterations, warmup, base)
@@ -603,8 +662,10 @@ def node_sections(
     when a goal was missed."""
     failed = False
     print("GetPreferredAllocation end to end over gRPC (ms); floor = do-nothing servicer")
-    print(f"{'node':9} {'kind':4} {'size':>4} {'p50':>7} {'p99':>7} {'fl p50':>7} "
-          f"{'fl p99':>7} {'ratio':>5}  quality")  # fmt: skip
+    print(
+        f"{'node':9} {'kind':4} {'size':>4} {'p50':>7} {'p99':>7} {'fl p50':>7} "
+        f"{'fl p99':>7} {'ratio':>5}  quality"
+    )
     results: dict[str, NodeResult] = {}
     for name in nodes:
         goal = GOALS_MS[name]
@@ -661,44 +722,58 @@ def main() -> int:
     parser.add_argument("--iterations", type=int, default=400)
     parser.add_argument("--quick", action="store_true", help="few iterations (smoke test)")
     parser.add_argument(
-        "--node", choices=sorted(GOALS_MS), action="append",
+        "--node",
+        choices=sorted(GOALS_MS),
+        action="append",
         help="only these nodes (and no NVLink layout unless --nvlink names some)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--nvlink", choices=NVLINK_LAYOUTS, action="append",
+        "--nvlink",
+        choices=NVLINK_LAYOUTS,
+        action="append",
         help="only these NVLink layouts (and no other node unless --node names some)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--cluster", action="store_true",
+        "--cluster",
+        action="store_true",
         help="the cluster run with real daemons and the extender (alone unless --node or "
         "--nvlink names more; a full run includes it, --quick leaves it out)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--extender", action="store_true",
+        "--extender",
+        action="store_true",
         help="the extender at 100 / 1,000 / 5,000 nodes (alone unless others are named; a "
         "full run includes it; with --quick, 100 nodes only)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--idle", action="store_true",
+        "--idle",
+        action="store_true",
         help="an idle daemon's CPU, memory and threads on 8 and 64 GPUs (alone unless others "
         "are named; a full run includes it, --quick leaves it out)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--dra", action="store_true",
+        "--dra",
+        action="store_true",
         help="DRA alignment of the chart's claim templates on five layouts (alone unless "
         "others are named; a full run includes it)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--fleet", action="store_true",
+        "--fleet",
+        action="store_true",
         help="API traffic per node, idle and under churn (alone unless others are named; "
         "a full run includes it, --quick leaves it out)",
-    )  # fmt: skip
+    )
     args = parser.parse_args()
     iterations, warmup = (20, 5) if args.quick else (args.iterations, 50)
     selected = (
-        args.node is not None or args.nvlink is not None or args.cluster or args.fleet
-        or args.extender or args.idle or args.dra
-    )  # fmt: skip
+        args.node is not None
+        or args.nvlink is not None
+        or args.cluster
+        or args.fleet
+        or args.extender
+        or args.idle
+        or args.dra
+    )
     nodes = [n for n in GOALS_MS if n in (args.node or ([] if selected else GOALS_MS))]
     layouts = args.nvlink or ([] if selected else list(NVLINK_LAYOUTS))
     live = args.cluster or not (selected or args.quick)

@@ -189,8 +189,10 @@ def cluster_bench(seeds: int = 3, events: int = 300) -> bool:
         f"({', '.join(f'{count} {layout}' for layout, count in MIX)}), "
         f"{events} events per seed (arrivals and departures), single-container pods"
     )
-    print(f"{'seed':>4} {'placer':9} {'GPU+HCA':>7} {'ideal':>7} {'best-free':>9} {'PIX':>7} "
-          f"{'unsched':>7} {'8-GPU':>7} {'stale':>5}")  # fmt: skip
+    print(
+        f"{'seed':>4} {'placer':9} {'GPU+HCA':>7} {'ideal':>7} {'best-free':>9} {'PIX':>7} "
+        f"{'unsched':>7} {'8-GPU':>7} {'stale':>5}"
+    )
     ok = True
     for seed in range(seeds):
         default = run(seed, nodes, extender=False, events=events)

@@ -83,10 +83,21 @@ def extender_process(api: ApiServerImitation, base: Path) -> Iterator[str]:
     port = _port()
     log = (base / "extender.log").open("w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "devplugin", "extender", "--listen", f"127.0.0.1:{port}",
-         "--kubeconfig", str(kubeconfig), "--stale-after-seconds", "120"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "devplugin",
+            "extender",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--kubeconfig",
+            str(kubeconfig),
+            "--stale-after-seconds",
+            "120",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30
@@ -131,9 +142,14 @@ def _least_allocated(
 
 
 def run_stream(
-    nodes: dict[str, SimCluster], url: str | None, *, gap: float, arrivals: int, seed: int,
+    nodes: dict[str, SimCluster],
+    url: str | None,
+    *,
+    gap: float,
+    arrivals: int,
+    seed: int,
     ideal: dict[tuple[int, int], Level],
-) -> LiveTally:  # fmt: skip
+) -> LiveTally:
     rng = random.Random(seed)
     pick = random.Random(seed + 1000)
     tally = LiveTally()
@@ -179,8 +195,9 @@ def run_stream(
             continue
         live.append((target, pod))
         if gpus and hcas:
-            achieved = alignment(node.daemon.coordinator.topology, got.devices[GPU],
-                                 got.devices[HCA])  # fmt: skip
+            achieved = alignment(
+                node.daemon.coordinator.topology, got.devices[GPU], got.devices[HCA]
+            )
             assert achieved is not None
             tally.containers += 1
             tally.best_free += achieved[0] == min(best_now.values())
@@ -233,8 +250,10 @@ def live_cluster_bench(quick: bool = False) -> bool:
                 f"({', '.join(NODES.values())}), the extender over HTTP, pods arriving at a "
                 "fixed cadence with deletions between"
             )
-            print(f"{'cadence':>7} {'placer':9} {'GPU+HCA':>7} {'best-free':>9} {'ideal':>7} "
-                  f"{'unplaced':>8} {'max lag':>8}")  # fmt: skip
+            print(
+                f"{'cadence':>7} {'placer':9} {'GPU+HCA':>7} {'best-free':>9} {'ideal':>7} "
+                f"{'unplaced':>8} {'max lag':>8}"
+            )
             for gap, arrivals in cadences:
                 ours = run_stream(nodes, url, gap=gap, arrivals=arrivals, seed=7, ideal=ideal)
                 default = run_stream(nodes, None, gap=gap, arrivals=arrivals, seed=7, ideal=ideal)

@@ -152,8 +152,10 @@ def dra_bench(*, quick: bool = False) -> bool:
         f"imitation ({trials} random occupancies per shape); share of claims whose worst "
         "GPU+HCA pair is at the best level any free choice allows"
     )
-    print(f"{'layout':12} {'pairs':>5} {'claims':>6} {'template':>9} {'pcieRoot':>9} "
-          f"{'unsched.':>9} {'alloc p50':>10}")  # fmt: skip
+    print(
+        f"{'layout':12} {'pairs':>5} {'claims':>6} {'template':>9} {'pcieRoot':>9} "
+        f"{'unsched.':>9} {'alloc p50':>10}"
+    )
     rows = [row for layout in BENCH_LAYOUTS for row in run_layout(layout, trials, seed=20)]
     for row in rows:
         if not row["claims"]:

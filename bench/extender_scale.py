@@ -122,9 +122,11 @@ class Client:
 
     def post(self, verb: str, body: bytes) -> Any:
         request = urllib.request.Request(
-            f"{self.base}/scheduler/{verb}", data=body,
-            headers={"Content-Type": "application/json"}, method="POST",
-        )  # fmt: skip
+            f"{self.base}/scheduler/{verb}",
+            data=body,
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
         with urllib.request.urlopen(request, timeout=120) as answer:
             return json.loads(answer.read())
 
@@ -159,10 +161,21 @@ def _measure(count: int, rounds: int, base: Path, churn: bool) -> Scale:
         port = _free_port()
         started = time.monotonic()
         process = subprocess.Popen(
-            [sys.executable, "-m", "devplugin", "extender", "--listen", f"127.0.0.1:{port}",
-             "--kubeconfig", str(kubeconfig), "--stale-after-seconds", "86400"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "devplugin",
+                "extender",
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--kubeconfig",
+                str(kubeconfig),
+                "--stale-after-seconds",
+                "86400",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         client = Client(port)
         while not client.ready():
             if process.poll() is not None or time.monotonic() - started > 600:

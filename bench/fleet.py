@@ -119,8 +119,10 @@ def fleet_bench(quick: bool = False) -> bool:
         f"API traffic per node per minute: {len(NODES)} daemons with production timings, "
         f"{seconds:.0f} s idle, then {seconds:.0f} s with a pod every {POD_EVERY:.0f} s per node"
     )
-    print(f"{'':20} {'idle req':>9} {'writes':>7} {'bytes':>9}   {'churn req':>9} "
-          f"{'writes':>7} {'bytes':>9}")  # fmt: skip
+    print(
+        f"{'':20} {'idle req':>9} {'writes':>7} {'bytes':>9}   {'churn req':>9} "
+        f"{'writes':>7} {'bytes':>9}"
+    )
     for label in ROWS:
         a, b = idle[label], churn[label]
         print(

@@ -48,8 +48,9 @@ def measure(layout: str, window: float, base: Path) -> tuple[float, float, int, 
     kubelet.start()
     process = subprocess.Popen(
         [sys.executable, "-m", "devplugin", "run", "--config", str(path)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
 
         def registered() -> bool:
@@ -83,8 +84,10 @@ def idle_bench(quick: bool = False) -> bool:
             ok = cpu <= cpu_goal and (rss_goal is None or rss <= rss_goal)
             met &= ok
             goal = f"<= {cpu_goal:g}%" + (f", <= {rss_goal:.0f} MiB" if rss_goal else "")
-            print(f"{layout:<10} {gpus:>5} {cpu:>6.2f} {rss:>8.0f} {threads:>8}  {goal}: "
-                  + ("met" if ok else "NOT met"))  # fmt: skip
+            print(
+                f"{layout:<10} {gpus:>5} {cpu:>6.2f} {rss:>8.0f} {threads:>8}  {goal}: "
+                + ("met" if ok else "NOT met")
+            )
     print("== idle: " + ("met" if met else "NOT met" if not quick else "(quick run: no verdict)"))
     return met or quick
 

@@ -68,9 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster service account)")
     run.add_argument("--node-name", help="this node's name (default: $NODE_NAME)")
     run.add_argument(
-        "--metrics-address", action="append", metavar="HOST:PORT",
+        "--metrics-address",
+        action="append",
+        metavar="HOST:PORT",
         help="serve /metrics, /healthz, /readyz here (repeatable; replaces the config's list)",
-    )  # fmt: skip
+    )
     discover = commands.add_parser("discover", help="print the GPUs and HCAs found")
     _add_source_flags(discover)
     discover.add_argument("--json", action="store_true", help="print JSON")
@@ -87,9 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     template.add_argument("--gpus", type=int, required=True, help="GPUs in the claim")
     template.add_argument("--hcas", type=int, required=True, help="HCAs in the claim")
     template.add_argument(
-        "--prefer", choices=["PIX", "PXB", "PHB", "NODE", "NONE"], default="PIX",
+        "--prefer",
+        choices=["PIX", "PXB", "PHB", "NODE", "NONE"],
+        default="PIX",
         help="the best level each pair asks for first (NONE: no alignment)",
-    )  # fmt: skip
+    )
     template.add_argument("--nvlink", action="store_true", help="every GPU in one NVLink domain")
     template.add_argument("--driver", default="devplugin.io", help="the DRA driver name")
     template.add_argument("--name", default="", help="the template's name")
@@ -113,18 +117,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="a NodeDevices record older than this is ignored (default 120)",
     )
     extender.add_argument(
-        "--watch-timeout-seconds", type=float, default=30.0,
+        "--watch-timeout-seconds",
+        type=float,
+        default=30.0,
         help="the API server ends each watch after this long; one silent for this plus "
         "the request timeout is dead and the cache lists again (default 30)",
-    )  # fmt: skip
+    )
     extender.add_argument(
-        "--request-timeout-seconds", type=float, default=5.0,
+        "--request-timeout-seconds",
+        type=float,
+        default=5.0,
         help="every API request gives up after this long (default 5)",
-    )  # fmt: skip
+    )
     extender.add_argument(
-        "--lease-namespace", default=os.environ.get("POD_NAMESPACE") or "default",
+        "--lease-namespace",
+        default=os.environ.get("POD_NAMESPACE") or "default",
         help="where the node daemons' heartbeat Leases are (default: $POD_NAMESPACE or default)",
-    )  # fmt: skip
+    )
     extender.add_argument("--gpu-resource", default="nvidia.com/gpu")
     extender.add_argument("--hca-resource", default="rdma/hca")
     extender.add_argument("--log-format", choices=["text", "json"], default="text")
@@ -320,10 +329,11 @@ def cmd_extender(args: argparse.Namespace) -> int:
         if getattr(args, flag) <= 0:
             raise UsageError(f"--{flag.replace('_', '-')}: must be greater than 0")
     kube = KubernetesConfig(
-        enabled=True, kubeconfig=args.kubeconfig or "",
+        enabled=True,
+        kubeconfig=args.kubeconfig or "",
         request_timeout_seconds=args.request_timeout_seconds,
         watch_timeout_seconds=args.watch_timeout_seconds,
-    )  # fmt: skip
+    )
     probe = make_client(kube)
     if probe is None:
         raise UsageError("no Kubernetes API access (--kubeconfig, or run in a pod)")
@@ -332,9 +342,13 @@ def cmd_extender(args: argparse.Namespace) -> int:
     tls = (args.tls_cert, args.tls_key) if args.tls_cert else None
     try:
         _, server, caches = serve(
-            kube, address, stale_after=args.stale_after_seconds, tls=tls,
-            names=(args.gpu_resource, args.hca_resource), lease_namespace=args.lease_namespace,
-        )  # fmt: skip
+            kube,
+            address,
+            stale_after=args.stale_after_seconds,
+            tls=tls,
+            names=(args.gpu_resource, args.hca_resource),
+            lease_namespace=args.lease_namespace,
+        )
     except (OSError, ValueError, RuntimeError) as exc:
         log.error("cannot start: %s", exc)
         return 1

@@ -186,8 +186,10 @@ class Daemon:
         log.info(
             "devplugin starting: resources %s, plugin dir %s, sysfs %s, dev %s",
             ", ".join(resource.name for resource in self.core.resources),
-            config.paths.device_plugin_dir, config.paths.sysfs_root, config.paths.dev_root,
-        )  # fmt: skip
+            config.paths.device_plugin_dir,
+            config.paths.sysfs_root,
+            config.paths.dev_root,
+        )
         if not native_fold_available():
             log.warning(
                 "the allocator's compiled fold (devplugin/policy/_foldc.c) is not built, so "
@@ -272,15 +274,19 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
     cluster.attach(core)
     awareness = cluster.awareness
     plugins = DevicePluginFrontend.build(
-        config, core, partners=awareness,
+        config,
+        core,
+        partners=awareness,
         identify=awareness.holder_of if awareness is not None else None,
-    )  # fmt: skip
+    )
     dra = None
     if core.dra_kinds:
         dra = DraFrontend.build(
-            config, core, reader=cluster.claim_reader(),
+            config,
+            core,
+            reader=cluster.claim_reader(),
             publisher=lambda desired: cluster.slice_publisher(desired, core.metrics),
-        )  # fmt: skip
+        )
     cluster.publish_record(_status_inputs(core, plugins, dra), core)
     return Daemon(
         core, plugins=plugins, cluster=cluster, dra=dra, hotplug=core.hotplug(hotplug_monitor)

@@ -79,9 +79,12 @@ def hook_runs(*logs: Path) -> list[HookRun]:
             if "stdin" in entry:
                 ids = entry["env"]["DEVPLUGIN_DEVICE_IDS"]
                 run = HookRun(
-                    entry["env"]["DEVPLUGIN_HOOK"], tuple(ids.split(",")) if ids else (),
-                    entry["pid"], entry["start"], parent=entry.get("ppid", 0),
-                )  # fmt: skip
+                    entry["env"]["DEVPLUGIN_HOOK"],
+                    tuple(ids.split(",")) if ids else (),
+                    entry["pid"],
+                    entry["start"],
+                    parent=entry.get("ppid", 0),
+                )
                 open_runs[run.pid] = run
                 runs.append(run)
             elif "end" in entry and entry["pid"] in open_runs:

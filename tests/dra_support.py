@@ -58,14 +58,19 @@ class DraCluster:
         created = self.api.put(
             "resourceclaims",
             {
-                "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "ResourceClaim",
                 "metadata": {"name": name, "namespace": namespace},
-                "spec": {"devices": {"requests": [
-                    {"name": r.split("/")[0], "exactly": {"deviceClassName": "x"}}
-                    for r in dict.fromkeys(request for request, _ in results)
-                ]}},
+                "spec": {
+                    "devices": {
+                        "requests": [
+                            {"name": r.split("/")[0], "exactly": {"deviceClassName": "x"}}
+                            for r in dict.fromkeys(request for request, _ in results)
+                        ]
+                    }
+                },
             },
-        )  # fmt: skip
+        )
         self.api.set_status(
             "resourceclaims", name, namespace,
             {"allocation": {"devices": {"results": [
@@ -134,9 +139,17 @@ def start_dra(
         driver = str(settings.get("dra.driver", DRIVER))
         cdi_dir = Path(settings["cdi.spec_dirs"][-1])
         cluster = DraCluster(
-            node, api, kubelet, daemon, lib, cdi_dir, sock_dir / "plugins",
-            sock_dir / "registry", checkpoint, driver,
-        )  # fmt: skip
+            node,
+            api,
+            kubelet,
+            daemon,
+            lib,
+            cdi_dir,
+            sock_dir / "plugins",
+            sock_dir / "registry",
+            checkpoint,
+            driver,
+        )
         assert kubelet.wait_for(lambda: kubelet.registered(driver), timeout=10)
         return cluster
 

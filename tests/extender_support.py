@@ -43,8 +43,12 @@ def inventory(layout: str, base: Path) -> Inventory:
         discoverer.close()
 
 
-def record(inv: Inventory, name: str = "n1", unhealthy: frozenset[str] = frozenset(),
-           allocations: list[Any] | None = None) -> dict[str, Any]:  # fmt: skip
+def record(
+    inv: Inventory,
+    name: str = "n1",
+    unhealthy: frozenset[str] = frozenset(),
+    allocations: list[Any] | None = None,
+) -> dict[str, Any]:
     def state(ids: list[str]) -> ResourceState:
         devices = tuple(
             PluginDevice(d, Health.UNHEALTHY if d in unhealthy else Health.HEALTHY) for d in ids
@@ -67,9 +71,14 @@ def stamp(age: float = 0.0) -> str:
 
 
 def put_record(
-    api: ApiServerImitation, name: str, layout: str, base: Path, *,
-    held: list[ContainerAlignment] | None = None, age: float = 0.0,
-) -> dict[str, Any]:  # fmt: skip
+    api: ApiServerImitation,
+    name: str,
+    layout: str,
+    base: Path,
+    *,
+    held: list[ContainerAlignment] | None = None,
+    age: float = 0.0,
+) -> dict[str, Any]:
     inv = inventory(layout, base / name)
     found = record(inv, name, allocations=held)
     found["status"]["updated"] = stamp(age)
@@ -106,9 +115,11 @@ def call(running: Running, verb: str, body: Any, raw: bytes | None = None) -> tu
     host, port = running[1].address
     data = raw if raw is not None else json.dumps(body).encode()
     request = urllib.request.Request(
-        f"http://{host}:{port}/scheduler/{verb}", data=data,
-        headers={"Content-Type": "application/json"}, method="POST",
-    )  # fmt: skip
+        f"http://{host}:{port}/scheduler/{verb}",
+        data=data,
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
     try:
         with urllib.request.urlopen(request, timeout=10) as answer:
             return answer.status, json.loads(answer.read())

@@ -98,15 +98,21 @@ def spawn(config: Path) -> subprocess.Popen[str]:
     """`devplugin run` as a process of its own."""
     return subprocess.Popen(
         [sys.executable, "-m", "devplugin", "run", "--config", str(config)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
-    )  # fmt: skip
+    )
 
 
 def daemon_config(
-    node: BuiltNode, sock_dir: Path, path: Path, *, checkpoint: Path,
+    node: BuiltNode,
+    sock_dir: Path,
+    path: Path,
+    *,
+    checkpoint: Path,
     resources: dict[str, object],
-) -> Path:  # fmt: skip
+) -> Path:
     """A config file for a daemon run as a subprocess against a simulated node."""
     config = node.run_config(sock_dir, checkpoint)
     config["resources"] = resources

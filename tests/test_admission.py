@@ -18,12 +18,26 @@ def c(name: str, gpus: int = 0, hcas: int = 0, *, sidecar: bool = False) -> Cont
 
 
 def p(
-    name: str, *containers: ContainerInfo, init: tuple[ContainerInfo, ...] = (),
-    created: str = "2026-12-03T00:00:00Z", phase: str = "Pending", deleting: bool = False,
+    name: str,
+    *containers: ContainerInfo,
+    init: tuple[ContainerInfo, ...] = (),
+    created: str = "2026-12-03T00:00:00Z",
+    phase: str = "Pending",
+    deleting: bool = False,
     started: bool = False,
-) -> PodInfo:  # fmt: skip
-    return PodInfo(f"uid-{name}", "default", name, "node-1", phase, created, deleting,
-                   init, containers, started)  # fmt: skip
+) -> PodInfo:
+    return PodInfo(
+        f"uid-{name}",
+        "default",
+        name,
+        "node-1",
+        phase,
+        created,
+        deleting,
+        init,
+        containers,
+        started,
+    )
 
 
 def ask(pods: list[PodInfo], resource: str, size: int, held: set[tuple[str, str, str]] = set()):  # noqa: B006
@@ -53,8 +67,7 @@ def test_candidates_that_disagree_are_ambiguous_and_agreeing_ones_exact() -> Non
 
 
 def test_init_containers_come_first_then_app_containers_in_order() -> None:
-    pod = p("a", c("app1", gpus=2, hcas=2), c("app2", gpus=1, hcas=1),
-            init=(c("prep", gpus=1),))  # fmt: skip
+    pod = p("a", c("app1", gpus=2, hcas=2), c("app2", gpus=1, hcas=1), init=(c("prep", gpus=1),))
     # Nothing held yet: the init container is next, asking 1 GPU and no HCA.
     first = ask([pod], GPU, 1)
     assert (first.outcome, first.partners) == (Outcome.EXACT, 0)
@@ -100,8 +113,7 @@ def test_pods_are_considered_oldest_first() -> None:
 def test_a_finished_init_container_counts_as_served_once_a_later_container_holds() -> None:
     # PodResources never lists a finished (non-restartable) init container,
     # but an app container holding the resource proves it was served.
-    pod = p("a", c("app1", gpus=2, hcas=1), c("app2", gpus=1, hcas=1),
-            init=(c("prep", gpus=1),))  # fmt: skip
+    pod = p("a", c("app1", gpus=2, hcas=1), c("app2", gpus=1, hcas=1), init=(c("prep", gpus=1),))
     result = ask([pod], GPU, 1, {("default", "a", "app1")})
     assert [x.container.name for x in result.candidates] == ["app2"]
     assert result.partners == 1

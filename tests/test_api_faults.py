@@ -164,19 +164,30 @@ def test_watches_cut_every_half_second_keep_the_cache_current(
     "bad",
     [
         {"metadata": {"name": "no-uid", "namespace": "default"}, "spec": {"nodeName": "node-1"}},
-        {"metadata": {"uid": "u1", "name": "x", "namespace": "default"},
-         "spec": {"nodeName": "node-1", "containers": "not a list"}},
-        {"metadata": {"uid": "u2", "name": "y", "namespace": "default"},
-         "spec": {"nodeName": "node-1",
-                  "containers": [{"name": "c", "resources": {"limits": {GPU: "lots"}}}]}},
-        {"metadata": {"uid": "u3", "name": "z", "namespace": "default"},
-         "spec": {"nodeName": "node-1"}, "status": ["wrong"]},
+        {
+            "metadata": {"uid": "u1", "name": "x", "namespace": "default"},
+            "spec": {"nodeName": "node-1", "containers": "not a list"},
+        },
+        {
+            "metadata": {"uid": "u2", "name": "y", "namespace": "default"},
+            "spec": {
+                "nodeName": "node-1",
+                "containers": [{"name": "c", "resources": {"limits": {GPU: "lots"}}}],
+            },
+        },
+        {
+            "metadata": {"uid": "u3", "name": "z", "namespace": "default"},
+            "spec": {"nodeName": "node-1"},
+            "status": ["wrong"],
+        },
     ],
-)  # fmt: skip
+)
 def test_bad_pods_in_the_watch_are_skipped_with_one_line(
-    start_cluster: Start, api: ApiServerImitation, bad: dict[str, object],
+    start_cluster: Start,
+    api: ApiServerImitation,
+    bad: dict[str, object],
     caplog: pytest.LogCaptureFixture,
-) -> None:  # fmt: skip
+) -> None:
     cluster, _pods = synced(start_cluster, api)
     with caplog.at_level(logging.WARNING, logger="devplugin.cluster.pods"):
         for _ in range(3):

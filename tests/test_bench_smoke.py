@@ -15,8 +15,12 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_bench_quick_run_reports_optimal_answers() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "bench", "--quick", "--node", "hgx-h100", "--nvlink", "dgx-1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     preferred, allocate, summary, cluster, nvlink = result.stdout.split("\n\n")
     rows = [line for line in preferred.splitlines() if line.startswith("hgx-h100 ")]
@@ -52,8 +56,12 @@ def test_bench_quick_run_reports_optimal_answers() -> None:
 def test_bench_extender_quick_run_measures_every_line() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "bench", "--quick", "--extender"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     rows = [line.split() for line in result.stdout.splitlines() if line.startswith("   100 ")]
     assert len(rows) == 1
@@ -67,8 +75,12 @@ def test_bench_extender_quick_run_measures_every_line() -> None:
 def test_bench_dra_quick_run_meets_the_alignment_goals() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "bench", "--quick", "--dra"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     rows = [line.split() for line in result.stdout.splitlines() if line[:12].strip() in (
         "hgx-h100", "dgx-a100", "pcie-server", "asymmetric", "16-gpu")]  # fmt: skip

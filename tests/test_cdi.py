@@ -63,21 +63,35 @@ def good_spec() -> dict[str, Any]:
         (lambda s: s["devices"][0].update(name="-x"), "device name"),
         (lambda s: s["devices"].append(dict(s["devices"][0])), "defined twice"),
         (lambda s: s["devices"][0].update(containerEdits={}), "edits nothing"),
-        (lambda s: s["devices"][0]["containerEdits"]["deviceNodes"][0].update(hostPath="/x"),
-         "too old"),
+        (
+            lambda s: s["devices"][0]["containerEdits"]["deviceNodes"][0].update(hostPath="/x"),
+            "too old",
+        ),
         (lambda s: s["devices"][0]["containerEdits"]["deviceNodes"][0].update(type="x"), "type"),
-        (lambda s: s["devices"][0]["containerEdits"].update(
-            hooks=[{"hookName": "x", "path": "/y"}]), "known hook"),
+        (
+            lambda s: s["devices"][0]["containerEdits"].update(
+                hooks=[{"hookName": "x", "path": "/y"}]
+            ),
+            "known hook",
+        ),
         (lambda s: s["devices"][0]["containerEdits"].update(env=["NOVALUE"]), "NAME=value"),
         (lambda s: s.update(devices=[]), "no devices"),
         # What the released library (v1.0.1) refuses and an older validator took.
-        (lambda s: s["devices"][0]["containerEdits"]["deviceNodes"][0].update(
-            permissions="none"), "not made of r, w, m"),
+        (
+            lambda s: s["devices"][0]["containerEdits"]["deviceNodes"][0].update(
+                permissions="none"
+            ),
+            "not made of r, w, m",
+        ),
         (lambda s: s.update(cdiVersion="1.1.0"), "not a known version"),
-        (lambda s: s["devices"][0]["containerEdits"].update(
-            netDevices=[{"hostInterfaceName": "eth0", "name": "net0"}]), "unknown field"),
+        (
+            lambda s: s["devices"][0]["containerEdits"].update(
+                netDevices=[{"hostInterfaceName": "eth0", "name": "net0"}]
+            ),
+            "unknown field",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_spec_a_runtime_would_refuse_is_refused_with_the_reason(
     damage: Callable[[dict[str, Any]], None], why: str
 ) -> None:
@@ -117,14 +131,18 @@ def test_names_are_made_valid_and_annotation_keys_stay_short() -> None:
 @pytest.mark.parametrize(
     ("setting", "field"),
     [
-        ("resources:\n  gpu:\n    device_list_strategy: [cdi]\n",
-         "resources.gpu.device_list_strategy[0]: must be one of"),
-        ("resources:\n  hca:\n    device_list_strategy: []\n",
-         "resources.hca.device_list_strategy: must name at least one strategy"),
+        (
+            "resources:\n  gpu:\n    device_list_strategy: [cdi]\n",
+            "resources.gpu.device_list_strategy[0]: must be one of",
+        ),
+        (
+            "resources:\n  hca:\n    device_list_strategy: []\n",
+            "resources.hca.device_list_strategy: must name at least one strategy",
+        ),
         ("cdi:\n  hca_kind: devplugin\n", "cdi.hca_kind: must be vendor/class"),
         ("cdi:\n  spec_dirs: [relative]\n", "cdi.spec_dirs: every directory must be"),
     ],
-)  # fmt: skip
+)
 def test_a_bad_cdi_setting_exits_two_with_one_line_naming_the_field(
     tmp_path: Path, setting: str, field: str
 ) -> None:
@@ -132,8 +150,11 @@ def test_a_bad_cdi_setting_exits_two_with_one_line_naming_the_field(
     config.write_text("version: v1\n" + setting)
     result = subprocess.run(
         [sys.executable, "-m", "devplugin", "run", "--config", str(config)],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 2
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith(f"devplugin: config error: {field}"), line
@@ -156,12 +177,16 @@ def cdi_cluster(
     **extra: Any,
 ) -> tuple[Cluster, CdiRuntime]:
     static, dynamic = dirs(tmp_path)
-    cluster = start_cluster(spec or LAYOUTS[layout](), wait=False, **{
-        "resources.gpu.device_list_strategy": strategy,
-        "resources.hca.device_list_strategy": strategy,
-        "cdi.spec_dirs": [str(static), str(dynamic)],
-        **extra,
-    })  # fmt: skip
+    cluster = start_cluster(
+        spec or LAYOUTS[layout](),
+        wait=False,
+        **{
+            "resources.gpu.device_list_strategy": strategy,
+            "resources.hca.device_list_strategy": strategy,
+            "cdi.spec_dirs": [str(static), str(dynamic)],
+            **extra,
+        },
+    )
     write_spec(static, "nvidia.yaml", nvidia_like_spec(cluster.node))
     node = cluster.node
     assert cluster.kubelet.wait_for(lambda: healthy(cluster, GPU) == len(node.gpus), 10)
@@ -245,18 +270,23 @@ def test_cdi_annotations_carry_the_same_names(start_cluster: Start, tmp_path: Pa
         assert key == annotation_key(plugin, list(got.devices[resource]))
         names = value.split(",")
         assert len(names) == 2
-        assert all(name.startswith("nvidia.com/gpu=" if resource == GPU else
-                                   "devplugin.io/hca=") for name in names)  # fmt: skip
+        assert all(
+            name.startswith("nvidia.com/gpu=" if resource == GPU else "devplugin.io/hca=")
+            for name in names
+        )
         runtime.resolve(names)
 
 
 def test_the_default_strategy_answers_as_before(start_cluster: Start, tmp_path: Path) -> None:
     # The default is [envvar, device-nodes]: spelled out, the answers are the same.
     default = start_cluster(hgx_node())
-    spelled = start_cluster(hgx_node(), **{
-        "resources.gpu.device_list_strategy": ["envvar", "device-nodes"],
-        "resources.hca.device_list_strategy": ["device-nodes", "envvar"],
-    })  # fmt: skip
+    spelled = start_cluster(
+        hgx_node(),
+        **{
+            "resources.gpu.device_list_strategy": ["envvar", "device-nodes"],
+            "resources.hca.device_list_strategy": ["device-nodes", "envvar"],
+        },
+    )
     request = [ContainerRequest("main", {GPU: 2, HCA: 2})]
     first = default.kubelet.admit("p", request, order=[GPU, HCA]).container("main")
     second = spelled.kubelet.admit("p", request, order=[GPU, HCA]).container("main")
@@ -274,10 +304,14 @@ def test_a_gpu_no_spec_names_is_not_offered_until_one_does(
     start_cluster: Start, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     static, dynamic = dirs(tmp_path)
-    cluster = start_cluster(hgx_node(), wait=False, **{
-        "resources.gpu.device_list_strategy": ["cdi-cri"],
-        "cdi.spec_dirs": [str(static), str(dynamic)],
-    })  # fmt: skip
+    cluster = start_cluster(
+        hgx_node(),
+        wait=False,
+        **{
+            "resources.gpu.device_list_strategy": ["cdi-cri"],
+            "cdi.spec_dirs": [str(static), str(dynamic)],
+        },
+    )
     node, kubelet = cluster.node, cluster.kubelet
     # The toolkit's spec without GPU 5: only GPU 5 stays out.
     write_spec(static, "nvidia.yaml", nvidia_like_spec(node, skip=[5]))
@@ -339,7 +373,9 @@ def test_the_hca_spec_follows_hotplug_and_restarts_and_outlives_a_clean_stop(
     assert not runtime.refused
     for hca in node.hcas:
         assert resolved(runtime, [f"devplugin.io/hca={hca.name}"]) == {
-            **hca_numbers(hca), "/dev/infiniband/rdma_cm": (10, 58)}  # fmt: skip
+            **hca_numbers(hca),
+            "/dev/infiniband/rdma_cm": (10, 58),
+        }
     written = (dirs(tmp_path)[1] / "devplugin.io-hca.json").stat().st_mtime_ns
     checks = cluster.daemon.checks
     assert wait_until(lambda: cluster.daemon.checks >= checks + 3, timeout=10)
@@ -369,10 +405,13 @@ def test_the_hca_spec_follows_hotplug_and_restarts_and_outlives_a_clean_stop(
 
 def test_cdi_on_for_hcas_only_needs_no_gpu_spec(start_cluster: Start, tmp_path: Path) -> None:
     static, dynamic = dirs(tmp_path)
-    cluster = start_cluster(hgx_node(), **{
-        "resources.hca.device_list_strategy": ["cdi-cri", "device-nodes"],
-        "cdi.spec_dirs": [str(static), str(dynamic)],
-    })  # fmt: skip
+    cluster = start_cluster(
+        hgx_node(),
+        **{
+            "resources.hca.device_list_strategy": ["cdi-cri", "device-nodes"],
+            "cdi.spec_dirs": [str(static), str(dynamic)],
+        },
+    )
     pod = cluster.kubelet.admit("p", [ContainerRequest("main", {GPU: 1, HCA: 1})])
     got = pod.container("main")
     assert got.responses[GPU].envs["NVIDIA_VISIBLE_DEVICES"] == got.devices[GPU][0]

@@ -118,10 +118,14 @@ def test_a_daemon_with_a_hostile_spec_directory_starts_serves_and_stays_healthy(
     static.mkdir()
     (static / "deep.json").write_text(DEEP_JSON)
     (static / "deep.yaml").write_text(DEEP_YAML_FLOW)
-    cluster = start_cluster(hgx_node(), wait=False, **{
-        "resources.gpu.device_list_strategy": ["cdi-cri"],
-        "cdi.spec_dirs": [str(static), str(dynamic)],
-    })  # fmt: skip
+    cluster = start_cluster(
+        hgx_node(),
+        wait=False,
+        **{
+            "resources.gpu.device_list_strategy": ["cdi-cri"],
+            "cdi.spec_dirs": [str(static), str(dynamic)],
+        },
+    )
     write_spec(static, "nvidia.yaml", nvidia_like_spec(cluster.node))
     kubelet, node = cluster.kubelet, cluster.node
 

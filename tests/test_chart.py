@@ -284,9 +284,13 @@ def run_helm(python: str, cases: dict[str, dict[str, Any]]) -> dict[str, dict[st
     payload = json.dumps(entries)
     result = subprocess.run(
         [python, str(RENDER), str(CHART)],
-        input=payload, capture_output=True, text=True, timeout=300, check=False,
+        input=payload,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
         env=dict(os.environ, HELM_DRIVER="memory"),
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     return {entry["name"]: entry for entry in json.loads(result.stdout)}
 
@@ -335,8 +339,11 @@ def container(objs: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def test_helm_lint_passes(helm_python: str) -> None:
     result = subprocess.run(
         [helm_python, str(RENDER), str(CHART), "lint"],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(result.stdout)
     assert report["TotalChartsLinted"] == 1
@@ -348,10 +355,17 @@ def test_default_install_renders_a_least_privilege_daemonset(
 ) -> None:
     objs = objects(installs, "defaults")
     assert set(objs) == {
-        "ConfigMap", "DaemonSet", "ServiceAccount", "ClusterRole", "ClusterRoleBinding",
-        "Role", "RoleBinding", "CustomResourceDefinition",
-        "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
-    }  # fmt: skip
+        "ConfigMap",
+        "DaemonSet",
+        "ServiceAccount",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Role",
+        "RoleBinding",
+        "CustomResourceDefinition",
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
+    }
     daemonset = objs["DaemonSet"]
     spec = daemonset["spec"]["template"]["spec"]
     assert daemonset["spec"]["updateStrategy"]["type"] == "RollingUpdate"
@@ -376,8 +390,10 @@ def test_default_install_renders_a_least_privilege_daemonset(
     for name, host in [
         ("device-plugins", "/var/lib/kubelet/device-plugins"),
         ("pod-resources", "/var/lib/kubelet/pod-resources"),
-        ("sys", "/sys"), ("dev", "/dev"), ("state", "/var/lib/devplugin"),
-    ]:  # fmt: skip
+        ("sys", "/sys"),
+        ("dev", "/dev"),
+        ("state", "/var/lib/devplugin"),
+    ]:
         assert volumes[name]["hostPath"]["path"] == host
     assert mounts["sys"]["readOnly"] is True
     assert mounts["dev"]["readOnly"] is True
@@ -402,8 +418,7 @@ def test_cdi_directories_are_mounted_only_when_a_strategy_uses_cdi(
     mounts = {m["name"]: m for m in container(objs)["volumeMounts"]}
     volumes = {v["name"]: v for v in objs["DaemonSet"]["spec"]["template"]["spec"]["volumes"]}
     # The node's GPU spec is read; the daemon's HCA spec is written.
-    assert mounts["cdi-static"] == {"name": "cdi-static", "mountPath": "/etc/cdi",
-                                    "readOnly": True}  # fmt: skip
+    assert mounts["cdi-static"] == {"name": "cdi-static", "mountPath": "/etc/cdi", "readOnly": True}
     assert mounts["cdi-dynamic"] == {"name": "cdi-dynamic", "mountPath": "/run/cdi"}
     assert volumes["cdi-static"]["hostPath"]["path"] == "/etc/cdi"
     assert volumes["cdi-dynamic"]["hostPath"]["path"] == "/run/cdi"
@@ -547,8 +562,13 @@ def test_the_daemon_gets_api_access_with_the_least_rights_that_work(
     lease_role = objs["Role"]
     namespace = objs["ServiceAccount"]["metadata"]["namespace"]
     assert lease_role["metadata"]["namespace"] == namespace
-    assert lease_role["rules"] == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
-                                    "verbs": ["get", "create", "update"]}]  # fmt: skip
+    assert lease_role["rules"] == [
+        {
+            "apiGroups": ["coordination.k8s.io"],
+            "resources": ["leases"],
+            "verbs": ["get", "create", "update"],
+        }
+    ]
     assert objs["RoleBinding"]["roleRef"]["name"] == lease_role["metadata"]["name"]
     crd = objs["CustomResourceDefinition"]
     assert crd["metadata"]["name"] == "nodedevices.devplugin.io"
@@ -572,8 +592,10 @@ def test_the_extender_and_a_second_scheduler_profile(installs: dict[str, dict[st
     deployment = found[("Deployment", "extender-devplugin-extender")]
     (main,) = deployment["spec"]["template"]["spec"]["containers"]
     assert main["args"][:3] == [
-        "extender", "--listen=0.0.0.0:9443", "--stale-after-seconds=90",
-    ]  # fmt: skip
+        "extender",
+        "--listen=0.0.0.0:9443",
+        "--stale-after-seconds=90",
+    ]
     assert main["readinessProbe"]["httpGet"]["path"] == "/readyz"
     # The DaemonSet's selector must not take the extender's pods.
     daemonset = next(o for o in entry["objects"] if o["kind"] == "DaemonSet")
@@ -583,11 +605,15 @@ def test_the_extender_and_a_second_scheduler_profile(installs: dict[str, dict[st
     service = found[("Service", "extender-devplugin-extender")]
     assert service["spec"]["ports"][0]["port"] == 9443
     role = found[("ClusterRole", "extender-devplugin-extender")]
-    assert {(g, r): sorted(rule["verbs"]) for rule in role["rules"]
-            for g in rule["apiGroups"] for r in rule["resources"]} == {
+    assert {
+        (g, r): sorted(rule["verbs"])
+        for rule in role["rules"]
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+    } == {
         ("devplugin.io", "nodedevices"): ["get", "list", "watch"],
         ("", "pods"): ["get", "list", "watch"],
-    }  # fmt: skip
+    }
     leases = found[("Role", "extender-devplugin-extender-leases")]
     assert leases["rules"][0]["resources"] == ["leases"]
     assert sorted(leases["rules"][0]["verbs"]) == ["get", "list", "watch"]
@@ -602,20 +628,30 @@ def test_the_extender_and_a_second_scheduler_profile(installs: dict[str, dict[st
     url = extender.pop("urlPrefix")
     assert url == f"http://extender-devplugin-extender.{namespace}.svc:9443/scheduler"
     assert extender == {
-        "filterVerb": "filter", "prioritizeVerb": "prioritize", "weight": 7,
-        "nodeCacheCapable": True, "enableHTTPS": False, "ignorable": True,
+        "filterVerb": "filter",
+        "prioritizeVerb": "prioritize",
+        "weight": 7,
+        "nodeCacheCapable": True,
+        "enableHTTPS": False,
+        "ignorable": True,
         "managedResources": [
             {"name": "nvidia.com/gpu", "ignoredByScheduler": False},
             {"name": "rdma/hca", "ignoredByScheduler": False},
         ],
-    }  # fmt: skip
+    }
     scheduler = found[("Deployment", "extender-devplugin-scheduler")]
     (kube,) = scheduler["spec"]["template"]["spec"]["containers"]
     assert kube["command"] == ["kube-scheduler", "--config=/etc/kubernetes/scheduler-config.yaml"]
-    bindings = {o["roleRef"]["name"] for o in entry["objects"]
-                if o["kind"] in ("ClusterRoleBinding", "RoleBinding")}  # fmt: skip
-    assert {"system:kube-scheduler", "system:volume-scheduler",
-            "extension-apiserver-authentication-reader"} <= bindings  # fmt: skip
+    bindings = {
+        o["roleRef"]["name"]
+        for o in entry["objects"]
+        if o["kind"] in ("ClusterRoleBinding", "RoleBinding")
+    }
+    assert {
+        "system:kube-scheduler",
+        "system:volume-scheduler",
+        "extension-apiserver-authentication-reader",
+    } <= bindings
     # Off by default.
     assert not any("extender" in o["metadata"]["name"] for o in installs["defaults"]["objects"])
 
@@ -693,8 +729,9 @@ def test_the_policy_refuses_another_nodes_record_and_admits_the_nodes_own(
 
     # Its own record: created, its status written, deleted.
     assert judge(policy, _request(node_a, "CREATE", *records), _record("node-a")).allowed
-    own = judge(policy, _request(node_a, "UPDATE", *records, "status"), _record("node-a"),
-                _record("node-a"))  # fmt: skip
+    own = judge(
+        policy, _request(node_a, "UPDATE", *records, "status"), _record("node-a"), _record("node-a")
+    )
     assert own.applies
     assert own.allowed
     assert judge(policy, _request(node_a, "DELETE", *records), None, _record("node-a")).allowed
@@ -729,8 +766,9 @@ def test_the_policy_refuses_another_nodes_record_and_admits_the_nodes_own(
         verdict = judge(policy, _request(node_a, "UPDATE", *leases), long, lease_a)
         assert not verdict.allowed, duration
         assert "between 1 and 300 seconds" in verdict.message
-    forged = judge(policy, _request(node_a, "UPDATE", *leases),
-                   _lease("devplugin-node-a", "node-b"), lease_a)  # fmt: skip
+    forged = judge(
+        policy, _request(node_a, "UPDATE", *leases), _lease("devplugin-node-a", "node-b"), lease_a
+    )
     assert not forged.allowed
 
     # A token bound to no node (a long-lived secret token): refused outright.
@@ -796,14 +834,23 @@ def test_dra_installs_classes_templates_mounts_and_rights(
     assert mounts["kubelet-registry"]["mountPath"] == "/var/lib/kubelet/plugins_registry"
     assert "cdi-dynamic" in mounts  # the claims' CDI specs are written there
     rules = objs["ClusterRole"]["rules"]
-    assert {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims"],
-            "verbs": ["get", "list", "watch"]} in rules  # fmt: skip
+    assert {
+        "apiGroups": ["resource.k8s.io"],
+        "resources": ["resourceclaims"],
+        "verbs": ["get", "list", "watch"],
+    } in rules
     writes = ["get", "list", "watch", "create", "update", "patch", "delete"]
-    assert {"apiGroups": ["resource.k8s.io"], "resources": ["resourceslices"],
-            "verbs": writes} in rules  # fmt: skip
-    assert {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims/driver"],
-            "resourceNames": [driver],
-            "verbs": ["associated-node:update", "associated-node:patch"]} in rules  # fmt: skip
+    assert {
+        "apiGroups": ["resource.k8s.io"],
+        "resources": ["resourceslices"],
+        "verbs": writes,
+    } in rules
+    assert {
+        "apiGroups": ["resource.k8s.io"],
+        "resources": ["resourceclaims/driver"],
+        "resourceNames": [driver],
+        "verbs": ["associated-node:update", "associated-node:patch"],
+    } in rules
     # Without DRA: none of it.
     defaults = installs["defaults"]["objects"]
     assert not [o for o in defaults if o["kind"] in ("DeviceClass", "ResourceClaimTemplate")]

@@ -140,10 +140,15 @@ def test_without_a_checkpoint_devices_wait_for_the_claims_list(tmp_path: Path) -
         {"uid": "", "namespace": "n", "name": "c", "state": "completed"},
         {"uid": "u", "namespace": "n", "name": "c", "state": "halfway"},
         {"uid": "u", "namespace": "n", "name": "c", "state": "started", "devices": [{}]},
-        {"uid": "u", "namespace": "n", "name": "c", "state": "started",
-         "devices": [{"kind": "gpu", "id": "a", "pool": "p", "device": "d", "requests": "gpu"}]},
+        {
+            "uid": "u",
+            "namespace": "n",
+            "name": "c",
+            "state": "started",
+            "devices": [{"kind": "gpu", "id": "a", "pool": "p", "device": "d", "requests": "gpu"}],
+        },
     ],
-)  # fmt: skip
+)
 def test_a_damaged_claim_entry_makes_the_checkpoint_untrusted(
     tmp_path: Path, entry: dict[str, object]
 ) -> None:

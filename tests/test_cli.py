@@ -57,11 +57,18 @@ def test_daemon_process_serves_then_exits_zero_on_signal_removing_sockets(
     kubelet.start()
     process = spawn(
         [
-            "run", *source_flags(node), "--device-plugin-dir", str(plugin_dir),
-            "--log-format", "json", "--checkpoint-file", str(sock_dir / "checkpoint.json"),
-            "--metrics-address", "127.0.0.1:0",
+            "run",
+            *source_flags(node),
+            "--device-plugin-dir",
+            str(plugin_dir),
+            "--log-format",
+            "json",
+            "--checkpoint-file",
+            str(sock_dir / "checkpoint.json"),
+            "--metrics-address",
+            "127.0.0.1:0",
         ]
-    )  # fmt: skip
+    )
     try:
         assert kubelet.wait_for_devices(GPU, 8, timeout=20)
         assert kubelet.wait_for_devices(HCA, 8, timeout=20)
@@ -158,13 +165,17 @@ def test_a_registry_directory_too_long_to_bind_in_exits_two_naming_the_field(
         f"kubernetes:\n  enabled: true\n  kubeconfig: {kubeconfig}\n  node_name: n1\n"
     )
     kubeconfig.write_text(
-        yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "c",
-            "clusters": [{"name": "c", "cluster": {"server": "http://127.0.0.1:9"}}],
-            "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
-            "users": [{"name": "u", "user": {}}],
-        })
-    )  # fmt: skip
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "c",
+                "clusters": [{"name": "c", "cluster": {"server": "http://127.0.0.1:9"}}],
+                "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+                "users": [{"name": "u", "user": {}}],
+            }
+        )
+    )
     deep = "/tmp/" + "r" * 84
     flags = ["--config", str(config), "--kubelet-registry-dir", deep]
     assert main(["run", *flags, *source_flags(node)]) == 2
@@ -261,13 +272,24 @@ def test_kubeconfig_and_node_name_flags_alone_turn_api_access_on(
     kubeconfig.write_text(yaml.safe_dump(api.kubeconfig()))
     process = spawn(
         [
-            "run", *source_flags(node), "--device-plugin-dir", str(plugin_dir),
-            "--pod-resources-socket", str(pod_resources), "--log-format", "json",
-            "--checkpoint-file", str(sock_dir / "checkpoint.json"),
-            "--metrics-address", "127.0.0.1:0",
-            "--kubeconfig", str(kubeconfig), "--node-name", "flag-node",
+            "run",
+            *source_flags(node),
+            "--device-plugin-dir",
+            str(plugin_dir),
+            "--pod-resources-socket",
+            str(pod_resources),
+            "--log-format",
+            "json",
+            "--checkpoint-file",
+            str(sock_dir / "checkpoint.json"),
+            "--metrics-address",
+            "127.0.0.1:0",
+            "--kubeconfig",
+            str(kubeconfig),
+            "--node-name",
+            "flag-node",
         ]
-    )  # fmt: skip
+    )
     try:
         assert kubelet.wait_for_devices(GPU, 8, timeout=20)
         assert kubelet.wait_for_devices(HCA, 8, timeout=20)

@@ -104,47 +104,95 @@ logging:
             {"version": "v1", "resources": {"gpu": {"enabled": False}, "hca": {"enabled": False}}},
             "resources: every resource is disabled",
         ),
-        ({"version": "v1", "resources": {"gpu": {"hooks": {"init": "reset-gpu --all"}}}},
-         "resources.gpu.hooks.init: must be a list"),
-        ({"version": "v1", "resources": {"hca": {"hooks": {"cleanup": ["x", ""]}}}},
-         "resources.hca.hooks.cleanup: every argument must be a non-empty string"),
-        ({"version": "v1", "resources": {"hca": {"hooks": {"init_phase": "later"}}}},
-         "resources.hca.hooks.init_phase: must be one of 'allocate', 'pre_start'"),
-        ({"version": "v1", "health": {"recovery": "after_cleanup"}},
-         "resources.gpu.hooks.cleanup: health.recovery after_cleanup needs a cleanup hook"),
-        ({"version": "v1", "health": {"xid_ignore": [13, 0]}},
-         "health.xid_ignore: XIDs are integers from 1 to 999"),
+        (
+            {"version": "v1", "resources": {"gpu": {"hooks": {"init": "reset-gpu --all"}}}},
+            "resources.gpu.hooks.init: must be a list",
+        ),
+        (
+            {"version": "v1", "resources": {"hca": {"hooks": {"cleanup": ["x", ""]}}}},
+            "resources.hca.hooks.cleanup: every argument must be a non-empty string",
+        ),
+        (
+            {"version": "v1", "resources": {"hca": {"hooks": {"init_phase": "later"}}}},
+            "resources.hca.hooks.init_phase: must be one of 'allocate', 'pre_start'",
+        ),
+        (
+            {"version": "v1", "health": {"recovery": "after_cleanup"}},
+            "resources.gpu.hooks.cleanup: health.recovery after_cleanup needs a cleanup hook",
+        ),
+        (
+            {"version": "v1", "health": {"xid_ignore": [13, 0]}},
+            "health.xid_ignore: XIDs are integers from 1 to 999",
+        ),
         ({"version": "v1", "health": {"good_checks": 0}}, "health.good_checks: must be at least 1"),
-        ({"version": "v1", "lifecycle": {"checkpoint_file": "state.json"}},
-         "lifecycle.checkpoint_file: must be an absolute path"),
-        ({"version": "v1", "resources": {"gpu": {"api": "grpc"}}},
-         "resources.gpu.api: must be one of 'device-plugin', 'dra'"),
-        ({"version": "v1", "resources": {"hca": {"api": "dra"}}},
-         "resources.hca.api: dra needs kubernetes.enabled"),
-        ({"version": "v1", "dra": {"driver": "DevPlugin.io"}},
-         "dra.driver: must be a lowercase DNS subdomain"),
-        ({"version": "v1", "dra": {"driver": "a" * 64}},
-         "dra.driver: must be a lowercase DNS subdomain of at most 63 characters"),
+        (
+            {"version": "v1", "lifecycle": {"checkpoint_file": "state.json"}},
+            "lifecycle.checkpoint_file: must be an absolute path",
+        ),
+        (
+            {"version": "v1", "resources": {"gpu": {"api": "grpc"}}},
+            "resources.gpu.api: must be one of 'device-plugin', 'dra'",
+        ),
+        (
+            {"version": "v1", "resources": {"hca": {"api": "dra"}}},
+            "resources.hca.api: dra needs kubernetes.enabled",
+        ),
+        (
+            {"version": "v1", "dra": {"driver": "DevPlugin.io"}},
+            "dra.driver: must be a lowercase DNS subdomain",
+        ),
+        (
+            {"version": "v1", "dra": {"driver": "a" * 64}},
+            "dra.driver: must be a lowercase DNS subdomain of at most 63 characters",
+        ),
         ({"version": "v1", "dra": {"cdi_kind": "claim"}}, "dra.cdi_kind: must be vendor/class"),
-        ({"version": "v1", "dra": {"unhealthy": "drop"}},
-         "dra.unhealthy: must be one of 'taint', 'remove'"),
-        ({"version": "v1", "paths": {"kubelet_registry_dir": "plugins_registry"}},
-         "paths.kubelet_registry_dir: must be an absolute path"),
-        ({"version": "v1", "kubernetes": {"enabled": True},
-          "resources": {"gpu": {"api": "dra",
-                                "hooks": {"init": ["x"], "init_phase": "pre_start"}}}},
-         "resources.gpu.hooks.init_phase: pre_start is a Device Plugin API call"),
-        ({"version": "v1", "kubernetes": {"enabled": True}, "resources": {"gpu": {"api": "dra"}},
-          "sharing": {"gpu": {"replicas": 4}}},
-         "sharing.gpu.replicas: time-slicing is not offered through dra"),
-        ({"version": "v1", "kubernetes": {"enabled": True}, "resources": {"hca": {"api": "dra"}},
-          "sharing": {"hca": {"units": 2}}},
-         "sharing.hca.units: shared HCAs are not offered through dra"),
-        ({"version": "v1", "kubernetes": {"enabled": True}, "resources": {"gpu": {"api": "dra"}},
-          "allocation": {"attach_hcas": True}},
-         "allocation.attach_hcas: not with resources.gpu.api dra"),
+        (
+            {"version": "v1", "dra": {"unhealthy": "drop"}},
+            "dra.unhealthy: must be one of 'taint', 'remove'",
+        ),
+        (
+            {"version": "v1", "paths": {"kubelet_registry_dir": "plugins_registry"}},
+            "paths.kubelet_registry_dir: must be an absolute path",
+        ),
+        (
+            {
+                "version": "v1",
+                "kubernetes": {"enabled": True},
+                "resources": {
+                    "gpu": {"api": "dra", "hooks": {"init": ["x"], "init_phase": "pre_start"}}
+                },
+            },
+            "resources.gpu.hooks.init_phase: pre_start is a Device Plugin API call",
+        ),
+        (
+            {
+                "version": "v1",
+                "kubernetes": {"enabled": True},
+                "resources": {"gpu": {"api": "dra"}},
+                "sharing": {"gpu": {"replicas": 4}},
+            },
+            "sharing.gpu.replicas: time-slicing is not offered through dra",
+        ),
+        (
+            {
+                "version": "v1",
+                "kubernetes": {"enabled": True},
+                "resources": {"hca": {"api": "dra"}},
+                "sharing": {"hca": {"units": 2}},
+            },
+            "sharing.hca.units: shared HCAs are not offered through dra",
+        ),
+        (
+            {
+                "version": "v1",
+                "kubernetes": {"enabled": True},
+                "resources": {"gpu": {"api": "dra"}},
+                "allocation": {"attach_hcas": True},
+            },
+            "allocation.attach_hcas: not with resources.gpu.api dra",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_config_names_the_field(data: object, message: str) -> None:
     with pytest.raises(ConfigError) as info:
         parse_config(data)

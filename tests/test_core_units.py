@@ -155,9 +155,14 @@ def test_registration_backs_off_exponentially_and_a_new_kubelet_resets_it(
     # A kubelet.sock nothing listens on: every Register fails at once.
     (sock_dir / KUBELET_SOCKET).write_text("")
     registrar = Registrar(
-        [server], sock_dir, interval=0.2, register_timeout=0.5,
-        backoff_initial=0.1, backoff_max=0.8, clock=clock,
-    )  # fmt: skip
+        [server],
+        sock_dir,
+        interval=0.2,
+        register_timeout=0.5,
+        backoff_initial=0.1,
+        backoff_max=0.8,
+        clock=clock,
+    )
     server.start()
     try:
         attempts = lambda: registrar.attempts()["nvidia.com/gpu"]  # noqa: E731

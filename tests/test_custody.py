@@ -416,8 +416,9 @@ def test_an_allocate_with_an_init_hook_beside_a_running_cleanup_of_the_other_kin
     cleanup, init, gates = gated.cleanup, gated.init, gated.gates
     cluster = start_cluster(
         hgx_node(),
-        **gated.hooks(HCA, GPU), **{"resources.gpu.hooks.cleanup": hook(cleanup, "ok")},
-    )  # fmt: skip
+        **gated.hooks(HCA, GPU),
+        **{"resources.gpu.hooks.cleanup": hook(cleanup, "ok")},
+    )
     kubelet = cluster.kubelet
     pod = kubelet.admit("h", [ContainerRequest("c", {HCA_NAME: 1})])
     (hca,) = pod.container("c").devices[HCA_NAME]
@@ -605,14 +606,30 @@ def test_a_storm_of_claims_and_pods_on_one_node_keeps_custody(
         log = StormLog()
         until = time.monotonic() + STORM_SECONDS
         actors: list[Callable[[], None]] = [
-            partial(claim_actor, claims, cluster.prepare, cluster.unprepare, log,
-                    until=until, rng=random.Random(number), tolerate_rpc_errors=False)
+            partial(
+                claim_actor,
+                claims,
+                cluster.prepare,
+                cluster.unprepare,
+                log,
+                until=until,
+                rng=random.Random(number),
+                tolerate_rpc_errors=False,
+            )
             for number in range(12)
         ] + [
-            partial(pod_actor, kubelet, resource, sizes, log, until=until,
-                    rng=random.Random(100 + number), name=f"pod{number}")
+            partial(
+                pod_actor,
+                kubelet,
+                resource,
+                sizes,
+                log,
+                until=until,
+                rng=random.Random(100 + number),
+                name=f"pod{number}",
+            )
             for number in range(3)
-        ]  # fmt: skip
+        ]
         run(actors)
         cluster.daemon.stop()
         report = check(hook_runs(init, cleanup), log.holds, horizon=time.monotonic())
@@ -642,8 +659,16 @@ def test_a_storm_of_claims_and_pods_on_one_node_keeps_custody(
 KILL_SECONDS = float(os.environ.get("DEVPLUGIN_KILL_SECONDS", "12"))
 
 
-def daemon_file(node: BuiltNode, sock_dir: Path, tmp_path: Path, *, init: Path, cleanup: Path,
-                kubeconfig: Path, checkpoint: Path) -> Path:  # fmt: skip
+def daemon_file(
+    node: BuiltNode,
+    sock_dir: Path,
+    tmp_path: Path,
+    *,
+    init: Path,
+    cleanup: Path,
+    kubeconfig: Path,
+    checkpoint: Path,
+) -> Path:
     """GPUs by the device plugin, HCAs by DRA, storm hooks on both."""
     config: dict[str, Any] = node.run_config(sock_dir, checkpoint)
     hooks = {"init": hook(init, STORM_HOOK), "cleanup": hook(cleanup, STORM_HOOK)}
@@ -679,9 +704,14 @@ def test_sigkill_at_random_moments_under_a_storm_keeps_custody(  # noqa: PLR0915
     Checkpoint(checkpoint).save(LifecycleState())  # a node known clean
     init, cleanup = tmp_path / "init.log", tmp_path / "cleanup.log"
     config = daemon_file(
-        node, sock_dir, tmp_path, init=init, cleanup=cleanup, kubeconfig=kubeconfig,
+        node,
+        sock_dir,
+        tmp_path,
+        init=init,
+        cleanup=cleanup,
+        kubeconfig=kubeconfig,
         checkpoint=checkpoint,
-    )  # fmt: skip
+    )
     kubelet = KubeletSimulator(sock_dir / "dp", sock_dir / "pr" / "kubelet.sock", api=api)
     kubelet.start()
     dra = DraKubeletSimulator(sock_dir / "registry", node=NODE, api=api)
@@ -691,10 +721,14 @@ def test_sigkill_at_random_moments_under_a_storm_keeps_custody(  # noqa: PLR0915
     processes: list[subprocess.Popen[bytes]] = []
 
     def spawn() -> None:
-        processes.append(subprocess.Popen(
-            [sys.executable, "-m", "devplugin", "run", "--config", str(config)],
-            stdout=output, stderr=output, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        ))  # fmt: skip
+        processes.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "devplugin", "run", "--config", str(config)],
+                stdout=output,
+                stderr=output,
+                env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            )
+        )
 
     def started(registrations: int, identity: object) -> bool:
         """The new daemon registered both ways: it loaded its checkpoint and
@@ -702,8 +736,9 @@ def test_sigkill_at_random_moments_under_a_storm_keeps_custody(  # noqa: PLR0915
         plugin = registered_plugin(dra)
         return (
             len([r for r in kubelet.registrations if r.resource == GPU_NAME]) > registrations
-            and plugin is not None and plugin.identity != identity
-        )  # fmt: skip
+            and plugin is not None
+            and plugin.identity != identity
+        )
 
     def current() -> tuple[int, object]:
         plugin = registered_plugin(dra)
@@ -740,15 +775,35 @@ def test_sigkill_at_random_moments_under_a_storm_keeps_custody(  # noqa: PLR0915
 
         prepare = partial(call_dra, dra.prepare)
         unprepare = partial(call_dra, dra.unprepare)
-        actors: list[Callable[[], None]] = [
-            partial(claim_actor, claims, prepare, unprepare, log, until=until,
-                    rng=random.Random(number), tolerate_rpc_errors=True)
-            for number in range(8)
-        ] + [
-            partial(pod_actor, kubelet, GPU_NAME, (1, 2), log, until=until,
-                    rng=random.Random(100 + number), name=f"pod{number}")
-            for number in range(2)
-        ] + [killer]  # fmt: skip
+        actors: list[Callable[[], None]] = (
+            [
+                partial(
+                    claim_actor,
+                    claims,
+                    prepare,
+                    unprepare,
+                    log,
+                    until=until,
+                    rng=random.Random(number),
+                    tolerate_rpc_errors=True,
+                )
+                for number in range(8)
+            ]
+            + [
+                partial(
+                    pod_actor,
+                    kubelet,
+                    GPU_NAME,
+                    (1, 2),
+                    log,
+                    until=until,
+                    rng=random.Random(100 + number),
+                    name=f"pod{number}",
+                )
+                for number in range(2)
+            ]
+            + [killer]
+        )
         run(actors)
         processes[-1].send_signal(signal.SIGTERM)
         assert processes[-1].wait(timeout=30) == 0
@@ -781,11 +836,13 @@ def test_sigkill_at_random_moments_under_a_storm_keeps_custody(  # noqa: PLR0915
         for violation in report.violations:
             print(violation)
         if report.violations:
-            (tmp_path / "holds.json").write_text(json.dumps(
-                [dataclasses.asdict(hold) for hold in log.holds]
-                + [dataclasses.asdict(run_) for run_ in runs_]
-                + [{"restarts": restarts, "daemons": [p.pid for p in processes]}]
-            ))  # fmt: skip
+            (tmp_path / "holds.json").write_text(
+                json.dumps(
+                    [dataclasses.asdict(hold) for hold in log.holds]
+                    + [dataclasses.asdict(run_) for run_ in runs_]
+                    + [{"restarts": restarts, "daemons": [p.pid for p in processes]}]
+                )
+            )
         assert report.violations == []
         assert orphans == []
         assert log.failures == []
@@ -828,13 +885,19 @@ def make_claim(api: ApiServerImitation, name: str, results: list[tuple[str, str]
     created = api.put(
         "resourceclaims",
         {
-            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
             "metadata": {"name": name, "namespace": "default"},
-            "spec": {"devices": {"requests": [
-                {"name": request, "exactly": {"deviceClassName": "x"}} for request, _ in results
-            ]}},
+            "spec": {
+                "devices": {
+                    "requests": [
+                        {"name": request, "exactly": {"deviceClassName": "x"}}
+                        for request, _ in results
+                    ]
+                }
+            },
         },
-    )  # fmt: skip
+    )
     api.set_status(
         "resourceclaims", name, "default",
         {"allocation": {"devices": {"results": [

@@ -312,10 +312,13 @@ def test_without_a_checkpoint_the_claims_list_says_what_is_held(
     first.kubelet.stop()
     first.checkpoint.unlink()  # lost: nothing is known of what held what
     second = start_dra(
-        hgx_node(), known_clean=False,
-        **{"resources.gpu.hooks.cleanup": hook(log, "ok"),
-           "lifecycle.checkpoint_file": str(first.checkpoint)},
-    )  # fmt: skip
+        hgx_node(),
+        known_clean=False,
+        **{
+            "resources.gpu.hooks.cleanup": hook(log, "ok"),
+            "lifecycle.checkpoint_file": str(first.checkpoint),
+        },
+    )
     # Every GPU but the claimed one is cleaned before it is offered; the
     # claimed one stays in use, untouched, and its claim is known again.
     assert wait_until(lambda: len(runs(log)) == 7, timeout=20)
@@ -401,9 +404,11 @@ def test_claims_prepared_and_unprepared_back_to_back_clean_each_release_once(
     log = tmp_path / "cleanup.log"
     cluster = start_dra(
         hgx_node(),
-        **{"resources.gpu.hooks.cleanup": hook(log, "ok"),
-           "resources.hca.hooks.cleanup": hook(log, "ok")},
-    )  # fmt: skip
+        **{
+            "resources.gpu.hooks.cleanup": hook(log, "ok"),
+            "resources.hca.hooks.cleanup": hook(log, "ok"),
+        },
+    )
     assert wait_until(lambda: published(cluster, 16), timeout=10)
     devices = sorted(cluster.devices())
     rounds = 3

@@ -152,8 +152,24 @@ def test_claim_template_command_prints_a_template(capsys: pytest.CaptureFixture[
         "requests": ["gpu-0/pix", "hca-0"],
         "matchAttribute": f"{DRIVER}/pcieSwitch",
     }
-    assert main(["claim-template", "--gpus", "4", "--hcas", "2", "--prefer", "PXB",
-                 "--driver", "x.example", "--name", "mine"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "claim-template",
+                "--gpus",
+                "4",
+                "--hcas",
+                "2",
+                "--prefer",
+                "PXB",
+                "--driver",
+                "x.example",
+                "--name",
+                "mine",
+            ]
+        )
+        == 0
+    )
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["metadata"]["name"] == "mine"
     requests = printed["spec"]["spec"]["devices"]["requests"]

@@ -20,7 +20,7 @@ from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.dra_kubelet import DraKubeletSimulator
 from devplugin.testing.dra_limits import slice_problems
 from devplugin.testing.layouts import LAYOUTS
-from devplugin.testing.node import build_node, hgx_node, replug, unplug_hca
+from devplugin.testing.node import BuiltNode, build_node, hgx_node, replug, unplug_hca
 from tests.dra_support import DRIVER, NODE, DraCluster, pix_pair, published, start_dra
 from tests.support import hook, runs, spawn
 from tests.waiting import wait_until
@@ -161,15 +161,11 @@ def test_a_large_pool_is_split_within_the_limits(start_dra: Start) -> None:
     assert len(set(names)) == total
 
 
-def test_a_daemon_killed_mid_prepare_rolls_back_and_the_retry_redoes_it(
-    tmp_path: Path, sock_dir: Path, api: ApiServerImitation
-) -> None:
-    node = build_node(hgx_node(), tmp_path / "node")
-    api.put("nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE}})
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump(api.kubeconfig()))
-    checkpoint = tmp_path / "state" / "checkpoint.json"
-    Checkpoint(checkpoint).save(LifecycleState())
+def _gated_init_config(
+    tmp_path: Path, sock_dir: Path, node: BuiltNode, kubeconfig: Path, checkpoint: Path
+) -> tuple[Path, Path, Path, Path]:
+    """A DRA daemon's config whose GPU init hook waits for a gate file: the
+    config file, the init and cleanup logs, the gate."""
     init_log, cleanup_log, gate = tmp_path / "init.log", tmp_path / "cleanup.log", tmp_path / "gate"
     config: dict[str, Any] = node.run_config(sock_dir, checkpoint)
     config["paths"].update(
@@ -181,21 +177,50 @@ def test_a_daemon_killed_mid_prepare_rolls_back_and_the_retry_redoes_it(
         cdi={"spec_dirs": [str(tmp_path / "etc-cdi"), str(tmp_path / "run-cdi")]},
         kubelet={"watch_interval_seconds": 0.05},
         resources={
-            "gpu": {"api": "dra", "hooks": {
-                "init": hook(init_log, f"wait:{gate}"), "cleanup": hook(cleanup_log, "ok")}},
+            "gpu": {
+                "api": "dra",
+                "hooks": {
+                    "init": hook(init_log, f"wait:{gate}"),
+                    "cleanup": hook(cleanup_log, "ok"),
+                },
+            },
             "hca": {"api": "dra", "hooks": {"cleanup": hook(cleanup_log, "ok")}},
         },
-    )  # fmt: skip
+    )
     path = tmp_path / "devplugin.yaml"
     path.write_text(yaml.safe_dump(config))
+    return path, init_log, cleanup_log, gate
+
+
+def test_a_daemon_killed_mid_prepare_rolls_back_and_the_retry_redoes_it(
+    tmp_path: Path, sock_dir: Path, api: ApiServerImitation
+) -> None:
+    node = build_node(hgx_node(), tmp_path / "node")
+    api.put("nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE}})
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump(api.kubeconfig()))
+    checkpoint = tmp_path / "state" / "checkpoint.json"
+    Checkpoint(checkpoint).save(LifecycleState())
+    path, init_log, cleanup_log, gate = _gated_init_config(
+        tmp_path, sock_dir, node, kubeconfig, checkpoint
+    )
     kubelet = DraKubeletSimulator(sock_dir / "registry", node=NODE, api=api)
     kubelet.start()
     first = spawn(path)
     second: subprocess.Popen[str] | None = None
     try:
         assert kubelet.wait_for(lambda: kubelet.registered(DRIVER), timeout=30)
-        cluster = DraCluster(node, api, kubelet, None, None, tmp_path / "run-cdi",  # type: ignore[arg-type]
-                             sock_dir / "plugins", sock_dir / "registry", checkpoint)  # fmt: skip
+        cluster = DraCluster(
+            node,
+            api,
+            kubelet,
+            None,
+            None,
+            tmp_path / "run-cdi",  # type: ignore[arg-type]
+            sock_dir / "plugins",
+            sock_dir / "registry",
+            checkpoint,
+        )
         assert wait_until(lambda: published(cluster, 16), timeout=20)
         gpu, hca = pix_pair(cluster)
         claim = cluster.claim("c", [("gpu", gpu), ("hca", hca)])

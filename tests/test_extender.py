@@ -94,8 +94,11 @@ def test_a_required_alignment_no_node_can_give_is_unresolvable_and_preferred_nev
 ) -> None:
     put_record(api, "h", "hgx-h100", tmp_path)  # 2 GPUs + 1 HCA: NODE at best here
     synced(extender, {"h"})
-    required = pod("p", [{GPU: 2, HCA: 1}], **{
-        "devplugin.io/alignment": "PIX", "devplugin.io/alignment-policy": "required"})  # fmt: skip
+    required = pod(
+        "p",
+        [{GPU: 2, HCA: 1}],
+        **{"devplugin.io/alignment": "PIX", "devplugin.io/alignment-policy": "required"},
+    )
     code, result = call(extender, "filter", {"Pod": required, "NodeNames": ["h"]})
     assert code == 200
     assert result["NodeNames"] == []
@@ -228,14 +231,21 @@ def test_a_prioritize_after_a_filter_is_a_memo_hit(
         (b"{not json", "not JSON"),
         (b"[1, 2]", "JSON object"),
         (b'{"NodeNames": ["a"]}', "Pod"),
-        (b'{"Pod": {"metadata": {"name": "p", "namespace": "d"}, "spec": {}}, "NodeNames": "a"}',
-         "NodeNames"),
-        (b'{"Pod": {"metadata": {"name": "p", "namespace": "d"}, "spec": {}}}',
-         "NodeNames or Nodes"),
-        (b'{"Pod": {"metadata": {"name": "p", "namespace": "d", "annotations": '
-         b'{"devplugin.io/alignment": "SYS"}}, "spec": {}}, "NodeNames": []}', "alignment"),
+        (
+            b'{"Pod": {"metadata": {"name": "p", "namespace": "d"}, "spec": {}}, "NodeNames": "a"}',
+            "NodeNames",
+        ),
+        (
+            b'{"Pod": {"metadata": {"name": "p", "namespace": "d"}, "spec": {}}}',
+            "NodeNames or Nodes",
+        ),
+        (
+            b'{"Pod": {"metadata": {"name": "p", "namespace": "d", "annotations": '
+            b'{"devplugin.io/alignment": "SYS"}}, "spec": {}}, "NodeNames": []}',
+            "alignment",
+        ),
     ],
-)  # fmt: skip
+)
 def test_malformed_bodies_get_400_with_a_reason_and_the_service_keeps_serving(
     api: ApiServerImitation, tmp_path: Path, extender: Running, raw: bytes, reason: str
 ) -> None:
@@ -249,8 +259,11 @@ def test_malformed_bodies_get_400_with_a_reason_and_the_service_keeps_serving(
 def test_health_readiness_and_metrics(extender: Running) -> None:
     host, port = extender[1].address
     assert wait_until(lambda: extender[0].ready()[0], timeout=10)
-    for path, expected in (("/healthz", b"ok"), ("/readyz", b"ok"),
-                           ("/metrics", b"devplugin_extender_records")):  # fmt: skip
+    for path, expected in (
+        ("/healthz", b"ok"),
+        ("/readyz", b"ok"),
+        ("/metrics", b"devplugin_extender_records"),
+    ):
         with urllib.request.urlopen(f"http://{host}:{port}{path}", timeout=5) as answer:
             assert answer.status == 200
             assert expected in answer.read()
@@ -276,16 +289,17 @@ def test_the_extender_serves_https_with_the_given_certificate(
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(yaml.safe_dump(api.kubeconfig()))
     kube = KubernetesConfig(enabled=True, kubeconfig=str(kubeconfig))
-    running = serve(kube, ("127.0.0.1", 0), stale_after=60.0,
-                    tls=(str(cert), str(key)))  # fmt: skip
+    running = serve(kube, ("127.0.0.1", 0), stale_after=60.0, tls=(str(cert), str(key)))
     try:
         host, port = running[1].address
         context = ssl.create_default_context(cafile=str(cert))
         body = json.dumps({"Pod": pod("web", [{}]), "NodeNames": ["a"]}).encode()
         request = urllib.request.Request(
-            f"https://{host}:{port}/scheduler/filter", data=body, method="POST",
+            f"https://{host}:{port}/scheduler/filter",
+            data=body,
+            method="POST",
             headers={"Content-Type": "application/json"},
-        )  # fmt: skip
+        )
         with urllib.request.urlopen(request, timeout=10, context=context) as answer:
             assert json.loads(answer.read())["NodeNames"] == ["a"]
         # Plain HTTP gets nowhere; the server keeps serving TLS afterwards.
@@ -317,8 +331,11 @@ def test_bad_extender_flags_exit_two_with_one_line(flags: list[str], message: st
 
     result = subprocess.run(
         [sys.executable, "-m", "devplugin", "extender", *flags],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1

@@ -48,10 +48,22 @@ def extender_url(api: ApiServerImitation, tmp_path: Path) -> Iterator[str]:
     kubeconfig.write_text(yaml.safe_dump(api.kubeconfig()))
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "devplugin", "extender", "--listen", f"127.0.0.1:{port}",
-         "--kubeconfig", str(kubeconfig), "--stale-after-seconds", "60"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "devplugin",
+            "extender",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--kubeconfig",
+            str(kubeconfig),
+            "--stale-after-seconds",
+            "60",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
 
     def ready() -> bool:

@@ -127,9 +127,11 @@ def test_idle_connections_by_the_hundred_are_capped_and_closed(
         assert wait_until(lambda: quick_server.connections == 0, timeout=5)
         host, port = quick_server.address
         request = urllib.request.Request(
-            f"http://{host}:{port}/scheduler/filter", data=json.dumps(FILTER).encode(),
-            headers={"Content-Type": "application/json"}, method="POST",
-        )  # fmt: skip
+            f"http://{host}:{port}/scheduler/filter",
+            data=json.dumps(FILTER).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
         with urllib.request.urlopen(request, timeout=5) as answer:
             assert answer.status == 200
     finally:

@@ -67,8 +67,7 @@ def test_views_are_rebuilt_for_the_node_that_changed_and_no_other(
     assert result["NodeNames"] == [n for n in names if n != "n2"]
     assert builds(extender) == warm + 1
     # n4's record changes (two GPUs held): n4's view alone is rebuilt.
-    record = hgx_record("n4", held=[("p", "uid-p", [gpu_id(0), gpu_id(1), hca_id(0)])],
-                        version="2")  # fmt: skip
+    record = hgx_record("n4", held=[("p", "uid-p", [gpu_id(0), gpu_id(1), hca_id(0)])], version="2")
     before = extender[0].records.get("n4")
     put(api, record)
     assert wait_until(lambda: extender[0].records.get("n4") is not before, timeout=5)

@@ -110,9 +110,11 @@ def test_with_a_damaged_checkpoint_devices_held_by_running_containers_are_not_cl
     kubelet = KubeletSimulator(sock_dir / "dp", sock_dir / "pr" / "kubelet.sock", seed=3)
     kubelet.start()
     config = fast_config(
-        node, sock_dir / "dp", sock_dir / "pr" / "kubelet.sock",
+        node,
+        sock_dir / "dp",
+        sock_dir / "pr" / "kubelet.sock",
         **{"resources.gpu.hooks.cleanup": hook(log, "ok")},
-    )  # fmt: skip
+    )
     checkpoint = Path(config.lifecycle.checkpoint_file)
     Checkpoint(checkpoint).save(LifecycleState())
     first = build(config, FakeNvml.from_file(node.fixture))
@@ -181,9 +183,12 @@ def test_a_failed_checkpoint_write_shows_in_readyz_and_keeps_the_released_device
 
 def gpu_hooks_config(node: BuiltNode, sock_dir: Path, path: Path, **hooks: object) -> Path:
     return daemon_config(
-        node, sock_dir, path, checkpoint=path.parent / "checkpoint.json",
+        node,
+        sock_dir,
+        path,
+        checkpoint=path.parent / "checkpoint.json",
         resources={"gpu": {"hooks": hooks}},
-    )  # fmt: skip
+    )
 
 
 def hook_pids(log: Path) -> list[int]:

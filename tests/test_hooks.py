@@ -54,13 +54,15 @@ def test_init_receives_exactly_the_allocated_devices(start_cluster: Start, tmp_p
             "id": hca_id,
             "pci_address": hca_id,
             "device_nodes": [
-                f"/dev/infiniband/uverbs{hca.uverbs}", f"/dev/infiniband/umad{hca.umads[0]}",
-                f"/dev/infiniband/issm{hca.issms[0]}", "/dev/infiniband/rdma_cm",
+                f"/dev/infiniband/uverbs{hca.uverbs}",
+                f"/dev/infiniband/umad{hca.umads[0]}",
+                f"/dev/infiniband/issm{hca.issms[0]}",
+                "/dev/infiniband/rdma_cm",
             ],
             "numa_node": hca_run["stdin"]["devices"][0]["numa_node"],
             "hca_name": hca.name,
         }
-    ]  # fmt: skip
+    ]
 
 
 def test_failing_init_fails_allocate_with_its_stderr(start_cluster: Start, tmp_path: Path) -> None:

@@ -221,9 +221,13 @@ def test_running_out_of_descriptors_does_not_make_devices_unhealthy(tmp_path: Pa
         """
     )
     result = subprocess.run(
-        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60,
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
         check=False,
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "ok"
 
@@ -277,13 +281,29 @@ def test_a_busy_metrics_port_names_the_address(tmp_path: Path, sock_dir: Path) -
     port = busy.getsockname()[1]
     try:
         result = subprocess.run(
-            [sys.executable, "-m", "devplugin", "run", "--sysfs-root", str(node.sysfs_root),
-             "--dev-root", str(node.dev_root), "--nvml-fixture", str(node.fixture),
-             "--device-plugin-dir", str(sock_dir / "dp"),
-             "--checkpoint-file", str(tmp_path / "c.json"),
-             "--metrics-address", f"127.0.0.1:{port}"],
-            capture_output=True, text=True, timeout=60, check=False,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "devplugin",
+                "run",
+                "--sysfs-root",
+                str(node.sysfs_root),
+                "--dev-root",
+                str(node.dev_root),
+                "--nvml-fixture",
+                str(node.fixture),
+                "--device-plugin-dir",
+                str(sock_dir / "dp"),
+                "--checkpoint-file",
+                str(tmp_path / "c.json"),
+                "--metrics-address",
+                f"127.0.0.1:{port}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
     finally:
         busy.close()
     assert result.returncode == 1
@@ -301,9 +321,12 @@ def test_discover_into_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
     )
     started = time.monotonic()
     result = subprocess.run(
-        ["bash", "-o", "pipefail", "-c", command], capture_output=True, text=True,
-        timeout=60, check=False,
-    )  # fmt: skip
+        ["bash", "-o", "pipefail", "-c", command],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert time.monotonic() - started < 60
     assert "Traceback" not in result.stderr
     assert "BrokenPipeError" not in result.stderr

@@ -75,9 +75,13 @@ def test_the_image_builds_with_podman_and_runs_the_demo(podman: Podman) -> None:
         base = "localhost/devplugin-base:test"
         with subprocess.Popen(["tar", "-C", rootfs, "-c", "."], stdout=subprocess.PIPE) as tar:
             imported = subprocess.run(
-                podman.command("import", "-", base), stdin=tar.stdout, capture_output=True,
-                text=True, timeout=600, check=False,
-            )  # fmt: skip
+                podman.command("import", "-", base),
+                stdin=tar.stdout,
+                capture_output=True,
+                text=True,
+                timeout=600,
+                check=False,
+            )
         assert imported.returncode == 0, imported.stderr[-2000:]
     if not base:
         skip_or_fail(
@@ -86,17 +90,31 @@ def test_the_image_builds_with_podman_and_runs_the_demo(podman: Podman) -> None:
         )
     tag = "localhost/devplugin:test"
     built = subprocess.run(
-        podman.command("build", "--network", "host", "--build-arg", f"BASE={base}",
-                       "--build-arg", "VERSION=0.1.0", "-t", tag, str(ROOT)),
-        capture_output=True, text=True, timeout=1200, check=False,
-    )  # fmt: skip
+        podman.command(
+            "build",
+            "--network",
+            "host",
+            "--build-arg",
+            f"BASE={base}",
+            "--build-arg",
+            "VERSION=0.1.0",
+            "-t",
+            tag,
+            str(ROOT),
+        ),
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        check=False,
+    )
     assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-2000:]
 
     def inside(*args: str) -> str:
         return podman.check(
-            podman.command("run", "--rm", "--network", "none", *LIMITS,
-                           "--entrypoint", "devplugin", tag, *args)
-        ).stdout  # fmt: skip
+            podman.command(
+                "run", "--rm", "--network", "none", *LIMITS, "--entrypoint", "devplugin", tag, *args
+            )
+        ).stdout
 
     assert inside("--version").strip() == "devplugin 0.1.0"
     demo = inside("demo")
@@ -104,8 +122,18 @@ def test_the_image_builds_with_podman_and_runs_the_demo(podman: Podman) -> None:
     assert "NCCL_IB_HCA==" in demo
     # Nothing that builds or fetches code is left in it.
     tools = podman.check(
-        podman.command("run", "--rm", "--network", "none", *LIMITS, "--entrypoint", "sh", tag,
-                       "-c", "command -v gcc pip pip3 || true; python3 -m pip 2>&1 | head -1")
-    ).stdout  # fmt: skip
+        podman.command(
+            "run",
+            "--rm",
+            "--network",
+            "none",
+            *LIMITS,
+            "--entrypoint",
+            "sh",
+            tag,
+            "-c",
+            "command -v gcc pip pip3 || true; python3 -m pip 2>&1 | head -1",
+        )
+    ).stdout
     assert "gcc" not in tools
     assert "No module named pip" in tools

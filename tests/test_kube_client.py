@@ -24,9 +24,11 @@ Start = Callable[..., Cluster]
 
 def test_the_kubernetes_section_parses_and_rejects_unknown_keys() -> None:
     config = parse_config(
-        {"version": "v1", "kubernetes": {"enabled": True, "node_name": "n1",
-                                         "pod_wait_seconds": 0.05}}
-    )  # fmt: skip
+        {
+            "version": "v1",
+            "kubernetes": {"enabled": True, "node_name": "n1", "pod_wait_seconds": 0.05},
+        }
+    )
     assert config.kubernetes.enabled
     assert node_name(config) == "n1"
     with pytest.raises(ConfigError, match=r"kubernetes\.watch: unknown key"):
@@ -43,12 +45,16 @@ def test_the_node_name_comes_from_the_environment_when_not_configured(
 def run_config(tmp_path: Path, **kubernetes: object) -> Path:
     node = build_node(hgx_node(), tmp_path / "node")
     path = tmp_path / "devplugin.yaml"
-    path.write_text(yaml.safe_dump({
-        "version": "v1",
-        "paths": {"sysfs_root": str(node.sysfs_root), "dev_root": str(node.dev_root)},
-        "nvml": {"fixture": str(node.fixture)},
-        "kubernetes": {"enabled": True, **kubernetes},
-    }))  # fmt: skip
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "version": "v1",
+                "paths": {"sysfs_root": str(node.sysfs_root), "dev_root": str(node.dev_root)},
+                "nvml": {"fixture": str(node.fixture)},
+                "kubernetes": {"enabled": True, **kubernetes},
+            }
+        )
+    )
     return path
 
 
@@ -107,9 +113,12 @@ def test_the_daemon_keeps_a_cache_of_its_nodes_pods(
                      "spec": {"nodeName": "n1", "containers": []}})  # fmt: skip
     cluster = start_cluster(
         hgx_node(),
-        **{"kubernetes.enabled": True, "kubernetes.kubeconfig": str(kubeconfig),
-           "kubernetes.node_name": "n1"},
-    )  # fmt: skip
+        **{
+            "kubernetes.enabled": True,
+            "kubernetes.kubeconfig": str(kubeconfig),
+            "kubernetes.node_name": "n1",
+        },
+    )
     pods = cluster.daemon.pods
     assert pods is not None
     assert pods.synced.wait(5)

@@ -56,11 +56,19 @@ def test_the_contract_catches_a_production_module_importing_the_testing_package(
     with (copy / "devplugin" / "node" / "resources.py").open("a") as module:
         module.write("\nfrom devplugin.testing import node as _node  # noqa: E402\n")
     result = subprocess.run(
-        [sys.executable, "-c", "import sys; sys.path.insert(0, '.'); "
-         "from importlinter.cli import lint_imports_command; lint_imports_command()",
-         "--no-cache"],
-        cwd=copy, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import sys; sys.path.insert(0, '.'); "
+            "from importlinter.cli import lint_imports_command; lint_imports_command()",
+            "--no-cache",
+        ],
+        cwd=copy,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert result.returncode != 0
     assert "devplugin.node is not allowed to import devplugin.testing" in result.stdout
     assert "devplugin.node.resources -> devplugin.testing.node" in result.stdout
@@ -121,3 +129,37 @@ def test_no_function_is_longer_than_a_hundred_lines_but_the_listed_ones() -> Non
     assert not too_long, "split these, or list them with why: " + ", ".join(too_long)
     # A listed exception that no longer exists (or was split) leaves the list.
     assert found == LONG_ON_PURPOSE, LONG_ON_PURPOSE - found
+
+
+def _table(statement: ast.stmt) -> bool:
+    """A statement whose value is a literal table (a dict, list, tuple or
+    set, or a call whose last argument is one: `api.put("nodes", {...})`)."""
+    value = getattr(statement, "value", None)
+    literal = ast.Dict | ast.List | ast.Tuple | ast.Set | ast.ListComp | ast.DictComp
+    if isinstance(value, literal):
+        return True
+    return (
+        isinstance(statement, ast.Expr)
+        and isinstance(value, ast.Call)
+        and bool(value.args)
+        and isinstance(value.args[-1], ast.Dict | ast.List)
+    )
+
+
+def test_fmt_skip_marks_only_tables() -> None:
+    """The formatter's layout is the house style; a table may keep its own."""
+    marker = "# fmt" + ": skip"
+    elsewhere = []
+    for folder in ("devplugin", "bench", "scripts", "tests"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            text = path.read_text()
+            if marker not in text:
+                continue
+            ending: dict[int, list[ast.stmt]] = {}
+            for node in ast.walk(ast.parse(text)):
+                if isinstance(node, ast.stmt):
+                    ending.setdefault(node.end_lineno or node.lineno, []).append(node)
+            for number, line in enumerate(text.splitlines(), 1):
+                if marker in line and not any(_table(s) for s in ending.get(number, [])):
+                    elsewhere.append(f"{path.relative_to(ROOT)}:{number}")
+    assert not elsewhere, f"{marker} on a statement that is not a table: {elsewhere[:10]}"

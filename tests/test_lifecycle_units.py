@@ -90,8 +90,9 @@ def script(tmp_path: Path, body: str) -> list[str]:
     return [sys.executable, str(path)]
 
 
-DEVICE = HookDevice("0000:14:00.0", "0000:14:00.0", ("/dev/infiniband/uverbs0",), None,
-                    hca_name="mlx5_0")  # fmt: skip
+DEVICE = HookDevice(
+    "0000:14:00.0", "0000:14:00.0", ("/dev/infiniband/uverbs0",), None, hca_name="mlx5_0"
+)
 
 
 def test_hook_gets_env_and_json_and_no_shell(tmp_path: Path) -> None:
@@ -264,9 +265,13 @@ def test_gpu_cleanup_runs_as_a_hook(tmp_path: Path) -> None:
     for _ in range(2):
         result = subprocess.run(
             [sys.executable, "-m", "devplugin.hooks.gpu_cleanup"],
-            input=json.dumps(payload), capture_output=True, text=True, timeout=60,
-            env=dict(os.environ, DEVPLUGIN_NVML_FIXTURE=str(node.fixture)), check=False,
-        )  # fmt: skip
+            input=json.dumps(payload),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=dict(os.environ, DEVPLUGIN_NVML_FIXTURE=str(node.fixture)),
+            check=False,
+        )
         assert result.returncode == 0, result.stderr
 
 
@@ -283,8 +288,12 @@ def test_hca_check_passes_active_ports_and_fails_down_ones(tmp_path: Path) -> No
     payload = {"devices": [{"id": "x", "hca_name": "mlx5_1"}]}
     result = subprocess.run(
         [sys.executable, "-m", "devplugin.hooks.hca_check"],
-        input=json.dumps(payload), capture_output=True, text=True, timeout=60,
-        env=dict(os.environ, DEVPLUGIN_SYSFS_ROOT=str(node.sysfs_root)), check=False,
-    )  # fmt: skip
+        input=json.dumps(payload),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, DEVPLUGIN_SYSFS_ROOT=str(node.sysfs_root)),
+        check=False,
+    )
     assert result.returncode == 1
     assert "port 2" in result.stderr

@@ -65,10 +65,26 @@ def test_metrics_move_with_allocations_hooks_and_registrations(
     after = scrape(cluster)
     assert value(after, "devplugin_allocations_total", resource=GPU, result="ok") == 1
     assert value(after, "devplugin_allocations_total", resource=HCA, result="ok") == 1
-    assert value(after, "devplugin_preferred_allocation_requests_total",
-                 resource=GPU, role="first", result="ok") == 1  # fmt: skip
-    assert value(after, "devplugin_preferred_allocation_requests_total",
-                 resource=HCA, role="second", result="ok") == 1  # fmt: skip
+    assert (
+        value(
+            after,
+            "devplugin_preferred_allocation_requests_total",
+            resource=GPU,
+            role="first",
+            result="ok",
+        )
+        == 1
+    )
+    assert (
+        value(
+            after,
+            "devplugin_preferred_allocation_requests_total",
+            resource=HCA,
+            role="second",
+            result="ok",
+        )
+        == 1
+    )
     assert value(after, "devplugin_preferred_allocation_seconds_count", resource=GPU) == 1
     assert value(after, "devplugin_allocate_seconds_count", resource=HCA) == 1
     assert value(after, "devplugin_hook_runs_total", resource=GPU, phase="init", result="ok") == 1

@@ -76,11 +76,16 @@ def test_the_daemon_publishes_a_valid_record_owned_by_its_node(
     assert len(gpu["topologyPath"]) == 4
     hca = next(d for d in devices.values() if d["kind"] == "hca")
     # HCAs under the same switch as a GPU share its whole path (PIX).
-    assert any(d["topologyPath"] == hca["topologyPath"] for d in devices.values()
-               if d["kind"] == "gpu")  # fmt: skip
+    assert any(
+        d["topologyPath"] == hca["topologyPath"] for d in devices.values() if d["kind"] == "gpu"
+    )
     assert found["status"]["summary"] == {
-        "gpusFree": 8, "gpusTotal": 8, "hcasFree": 8, "hcasTotal": 8, "unhealthy": 0,
-    }  # fmt: skip
+        "gpusFree": 8,
+        "gpusTotal": 8,
+        "hcasFree": 8,
+        "hcasTotal": 8,
+        "unhealthy": 0,
+    }
 
 
 def test_an_allocation_reaches_the_record_within_two_seconds_with_an_event(
@@ -191,9 +196,14 @@ def test_a_release_reaches_the_record_within_a_second_of_the_pod_event_not_a_pol
     start_cluster: Start, api: ApiServerImitation
 ) -> None:
     # PodResources polls far apart: only Allocate and the pod watch move things.
-    cluster = start_cluster(hgx_node(), api=api, **{
-        "pod_resources.poll_interval_seconds": 60, "pod_resources.min_interval_seconds": 60,
-    })  # fmt: skip
+    cluster = start_cluster(
+        hgx_node(),
+        api=api,
+        **{
+            "pod_resources.poll_interval_seconds": 60,
+            "pod_resources.min_interval_seconds": 60,
+        },
+    )
     monitor = cluster.daemon.monitor
     assert wait_until(lambda: monitor.polls >= 1 and bool(status(api).get("devices")), timeout=10)
     polls = monitor.polls
@@ -245,10 +255,15 @@ def test_an_idle_daemon_renews_its_lease_and_never_rewrites_its_record(
     start_cluster: Start, api: ApiServerImitation
 ) -> None:
     api.put("nodes", {"metadata": {"name": "node-1", "uid": "node-uid-1"}})
-    cluster = start_cluster(hgx_node(), api=api, **{
-        "kubernetes.lease_renew_seconds": 0.2, "kubernetes.record_resync_seconds": 0.3,
-        "kubernetes.lease_namespace": "gpu-infra",
-    })  # fmt: skip
+    cluster = start_cluster(
+        hgx_node(),
+        api=api,
+        **{
+            "kubernetes.lease_renew_seconds": 0.2,
+            "kubernetes.record_resync_seconds": 0.3,
+            "kubernetes.lease_namespace": "gpu-infra",
+        },
+    )
     registered = [{"type": "Registered", "status": "True"}]
     assert wait_until(
         lambda: (

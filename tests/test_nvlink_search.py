@@ -55,10 +55,16 @@ def assert_exact(mesh: Topology, allocator: Allocator, request: Request) -> None
 
 @pytest.mark.parametrize(
     ("layout", "method"),
-    [("dgx-1", "linked"), ("dgx-1x2", "linked"), ("16-gpu-bridged", "linked"),
-     ("32-gpu-bridged", "linked"), ("64-gpu-bridged", "linked"), ("hgx-h100", "tree"),
-     ("64-gpu", "tree")],
-)  # fmt: skip
+    [
+        ("dgx-1", "linked"),
+        ("dgx-1x2", "linked"),
+        ("16-gpu-bridged", "linked"),
+        ("32-gpu-bridged", "linked"),
+        ("64-gpu-bridged", "linked"),
+        ("hgx-h100", "tree"),
+        ("64-gpu", "tree"),
+    ],
+)
 def test_every_real_layout_gets_an_exact_search(layout: str, method: str) -> None:
     assert Allocator(topology(layout)).method == method
 
@@ -82,8 +88,15 @@ def test_on_dgx1_every_answer_equals_exhaustive_search(seed: int) -> None:
         available = frozenset(rng.sample(gpus, rng.randint(size, len(gpus))))
         must = frozenset(rng.sample(sorted(available), rng.randint(0, min(2, size))))
         partner = frozenset(rng.sample(hcas, rng.randint(0, len(hcas))))
-        request = Request(GPU, available, size, must, partner=partner, other_free=partner,
-                          expected=rng.choice([None, 0, 1, size]))  # fmt: skip
+        request = Request(
+            GPU,
+            available,
+            size,
+            must,
+            partner=partner,
+            other_free=partner,
+            expected=rng.choice([None, 0, 1, size]),
+        )
         assert_exact(mesh, allocator, request)
     assert allocator.budget_hits == 0
 
@@ -102,8 +115,15 @@ def test_sixteen_gpu_nvlink_graphs_are_exact_at_every_size(seed: int, layout: st
         available = frozenset(rng.sample(gpus, rng.randint(size, len(gpus))))
         must = frozenset(rng.sample(sorted(available), rng.randint(0, 1)))
         partner = frozenset(rng.sample(hcas, rng.randint(size // 2, len(hcas))))
-        request = Request(GPU, available, size, must, partner=partner, other_free=partner,
-                          expected=rng.choice([None, 0, max(1, size // 2)]))  # fmt: skip
+        request = Request(
+            GPU,
+            available,
+            size,
+            must,
+            partner=partner,
+            other_free=partner,
+            expected=rng.choice([None, 0, max(1, size // 2)]),
+        )
         assert_exact(mesh, allocator, request)
     assert allocator.budget_hits == 0
 
@@ -123,14 +143,24 @@ def test_large_bridged_trees_are_exact_where_exhaustive_search_can_check(layout:
         # (Leaving two of 64 out is 2,016 subsets too, but the reference
         # scores each of their 1,891 pairs; one left out is enough there.)
         if math.comb(len(gpus), size) <= 2_100 and (size <= 3 or size >= len(gpus) - 1):
-            assert_exact(mesh, allocator, Request(GPU, frozenset(gpus), size, partner=everything,
-                                                  other_free=everything))  # fmt: skip
+            assert_exact(
+                mesh,
+                allocator,
+                Request(GPU, frozenset(gpus), size, partner=everything, other_free=everything),
+            )
     for size in range(1, 12):
         available = frozenset(rng.sample(gpus, 11))
         must = frozenset(rng.sample(sorted(available), rng.randint(0, min(2, size))))
         partner = frozenset(rng.sample(hcas, rng.randint(1, len(hcas))))
-        request = Request(GPU, available, size, must, partner=partner, other_free=partner,
-                          expected=rng.choice([None, 0, 1, size]))  # fmt: skip
+        request = Request(
+            GPU,
+            available,
+            size,
+            must,
+            partner=partner,
+            other_free=partner,
+            expected=rng.choice([None, 0, 1, size]),
+        )
         assert_exact(mesh, allocator, request)
     assert allocator.budget_hits == 0
 
@@ -168,8 +198,15 @@ def test_random_nvlink_graphs_equal_exhaustive_search() -> None:
             must = frozenset(rng.sample(available, rng.randint(0, min(2, size))))
             partner = frozenset(h for h in hcas if rng.random() < 0.7)
             expected = rng.choice([None, 0, 1, size])
-            request = Request(GPU, frozenset(available), size, must, partner=partner,
-                              other_free=partner, expected=expected)  # fmt: skip
+            request = Request(
+                GPU,
+                frozenset(available),
+                size,
+                must,
+                partner=partner,
+                other_free=partner,
+                expected=expected,
+            )
             assert_exact(mesh, allocator, request)
             cases += 1
         assert allocator.budget_hits == 0
@@ -196,8 +233,9 @@ def test_a_graph_too_wide_for_the_linked_fold_is_searched_within_the_budget() ->
     for size in (1, 2, 3, 15, 16):
         available = frozenset(gpus)
         partner = frozenset(rng.sample(hcas, 4))
-        assert_exact(mesh, allocator, Request(GPU, available, size, partner=partner,
-                                              other_free=partner))  # fmt: skip
+        assert_exact(
+            mesh, allocator, Request(GPU, available, size, partner=partner, other_free=partner)
+        )
     assert allocator.budget_hits == 0
 
 
@@ -209,8 +247,9 @@ def test_a_linked_fold_past_its_budget_answers_and_is_counted() -> None:
     allocator = Allocator(mesh, budget=1e-9, on_budget=lambda: hits.append(1))
     assert allocator.method == "linked"
     hcas = frozenset(mesh.ids(HCA))
-    choice = allocator.choose(Request(GPU, frozenset(mesh.ids(GPU)), 8, partner=hcas,
-                                      other_free=hcas))  # fmt: skip
+    choice = allocator.choose(
+        Request(GPU, frozenset(mesh.ids(GPU)), 8, partner=hcas, other_free=hcas)
+    )
     assert len(set(choice.ids)) == 8
     assert set(choice.ids) <= set(mesh.ids(GPU))
     assert allocator.budget_hits == len(hits) == 1
@@ -267,6 +306,13 @@ def test_linked_classes_of_several_gpus_are_carried_by_count(
         available = frozenset(rng.sample(gpus, rng.randint(max(size, 10), len(gpus))))
         must = frozenset(rng.sample(sorted(available), rng.randint(0, 1)))
         partner = frozenset(rng.sample(hcas, rng.randint(1, len(hcas))))
-        request = Request(GPU, available, size, must, partner=partner, other_free=partner,
-                          expected=rng.choice([None, 0]))  # fmt: skip
+        request = Request(
+            GPU,
+            available,
+            size,
+            must,
+            partner=partner,
+            other_free=partner,
+            expected=rng.choice([None, 0]),
+        )
         assert_exact(mesh, allocator, request)

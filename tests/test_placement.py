@@ -116,9 +116,17 @@ def test_shape_and_requirement_are_read_from_the_pod() -> None:
     def c(name: str, g: int, h: int, sidecar: bool = False) -> ContainerInfo:
         return ContainerInfo(name, MappingProxyType({GPU: g, HCA: h}), sidecar)
 
-    pod = PodInfo("u", "ns", "p", "", "Pending", "", False,
-                  (c("prep", 4, 0), c("side", 1, 1, sidecar=True)),
-                  (c("a", 2, 1), c("b", 0, 0)))  # fmt: skip
+    pod = PodInfo(
+        "u",
+        "ns",
+        "p",
+        "",
+        "Pending",
+        "",
+        False,
+        (c("prep", 4, 0), c("side", 1, 1, sidecar=True)),
+        (c("a", 2, 1), c("b", 0, 0)),
+    )
     shape = shape_of(pod, GPU, HCA)
     assert shape.containers == ((1, 1), (2, 1))
     assert (shape.gpus, shape.hcas) == (4, 2)  # the init container's 4 GPUs
@@ -135,10 +143,16 @@ def test_shape_and_requirement_are_read_from_the_pod() -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    [{}, {"metadata": {"name": "x"}}, {"metadata": {"name": "x"}, "status": {"devices": "no"}},
-     {"metadata": {"name": "x"}, "status": {"devices": [{"id": "g", "kind": "tpu",
-                                                          "pciAddress": "0000:01:00.0"}]}}],
-)  # fmt: skip
+    [
+        {},
+        {"metadata": {"name": "x"}},
+        {"metadata": {"name": "x"}, "status": {"devices": "no"}},
+        {
+            "metadata": {"name": "x"},
+            "status": {"devices": [{"id": "g", "kind": "tpu", "pciAddress": "0000:01:00.0"}]},
+        },
+    ],
+)
 def test_a_record_that_is_not_one_is_refused(bad: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match=r"missing|must be|kind"):
         node_from_record(bad)

@@ -97,8 +97,15 @@ def optimal_share(cluster: Cluster, seed: int, events: int = 60) -> Share:
             if gpus and hcas:
                 achieved = alignment(topology, got_g, got_h)
                 assert achieved is not None
-                best = best_worst_level(topology, free_g | must_g, free_h | must_h, gpus, hcas,
-                                        must_gpus=must_g, must_hcas=must_h)  # fmt: skip
+                best = best_worst_level(
+                    topology,
+                    free_g | must_g,
+                    free_h | must_h,
+                    gpus,
+                    hcas,
+                    must_gpus=must_g,
+                    must_hcas=must_h,
+                )
                 hit = achieved[0] == best
                 if must_g or must_h:
                     share.reuse_total += 1
@@ -184,10 +191,14 @@ def test_an_app_container_reusing_an_init_containers_gpu_is_planned_around_it(
     watched(cluster)
     topology = cluster.daemon.coordinator.topology
     free_g, free_h = free(cluster, GPU), free(cluster, HCA)
-    pod = cluster.kubelet.admit("p", [
-        ContainerRequest("prep", {GPU: 1}, init=True),
-        ContainerRequest("main", {GPU: 2, HCA: 1}),
-    ], order=order)  # fmt: skip
+    pod = cluster.kubelet.admit(
+        "p",
+        [
+            ContainerRequest("prep", {GPU: 1}, init=True),
+            ContainerRequest("main", {GPU: 2, HCA: 1}),
+        ],
+        order=order,
+    )
     prep, main = pod.container("prep").devices, pod.container("main").devices
     assert set(prep[GPU]) <= set(main[GPU])
     achieved = alignment(topology, main[GPU], main[HCA])

@@ -261,11 +261,19 @@ def test_attach_mode_gives_gpus_their_nearest_hcas(start_cluster: Start) -> None
     assert container.envs["NCCL_IB_HCA"] == "=mlx5_1,mlx5_6"
     paths = [d.host_path for d in container.devices]
     assert paths == [
-        "/dev/nvidia1", "/dev/nvidia6", "/dev/nvidiactl", "/dev/nvidia-uvm",
-        "/dev/nvidia-uvm-tools", "/dev/infiniband/uverbs1", "/dev/infiniband/umad1",
-        "/dev/infiniband/issm1", "/dev/infiniband/uverbs6", "/dev/infiniband/umad6",
-        "/dev/infiniband/issm6", "/dev/infiniband/rdma_cm",
-    ]  # fmt: skip
+        "/dev/nvidia1",
+        "/dev/nvidia6",
+        "/dev/nvidiactl",
+        "/dev/nvidia-uvm",
+        "/dev/nvidia-uvm-tools",
+        "/dev/infiniband/uverbs1",
+        "/dev/infiniband/umad1",
+        "/dev/infiniband/issm1",
+        "/dev/infiniband/uverbs6",
+        "/dev/infiniband/umad6",
+        "/dev/infiniband/issm6",
+        "/dev/infiniband/rdma_cm",
+    ]
 
 
 def test_attach_mode_works_without_serving_the_hca_resource(start_cluster: Start) -> None:

@@ -70,17 +70,25 @@ def ib_names(node: BuiltNode, hca_ids: Iterable[str]) -> str:
 
 
 def dp_cluster(start_cluster: Callable[..., Cluster], layout: str, vendor: str) -> Cluster:
-    cluster = start_cluster(LAYOUTS[layout](), wait=False, on_built=realize, **{
-        "resources.gpu.device_list_strategy": ["cdi-cri"],
-        "resources.hca.device_list_strategy": ["cdi-cri"],
-        "cdi.gpu_kind": f"{vendor}/gpu",
-        "cdi.hca_kind": f"{vendor}/hca",
-        "cdi.spec_dirs": [str(d) for d in CDI_DIRS],
-    })  # fmt: skip
+    cluster = start_cluster(
+        LAYOUTS[layout](),
+        wait=False,
+        on_built=realize,
+        **{
+            "resources.gpu.device_list_strategy": ["cdi-cri"],
+            "resources.hca.device_list_strategy": ["cdi-cri"],
+            "cdi.gpu_kind": f"{vendor}/gpu",
+            "cdi.hca_kind": f"{vendor}/hca",
+            "cdi.spec_dirs": [str(d) for d in CDI_DIRS],
+        },
+    )
     node = cluster.node
     # What NVIDIA's toolkit would have written for this node's GPUs.
-    write_spec(CDI_DIRS[0], f"{vendor}-gpu.json", nvidia_like_spec(
-        node, kind=f"{vendor}/gpu", host_dev=node.dev_root, driver_files=False))  # fmt: skip
+    write_spec(
+        CDI_DIRS[0],
+        f"{vendor}-gpu.json",
+        nvidia_like_spec(node, kind=f"{vendor}/gpu", host_dev=node.dev_root, driver_files=False),
+    )
     kubelet = cluster.kubelet
     assert kubelet.wait_for(lambda: healthy(cluster, GPU) == len(node.gpus), 10)
     assert kubelet.wait_for(lambda: healthy(cluster, HCA) == len(node.hcas), 10)
@@ -143,9 +151,15 @@ def test_a_container_holding_an_hca_restarts_while_no_daemon_runs(
 def dra_cluster(
     start: Callable[..., DraCluster], layout: str, vendor: str, **extra: Any
 ) -> DraCluster:
-    cluster = start(LAYOUTS[layout](), on_built=realize, **{
-        "dra.driver": vendor, "cdi.spec_dirs": [str(d) for d in CDI_DIRS], **extra,
-    })  # fmt: skip
+    cluster = start(
+        LAYOUTS[layout](),
+        on_built=realize,
+        **{
+            "dra.driver": vendor,
+            "cdi.spec_dirs": [str(d) for d in CDI_DIRS],
+            **extra,
+        },
+    )
     count = len(cluster.node.gpus) + len(cluster.node.hcas)
     assert wait_until(lambda: len(cluster.devices()) == count, timeout=10)
     return cluster
@@ -203,8 +217,9 @@ def test_claim_cdi_ids_start_containers_with_exactly_the_requests_devices(
     cluster = dra_cluster(start_dra, layout, vendor)
     (gpu0, hca0), (gpu1, hca1) = closest_pairs(cluster, 2)
     # The chart's 2-pair shape: each pair split in a GPU and an HCA request.
-    pairs = cluster.claim("pairs", [("gpu-0/pix", gpu0), ("hca-0", hca0),
-                                    ("gpu-1/any", gpu1), ("hca-1", hca1)])  # fmt: skip
+    pairs = cluster.claim(
+        "pairs", [("gpu-0/pix", gpu0), ("hca-0", hca0), ("gpu-1/any", gpu1), ("hca-1", hca1)]
+    )
     answer = cluster.prepare(pairs)[pairs.uid]
     assert answer["error"] == ""
     devices = answer["devices"]

@@ -37,10 +37,13 @@ def polls_pass(cluster: Cluster, count: int) -> None:
 def admit_init_and_main(kubelet: KubeletSimulator) -> set[str]:
     """Pod "p": an init container with two HCAs, then a main one with two
     GPUs. The init container's HCAs."""
-    pod = kubelet.admit("p", [
-        ContainerRequest("prep", {HCA: 2}, init=True),
-        ContainerRequest("main", {GPU: 2}),
-    ])  # fmt: skip
+    pod = kubelet.admit(
+        "p",
+        [
+            ContainerRequest("prep", {HCA: 2}, init=True),
+            ContainerRequest("main", {GPU: 2}),
+        ],
+    )
     return set(pod.container("prep").devices[HCA])
 
 
@@ -135,11 +138,14 @@ def test_a_sidecar_holds_its_devices_and_app_containers_reuse_an_init_containers
     start_cluster: Start, api: ApiServerImitation
 ) -> None:
     cluster = start_cluster(hgx_node(), api=api)
-    pod = cluster.kubelet.admit("p", [
-        ContainerRequest("side", {HCA: 1}, init=True, sidecar=True),
-        ContainerRequest("prep", {GPU: 2}, init=True),
-        ContainerRequest("main", {GPU: 4, HCA: 1}),
-    ])  # fmt: skip
+    pod = cluster.kubelet.admit(
+        "p",
+        [
+            ContainerRequest("side", {HCA: 1}, init=True, sidecar=True),
+            ContainerRequest("prep", {GPU: 2}, init=True),
+            ContainerRequest("main", {GPU: 4, HCA: 1}),
+        ],
+    )
     side, prep, main = (pod.container(n).devices for n in ("side", "prep", "main"))
     # The kubelet reuses the init container's GPUs; the sidecar's HCA is not reused.
     assert set(prep[GPU]) <= set(main[GPU])

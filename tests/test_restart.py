@@ -21,12 +21,15 @@ def test_sigkill_then_restart_cleans_only_what_was_released(tmp_path: Path, sock
     log = tmp_path / "cleanup.log"
     checkpoint = tmp_path / "state" / "checkpoint.json"
     config = daemon_config(
-        node, sock_dir, tmp_path / "devplugin.yaml", checkpoint=checkpoint,
+        node,
+        sock_dir,
+        tmp_path / "devplugin.yaml",
+        checkpoint=checkpoint,
         resources={
             "gpu": {"hooks": {"cleanup": hook(log, "ok")}},
             "hca": {"hooks": {"cleanup": hook(log, "ok")}},
         },
-    )  # fmt: skip
+    )
     Checkpoint(checkpoint).save(LifecycleState())  # a node known clean
     kubelet = KubeletSimulator(sock_dir / "dp", sock_dir / "pr" / "kubelet.sock")
     kubelet.start()

@@ -118,9 +118,11 @@ def test_shared_hca_units_carry_the_hcas_nodes_and_follow_the_gpus(start_cluster
     built = next(h for h in cluster.node.hcas if h.device_id == hca)
     response = container.responses[HCA]
     assert [d.host_path for d in response.devices] == [
-        f"/dev/infiniband/uverbs{built.uverbs}", f"/dev/infiniband/umad{built.umads[0]}",
-        f"/dev/infiniband/issm{built.issms[0]}", "/dev/infiniband/rdma_cm",
-    ]  # fmt: skip
+        f"/dev/infiniband/uverbs{built.uverbs}",
+        f"/dev/infiniband/umad{built.umads[0]}",
+        f"/dev/infiniband/issm{built.issms[0]}",
+        "/dev/infiniband/rdma_cm",
+    ]
     assert response.envs["NCCL_IB_HCA"] == f"={built.name}"
     # Another unit of the same HCA gives the same nodes.
     other = f"{hca}::3" if unit != f"{hca}::3" else f"{hca}::2"

@@ -53,9 +53,12 @@ def extender_via(url: str, tmp_path: Path, api: ApiServerImitation) -> Running:
     kubeconfig = tmp_path / "extender-kubeconfig"
     kubeconfig.write_text(yaml.safe_dump(api.kubeconfig(url)))
     kube = KubernetesConfig(
-        enabled=True, kubeconfig=str(kubeconfig), watch_timeout_seconds=WATCH,
-        request_timeout_seconds=REQUEST, watch_backoff_max_seconds=BACKOFF,
-    )  # fmt: skip
+        enabled=True,
+        kubeconfig=str(kubeconfig),
+        watch_timeout_seconds=WATCH,
+        request_timeout_seconds=REQUEST,
+        watch_backoff_max_seconds=BACKOFF,
+    )
     return serve(kube, ("127.0.0.1", 0), stale_after=60.0)
 
 

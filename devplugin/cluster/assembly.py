@@ -125,10 +125,14 @@ class ClusterSide:
             return None
         config = self.config
         self.awareness = PodAwareness(
-            self.pods, ledger, dict(names), wait=config.kubernetes.pod_wait_seconds,
-            metrics=metrics, pair_seconds=config.allocation.pairing_window_seconds,
+            self.pods,
+            ledger,
+            dict(names),
+            wait=config.kubernetes.pod_wait_seconds,
+            metrics=metrics,
+            pair_seconds=config.allocation.pairing_window_seconds,
             claim_seconds=config.kubernetes.claim_seconds,
-        )  # fmt: skip
+        )
         return self.awareness
 
     def attach(self, core: NodeCore) -> None:
@@ -162,9 +166,13 @@ class ClusterSide:
             return None
         node = node_name(self.config)
         return SlicePublisher(
-            self.writer, slice_cache(watcher, node, WatchTiming.of(kube)),
-            driver=self.config.dra.driver, node=node, desired=desired, metrics=metrics,
-        )  # fmt: skip
+            self.writer,
+            slice_cache(watcher, node, WatchTiming.of(kube)),
+            driver=self.config.dra.driver,
+            node=node,
+            desired=desired,
+            metrics=metrics,
+        )
 
     def publish_record(self, inputs: StatusInputs, core: NodeCore) -> None:
         """The NodeDevices record and its Lease, when the config asks."""
@@ -174,15 +182,21 @@ class ClusterSide:
         node = node_name(self.config)
         uid_of = self.pods.uid_of if self.pods is not None else None
         self.publisher = RecordPublisher(
-            writer, node, partial(node_status, inputs, uid_of),
-            min_interval=kube.record_min_interval_seconds, resync=kube.record_resync_seconds,
+            writer,
+            node,
+            partial(node_status, inputs, uid_of),
+            min_interval=kube.record_min_interval_seconds,
+            resync=kube.record_resync_seconds,
             metrics=core.metrics,
-        )  # fmt: skip
+        )
         core.ledger.listen(self.publisher.poke)
         self.lease = LeaseKeeper(
-            writer, node, lease_namespace(self.config),
-            renew=kube.lease_renew_seconds, duration=kube.lease_duration_seconds,
-        )  # fmt: skip
+            writer,
+            node,
+            lease_namespace(self.config),
+            renew=kube.lease_renew_seconds,
+            duration=kube.lease_duration_seconds,
+        )
 
     @property
     def loops(self) -> list[Loop]:

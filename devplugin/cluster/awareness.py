@@ -126,9 +126,13 @@ class PodAwareness:
             # what is read again each time (a namesake may have just arrived).
             waiting = self._cache.waiting()
             return admitting(
-                waiting, resource=resource, other=other, size=size, held=self._held(kind),
+                waiting,
+                resource=resource,
+                other=other,
+                size=size,
+                held=self._held(kind),
                 waiting=True,
-            )  # fmt: skip
+            )
 
         answer = ask()
         if answer.outcome is Outcome.NO_POD and self._wait > 0:
@@ -138,9 +142,12 @@ class PodAwareness:
         self._count(resource, answer.outcome)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
-                "%s x%d: %s %s", resource, size, answer.outcome.value,
+                "%s x%d: %s %s",
+                resource,
+                size,
+                answer.outcome.value,
                 [(c.pod.name, c.container.name, c.partners) for c in answer.candidates][:5],
-            )  # fmt: skip
+            )
         if answer.outcome is not Outcome.EXACT:
             return None
         first = answer.candidates[0]
@@ -273,9 +280,13 @@ class PodAwareness:
             self._unclaimed_allocate(kind, ids, now)
             return None
         answer = admitting(
-            self._cache.waiting(), resource=resource, other=other,
-            size=len(ids), held=self._held(kind), waiting=True,
-        )  # fmt: skip
+            self._cache.waiting(),
+            resource=resource,
+            other=other,
+            size=len(ids),
+            held=self._held(kind),
+            waiting=True,
+        )
         if answer.outcome is not Outcome.EXACT or len(answer.candidates) != 1:
             self._unclaimed_allocate(kind, ids, now)
             return None

@@ -138,6 +138,7 @@ def make_client(
             source = kube.kubeconfig or "the pod's service account"
             log.warning(
                 "no Kubernetes API access (%s: %s); working from the kubelet alone",
-                source, str(exc)[:200],
-            )  # fmt: skip
+                source,
+                str(exc)[:200],
+            )
         return None

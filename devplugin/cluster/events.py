@@ -105,14 +105,20 @@ class EventRecorder(ThreadLoop):
         if uid:
             involved["uid"] = uid
         event = _EVENT(
-            apiVersion="v1", kind="Event",
+            apiVersion="v1",
+            kind="Event",
             metadata={"generateName": f"{item.pod}.", "namespace": item.namespace},
-            involvedObject=involved, reason=reason,
+            involvedObject=involved,
+            reason=reason,
             message=f"{message} (container {item.container})",
-            type="Normal", count=1, firstTimestamp=now, lastTimestamp=now,
+            type="Normal",
+            count=1,
+            firstTimestamp=now,
+            lastTimestamp=now,
             source={"component": COMPONENT, "host": self._node},
-            reportingComponent=COMPONENT, reportingInstance=self._node,
-        )  # fmt: skip
+            reportingComponent=COMPONENT,
+            reportingInstance=self._node,
+        )
         self._client.create(event, namespace=item.namespace)
 
     def _count(self, result: str) -> None:

@@ -250,36 +250,48 @@ class ExtenderMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
-            "devplugin_extender_requests", "Extender calls by verb and result",
-            ["verb", "result"], registry=self.registry,
-        )  # fmt: skip
-        self.seconds = Histogram(
-            "devplugin_extender_seconds", "Extender call handling time", ["verb"],
-            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0), registry=self.registry,
-        )  # fmt: skip
-        self.memo = Counter(
-            "devplugin_extender_memo", "Placement lookups (hit / miss)", ["result"],
+            "devplugin_extender_requests",
+            "Extender calls by verb and result",
+            ["verb", "result"],
             registry=self.registry,
-        )  # fmt: skip
+        )
+        self.seconds = Histogram(
+            "devplugin_extender_seconds",
+            "Extender call handling time",
+            ["verb"],
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0),
+            registry=self.registry,
+        )
+        self.memo = Counter(
+            "devplugin_extender_memo",
+            "Placement lookups (hit / miss)",
+            ["result"],
+            registry=self.registry,
+        )
         self.records = Gauge(
-            "devplugin_extender_records", "NodeDevices records by state (fresh / stale)",
-            ["state"], registry=self.registry,
-        )  # fmt: skip
+            "devplugin_extender_records",
+            "NodeDevices records by state (fresh / stale)",
+            ["state"],
+            registry=self.registry,
+        )
         self.watch_current = Gauge(
             "devplugin_watch_current",
             "1 while an API watch cache is current (listed, and heard from within its bound)",
-            ["cache"], registry=self.registry,
-        )  # fmt: skip
+            ["cache"],
+            registry=self.registry,
+        )
         self.watch_age = Gauge(
             "devplugin_watch_age_seconds",
             "Seconds since an API watch cache last heard from the API server",
-            ["cache"], registry=self.registry,
-        )  # fmt: skip
+            ["cache"],
+            registry=self.registry,
+        )
         self.watch_refused = Gauge(
             "devplugin_watch_refused_objects",
             "Objects an API watch cache refused (a malformed record, a forged Lease) since start",
-            ["cache"], registry=self.registry,
-        )  # fmt: skip
+            ["cache"],
+            registry=self.registry,
+        )
 
 
 class Extender:
@@ -315,9 +327,13 @@ class Extender:
         self._clock = clock
         self.layouts = layouts if layouts is not None else Layouts()
         self.views = NodeViews(
-            self.layouts, on_node=pods.on_node, generation=pods.generation,
-            has_ended=pods.has_ended, gpu=gpu, hca=hca,
-        )  # fmt: skip
+            self.layouts,
+            on_node=pods.on_node,
+            generation=pods.generation,
+            has_ended=pods.has_ended,
+            gpu=gpu,
+            hca=hca,
+        )
         self._hit = self.metrics.memo.labels("hit")
         self._miss = self.metrics.memo.labels("miss")
 
@@ -504,44 +520,65 @@ def placement_pod(names: Sequence[str], pod: PodInfo) -> PodInfo | None:
     if not any(v for c in every for k, v in c.requests.items() if k in wanted):
         return None
     return replace(
-        pod, init_containers=trim(pod.init_containers), containers=trim(pod.containers),
+        pod,
+        init_containers=trim(pod.init_containers),
+        containers=trim(pod.containers),
         annotations={},
-    )  # fmt: skip
+    )
 
 
 def record_cache(
-    client: Client, kube: KubernetesConfig | None = None, heartbeat: Heartbeat | None = None,
+    client: Client,
+    kube: KubernetesConfig | None = None,
+    heartbeat: Heartbeat | None = None,
     layouts: Layouts | None = None,
-) -> WatchCache[Record]:  # fmt: skip
+) -> WatchCache[Record]:
     kube = kube or KubernetesConfig()
     return WatchCache(
-        client, NodeDevices, partial(record_entry, layouts or Layouts()), name="nodedevices",
+        client,
+        NodeDevices,
+        partial(record_entry, layouts or Layouts()),
+        name="nodedevices",
         namespaced=False,
-        timing=WatchTiming.of(kube), heartbeat=heartbeat,
-    )  # fmt: skip
+        timing=WatchTiming.of(kube),
+        heartbeat=heartbeat,
+    )
 
 
 def lease_cache(
-    client: Client, namespace: str, kube: KubernetesConfig | None = None,
+    client: Client,
+    namespace: str,
+    kube: KubernetesConfig | None = None,
     heartbeat: Heartbeat | None = None,
-) -> WatchCache[NodeLease]:  # fmt: skip
+) -> WatchCache[NodeLease]:
     kube = kube or KubernetesConfig()
     return WatchCache(
-        client, Lease, LeaseClock(), name="leases", namespaced=True, namespace=namespace,
-        labels={NODE_LABEL: op.exists()}, timing=WatchTiming.of(kube),
+        client,
+        Lease,
+        LeaseClock(),
+        name="leases",
+        namespaced=True,
+        namespace=namespace,
+        labels={NODE_LABEL: op.exists()},
+        timing=WatchTiming.of(kube),
         heartbeat=heartbeat,
-    )  # fmt: skip
+    )
 
 
 def pod_cache(
-    client: Client, kube: KubernetesConfig | None = None, heartbeat: Heartbeat | None = None,
+    client: Client,
+    kube: KubernetesConfig | None = None,
+    heartbeat: Heartbeat | None = None,
     names: Sequence[str] = ("nvidia.com/gpu", "rdma/hca"),
-) -> PodCache:  # fmt: skip
+) -> PodCache:
     kube = kube or KubernetesConfig()
     return PodCache(
-        client, None, timing=WatchTiming.of(kube),
-        heartbeat=heartbeat, keep=partial(placement_pod, names),
-    )  # fmt: skip
+        client,
+        None,
+        timing=WatchTiming.of(kube),
+        heartbeat=heartbeat,
+        keep=partial(placement_pod, names),
+    )
 
 
 # -- HTTP --------------------------------------------------------------------------------
@@ -601,9 +638,12 @@ class _Server(BoundedServer):
         idle: float,
     ) -> None:
         super().__init__(
-            address, handler, max_connections=MAX_CONNECTIONS, request_timeout=timeout,
+            address,
+            handler,
+            max_connections=MAX_CONNECTIONS,
+            request_timeout=timeout,
             idle_timeout=idle,
-        )  # fmt: skip
+        )
         self._context = context
         self._timeout = timeout
 
@@ -774,9 +814,14 @@ def serve(
     pods = pod_cache(connect(beats[1]), kube, beats[1], names)
     leases = lease_cache(connect(beats[2]), lease_namespace, kube, beats[2])
     extender = Extender(
-        records, pods, leases=leases, gpu=names[0], hca=names[1], stale_after=stale_after,
+        records,
+        pods,
+        leases=leases,
+        gpu=names[0],
+        hca=names[1],
+        stale_after=stale_after,
         layouts=layouts,
-    )  # fmt: skip
+    )
     server = ExtenderServer(extender, address, tls=tls)
     caches: list[WatchCache[Any]] = [records, pods, leases]
     for cache in caches:

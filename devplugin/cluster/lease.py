@@ -71,9 +71,11 @@ class LeaseKeeper(ThreadLoop):
     ) -> None:
         # A write gives up at its request timeout: a stop never waits on it long.
         super().__init__(
-            "lease", backoff=Backoff(1.0, min(backoff_max, renew)), join_timeout=0.5,
+            "lease",
+            backoff=Backoff(1.0, min(backoff_max, renew)),
+            join_timeout=0.5,
             failing="Lease not renewed",
-        )  # fmt: skip
+        )
         self._client = client
         self._node = node
         self._namespace = namespace
@@ -86,8 +88,11 @@ class LeaseKeeper(ThreadLoop):
     def starting(self) -> None:
         log.info(
             "Lease %s/%s: renewed every %.0fs (valid %ds)",
-            self._namespace, lease_name(self._node), self._renew, self._duration,
-        )  # fmt: skip
+            self._namespace,
+            lease_name(self._node),
+            self._renew,
+            self._duration,
+        )
 
     def step(self) -> float:
         self.renew_once()
@@ -118,12 +123,20 @@ class LeaseKeeper(ThreadLoop):
 
     def _body(self) -> Any:
         return _LEASE(
-            apiVersion="coordination.k8s.io/v1", kind="Lease",
-            metadata={"name": lease_name(self._node), "namespace": self._namespace,
-                      "labels": {NODE_LABEL: self._node}, "resourceVersion": self._version},
-            spec={"holderIdentity": self._node, "leaseDurationSeconds": self._duration,
-                  "renewTime": micro_time()},
-        )  # fmt: skip
+            apiVersion="coordination.k8s.io/v1",
+            kind="Lease",
+            metadata={
+                "name": lease_name(self._node),
+                "namespace": self._namespace,
+                "labels": {NODE_LABEL: self._node},
+                "resourceVersion": self._version,
+            },
+            spec={
+                "holderIdentity": self._node,
+                "leaseDurationSeconds": self._duration,
+                "renewTime": micro_time(),
+            },
+        )
 
     def _read_or_create(self) -> None:
         try:
@@ -143,10 +156,16 @@ class LeaseKeeper(ThreadLoop):
         if owner is not None:
             metadata["ownerReferences"] = [owner]
         body = _LEASE(
-            apiVersion="coordination.k8s.io/v1", kind="Lease", metadata=metadata,
-            spec={"holderIdentity": self._node, "leaseDurationSeconds": self._duration,
-                  "acquireTime": micro_time(), "renewTime": micro_time()},
-        )  # fmt: skip
+            apiVersion="coordination.k8s.io/v1",
+            kind="Lease",
+            metadata=metadata,
+            spec={
+                "holderIdentity": self._node,
+                "leaseDurationSeconds": self._duration,
+                "acquireTime": micro_time(),
+                "renewTime": micro_time(),
+            },
+        )
         try:
             return self._client.create(body)
         except ApiError as exc:

@@ -76,10 +76,16 @@ class PodCache(WatchCache[PodInfo]):
     ) -> None:
         parse = partial(_kept, keep) if keep is not None else pod_entry
         super().__init__(
-            client, RawPod, parse, name="pods", namespaced=True,
+            client,
+            RawPod,
+            parse,
+            name="pods",
+            namespaced=True,
             fields={"spec.nodeName": node} if node else None,
-            timing=timing, heartbeat=heartbeat, clock=clock,
-        )  # fmt: skip
+            timing=timing,
+            heartbeat=heartbeat,
+            clock=clock,
+        )
         self._ended_listeners: list[Callable[[PodInfo], None]] = []
         self._started_listeners: list[Callable[[PodInfo], None]] = []
         self._ended: OrderedDict[str, PodInfo] = OrderedDict()

@@ -63,9 +63,11 @@ class RecordPublisher(ThreadLoop):
     ) -> None:
         # A write gives up at its request timeout: a stop never waits on it long.
         super().__init__(
-            "record", backoff=Backoff(check_interval, backoff_max), join_timeout=0.5,
+            "record",
+            backoff=Backoff(check_interval, backoff_max),
+            join_timeout=0.5,
             failing="NodeDevices record not written",
-        )  # fmt: skip
+        )
         self._client = client
         self._node = node
         self._source = source
@@ -153,10 +155,11 @@ class RecordPublisher(ThreadLoop):
     def _write(self, status: dict[str, Any]) -> None:
         for attempt in range(3):
             body = _RECORD_STATUS(
-                apiVersion=API_VERSION, kind=KIND,
+                apiVersion=API_VERSION,
+                kind=KIND,
                 metadata={"name": self._node, "resourceVersion": self._version},
                 status=self._stamped(status),
-            )  # fmt: skip
+            )
             try:
                 written = self._client.replace(body, self._node)
             except ApiError as exc:

@@ -74,10 +74,13 @@ def build_status(
     if DeviceKind.GPU in states:
         for gpu in sorted(inventory.gpus, key=lambda g: g.index):
             peers = sorted(
-                ({"id": by_index[peer].uuid, "links": links} for peer, links in gpu.nvlink_peers
-                 if links > 0 and peer in by_index),
+                (
+                    {"id": by_index[peer].uuid, "links": links}
+                    for peer, links in gpu.nvlink_peers
+                    if links > 0 and peer in by_index
+                ),
                 key=lambda p: str(p["id"]),
-            )  # fmt: skip
+            )
             devices.append({
                 "id": gpu.uuid, "kind": "gpu",
                 **_health(states, DeviceKind.GPU, gpu.uuid),

@@ -53,9 +53,14 @@ def slice_cache(
     client: Client, node: str, timing: WatchTiming = DEFAULT_TIMING
 ) -> WatchCache[dict[str, Any]]:
     return WatchCache(
-        client, ResourceSlice, parse_slice, name="resourceslices", namespaced=False,
-        fields={"spec.nodeName": node}, timing=timing,
-    )  # fmt: skip
+        client,
+        ResourceSlice,
+        parse_slice,
+        name="resourceslices",
+        namespaced=False,
+        fields={"spec.nodeName": node},
+        timing=timing,
+    )
 
 
 # Fields the API server fills in on a device: no difference from what was written.
@@ -105,9 +110,11 @@ class SlicePublisher(ThreadLoop):
     ) -> None:
         # A write gives up at its request timeout: a stop never waits on it long.
         super().__init__(
-            "slices", backoff=Backoff(0.2, backoff_max), join_timeout=0.5,
+            "slices",
+            backoff=Backoff(0.2, backoff_max),
+            join_timeout=0.5,
             failing="ResourceSlices not written",
-        )  # fmt: skip
+        )
         self._client = writer
         self._metrics = metrics
         self._slices = slices
@@ -223,8 +230,11 @@ class SlicePublisher(ThreadLoop):
         self.writes += 1
         log.info(
             "ResourceSlices of pool %s: generation %d, %d slices, %d devices",
-            self.pool, generation, len(chunks), sum(len(chunk) for chunk in chunks),
-        )  # fmt: skip
+            self.pool,
+            generation,
+            len(chunks),
+            sum(len(chunk) for chunk in chunks),
+        )
         return True
 
     def _await_echo(self, echo: Mapping[str, str | None], gone: Sequence[str]) -> None:
@@ -241,8 +251,9 @@ class SlicePublisher(ThreadLoop):
             return not any(name in items for name in gone)
 
         if not self._slices.wait_for(caught_up, ECHO_WAIT):
-            log.debug("ResourceSlices: the watch did not show this node's writes within %ss",
-                      ECHO_WAIT)  # fmt: skip
+            log.debug(
+                "ResourceSlices: the watch did not show this node's writes within %ss", ECHO_WAIT
+            )
 
     def _as_written(self, item: dict[str, Any]) -> dict[str, Any]:
         """The slice as this publisher wrote it, if nobody changed it since."""
@@ -264,9 +275,15 @@ class SlicePublisher(ThreadLoop):
         return name
 
     def _body(
-        self, index: int, chunk: list[Any], generation: int, count: int, *,
-        before: Mapping[str, Any] | None, owner: dict[str, Any] | None,
-    ) -> Any:  # fmt: skip
+        self,
+        index: int,
+        chunk: list[Any],
+        generation: int,
+        count: int,
+        *,
+        before: Mapping[str, Any] | None,
+        owner: dict[str, Any] | None,
+    ) -> Any:
         metadata: dict[str, Any] = {}
         if before is not None:
             metadata["name"] = before["metadata"]["name"]
@@ -284,9 +301,15 @@ class SlicePublisher(ThreadLoop):
         return _SLICE(apiVersion=API_VERSION, kind="ResourceSlice", metadata=metadata, spec=spec)
 
     def _put(
-        self, index: int, chunk: list[Any], generation: int, count: int, *,
-        before: Mapping[str, Any] | None, owner: dict[str, Any] | None,
-    ) -> str | None:  # fmt: skip
+        self,
+        index: int,
+        chunk: list[Any],
+        generation: int,
+        count: int,
+        *,
+        before: Mapping[str, Any] | None,
+        owner: dict[str, Any] | None,
+    ) -> str | None:
         """Create or replace one slice; its name."""
         body = self._body(index, chunk, generation, count, before=before, owner=owner)
         if before is None:

@@ -225,8 +225,9 @@ class WatchCache(ThreadLoop, Generic[T]):
                 self.skipped += 1
                 log.warning(
                     "%s watch: an event could not be decoded (%s); listing again",
-                    self.name, str(exc)[:200],
-                )  # fmt: skip
+                    self.name,
+                    str(exc)[:200],
+                )
                 self._version = None
         except ApiError as exc:
             if exc.status.code != 410:
@@ -277,9 +278,11 @@ class WatchCache(ThreadLoop, Generic[T]):
 
     def _watch(self) -> None:
         stream = self._client.watch(
-            self._resource, **self._scope(),
-            resource_version=self._version, server_timeout=self._server_timeout,
-        )  # fmt: skip
+            self._resource,
+            **self._scope(),
+            resource_version=self._version,
+            server_timeout=self._server_timeout,
+        )
         for kind, obj in stream:
             if self._stop.is_set():
                 return
@@ -354,8 +357,11 @@ class WatchCache(ThreadLoop, Generic[T]):
                 self._skipped.add(name)
                 log.warning(
                     "%s %s skipped: %s: %s",
-                    self.name, name[:200], type(exc).__name__, str(exc)[:200],
-                )  # fmt: skip
+                    self.name,
+                    name[:200],
+                    type(exc).__name__,
+                    str(exc)[:200],
+                )
             return None
 
     def _tell(self) -> None:

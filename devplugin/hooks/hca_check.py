@@ -55,8 +55,11 @@ def reset_counters(ports: Sequence[tuple[str, str]]) -> list[str]:
     for name, port in ports:
         result = subprocess.run(
             [perfquery, "-C", name, "-P", port, "-R"],
-            capture_output=True, text=True, timeout=30, check=False,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
         if result.returncode != 0:
             problems.append(f"{name} port {port}: counter reset failed: {result.stderr.strip()}")
     return problems

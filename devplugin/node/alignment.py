@@ -60,10 +60,16 @@ def holders_report(topology: Topology, holders: Iterable[Held]) -> list[Containe
         measured = alignment(topology, gpus, hcas)
         found.append(
             ContainerAlignment(
-                namespace, pod, container, gpus, hcas,
-                measured[0] if measured else None, measured[1] if measured else None, held.uid,
+                namespace,
+                pod,
+                container,
+                gpus,
+                hcas,
+                measured[0] if measured else None,
+                measured[1] if measured else None,
+                held.uid,
             )
-        )  # fmt: skip
+        )
     return found
 
 
@@ -176,9 +182,14 @@ class AlignmentMonitor(ThreadLoop):
             gpus, hcas = devices[DeviceKind.GPU], devices[DeviceKind.HCA]
             measured = alignment(topology, gpus, hcas)
             entry_report = ContainerAlignment(
-                namespace, pod, container, tuple(gpus), tuple(hcas),
-                measured[0] if measured else None, measured[1] if measured else None,
-            )  # fmt: skip
+                namespace,
+                pod,
+                container,
+                tuple(gpus),
+                tuple(hcas),
+                measured[0] if measured else None,
+                measured[1] if measured else None,
+            )
             report[entry_report.name] = entry_report
         with self._lock:
             previous, self._report = self._report, report

@@ -74,9 +74,10 @@ class CheckLoop(ThreadLoop):
         # A failed check keeps the previous device lists and is tried again
         # after a pause, not at once in a tight loop.
         super().__init__(
-            "checks", backoff=Backoff(min(1.0, interval), interval),
+            "checks",
+            backoff=Backoff(min(1.0, interval), interval),
             failing="health check failed; keeping the previous device lists",
-        )  # fmt: skip
+        )
         self._discoverer = discoverer
         self._port_interval = port_interval
         # The port states the last check or port read saw.

@@ -225,9 +225,14 @@ class Coordinator:
         forced = known.forced if known is not None else frozenset()
         if role is Role.FIRST and known is not None and forced:
             choice = self._around_forced(
-                allocator, kind=kind, candidates=candidates, must=must, size=size,
-                known=known, other_free=other_free,
-            )  # fmt: skip
+                allocator,
+                kind=kind,
+                candidates=candidates,
+                must=must,
+                size=size,
+                known=known,
+                other_free=other_free,
+            )
             if choice is not None:
                 return choice, role
         if (
@@ -263,16 +268,28 @@ class Coordinator:
         against the plan. The pair is the one the other call order gives."""
         plan = allocator.choose(
             Request(
-                DeviceKind.GPU, free_gpus, gpus, must_gpus, Role.FIRST, candidates,
-                candidates, size,
+                DeviceKind.GPU,
+                free_gpus,
+                gpus,
+                must_gpus,
+                Role.FIRST,
+                candidates,
+                candidates,
+                size,
             )
-        )  # fmt: skip
+        )
         planned = frozenset(plan.ids)
         choice = allocator.choose(
             Request(
-                DeviceKind.HCA, candidates, size, must, Role.SECOND, planned, free_gpus - planned,
+                DeviceKind.HCA,
+                candidates,
+                size,
+                must,
+                Role.SECOND,
+                planned,
+                free_gpus - planned,
             )
-        )  # fmt: skip
+        )
         return Choice(choice.ids, choice.score, plan.ids)
 
     @staticmethod

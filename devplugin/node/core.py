@@ -66,24 +66,30 @@ def hooks_of(config: Config, kind: DeviceKind) -> HooksConfig:
 def _gpu_resource(config: Config, capabilities: Capabilities) -> Resource:
     gpu, sharing, cdi = config.resources.gpu, config.sharing.gpu, config.cdi
     delivery = Delivery(
-        strategy=frozenset(gpu.device_list_strategy), cdi_kind=cdi.kind_of(DeviceKind.GPU),
-        gpu_names=cdi.gpu_device_name, plugin="devplugin.gpu",
-    )  # fmt: skip
+        strategy=frozenset(gpu.device_list_strategy),
+        cdi_kind=cdi.kind_of(DeviceKind.GPU),
+        gpu_names=cdi.gpu_device_name,
+        plugin="devplugin.gpu",
+    )
     resource = GpuResource(name=gpu.name, capabilities=capabilities, delivery=delivery)
     if sharing.replicas <= 1:
         return resource
     return SharedResource(
-        resource, sharing.replicas, policy=sharing.policy,
-        refuse_multiple=sharing.refuse_multiple_per_gpu, renamed=sharing.resource_name,
-    )  # fmt: skip
+        resource,
+        sharing.replicas,
+        policy=sharing.policy,
+        refuse_multiple=sharing.refuse_multiple_per_gpu,
+        renamed=sharing.resource_name,
+    )
 
 
 def _hca_resource(config: Config, capabilities: Capabilities) -> Resource:
     hca, sharing, cdi = config.resources.hca, config.sharing.hca, config.cdi
     delivery = Delivery(
-        strategy=frozenset(hca.device_list_strategy), cdi_kind=cdi.kind_of(DeviceKind.HCA),
+        strategy=frozenset(hca.device_list_strategy),
+        cdi_kind=cdi.kind_of(DeviceKind.HCA),
         plugin="devplugin.hca",
-    )  # fmt: skip
+    )
     resource = HcaResource(
         name=hca.name, env_var=hca.env_var, capabilities=capabilities, delivery=delivery
     )
@@ -193,6 +199,20 @@ def _discoverer(config: Config, gpu_lib: object | None) -> Discoverer:
     )
 
 
+def _xid(
+    config: Config, gpu_lib: object | None, health: HealthTracker, requests: Requests
+) -> XidWatcher | None:
+    if gpu_lib is None:
+        return None
+    return XidWatcher(
+        gpu_lib,
+        ignore=config.health.xid_ignore,
+        health=health,
+        good_checks=config.health.xid_good_checks,
+        on_fault=requests.rejudge,
+    )
+
+
 def build_core(config: Config, nvml_lib: object | None, *, witness: Witness) -> NodeCore:
     """Wire the node core (nothing starts here)."""
     paths, health_config, lifecycle = config.paths, config.health, config.lifecycle
@@ -252,17 +272,7 @@ def build_core(config: Config, nvml_lib: object | None, *, witness: Witness) -> 
         hca_view=hca_view,
         hca_spec=hca_spec,
     )
-    xid = (
-        XidWatcher(
-            gpu_lib,
-            ignore=health_config.xid_ignore,
-            health=health,
-            good_checks=health_config.xid_good_checks,
-            on_fault=requests.rejudge,
-        )
-        if gpu_lib is not None
-        else None
-    )
+    xid = _xid(config, gpu_lib, health, requests)
     checks = CheckLoop(
         discoverer,
         pipeline,
@@ -285,8 +295,19 @@ def build_core(config: Config, nvml_lib: object | None, *, witness: Witness) -> 
         metrics=metrics,
     )
     return NodeCore(
-        config=config, discoverer=discoverer, resources=resources, dra_kinds=dra,
-        ledger=ledger, metrics=metrics, coordinator=coordinator, runner=runner, health=health,
-        cleanup=cleanup, pipeline=pipeline, checks=checks, monitor=monitor, xid=xid,
+        config=config,
+        discoverer=discoverer,
+        resources=resources,
+        dra_kinds=dra,
+        ledger=ledger,
+        metrics=metrics,
+        coordinator=coordinator,
+        runner=runner,
+        health=health,
+        cleanup=cleanup,
+        pipeline=pipeline,
+        checks=checks,
+        monitor=monitor,
+        xid=xid,
         hca_view=hca_view,
-    )  # fmt: skip
+    )

@@ -61,78 +61,104 @@ class Metrics:
         registry = CollectorRegistry()
         self.registry = registry
         self.devices = Gauge(
-            "devplugin_devices", "Devices served, by resource and health",
-            ["resource", "health"], registry=registry,
-        )  # fmt: skip
+            "devplugin_devices",
+            "Devices served, by resource and health",
+            ["resource", "health"],
+            registry=registry,
+        )
         self.allocations = Counter(
-            "devplugin_allocations", "Allocate calls per container request",
-            ["resource", "result"], registry=registry,
-        )  # fmt: skip
+            "devplugin_allocations",
+            "Allocate calls per container request",
+            ["resource", "result"],
+            registry=registry,
+        )
         self.preferred = Counter(
-            "devplugin_preferred_allocation_requests", "GetPreferredAllocation container requests",
-            ["resource", "role", "result"], registry=registry,
-        )  # fmt: skip
+            "devplugin_preferred_allocation_requests",
+            "GetPreferredAllocation container requests",
+            ["resource", "role", "result"],
+            registry=registry,
+        )
         self.preferred_seconds = Histogram(
-            "devplugin_preferred_allocation_seconds", "GetPreferredAllocation handling time",
-            ["resource"], buckets=FAST, registry=registry,
-        )  # fmt: skip
+            "devplugin_preferred_allocation_seconds",
+            "GetPreferredAllocation handling time",
+            ["resource"],
+            buckets=FAST,
+            registry=registry,
+        )
         self.allocate_seconds = Histogram(
-            "devplugin_allocate_seconds", "Allocate handling time, hooks included",
-            ["resource"], buckets=SLOW, registry=registry,
-        )  # fmt: skip
+            "devplugin_allocate_seconds",
+            "Allocate handling time, hooks included",
+            ["resource"],
+            buckets=SLOW,
+            registry=registry,
+        )
         self.alignment = Histogram(
             "devplugin_alignment_level",
             "Worst GPU-to-nearest-HCA level per container (PIX 1, PXB 2, PHB 3, NODE 4, SYS 5)",
-            buckets=(1, 2, 3, 4, 5), registry=registry,
-        )  # fmt: skip
+            buckets=(1, 2, 3, 4, 5),
+            registry=registry,
+        )
         self.containers_by_alignment = Gauge(
             "devplugin_containers_by_alignment",
             "Containers now holding GPUs and HCAs, by worst GPU-to-HCA level",
-            ["level"], registry=registry,
-        )  # fmt: skip
+            ["level"],
+            registry=registry,
+        )
         self.hook_runs = Counter(
-            "devplugin_hook_runs", "Init and cleanup hook runs",
-            ["resource", "phase", "result"], registry=registry,
-        )  # fmt: skip
+            "devplugin_hook_runs",
+            "Init and cleanup hook runs",
+            ["resource", "phase", "result"],
+            registry=registry,
+        )
         self.hook_seconds = Histogram(
-            "devplugin_hook_duration_seconds", "Hook run time",
-            ["resource", "phase"], buckets=SLOW, registry=registry,
-        )  # fmt: skip
+            "devplugin_hook_duration_seconds",
+            "Hook run time",
+            ["resource", "phase"],
+            buckets=SLOW,
+            registry=registry,
+        )
         self.registrations = Counter(
-            "devplugin_registrations", "Successful registrations with the kubelet",
-            ["resource"], registry=registry,
-        )  # fmt: skip
+            "devplugin_registrations",
+            "Successful registrations with the kubelet",
+            ["resource"],
+            registry=registry,
+        )
         self.checkpoint_failures = Counter(
             "devplugin_checkpoint_write_failures",
             "Lifecycle checkpoint writes that failed (read-only or full disk)",
             registry=registry,
         )
         self.checkpoint_ok = Gauge(
-            "devplugin_checkpoint_ok", "1 when the last checkpoint write succeeded",
+            "devplugin_checkpoint_ok",
+            "1 when the last checkpoint write succeeded",
             registry=registry,
-        )  # fmt: skip
+        )
         self.checkpoint_ok.set(1)
         self.pod_aware = Counter(
             "devplugin_pod_aware_choices",
             "First-resource choices by how the container's whole request was known "
             "(exact / fallback-no-pod / fallback-ambiguous)",
-            ["resource", "outcome"], registry=registry,
-        )  # fmt: skip
+            ["resource", "outcome"],
+            registry=registry,
+        )
         self.budget_hits = Counter(
             "devplugin_allocator_budget_exhausted",
             "GPU searches that ran out of allocation.search_budget_ms and answered their best",
             registry=registry,
         )
         self.record_writes = Counter(
-            "devplugin_node_devices_writes", "NodeDevices record writes (ok / conflict / error)",
-            ["result"], registry=registry,
-        )  # fmt: skip
+            "devplugin_node_devices_writes",
+            "NodeDevices record writes (ok / conflict / error)",
+            ["result"],
+            registry=registry,
+        )
         self.dra_claims = Counter(
             "devplugin_dra_claims",
             "DRA claims prepared and unprepared (ok / again: answered from the checkpoint / "
             "error: the claim's error)",
-            ["call", "result"], registry=registry,
-        )  # fmt: skip
+            ["call", "result"],
+            registry=registry,
+        )
         self.dra_prepare_seconds = Histogram(
             "devplugin_dra_prepare_seconds",
             "One DRA claim's prepare, its claim read and init hooks included",
@@ -145,12 +171,15 @@ class Metrics:
         self.slice_writes = Counter(
             "devplugin_resource_slice_writes",
             "Updates of this node's ResourceSlice pool (ok / error)",
-            ["result"], registry=registry,
-        )  # fmt: skip
+            ["result"],
+            registry=registry,
+        )
         self.pod_events = Counter(
-            "devplugin_pod_events", "Events posted on pods (ok / failed / dropped)",
-            ["result"], registry=registry,
-        )  # fmt: skip
+            "devplugin_pod_events",
+            "Events posted on pods (ok / failed / dropped)",
+            ["result"],
+            registry=registry,
+        )
         self.stuck_reads = Gauge(
             "devplugin_stuck_reads",
             "Hardware reads (per GPU, per HCA, NVML, PCI tree) past their deadline",
@@ -165,23 +194,27 @@ class Metrics:
         self.corrections = Counter(
             "devplugin_holdings_corrections",
             "GetPreferredAllocation requests whose available list corrected the holdings",
-            ["resource"], registry=registry,
-        )  # fmt: skip
+            ["resource"],
+            registry=registry,
+        )
         self.watch_current = Gauge(
             "devplugin_watch_current",
             "1 while an API watch cache is current (listed, and heard from within its bound)",
-            ["cache"], registry=registry,
-        )  # fmt: skip
+            ["cache"],
+            registry=registry,
+        )
         self.watch_age = Gauge(
             "devplugin_watch_age_seconds",
             "Seconds since an API watch cache last heard from the API server",
-            ["cache"], registry=registry,
-        )  # fmt: skip
+            ["cache"],
+            registry=registry,
+        )
         self.cdi_undeclared = Gauge(
             "devplugin_cdi_undeclared_devices",
             "Devices not offered because no CDI spec on the node declares them",
-            ["resource"], registry=registry,
-        )  # fmt: skip
+            ["resource"],
+            registry=registry,
+        )
         self.cdi_refused_specs = Gauge(
             "devplugin_cdi_refused_specs",
             "CDI spec files in the spec directories a runtime would refuse",
@@ -222,9 +255,14 @@ class Metrics:
         ) -> HookResult:
             result = runner(spec, phase, resource, devices, track=track, cancel=cancel)
             outcome = (
-                "ok" if result.ok else "timeout" if result.timed_out
-                else "stopped" if result.cancelled else "failed"
-            )  # fmt: skip
+                "ok"
+                if result.ok
+                else "timeout"
+                if result.timed_out
+                else "stopped"
+                if result.cancelled
+                else "failed"
+            )
             self.hook_runs.labels(resource, phase, outcome).inc()
             self.hook_seconds.labels(resource, phase).observe(result.duration)
             return result

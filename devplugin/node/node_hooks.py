@@ -66,9 +66,11 @@ class ResourceHooks:
         otherwise = self._cleanup.cleanup_timeout(self._kind) + KILL_GRACE
         until = wait_until(time.monotonic(), deadline, otherwise)
         problem = self._cleanup.take(
-            self._kind, physical, shared=not self._resource.reuse_proves_release,
+            self._kind,
+            physical,
+            shared=not self._resource.reuse_proves_release,
             wait_until=until,
-        )  # fmt: skip
+        )
         if self._cleanup.cleans(self._kind):
             # A device cleaned meanwhile is Healthy again: judge before validating.
             self._pipeline.rejudge()
@@ -109,9 +111,13 @@ class ResourceHooks:
         if devices is None:
             return "unknown device ids"
         result = self._runner(
-            spec, "init", name, devices,
-            track=self._cleanup.tracker(self._kind, physical), cancel=self._cleanup.cancel,
-        )  # fmt: skip
+            spec,
+            "init",
+            name,
+            devices,
+            track=self._cleanup.tracker(self._kind, physical),
+            cancel=self._cleanup.cancel,
+        )
         if result.ok:
             log.info("%s: init hook for %s took %.2fs", name, ",".join(physical), result.duration)
             return None

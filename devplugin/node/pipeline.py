@@ -224,7 +224,8 @@ def log_inventory(inventory: Inventory) -> None:
     for hca in inventory.hcas:
         log.info(
             "HCA %s at %s (NUMA %s), ports %s",
-            hca.name, hca.pci_address,
+            hca.name,
+            hca.pci_address,
             hca.numa_node if hca.numa_node is not None else "unknown",
             ", ".join(f"{port.number}:{port.state}" for port in hca.ports) or "none",
-        )  # fmt: skip
+        )

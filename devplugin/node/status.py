@@ -51,9 +51,11 @@ class StatusServer:
         for host, port in self._addresses:
             try:
                 server = BoundedServer(
-                    (host, port), handler, max_connections=MAX_CONNECTIONS,
+                    (host, port),
+                    handler,
+                    max_connections=MAX_CONNECTIONS,
                     request_timeout=CONNECTION_TIMEOUT,
-                )  # fmt: skip
+                )
             except OSError as exc:
                 self.stop()
                 raise OSError(

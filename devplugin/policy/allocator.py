@@ -763,10 +763,12 @@ class Allocator:
             klass = t.classes[c]
             step = klass.internal_score - cross[klass.node] if gpu else 0
             class_values[c] = tuple(
-                [k * per * w_total - step * (k * (k - 1) // 2) * w_conn
-                 for k in range(len(klass.devices) + 1)]
+                [
+                    k * per * w_total - step * (k * (k - 1) // 2) * w_conn
+                    for k in range(len(klass.devices) + 1)
+                ]
                 for per in range(6)
-            )  # fmt: skip
+            )
             for node in t.class_path[c]:
                 of_kind[node] += len(klass.devices)
         penalty: list[list[int] | None] = [None] * len(t.nodes)
@@ -894,9 +896,11 @@ class Allocator:
         partner = [0] * nclasses
         other = [0] * nclasses
         for tally, devices in (
-            (cap, candidates), (must, request.must_include), (partner, request.partner),
+            (cap, candidates),
+            (must, request.must_include),
+            (partner, request.partner),
             (other, request.other_free),
-        ):  # fmt: skip
+        ):
             for c in map(class_of, devices):
                 tally[c] += 1
         cost = [0] * nclasses
@@ -1000,9 +1004,15 @@ class Allocator:
         mode = 1 if _coverage_mode(request) else 2 if _support_mode(request) else 0
         try:
             return native.fold(
-                inputs.cap, inputs.must, inputs.cost, inputs.partner, inputs.other,
-                request.size, threshold, mode,
-            )  # fmt: skip
+                inputs.cap,
+                inputs.must,
+                inputs.cost,
+                inputs.partner,
+                inputs.other,
+                request.size,
+                threshold,
+                mode,
+            )
         except RuntimeError:  # pragma: no cover - a defect in the C fold
             # Keep answering, exactly, with the Python fold from now on.
             log.exception("the compiled fold failed; using the Python fold")

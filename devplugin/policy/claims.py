@@ -63,10 +63,12 @@ def results_for(claim: Mapping[str, Any], driver: str) -> list[Result]:
             raise ValueError("an allocation result lacks its request, pool or device")
         found.append(
             Result(
-                str(request).split("/", 1)[0], str(pool), str(device),
+                str(request).split("/", 1)[0],
+                str(pool),
+                str(device),
                 admin=bool(entry.get("adminAccess")),
             )
-        )  # fmt: skip
+        )
     return found
 
 

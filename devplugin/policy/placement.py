@@ -69,8 +69,9 @@ class NodeState:
         free = {
             kind: self.free[kind] | (back & healthy.get(kind, frozenset())) for kind in DeviceKind
         }
-        return NodeState(self.name, self.topology, free, self.total, self.holders,
-                         self.holdings, self.healthy)  # fmt: skip
+        return NodeState(
+            self.name, self.topology, free, self.total, self.holders, self.holdings, self.healthy
+        )
 
 
 @dataclass(frozen=True)
@@ -261,6 +262,43 @@ def _holdings(allocations: list[Any], named: Mapping[str, str]) -> list[Holding]
     return holdings
 
 
+def _gpu(
+    index: int,
+    uuid: str,
+    address: PciAddress,
+    function: PciFunction | None,
+    peers: list[tuple[int, int]],
+) -> GpuInfo:
+    """A GPU as a record describes it (no NVML facts)."""
+    return GpuInfo(
+        index=index,
+        uuid=uuid,
+        name="",
+        pci_address=address,
+        minor_number=index,
+        memory_total_mib=0,
+        nvlink_peers=tuple(peers),
+        pci=function,
+    )
+
+
+def _hca(name: str, address: PciAddress, function: PciFunction | None) -> HcaInfo:
+    """An HCA as a record describes it (no ports or device nodes)."""
+    return HcaInfo(
+        name=name,
+        pci_address=address,
+        pci=function,
+        node_guid=None,
+        fw_ver=None,
+        ports=(),
+        netdevs=(),
+        uverbs=None,
+        umads=(),
+        issms=(),
+        rdma_cm=CharDevice("/dev/infiniband/rdma_cm", True),
+    )
+
+
 def parse_record(record: Mapping[str, Any], *, canonical: bool = False) -> ParsedRecord:
     """A NodeDevices record's content; ValueError when it is not one.
     Strict: a field of the wrong type anywhere refuses the whole record (a
@@ -306,26 +344,14 @@ def parse_record(record: Mapping[str, Any], *, canonical: bool = False) -> Parse
             peers = _nvlink_peers(entry, where, device_id, index_of, wired)
             device_id = named.get(device_id, device_id)
             layout.append((device_id, str(address), tuple(path), numa, tuple(peers)))
-            gpus.append(
-                GpuInfo(
-                    index=index_of[entry["id"]], uuid=device_id, name="", pci_address=address,
-                    minor_number=index_of[entry["id"]], memory_total_mib=0,
-                    nvlink_peers=tuple(peers), pci=function,
-                )
-            )  # fmt: skip
+            gpus.append(_gpu(index_of[entry["id"]], device_id, address, function, peers))
             kind_value = DeviceKind.GPU
         elif kind == "hca":
             if device_id != str(address):
                 raise ValueError(f"HCA {device_id!r} is not named by its PCI address")
             name = _field(entry, "name", str, where, device_id) or device_id
             layout.append((device_id, str(address), tuple(path), numa, name))
-            hcas.append(
-                HcaInfo(
-                    name=name, pci_address=address, pci=function,
-                    node_guid=None, fw_ver=None, ports=(), netdevs=(), uverbs=None, umads=(),
-                    issms=(), rdma_cm=CharDevice("/dev/infiniband/rdma_cm", True),
-                )
-            )  # fmt: skip
+            hcas.append(_hca(name, address, function))
             kind_value = DeviceKind.HCA
         else:
             raise ValueError(f"device {device_id!r}: unknown kind {kind!r}")
@@ -425,9 +451,14 @@ def place(node: NodeState, shape: Shape, allocator: Allocator | None = None) -> 
             if hcas:
                 if chosen_g:
                     request = Request(
-                        DeviceKind.HCA, frozenset(free[DeviceKind.HCA]), hcas, frozenset(),
-                        Role.SECOND, partner, frozenset(free[DeviceKind.GPU]),
-                    )  # fmt: skip
+                        DeviceKind.HCA,
+                        frozenset(free[DeviceKind.HCA]),
+                        hcas,
+                        frozenset(),
+                        Role.SECOND,
+                        partner,
+                        frozenset(free[DeviceKind.GPU]),
+                    )
                     chosen_h = list(search.choose(request).ids)
                 else:
                     chosen_h = _choose(search, DeviceKind.HCA, hcas, free, 0)
@@ -441,21 +472,35 @@ def place(node: NodeState, shape: Shape, allocator: Allocator | None = None) -> 
         return Outcome(False, f"no placement: {exc.reason}")
     after = _spread(topology, free[DeviceKind.GPU] | free[DeviceKind.HCA])
     return Outcome(
-        True, "", worst, total, before - after,
+        True,
+        "",
+        worst,
+        total,
+        before - after,
         {kind: frozenset(ids) for kind, ids in free.items()},
-    )  # fmt: skip
+    )
 
 
 def _choose(
-    search: Allocator, kind: DeviceKind, size: int, free: Mapping[DeviceKind, set[str]],
+    search: Allocator,
+    kind: DeviceKind,
+    size: int,
+    free: Mapping[DeviceKind, set[str]],
     partners: int,
-) -> list[str]:  # fmt: skip
+) -> list[str]:
     if size <= 0:
         return []
     other = frozenset(free[kind.other])
     request = Request(
-        kind, frozenset(free[kind]), size, frozenset(), Role.FIRST, other, other, partners,
-    )  # fmt: skip
+        kind,
+        frozenset(free[kind]),
+        size,
+        frozenset(),
+        Role.FIRST,
+        other,
+        other,
+        partners,
+    )
     return list(search.choose(request).ids)
 
 

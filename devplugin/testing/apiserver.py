@@ -417,9 +417,13 @@ class ApiServerImitation:
         return self._store_locked(kind, key, obj, "ADDED")
 
     def _answer(
-        self, method: str, route: tuple[Kind, str, str | None, bool], query: dict[str, str],
-        body: bytes, headers: Any,
-    ) -> tuple[int, Obj]:  # fmt: skip
+        self,
+        method: str,
+        route: tuple[Kind, str, str | None, bool],
+        query: dict[str, str],
+        body: bytes,
+        headers: Any,
+    ) -> tuple[int, Obj]:
         kind, namespace, name, status = route
         with self._cond:
             if method == "GET" and name is None:
@@ -465,10 +469,12 @@ class ApiServerImitation:
             wanted = meta.get("resourceVersion")
             if wanted and wanted != existing["metadata"]["resourceVersion"]:
                 raise ApiError(
-                    409, "Conflict", f'Operation cannot be fulfilled on {kind.plural} "{name}": '
+                    409,
+                    "Conflict",
+                    f'Operation cannot be fulfilled on {kind.plural} "{name}": '
                     "the object has been modified; please apply your changes to the latest "
                     "version and try again",
-                )  # fmt: skip
+                )
             if status:
                 replaced = copy.deepcopy(existing)
                 replaced["status"] = obj.get("status")
@@ -504,9 +510,12 @@ class ApiServerImitation:
         return obj
 
     def _watch(
-        self, handler: BaseHTTPRequestHandler, route: tuple[Kind, str, str | None, bool],
-        query: dict[str, str], cut: int,
-    ) -> None:  # fmt: skip
+        self,
+        handler: BaseHTTPRequestHandler,
+        route: tuple[Kind, str, str | None, bool],
+        query: dict[str, str],
+        cut: int,
+    ) -> None:
         kind, namespace, _, _ = route
         timeout = float(query.get("timeoutSeconds") or 300)
         deadline = time.monotonic() + timeout

@@ -263,9 +263,14 @@ def _judge(
         if gpus and hcas:
             achieved = alignment(topology, got_g, got_h)
             best = best_alignment(
-                topology, free_g | must_g, free_h | must_h, gpus, hcas,
-                must_gpus=must_g, must_hcas=must_h,
-            )  # fmt: skip
+                topology,
+                free_g | must_g,
+                free_h | must_h,
+                gpus,
+                hcas,
+                must_gpus=must_g,
+                must_hcas=must_h,
+            )
             tally.containers += 1
             if achieved == best:
                 tally.optimal += 1

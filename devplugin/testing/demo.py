@@ -262,8 +262,10 @@ def _show_slices(
     out(f"kubectl get resourceslices --field-selector spec.nodeName={node_name}")
     for item in slices:
         spec = item["spec"]
-        out(f"  {item['metadata']['name']}: pool {spec['pool']['name']} generation "
-            f"{spec['pool']['generation']}, {len(spec['devices'])} devices")  # fmt: skip
+        out(
+            f"  {item['metadata']['name']}: pool {spec['pool']['name']} generation "
+            f"{spec['pool']['generation']}, {len(spec['devices'])} devices"
+        )
     first = slices[0]["spec"]["devices"][:2] if slices else []
     for device in first:
         attributes = {k: next(iter(v.values())) for k, v in device["attributes"].items()}
@@ -351,8 +353,10 @@ def _dra_demo(base: Path, api: ApiServerImitation, out: Callable[[str], None]) -
             for key, value in sorted(edits.environment().items()):
                 out(f"  env {key}={value}")
         errors = kubelet.unprepare(driver, [call])
-        out(f"NodeUnprepareResources: {errors[call.uid] or 'done'}; the claim's CDI spec removed: "
-            f"{not any((cdi_dirs[1]).glob(f'*{call.uid}*'))}")  # fmt: skip
+        out(
+            f"NodeUnprepareResources: {errors[call.uid] or 'done'}; the claim's CDI spec removed: "
+            f"{not any((cdi_dirs[1]).glob(f'*{call.uid}*'))}"
+        )
         return 0
     finally:
         daemon.stop()

@@ -187,9 +187,13 @@ class DraKubeletSimulator:
             self.refused.append(problem)
             return True
         record = DraPluginRecord(
-            info.name, info.endpoint, tuple(info.supported_versions), path, identity,
+            info.name,
+            info.endpoint,
+            tuple(info.supported_versions),
+            path,
+            identity,
             grpc.insecure_channel(f"unix://{info.endpoint}"),
-        )  # fmt: skip
+        )
         with self._lock:
             old = self._plugins.pop(info.name, None)
             if old is not None:

@@ -103,14 +103,17 @@ def slice_problems(obj: Mapping[str, Any]) -> list[str]:
     chosen = [key for key in ("nodeName", "nodeSelector", "allNodes", "perDeviceNodeSelection")
               if spec.get(key)]  # fmt: skip
     if len(chosen) != 1:
-        found.append(f"spec: exactly one of nodeName, nodeSelector, allNodes, "
-                     f"perDeviceNodeSelection required (got {chosen})")  # fmt: skip
+        found.append(
+            f"spec: exactly one of nodeName, nodeSelector, allNodes, "
+            f"perDeviceNodeSelection required (got {chosen})"
+        )
     devices = spec.get("devices") or []
     limited = any(
-        d.get("taints") or d.get("consumesCounters")
+        d.get("taints")
+        or d.get("consumesCounters")
         or any(k.endswith("s") for v in (d.get("attributes") or {}).values() for k in v)
         for d in devices
-    )  # fmt: skip
+    )
     limit = 64 if limited else 128
     if len(devices) > limit:
         found.append(f"spec.devices: {len(devices)} devices (max {limit})")

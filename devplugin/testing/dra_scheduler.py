@@ -96,9 +96,15 @@ def candidates(slices: Iterable[Mapping[str, Any]], node: str) -> list[Candidate
                     {"driver": driver, "attributes": by_domain, "capacity": capacity}
                 )
                 found.append(
-                    Candidate(driver, pool, device["name"], attributes,
-                              tuple(device.get("taints") or ()), view)
-                )  # fmt: skip
+                    Candidate(
+                        driver,
+                        pool,
+                        device["name"],
+                        attributes,
+                        tuple(device.get("taints") or ()),
+                        view,
+                    )
+                )
     return found
 
 
@@ -181,11 +187,14 @@ class Allocator:
             expressions += [s["cel"]["expression"] for s in body.get("selectors") or []]
             alternatives.append(
                 _Alternative(
-                    label, (name, label) if label != name else (name,), tuple(expressions),
-                    body.get("allocationMode", "ExactCount"), int(body.get("count", 1)),
+                    label,
+                    (name, label) if label != name else (name,),
+                    tuple(expressions),
+                    body.get("allocationMode", "ExactCount"),
+                    int(body.get("count", 1)),
                     tuple(body.get("tolerations") or ()),
                 )
-            )  # fmt: skip
+            )
         return alternatives
 
     def _eligible(self, alternative: _Alternative, device: Candidate) -> bool:
@@ -255,8 +264,9 @@ class Allocator:
                 used.discard((device.driver, device.pool, device.name))
             return False
 
-        def pick(alternative: _Alternative, pool: list[Candidate], start: int, left: int,
-                 index: int) -> bool:  # fmt: skip
+        def pick(
+            alternative: _Alternative, pool: list[Candidate], start: int, left: int, index: int
+        ) -> bool:
             if left == 0:
                 return place(index + 1)
             for position in range(start, len(pool) - left + 1):

@@ -84,7 +84,15 @@ def random_requests(
         else:
             partner = frozenset(other_free)
         requests.append(
-            Request(kind, frozenset(available), size, must, role, partner,
-                    frozenset(other_free), expected)
-        )  # fmt: skip
+            Request(
+                kind,
+                frozenset(available),
+                size,
+                must,
+                role,
+                partner,
+                frozenset(other_free),
+                expected,
+            )
+        )
     return requests

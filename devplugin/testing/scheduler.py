@@ -15,9 +15,11 @@ from typing import Any
 def call_extender(url: str, verb: str, body: Any, timeout: float = 10.0) -> Any:
     """POST one extender verb (`filter`, `prioritize`) and decode the answer."""
     request = urllib.request.Request(
-        f"{url}/scheduler/{verb}", data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"}, method="POST",
-    )  # fmt: skip
+        f"{url}/scheduler/{verb}",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
     with urllib.request.urlopen(request, timeout=timeout) as answer:
         return json.loads(answer.read())
 

@@ -147,12 +147,19 @@ class FakeApiHandler(BaseHTTPRequestHandler):
         path = urlparse(self.path).path.rstrip("/")
         if path == "/version":
             major, minor = self.store.kube_version.lstrip("v").split(".")[:2]
-            return self._reply(200, {"major": major, "minor": minor,
-                                     "gitVersion": self.store.kube_version,
-                                     "platform": "linux/amd64"})  # fmt: skip
+            return self._reply(
+                200,
+                {
+                    "major": major,
+                    "minor": minor,
+                    "gitVersion": self.store.kube_version,
+                    "platform": "linux/amd64",
+                },
+            )
         if path == "/api":
-            return self._reply(200, {"kind": "APIVersions", "versions": ["v1"],
-                                     "serverAddressByClientCIDRs": []})  # fmt: skip
+            return self._reply(
+                200, {"kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs": []}
+            )
         if path == "/apis":
             return self._reply(200, group_list(list(self.store.served)))
         if path == "/api/v1":
@@ -189,10 +196,15 @@ class FakeApiHandler(BaseHTTPRequestHandler):
                 and (namespace is None or ns == namespace)
                 and all(obj["metadata"].get("labels", {}).get(k) == v for k, v in wanted.items())
             ]
-        return self._reply(200, {"kind": self._kind(group_version, resource) + "List",
-                                 "apiVersion": group_version,
-                                 "metadata": {"resourceVersion": str(self.store.version)},
-                                 "items": items})  # fmt: skip
+        return self._reply(
+            200,
+            {
+                "kind": self._kind(group_version, resource) + "List",
+                "apiVersion": group_version,
+                "metadata": {"resourceVersion": str(self.store.version)},
+                "items": items,
+            },
+        )
 
     def _write(self, create: bool) -> None:
         route = self._route()

@@ -86,9 +86,11 @@ class Registrar(ThreadLoop):
     ) -> None:
         # A failed tick is tried again at the next one, not sooner or later.
         super().__init__(
-            "registrar", backoff=Backoff(interval, interval), join_timeout=register_timeout + 5.0,
+            "registrar",
+            backoff=Backoff(interval, interval),
+            join_timeout=register_timeout + 5.0,
             failing="registrar tick failed",
-        )  # fmt: skip
+        )
         self._plugin_dir = plugin_dir
         self._kubelet_socket = plugin_dir / KUBELET_SOCKET
         self._entries = [_Registration(server) for server in servers]

@@ -378,8 +378,11 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         # whatever the request holds (10k ids, a 1 MiB id, a newline).
         log.warning(
             "%s: refused Allocate of container %d [%s]: %s",
-            self.resource.name, index, shown_ids(ids), shown(reason, MAX_DETAIL),
-        )  # fmt: skip
+            self.resource.name,
+            index,
+            shown_ids(ids),
+            shown(reason, MAX_DETAIL),
+        )
         if self._metrics is not None:
             self._metrics.allocations.labels(self.resource.name, "refused").inc()
         context.abort(code, f"{self.resource.name}: {shown(reason, MAX_DETAIL)}")
@@ -486,8 +489,10 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         if problem is not None:
             log.warning(
                 "%s: PreStartContainer [%s] failed: %s",
-                self.resource.name, shown_ids(ids), shown(problem, MAX_DETAIL),
-            )  # fmt: skip
+                self.resource.name,
+                shown_ids(ids),
+                shown(problem, MAX_DETAIL),
+            )
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"{self.resource.name}: {shown(problem, MAX_DETAIL)}",

@@ -64,9 +64,11 @@ class DraFrontend(ThreadLoop):
     ) -> None:
         # The slice publisher's writes give up at their request timeout.
         super().__init__(
-            "dra", backoff=Backoff(interval, max(interval, 5.0)), join_timeout=0.5,
+            "dra",
+            backoff=Backoff(interval, max(interval, 5.0)),
+            join_timeout=0.5,
             failing="DRA sockets could not be restored",
-        )  # fmt: skip
+        )
         self.preparer = preparer
         self.plugin = plugin
         self.publisher = publisher
@@ -98,12 +100,17 @@ class DraFrontend(ThreadLoop):
         served = {resource.kind: resource for resource in core.resources if resource.kind in kinds}
         init = {kind: hook for kind in served if (hook := core.init_hook(kind)) is not None}
         preparer = Preparer(
-            driver=dra.driver, pool=node, resources=served, pipeline=pipeline,
-            cleanup=core.cleanup, init=InitHooks(core.runner, init),
+            driver=dra.driver,
+            pool=node,
+            resources=served,
+            pipeline=pipeline,
+            cleanup=core.cleanup,
+            init=InitHooks(core.runner, init),
             specs=ClaimSpecs(Path(config.cdi.spec_dirs[-1]), dra_cdi_kind(config)),
             reader=reader,
-            metrics=core.metrics, boot=read_boot_id(Path(paths.boot_id)),
-        )  # fmt: skip
+            metrics=core.metrics,
+            boot=read_boot_id(Path(paths.boot_id)),
+        )
         plugins_dir, registry_dir = (
             Path(paths.kubelet_plugins_dir),
             Path(paths.kubelet_registry_dir),
@@ -112,13 +119,20 @@ class DraFrontend(ThreadLoop):
         check_socket_field("paths.kubelet_plugins_dir", service_path)
         check_socket_field("paths.kubelet_registry_dir", registration_path)
         plugin = DraPlugin(
-            preparer, plugins_dir=plugins_dir, registry_dir=registry_dir,
+            preparer,
+            plugins_dir=plugins_dir,
+            registry_dir=registry_dir,
             health_timeout=dra.health_timeout_seconds,
-        )  # fmt: skip
+        )
         frontend = cls(
-            preparer=preparer, plugin=plugin, pipeline=pipeline, kinds=kinds, publisher=None,
-            unhealthy=dra.unhealthy, interval=config.kubelet.watch_interval_seconds,
-        )  # fmt: skip
+            preparer=preparer,
+            plugin=plugin,
+            pipeline=pipeline,
+            kinds=kinds,
+            publisher=None,
+            unhealthy=dra.unhealthy,
+            interval=config.kubelet.watch_interval_seconds,
+        )
         frontend.publisher = publisher(frontend.desired)
         for kind in kinds:
             pipeline.connect(kind, partial(frontend.update, kind))

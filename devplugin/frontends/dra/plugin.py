@@ -90,8 +90,10 @@ _SUBDOMAIN = re.compile(r"[a-z0-9]([a-z0-9.-]*[a-z0-9])?")
 def _refs(claims: Sequence[Any], context: grpc.ServicerContext) -> list[ClaimRef]:
     """The call's claims, each once, before anything is done for any."""
     if len(claims) > MAX_CLAIMS:
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{len(claims)} claims in one call "
-                      f"(at most {MAX_CLAIMS})")  # fmt: skip
+        context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{len(claims)} claims in one call (at most {MAX_CLAIMS})",
+        )
     refs: dict[str, ClaimRef] = {}
     for claim in claims:
         problem = claim_problem(claim.namespace, claim.uid, claim.name)
@@ -102,8 +104,10 @@ def _refs(claims: Sequence[Any], context: grpc.ServicerContext) -> list[ClaimRef
             )
         ref = ClaimRef(claim.namespace, claim.uid, claim.name)
         if refs.setdefault(ref.uid, ref) != ref:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"claim uid {ref.uid} is named twice, for two claims")  # fmt: skip
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"claim uid {ref.uid} is named twice, for two claims",
+            )
     return list(refs.values())
 
 
@@ -141,10 +145,13 @@ class _DraServicer:
             for device in devices:
                 if device.whole:
                     entry.devices.append(
-                        self._pb.Device(request_names=[WHOLE_CLAIM], pool_name=device.pool,
-                                        device_name=device.device,
-                                        cdi_device_ids=list(device.whole))
-                    )  # fmt: skip
+                        self._pb.Device(
+                            request_names=[WHOLE_CLAIM],
+                            pool_name=device.pool,
+                            device_name=device.device,
+                            cdi_device_ids=list(device.whole),
+                        )
+                    )
         return answer
 
     def NodeUnprepareResources(self, request: Any, context: grpc.ServicerContext) -> Any:

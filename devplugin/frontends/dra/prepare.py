@@ -246,8 +246,10 @@ class Preparer:
                     log.warning(
                         "claim %s/%s (%s) was being prepared when the daemon stopped; "
                         "rolling it back (its devices are cleaned before reuse)",
-                        claim.namespace, claim.name, claim.uid,
-                    )  # fmt: skip
+                        claim.namespace,
+                        claim.name,
+                        claim.uid,
+                    )
                     self._roll_back(claim, "rolled back")
             known = {claim.uid for claim in self._cleanup.claims()}
             for uid in sorted(self._specs.on_disk() - known):
@@ -275,22 +277,27 @@ class Preparer:
                     found = names.get(result.device) if result.pool == self.pool else None
                     if found is not None and found[0] in self._resources:
                         devices.append(
-                            ClaimDevice(found[0], found[1], result.pool, result.device,
-                                        (result.request,))
-                        )  # fmt: skip
+                            ClaimDevice(
+                                found[0], found[1], result.pool, result.device, (result.request,)
+                            )
+                        )
                 if devices:
                     self._cleanup.adopt_claim(
                         ClaimRecord(
-                            claim_uid(claim), str(meta.get("namespace", "")),
-                            str(meta.get("name", "")), tuple(devices), completed=True,
+                            claim_uid(claim),
+                            str(meta.get("namespace", "")),
+                            str(meta.get("name", "")),
+                            tuple(devices),
+                            completed=True,
                         )
-                    )  # fmt: skip
+                    )
             released = self._cleanup.release_unclaimed(list(self._resources))
         log.info(
             "no trustworthy checkpoint: %d claims hold devices of this node; %d devices "
             "held by none are cleaned before they are offered",
-            len(claims), released,
-        )  # fmt: skip
+            len(claims),
+            released,
+        )
 
     # -- the steps -----------------------------------------------------------------
     def _prepare(self, ref: ClaimRef, until: float) -> tuple[ClaimDevice, ...]:
@@ -337,11 +344,13 @@ class Preparer:
         try:
             claim = self._reader.get(ref.namespace, ref.name)
         except ClaimReadError as exc:
-            raise Refused(f"reading ResourceClaim {ref.namespace}/{ref.name}: {exc}",
-                          invalid_argument=False) from exc  # fmt: skip
+            raise Refused(
+                f"reading ResourceClaim {ref.namespace}/{ref.name}: {exc}", invalid_argument=False
+            ) from exc
         if claim is None:
-            raise Refused(f"ResourceClaim {ref.namespace}/{ref.name} not found",
-                          invalid_argument=False)  # fmt: skip
+            raise Refused(
+                f"ResourceClaim {ref.namespace}/{ref.name} not found", invalid_argument=False
+            )
         uid = claim_uid(claim)
         if uid != ref.uid:
             raise Refused(
@@ -352,21 +361,27 @@ class Preparer:
         try:
             results = results_for(claim, self.driver)
         except ValueError as exc:
-            raise Refused(f"ResourceClaim {ref.namespace}/{ref.name}: {exc}",
-                          invalid_argument=False) from exc  # fmt: skip
+            raise Refused(
+                f"ResourceClaim {ref.namespace}/{ref.name}: {exc}", invalid_argument=False
+            ) from exc
         names = self._names()
         by_device: dict[str, list[str]] = {}
         for result in results:
             if result.pool != self.pool:
-                raise Refused(f"device {result.device} is in pool {result.pool}, "
-                              f"not this node's ({self.pool})", invalid_argument=False)  # fmt: skip
+                raise Refused(
+                    f"device {result.device} is in pool {result.pool}, "
+                    f"not this node's ({self.pool})",
+                    invalid_argument=False,
+                )
             if result.admin:
-                raise Refused(f"device {result.device}: admin access is not offered",
-                              invalid_argument=False)  # fmt: skip
+                raise Refused(
+                    f"device {result.device}: admin access is not offered", invalid_argument=False
+                )
             found = names.get(result.device)
             if found is None or found[0] not in self._resources:
-                raise Refused(f"device {result.device} is not on this node now",
-                              invalid_argument=False)  # fmt: skip
+                raise Refused(
+                    f"device {result.device} is not on this node now", invalid_argument=False
+                )
             requests = by_device.setdefault(result.device, [])
             if result.request not in requests:
                 requests.append(result.request)
@@ -408,9 +423,13 @@ class Preparer:
                 raise Refused("a device left the node during prepare", invalid_argument=False)
             name = self._resources[kind].name
             result = self._runner(
-                spec, "init", name, described,
-                track=self._cleanup.tracker(kind, ids), cancel=self._cleanup.cancel,
-            )  # fmt: skip
+                spec,
+                "init",
+                name,
+                described,
+                track=self._cleanup.tracker(kind, ids),
+                cancel=self._cleanup.cancel,
+            )
             if not result.ok:
                 raise Refused(result.describe("init", spec.timeout), invalid_argument=False)
         states = {}
@@ -461,8 +480,10 @@ class Preparer:
         try:
             self._specs.write(ref.uid, document)
         except OSError as exc:
-            raise Refused(f"CDI spec {self._specs.path(ref.uid)} not written: "
-                          f"{exc.strerror or exc}", invalid_argument=False) from exc  # fmt: skip
+            raise Refused(
+                f"CDI spec {self._specs.path(ref.uid)} not written: {exc.strerror or exc}",
+                invalid_argument=False,
+            ) from exc
         kind_of = self._specs.kind
         answered = []
         for index, device in enumerate(devices):

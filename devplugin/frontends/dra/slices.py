@@ -161,9 +161,11 @@ def hca_device(hca: HcaInfo) -> SliceDevice:
         attributes["linkLayer"] = _string(port.link_layer)
         attributes["portState"] = _string(_port_state(port.state))
     return SliceDevice(
-        DeviceKind.HCA, hca.device_id, device_name(DeviceKind.HCA, hca.pci_address),
+        DeviceKind.HCA,
+        hca.device_id,
+        device_name(DeviceKind.HCA, hca.pci_address),
         {"attributes": attributes},
-    )  # fmt: skip
+    )
 
 
 def node_devices(inventory: Inventory, kinds: Collection[DeviceKind]) -> list[SliceDevice]:

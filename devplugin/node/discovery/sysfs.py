@@ -237,8 +237,12 @@ def _mads_by_ibdev(sysfs_root: Path) -> dict[str, dict[str, list[_MadNode]]]:
         port = ascii_int(port_text) if port_text is not None else None
         if not ibdev or port is None:
             if port_text is not None and port is None:
-                _warn_once(str(class_dir / entry), "%s: port %r is not a number; ignored",
-                           class_dir / entry, port_text[:40])  # fmt: skip
+                _warn_once(
+                    str(class_dir / entry),
+                    "%s: port %r is not a number; ignored",
+                    class_dir / entry,
+                    port_text[:40],
+                )
             continue
         found[ibdev][kind].append(_MadNode(entry, port))
     for kinds in found.values():
@@ -253,8 +257,9 @@ def _read_ports(ib_dir: Path) -> tuple[IbPort, ...]:
     for entry in _class_entries(ports_dir):
         number = ascii_int(entry)
         if number is None:
-            _warn_once(str(ports_dir / entry), "%s is not a port number; ignored",
-                       ports_dir / entry)  # fmt: skip
+            _warn_once(
+                str(ports_dir / entry), "%s is not a port number; ignored", ports_dir / entry
+            )
             continue
         port_dir = ports_dir / entry
         ports.append(

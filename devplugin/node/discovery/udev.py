@@ -45,9 +45,11 @@ class HotplugWatcher(ThreadLoop):
     def __init__(self, monitor: Any, on_event: Callable[[str], None]) -> None:
         # Periodic rescans go on while udev fails: no hurry to ask it again.
         super().__init__(
-            "hotplug", backoff=Backoff(5.0, 5.0), join_timeout=5.0,
+            "hotplug",
+            backoff=Backoff(5.0, 5.0),
+            join_timeout=5.0,
             failing="udev monitor failed; periodic rescans continue",
-        )  # fmt: skip
+        )
         self._monitor = monitor
         self._on_event = on_event
         # A pipe that wakes the select below at once when asked to stop.

@@ -70,9 +70,14 @@ class ClaimDevice:
             if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
                 raise ValueError("claim device requests and cdi_ids must be lists of strings")
         return cls(
-            kinds[kind], str(texts[0]), str(texts[1]), str(texts[2]),
-            requests=tuple(lists[0]), cdi_ids=tuple(lists[1]), whole=tuple(lists[2]),
-        )  # fmt: skip
+            kinds[kind],
+            str(texts[0]),
+            str(texts[1]),
+            str(texts[2]),
+            requests=tuple(lists[0]),
+            cdi_ids=tuple(lists[1]),
+            whole=tuple(lists[2]),
+        )
 
 
 @dataclass(frozen=True)
@@ -119,9 +124,13 @@ class ClaimRecord:
         if not isinstance(boot, str):
             raise ValueError("claim boot_id must be a string")
         return cls(
-            uid, namespace, name, tuple(ClaimDevice.from_json(d) for d in devices),
-            completed=state == "completed", boot=boot,
-        )  # fmt: skip
+            uid,
+            namespace,
+            name,
+            tuple(ClaimDevice.from_json(d) for d in devices),
+            completed=state == "completed",
+            boot=boot,
+        )
 
 
 @dataclass
@@ -250,8 +259,10 @@ class Checkpoint:
                 reason += f"; could not move it aside: {exc.strerror or exc}"
         log.error(
             "checkpoint %s is unusable (%s)%s",
-            self.path, reason, f"; moved to {aside}" if aside is not None else "",
-        )  # fmt: skip
+            self.path,
+            reason,
+            f"; moved to {aside}" if aside is not None else "",
+        )
         return LifecycleState(trusted=False)
 
     def _aside(self) -> Path:

@@ -105,9 +105,13 @@ class Cleaners:
         if devices is None:
             return Attempt(problem=f"{device} is not present; cannot clean it")
         result = self._runner(
-            self._hooks[kind], "cleanup", self._names[kind], devices,
-            track=self._book.tracker(kind, [device]), cancel=self._cancel,
-        )  # fmt: skip
+            self._hooks[kind],
+            "cleanup",
+            self._names[kind],
+            devices,
+            track=self._book.tracker(kind, [device]),
+            cancel=self._cancel,
+        )
         return Attempt(result)
 
 

@@ -161,9 +161,14 @@ class CleanupManager:
         # Set at stop: running hooks are killed, their devices stay owed.
         self._cancel = threading.Event()
         self._cleaners = Cleaners(
-            self, hooks=self._hooks, names=self._names, describe=describe, runner=runner,
-            cancel=self._cancel, count=policy.cleaners,
-        )  # fmt: skip
+            self,
+            hooks=self._hooks,
+            names=self._names,
+            describe=describe,
+            runner=runner,
+            cancel=self._cancel,
+            count=policy.cleaners,
+        )
         # No trustworthy checkpoint: every device seen is adopted as possibly
         # dirty (in use until its holder is confirmed, else cleaned).
         self._untrusted = False
@@ -259,8 +264,10 @@ class CleanupManager:
             log.warning(
                 "%s: a hook for %s from before the restart is still running "
                 "(process group %d); killing it",
-                self._name(key[0]), key[1], pgid,
-            )  # fmt: skip
+                self._name(key[0]),
+                key[1],
+                pgid,
+            )
             if not kill_group(pgid):
                 return False
         with self._cond:
@@ -359,8 +366,9 @@ class CleanupManager:
                         log.info(
                             "%s: %s allocated again before its release was seen; "
                             "cleaned before it is given",
-                            self._name(kind), key[1],
-                        )  # fmt: skip
+                            self._name(kind),
+                            key[1],
+                        )
                     released.append(key)
             if released:
                 self._save_locked(set(released))
@@ -547,8 +555,12 @@ class CleanupManager:
             keys = _keys(claim)
             for key in keys:
                 if self._end_hold_locked(key, uid, dirty=dirty):
-                    log.info("%s: %s released by claim %s; cleanup scheduled",
-                             self._name(key[0]), key[1], uid)  # fmt: skip
+                    log.info(
+                        "%s: %s released by claim %s; cleanup scheduled",
+                        self._name(key[0]),
+                        key[1],
+                        uid,
+                    )
             self._save_locked(set(keys))
             self._cond.notify_all()
         self._on_change()
@@ -578,8 +590,12 @@ class CleanupManager:
             for key in keys:
                 record = self._get(key)
                 if record.phase is Phase.CLEANING:
-                    log.warning("%s: %s is being cleaned but claim %s holds it",
-                                self._name(key[0]), key[1], claim.uid)  # fmt: skip
+                    log.warning(
+                        "%s: %s is being cleaned but claim %s holds it",
+                        self._name(key[0]),
+                        key[1],
+                        claim.uid,
+                    )
                     continue
                 holders = record.claims if record.phase is Phase.HELD else ()
                 self._set(key, custody.held_by(record, (*holders, claim.uid), now))
@@ -593,10 +609,13 @@ class CleanupManager:
         Returns how many were."""
         with self._cond:
             released = sorted(
-                (key for key, record in self._records.items()
-                 if key[0] in kinds and record.phase is Phase.UNVERIFIED),
+                (
+                    key
+                    for key, record in self._records.items()
+                    if key[0] in kinds and record.phase is Phase.UNVERIFIED
+                ),
                 key=order,
-            )  # fmt: skip
+            )
             for key in released:
                 self._release_locked(key)
             if released:
@@ -780,8 +799,11 @@ class CleanupManager:
         else:
             log.warning(
                 "%s: %s stays out of service: %s (attempt %d)",
-                name, device, record.last_error, record.attempts,
-            )  # fmt: skip
+                name,
+                device,
+                record.last_error,
+                record.attempts,
+            )
         self._on_change()
 
     # -- the checkpoint ------------------------------------------------------------------

@@ -122,9 +122,20 @@ def released(record: Custody, number: int, now: float, *, owes: bool) -> Custody
     return replace(
         record,
         phase=Phase.OWED if owes else Phase.FREE,
-        claims=(), owner=None, release=number, answers=0, attempts=0, ended=0, next_at=0.0,
-        wanted=False, last_error="", since=now, missing=0, unnamed=False, held_back=False,
-    )  # fmt: skip
+        claims=(),
+        owner=None,
+        release=number,
+        answers=0,
+        attempts=0,
+        ended=0,
+        next_at=0.0,
+        wanted=False,
+        last_error="",
+        since=now,
+        missing=0,
+        unnamed=False,
+        held_back=False,
+    )
 
 
 def taking(record: Custody, now: float) -> Custody:
@@ -134,9 +145,15 @@ def taking(record: Custody, now: float) -> Custody:
 def given(record: Custody, owner: Owner | None, *, unnamed: bool, now: float) -> Custody:
     """Device plugin: an Allocate gave it to a container of `owner`'s pod."""
     return replace(
-        record, phase=Phase.HELD, claims=(), owner=owner, unnamed=unnamed, missing=0,
-        held_back=False, since=now if record.phase is not Phase.HELD else record.since,
-    )  # fmt: skip
+        record,
+        phase=Phase.HELD,
+        claims=(),
+        owner=owner,
+        unnamed=unnamed,
+        missing=0,
+        held_back=False,
+        since=now if record.phase is not Phase.HELD else record.since,
+    )
 
 
 def held_by(record: Custody, claims: tuple[str, ...], now: float) -> Custody:
@@ -158,16 +175,32 @@ def cleaned(record: Custody, now: float) -> Custody:
     if record.phase is not Phase.CLEANING or record.answers != record.release:
         return _waiting(record, now, record.last_error)
     return replace(
-        record, phase=Phase.FREE, answers=0, attempts=0, ended=0, next_at=0.0, last_error="",
-        since=now, owner=None, missing=0, unnamed=False, held_back=False, unsaved=False,
-    )  # fmt: skip
+        record,
+        phase=Phase.FREE,
+        answers=0,
+        attempts=0,
+        ended=0,
+        next_at=0.0,
+        last_error="",
+        since=now,
+        owner=None,
+        missing=0,
+        unnamed=False,
+        held_back=False,
+        unsaved=False,
+    )
 
 
 def failed(record: Custody, now: float, error: str, delay: float) -> Custody:
     return replace(
-        record, phase=Phase.QUARANTINED, attempts=record.attempts + 1, ended=record.ended + 1,
-        next_at=now + delay, last_error=error, since=now,
-    )  # fmt: skip
+        record,
+        phase=Phase.QUARANTINED,
+        attempts=record.attempts + 1,
+        ended=record.ended + 1,
+        next_at=now + delay,
+        last_error=error,
+        since=now,
+    )
 
 
 def put_back(record: Custody, now: float, error: str, delay: float) -> Custody:

@@ -19,9 +19,14 @@ def describe(inventory: Inventory, kind: DeviceKind, ids: Sequence[str]) -> list
             if gpu is None:
                 return None
             found.append(
-                HookDevice(device_id, str(gpu.pci_address), (f"/dev/nvidia{gpu.minor_number}",),
-                           gpu.numa_node, gpu_uuid=gpu.uuid)
-            )  # fmt: skip
+                HookDevice(
+                    device_id,
+                    str(gpu.pci_address),
+                    (f"/dev/nvidia{gpu.minor_number}",),
+                    gpu.numa_node,
+                    gpu_uuid=gpu.uuid,
+                )
+            )
         return found
     hcas = {hca.device_id: hca for hca in inventory.hcas}
     for device_id in ids:

@@ -93,9 +93,10 @@ class ReleaseRule:
             candidates = sorted(
                 (kind, device)
                 for (k, device), record in {**records, **out.changed}.items()
-                if k is kind and record.phase in (Phase.HELD, Phase.UNVERIFIED)
+                if k is kind
+                and record.phase in (Phase.HELD, Phase.UNVERIFIED)
                 and device not in effective
-            )  # fmt: skip
+            )
             for key in sorted(candidates, key=order):
                 record = current(key)
                 if count:
@@ -127,10 +128,12 @@ class ReleaseRule:
                 log.info(
                     "%s: %s not listed by PodResources; its pod was not known when it was "
                     "allocated and %s; not released",
-                    name, key[1],
+                    name,
+                    key[1],
                     "a running pod's init container asks for this resource"
-                    if claimed else "the pod watch is down",
-                )  # fmt: skip
+                    if claimed
+                    else "the pod watch is down",
+                )
             return False, replace(record, held_back=True)
         ended = self.witness.ended(owner)
         if ended:
@@ -138,7 +141,10 @@ class ReleaseRule:
         if not record.held_back:
             log.info(
                 "%s: %s not listed by PodResources, but pod %s/%s %s; not released",
-                name, key[1], owner[0], owner[1],
+                name,
+                key[1],
+                owner[0],
+                owner[1],
                 "is still running" if ended is False else "cannot be checked (pod watch down)",
-            )  # fmt: skip
+            )
         return False, replace(record, held_back=True)

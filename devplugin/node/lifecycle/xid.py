@@ -54,9 +54,11 @@ class XidWatcher(ThreadLoop):
     ) -> None:
         # The periodic checks watch the GPUs while an event wait fails.
         super().__init__(
-            "xid", backoff=Backoff(1.0, 1.0), join_timeout=5.0,
+            "xid",
+            backoff=Backoff(1.0, 1.0),
+            join_timeout=5.0,
             failing="NVML event wait failed; health checks continue",
-        )  # fmt: skip
+        )
         self._lib = lib
         self._ignore = frozenset(ignore)
         self._health = health
