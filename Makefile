@@ -18,18 +18,25 @@ $(STAMP): pyproject.toml setup.py devplugin/policy/_foldc.c
 
 install: $(STAMP)
 
+# The chart tests' Helm (helm-sdkpy in a Python 3.12 environment of its own),
+# made before the tests run; where it cannot be, it says why and those skip.
+HELM_STAMP := .venv-helm/.made
+$(HELM_STAMP): scripts/helm-env.sh
+	sh scripts/helm-env.sh .venv-helm
+	touch $(HELM_STAMP)
+
 # The suite but the slow simulations, on four workers (its tests mostly wait
 # on daemons, so four fit two cores). The real-runtime tier (podman, runc)
 # is in it and skips, saying why, where those are missing.
-test: $(STAMP)
+test: $(STAMP) $(HELM_STAMP)
 	$(BIN)/python -m pytest -q -n 4 -m "not slow"
 
 # The slow simulations (storms, kill loops, churn), CPU-bound: two workers.
-test-slow: $(STAMP)
+test-slow: $(STAMP) $(HELM_STAMP)
 	$(BIN)/python -m pytest -q -n 2 -m slow
 
 # Everything but the real-runtime tier and the slow simulations: the edit-run loop.
-test-quick: $(STAMP)
+test-quick: $(STAMP) $(HELM_STAMP)
 	$(BIN)/python -m pytest -q -n 4 -m "not slow and not real_runtime"
 
 demo: $(STAMP)
@@ -62,4 +69,4 @@ image:
 
 # Every environment and cache the targets and the tests create.
 clean:
-	rm -rf $(VENV) .venv-helm .venv-helm.lock .pytest_cache .mypy_cache .ruff_cache .import_linter_cache .cache
+	rm -rf $(VENV) .venv-helm .pytest_cache .mypy_cache .ruff_cache .import_linter_cache .cache

@@ -1,8 +1,8 @@
 """The Helm chart: rendered by the real Helm engine, and checked without it.
 
 With Helm: helm-sdkpy (Helm's Go library) runs in its own Python 3.12
-environment (`.venv-helm`, made here on first use) and installs the chart
-against a fake API server that records every object, for the default values
+environment (`.venv-helm`, made by `make test` with scripts/helm-env.sh)
+and installs the chart against a fake API server that records every object, for the default values
 and for each switch (sharing, hooks, metrics, privileges, placement); bad
 values must make the install fail on the chart's schema. Where helm-sdkpy
 cannot be installed those tests are skipped, saying why.
@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import copy
 import fcntl
-import glob
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -236,44 +234,15 @@ def test_the_rendered_daemon_config_loads(case: str) -> None:
 # -- with Helm ---------------------------------------------------------------------
 
 
-def python312() -> str | None:
-    """A working Python 3.12 (pyenv's own copy first: its shim may refuse)."""
-    candidates = sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.12*/bin/python3.12")))
-    found = shutil.which("python3.12")
-    if found:
-        candidates.append(found)
-    for candidate in candidates:
-        probe = [candidate, "-c", "import sys; assert sys.version_info[:2] == (3, 12)"]
-        if subprocess.run(probe, capture_output=True, check=False).returncode == 0:
-            return candidate
-    return None
-
-
 @pytest.fixture(scope="session")
 def helm_python() -> str:
-    # Test workers start at once: one builds the environment, the others
-    # wait for it (two building it together break each other's pip).
-    with (ROOT / ".venv-helm.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        return _helm_environment()
-
-
-def _helm_environment() -> str:
+    """The Helm environment `make test` made (scripts/helm-env.sh); the
+    tests install nothing themselves."""
     python = HELM_ENV / "bin" / "python"
-    probe = [str(python), "-c", "import helm_sdkpy"]
-    if python.exists() and subprocess.run(probe, capture_output=True, check=False).returncode == 0:
-        return str(python)
-    interpreter = python312()
-    if interpreter is None:
-        pytest.skip("helm-sdkpy needs Python 3.12, and no python3.12 was found")
-    steps = [
-        [interpreter, "-m", "venv", "--clear", str(HELM_ENV)],
-        [str(python), "-m", "pip", "install", "-q", "helm-sdkpy>=0.1.30"],
-    ]
-    for step in steps:
-        result = subprocess.run(step, capture_output=True, text=True, timeout=600, check=False)
-        if result.returncode != 0:
-            pytest.skip(f"cannot install helm-sdkpy: {result.stderr.strip()[-300:]}")
+    if not (HELM_ENV / ".installed").exists():
+        why = HELM_ENV / "UNAVAILABLE"
+        reason = why.read_text().strip() if why.exists() else "not made (run make test)"
+        pytest.skip(f"Helm tests: .venv-helm {reason}")
     return str(python)
 
 
