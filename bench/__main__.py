@@ -125,7 +125,7 @@ NVLINK_LAYOUTS = (
 )  # fmt: skip
 NVLINK_P99_MS = 20.0
 # Up to 96 devices there: each subset costs more to score (the exactness on
-# these layouts is shown by tests/test_nvlink_search.py).
+# these layouts is shown by tests/unit/test_nvlink_search.py).
 NVLINK_EXHAUSTIVE_LIMIT = 5_000
 EXHAUSTIVE_LIMIT = 50_000  # subsets per quality check
 

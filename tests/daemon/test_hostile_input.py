@@ -26,7 +26,7 @@ from tests.support import probe
 from tests.waiting import wait_until
 
 Start = Callable[..., Cluster]
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def refused(cluster: Cluster, ids: list[str]) -> grpc.RpcError:

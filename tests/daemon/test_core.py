@@ -30,7 +30,7 @@ from devplugin.testing.fake_nvml import NVML_ERROR_DRIVER_NOT_LOADED, NVML_ERROR
 from devplugin.testing.kubelet import ContainerRequest
 from devplugin.testing.node import build_node, hgx_node
 from tests.conftest import GPU, HCA, Cluster
-from tests.support import probe
+from tests.support import HELPER, probe
 from tests.waiting import wait_until
 
 Start = Callable[..., Cluster]
@@ -268,7 +268,7 @@ def test_allocate_validates_the_whole_request_before_any_side_effect(
     start_cluster: Start, tmp_path: Path
 ) -> None:
     log = tmp_path / "init.log"
-    helper = str(Path(__file__).with_name("hook_helper.py"))
+    helper = HELPER
     cluster = start_cluster(
         hgx_node(), **{"resources.gpu.hooks.init": [sys.executable, helper, str(log), "ok"]}
     )
@@ -300,7 +300,7 @@ def test_a_cleanup_owed_at_start_runs_at_once_not_after_a_retry_delay(
     state.pending[DeviceKind.GPU].add(owed)
     Checkpoint(checkpoint).save(state)
     log = tmp_path / "cleanup.log"
-    helper = str(Path(__file__).with_name("hook_helper.py"))
+    helper = HELPER
     cluster = start_cluster(
         hgx_node(),
         **{

@@ -18,7 +18,7 @@ from devplugin.api import dra_v1beta1_pb2 as dra1beta1
 from devplugin.api import pluginregistration_v1_pb2 as reg
 from devplugin.api import podresources_v1_pb2 as pr
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 STEMS = [
     "deviceplugin_v1beta1",
     "podresources_v1",

@@ -31,10 +31,10 @@ import yaml
 
 from devplugin.config import json_schema, parse_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "devplugin"
 HELM_ENV = ROOT / ".venv-helm"
-RENDER = Path(__file__).resolve().parent / "helm" / "render.py"
+RENDER = Path(__file__).resolve().parents[1] / "helm" / "render.py"
 sys.path.insert(0, str(ROOT / "scripts"))
 from chart_schema import values_schema  # noqa: E402
 

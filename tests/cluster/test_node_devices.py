@@ -19,7 +19,7 @@ from tests.conftest import GPU, HCA, Cluster
 from tests.waiting import wait_until
 
 Start = Callable[..., Cluster]
-CRD = Path(__file__).parent.parent / "charts" / "devplugin" / "crds" / "nodedevices.yaml"
+CRD = Path(__file__).resolve().parents[2] / "charts/devplugin/crds/nodedevices.yaml"
 FAST = {"kubernetes.record_min_interval_seconds": 0.2, "kubernetes.record_resync_seconds": 0.5}
 
 

@@ -18,7 +18,7 @@ from devplugin.testing.node import hgx_node
 from tests.conftest import GPU, HCA, Cluster
 from tests.waiting import wait_until
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 FENCE = re.compile(r"^( *)```(\w*)\n(.*?)^\1```", re.MULTILINE | re.DOTALL)
 
 

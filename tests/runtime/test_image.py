@@ -16,7 +16,7 @@ from tests.real_runtime import LIMITS, Podman, podman, skip_or_fail
 
 __all__ = ["podman"]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
 
 

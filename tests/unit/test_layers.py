@@ -15,7 +15,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "devplugin"
 
 
@@ -86,12 +86,12 @@ def test_only_the_nvml_module_imports_pynvml() -> None:
 def test_no_test_module_imports_another() -> None:
     # Shared helpers live in conftest, the *_support modules, support.py or
     # devplugin.testing: a test module is never another's library.
-    tests = Path(__file__).resolve().parent
+    tests = ROOT / "tests"
     found = [
-        f"{path.name}: {line.strip()}"
-        for path in sorted(tests.glob("*.py"))
+        f"{path.relative_to(tests)}: {line.strip()}"
+        for path in sorted(tests.rglob("*.py"))
         for line in path.read_text().splitlines()
-        if re.match(r"\s*(from tests\.test_\w+ import|import tests\.test_)", line)
+        if re.match(r"\s*(from tests\.(\w+\.)?test_\w+ import|import tests\.(\w+\.)?test_)", line)
     ]
     assert found == []
 
@@ -106,7 +106,7 @@ LONG_ON_PURPOSE = {
     ("devplugin/policy/allocator.py", "_fold_python"),
     ("devplugin/policy/allocator.py", "_fold_linked"),
     # One storm scenario: its killer and actors share its state.
-    ("tests/test_custody.py", "test_sigkill_at_random_moments_under_a_storm_keeps_custody"),
+    ("tests/cluster/test_custody.py", "test_sigkill_at_random_moments_under_a_storm_keeps_custody"),
 }
 
 
