@@ -238,7 +238,7 @@ def quality(
 ) -> str:
     """'optimal' when the answer's objective equals an exhaustive search's
     (of at most `limit` subsets; '-' when that would take more)."""
-    coordinator = daemon.coordinator
+    coordinator = daemon.core.coordinator
     topology = coordinator.topology
     other = coordinator.free(kind.other)
     size = len(answer)
@@ -256,7 +256,7 @@ def quality(
     expected = request.expected_partners
     if kind is DeviceKind.GPU and 0 < expected < size:
         # Two steps: the planned HCAs, then the GPUs against them.
-        plan = daemon.coordinator.preferred(DeviceKind.GPU, available, (), size)[0].plan
+        plan = daemon.core.coordinator.preferred(DeviceKind.GPU, available, (), size)[0].plan
         first = plan_request(request, candidates, expected)
         if math.comb(len(first.available), first.size) > limit:
             return "-"
@@ -266,7 +266,7 @@ def quality(
     elif kind is DeviceKind.HCA and 0 < expected <= len(other):
         # Two steps: the GPUs a first GPU request would plan, then the HCAs
         # against them.
-        plan = daemon.coordinator.preferred(DeviceKind.HCA, available, (), size)[0].plan
+        plan = daemon.core.coordinator.preferred(DeviceKind.HCA, available, (), size)[0].plan
         gpus = Request(
             DeviceKind.GPU, other, expected, frozenset(), Role.FIRST, candidates, candidates, size
         )
@@ -381,7 +381,7 @@ def preferred_rows(
     checked (exhaustive search of at most `limit` subsets)."""
     rows: list[Row] = []
     for kind, socket in plugin_sockets(directory).items():
-        ids = daemon.coordinator.topology.ids(kind)
+        ids = daemon.core.coordinator.topology.ids(kind)
         sizes = range(1, len(ids) + 1)
         requests = {size: [request_for(s, size) for s in states(ids, size, rng)] for size in sizes}
         with grpc.insecure_channel(f"unix://{socket}") as ours_channel:
@@ -441,7 +441,7 @@ def bench_node(name: str, iterations: int, warmup: int, base: Path) -> NodeResul
                 warmup=warmup,
             )
             for kind, socket in sockets.items():
-                ids = daemon.coordinator.topology.ids(kind)
+                ids = daemon.core.coordinator.topology.ids(kind)
                 with grpc.insecure_channel(f"unix://{socket}") as ours_channel:
                     ours = pb_grpc.DevicePluginStub(ours_channel)
                     for size in allocate_sizes(len(ids)):
@@ -516,7 +516,7 @@ def bench_pod_cache(name: str, iterations: int, warmup: int, base: Path) -> list
             raise RuntimeError("the pod cache did not sync")
         if len(daemon.pods.pods()) != 250:
             raise RuntimeError(f"the pod cache holds {len(daemon.pods.pods())} pods, not 250")
-        ids = daemon.coordinator.topology.ids(DeviceKind.GPU)
+        ids = daemon.core.coordinator.topology.ids(DeviceKind.GPU)
         socket = plugin_sockets(f"{base}/{name}-pods-dp")[DeviceKind.GPU]
         with (
             grpc.insecure_channel(f"unix://{base}/{name}-pods-floor.sock") as floor_channel,
@@ -540,7 +540,7 @@ def bench_pod_cache(name: str, iterations: int, warmup: int, base: Path) -> list
                         "-",
                     )
                 )
-        exact = daemon.metrics.pod_aware.labels("nvidia.com/gpu", "exact")._value.get()
+        exact = daemon.core.metrics.pod_aware.labels("nvidia.com/gpu", "exact")._value.get()
         calls = len(rows) * (iterations + warmup)
         if exact < calls:
             raise RuntimeError(f"only {exact:.0f} of {calls} preferences identified the pod")
@@ -574,8 +574,8 @@ def bench_nvlink(name: str, iterations: int, warmup: int, base: Path) -> tuple[l
                 limit=NVLINK_EXHAUSTIVE_LIMIT,
                 interleave=True,
             )
-        hits = int(daemon.metrics.budget_hits._value.get())
-        method = Allocator(daemon.coordinator.topology).method
+        hits = int(daemon.core.metrics.budget_hits._value.get())
+        method = Allocator(daemon.core.coordinator.topology).method
     finally:
         floor.stop(0)
         daemon.stop()
@@ -627,9 +627,9 @@ def _pod(name: str, limits: list[dict[str, int]], index: int, phase: str) -> dic
 
 def allocate_drift(daemon: Daemon, socket: str, count: int) -> str:
     """Allocates with PodResources unreachable: ledger size and latency, start vs end."""
-    gpus = daemon.coordinator.topology.ids(DeviceKind.GPU)
-    physical = len(gpus) + len(daemon.coordinator.topology.ids(DeviceKind.HCA))
-    daemon.monitor.stop()  # as if PodResources were unreachable from now on
+    gpus = daemon.core.coordinator.topology.ids(DeviceKind.GPU)
+    physical = len(gpus) + len(daemon.core.coordinator.topology.ids(DeviceKind.HCA))
+    daemon.core.monitor.stop()  # as if PodResources were unreachable from now on
     with grpc.insecure_channel(f"unix://{socket}") as channel:
         stub = pb_grpc.DevicePluginStub(channel)
         samples: list[float] = []
@@ -640,8 +640,7 @@ def allocate_drift(daemon: Daemon, socket: str, count: int) -> str:
             samples.append((time.perf_counter() - started) * 1000.0)
     window = max(1, count // 10)
     first, last = statistics.median(samples[:window]), statistics.median(samples[-window:])
-    ledger = getattr(daemon, "ledger", None)
-    size = f"ledger {len(ledger)} entries (bound {physical})" if ledger is not None else "-"
+    size = f"ledger {len(daemon.core.ledger)} entries (bound {physical})"
     return (
         f"{count} Allocates, PodResources down: p50 first {window} {first:.3f} ms, "
         f"last {window} {last:.3f} ms ({last / first:.2f}x); {size}"

@@ -173,7 +173,7 @@ def run_stream(
         if gpus and hcas:
             for name in fits:
                 node = nodes[name]
-                topology = node.daemon.coordinator.topology
+                topology = node.daemon.core.coordinator.topology
                 best_now[name] = best_worst_level(
                     topology, free_now(node.kubelet, GPU), free_now(node.kubelet, HCA), gpus, hcas
                 )
@@ -196,7 +196,7 @@ def run_stream(
         live.append((target, pod))
         if gpus and hcas:
             achieved = alignment(
-                node.daemon.coordinator.topology, got.devices[GPU], got.devices[HCA]
+                node.daemon.core.coordinator.topology, got.devices[GPU], got.devices[HCA]
             )
             assert achieved is not None
             tally.containers += 1
@@ -217,7 +217,7 @@ def _ideal(nodes: dict[str, SimCluster]) -> dict[tuple[int, int], Level]:
     for gpus, hcas in SHAPES:
         levels = []
         for node in nodes.values():
-            topology = node.daemon.coordinator.topology
+            topology = node.daemon.core.coordinator.topology
             every_g, every_h = set(node.kubelet.devices(GPU)), set(node.kubelet.devices(HCA))
             if gpus and hcas and len(every_g) >= gpus and len(every_h) >= hcas:
                 levels.append(best_worst_level(topology, every_g, every_h, gpus, hcas))

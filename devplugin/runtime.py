@@ -30,16 +30,9 @@ from devplugin.frontends.deviceplugin.server import DevicePluginServicer, Plugin
 from devplugin.frontends.dra.driver import DraFrontend
 from devplugin.loops import Loop
 from devplugin.model import Inventory
-from devplugin.node.alignment import AlignmentMonitor, holders_report
-from devplugin.node.checks import CheckLoop
-from devplugin.node.coordination import Coordinator
+from devplugin.node.alignment import holders_report
 from devplugin.node.core import NodeCore, build_core
 from devplugin.node.discovery.udev import HotplugWatcher
-from devplugin.node.ledger import Ledger
-from devplugin.node.lifecycle.cleanup import CleanupManager
-from devplugin.node.lifecycle.xid import XidWatcher
-from devplugin.node.metrics import Metrics
-from devplugin.node.pipeline import Pipeline
 from devplugin.node.status import StatusServer
 from devplugin.policy.allocator import native_fold_available
 
@@ -119,38 +112,6 @@ class Daemon:
     def checks(self) -> int:
         """Completed scans."""
         return self.core.checks.checks
-
-    @property
-    def check_loop(self) -> CheckLoop:
-        return self.core.checks
-
-    @property
-    def coordinator(self) -> Coordinator:
-        return self.core.coordinator
-
-    @property
-    def ledger(self) -> Ledger:
-        return self.core.ledger
-
-    @property
-    def cleanup(self) -> CleanupManager:
-        return self.core.cleanup
-
-    @property
-    def monitor(self) -> AlignmentMonitor:
-        return self.core.monitor
-
-    @property
-    def metrics(self) -> Metrics:
-        return self.core.metrics
-
-    @property
-    def pipeline(self) -> Pipeline:
-        return self.core.pipeline
-
-    @property
-    def xid(self) -> XidWatcher | None:
-        return self.core.xid
 
     @property
     def pods(self) -> PodCache | None:

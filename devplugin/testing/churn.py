@@ -61,11 +61,11 @@ def _free(kubelet: KubeletSimulator, resource: str) -> set[str]:
 
 def _settle(cluster: SimCluster) -> None:
     """Wait until the daemon's PodResources view has caught up with releases."""
-    coordinator = cluster.daemon.coordinator
+    coordinator = cluster.daemon.core.coordinator
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         # Allocations younger than the bookkeeping grace need a later poll.
-        cluster.daemon.monitor.poke()
+        cluster.daemon.core.monitor.poke()
         if coordinator.free(DeviceKind.GPU) == _free(cluster.kubelet, GPU) and coordinator.free(
             DeviceKind.HCA
         ) == _free(cluster.kubelet, HCA):
@@ -84,7 +84,7 @@ def run_churn(spec: NodeSpec, seed: int, *, preferred: bool, events: int = 60) -
     outcome = ChurnOutcome()
     with SimCluster(spec, settings=settings, seed=seed) as cluster:
         kubelet = cluster.kubelet
-        topology = cluster.daemon.coordinator.topology
+        topology = cluster.daemon.core.coordinator.topology
         every_gpu, every_hca = set(topology.ids(DeviceKind.GPU)), set(topology.ids(DeviceKind.HCA))
         live: list[str] = []
         for event in range(events):

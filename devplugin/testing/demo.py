@@ -153,7 +153,7 @@ def run_demo(out: Callable[[str], None] = print, workdir: Path | None = None) ->
                 except AdmissionError as exc:
                     out(f"pod {name} not admitted: {exc}")
                     return 1
-                _print_pod(admitted[-1], daemon.coordinator.topology, out)
+                _print_pod(admitted[-1], daemon.core.coordinator.topology, out)
             out("")
             _print_resolved(admitted[-1], CdiRuntime(cdi_dirs), out)
             out("")
@@ -332,7 +332,7 @@ def _dra_demo(base: Path, api: ApiServerImitation, out: Callable[[str], None]) -
         if answer["error"]:
             out(f"demo failed: prepare: {answer['error']}")
             return 1
-        topology = daemon.coordinator.topology
+        topology = daemon.core.coordinator.topology
         devices = [d for d in answer["devices"] if d["requests"] != [WHOLE_CLAIM]]
         by_request = {d["requests"][0]: d for d in devices}
         out("NodePrepareResources answered:")

@@ -24,7 +24,7 @@ _names = itertools.count()
 
 
 def outcomes(cluster: Cluster) -> dict[str, float]:
-    counter = cluster.daemon.metrics.pod_aware
+    counter = cluster.daemon.core.metrics.pod_aware
     return {
         outcome: sum(counter.labels(r, outcome)._value.get() for r in (GPU, HCA))
         for outcome in ("exact", "fallback-no-pod", "fallback-ambiguous", "fallback-not-current")
@@ -33,7 +33,7 @@ def outcomes(cluster: Cluster) -> dict[str, float]:
 
 def slowest_preferred(cluster: Cluster) -> float:
     """The upper bound of the histogram bucket of the slowest GetPreferredAllocation."""
-    histogram = cluster.daemon.metrics.preferred_seconds
+    histogram = cluster.daemon.core.metrics.preferred_seconds
     worst = 0.0
     for metric in histogram.collect():
         counts: dict[float, float] = {}

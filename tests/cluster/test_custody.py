@@ -428,7 +428,7 @@ def test_an_allocate_with_an_init_hook_beside_a_running_cleanup_of_the_other_kin
     gpu_pod = kubelet.admit("g", [ContainerRequest("c", {GPU_NAME: 1})])
     (gpu,) = gpu_pod.container("c").devices[GPU_NAME]
     assert [r["env"]["DEVPLUGIN_DEVICE_IDS"] for r in runs(init)] == [gpu]
-    assert cluster.daemon.cleanup.checkpoint_error() is None
+    assert cluster.daemon.core.cleanup.checkpoint_error() is None
     (gates / hca).touch()
     assert kubelet.wait_for(lambda: kubelet.devices(HCA_NAME)[hca].health == "Healthy", 15)
     saved = json.loads(Path(cluster.daemon.config.lifecycle.checkpoint_file).read_text())
@@ -455,7 +455,7 @@ def test_a_prepare_with_an_init_hook_beside_a_running_cleanup_of_the_other_kind(
         cluster.attribute(gpu, "uuid")
     ]
     assert cluster.unprepare(g) == {g.uid: ""}
-    assert cluster.daemon.cleanup.checkpoint_error() is None
+    assert cluster.daemon.core.cleanup.checkpoint_error() is None
     gated.open(cluster.attribute(hca, "resource.kubernetes.io/pciBusID"))
     assert wait_until(lambda: published(cluster, 16), timeout=15)
     saved = json.loads(cluster.checkpoint.read_text())
@@ -643,7 +643,7 @@ def test_a_storm_of_claims_and_pods_on_one_node_keeps_custody(
         assert report.violations == []
         assert log.failures == []
         assert log.worst < STORM_DEADLINE
-        assert cluster.daemon.cleanup.checkpoint_error() is None
+        assert cluster.daemon.core.cleanup.checkpoint_error() is None
         errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
         assert [r.getMessage() for r in errors if r.name.startswith("devplugin")] == []
         # It was a storm: devices changed hands, through cleanups.

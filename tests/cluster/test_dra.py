@@ -144,7 +144,7 @@ def test_prepare_runs_init_once_writes_the_claims_cdi_spec_and_answers_again(
     again = cluster.prepare(claim)
     assert again == answer
     assert len(runs(log)) == 2
-    sample = cluster.daemon.metrics.registry.get_sample_value
+    sample = cluster.daemon.core.metrics.registry.get_sample_value
     assert sample("devplugin_dra_claims_total", {"call": "prepare", "result": "ok"}) == 1
     assert sample("devplugin_dra_claims_total", {"call": "prepare", "result": "again"}) == 1
     assert sample("devplugin_dra_prepare_seconds_count", {}) == 1

@@ -115,7 +115,7 @@ def test_pods_land_where_the_best_aligned_set_is(
         for node, cluster in clusters.items():
             g, h = free(cluster, GPU), free(cluster, HCA)
             if len(g) >= gpus and len(h) >= hcas:
-                topology = cluster.daemon.coordinator.topology
+                topology = cluster.daemon.core.coordinator.topology
                 best[node] = best_worst_level(topology, g, h, gpus, hcas)
         target = schedule(extender_url, clusters, name, gpus, hcas)
         if not best:
@@ -128,7 +128,7 @@ def test_pods_land_where_the_best_aligned_set_is(
         cluster = clusters[target]
         container = cluster.kubelet.admit(name, [ContainerRequest("main", {GPU: gpus, HCA: hcas})])
         got = container.container("main").devices
-        achieved = alignment(cluster.daemon.coordinator.topology, got[GPU], got[HCA])
+        achieved = alignment(cluster.daemon.core.coordinator.topology, got[GPU], got[HCA])
         assert achieved is not None
         assert achieved[0] == best[target], (name, target, achieved, best)
         placed += 1

@@ -34,7 +34,7 @@ def stream(layout: str, api: ApiServerImitation | None) -> StreamTally:
     for seed in SEEDS:
         settings = WAIT if api is not None else {}
         with SimCluster(LAYOUTS[layout](), api=api, seed=seed, settings=settings) as cluster:
-            topology = cluster.daemon.coordinator.topology
+            topology = cluster.daemon.core.coordinator.topology
             tally.add(timed_stream(cluster.kubelet, topology, seed, arrivals=ARRIVALS))
     return tally
 
@@ -63,11 +63,11 @@ def test_a_namesake_admitted_right_after_its_predecessor_is_known_exactly(
     # A StatefulSet's pod comes back under its old name with a new uid, well
     # within the seconds a claim on the old one lasts.
     cluster = start_cluster(hgx_node(), api=api, **WAIT)
-    counter = cluster.daemon.metrics.pod_aware
+    counter = cluster.daemon.core.metrics.pod_aware
     for _ in range(3):
         pod = cluster.kubelet.admit("db-0", [ContainerRequest("main", {GPU: 2, HCA: 1})])
         uid = cluster.daemon.pods.uid_of("default", "db-0") if cluster.daemon.pods else None
-        holders = {h.container: h.uid for h in cluster.daemon.ledger.holders()}
+        holders = {h.container: h.uid for h in cluster.daemon.core.ledger.holders()}
         assert holders == {("default", "db-0", "main"): uid}
         assert len(pod.container("main").devices[GPU]) == 2
         cluster.kubelet.remove("db-0")

@@ -153,7 +153,7 @@ def test_a_conflicting_write_is_read_again_and_retried(
     api.put("nodedevices", found)
     cluster.kubelet.admit("p", [ContainerRequest("main", {GPU: 1})])
     assert wait_until(lambda: status(api)["summary"]["gpusFree"] == 7, timeout=5)
-    metrics = cluster.daemon.metrics.record_writes
+    metrics = cluster.daemon.core.metrics.record_writes
     assert metrics.labels("conflict")._value.get() >= 1
     labels = (record(api) or {})["metadata"].get("labels", {})
     assert labels.get("touched") == "yes"
@@ -169,7 +169,8 @@ def test_a_failing_api_server_delays_the_record_but_never_allocation(
     pod = cluster.kubelet.admit("p", [ContainerRequest("main", {GPU: 2, HCA: 1})])
     assert len(pod.container("main").devices[GPU]) == 2
     assert wait_until(
-        lambda: cluster.daemon.metrics.record_writes.labels("error")._value.get() >= 1, timeout=5
+        lambda: cluster.daemon.core.metrics.record_writes.labels("error")._value.get() >= 1,
+        timeout=5,
     )
     api.clear_failures()
     assert wait_until(lambda: status(api)["summary"]["gpusFree"] == 6, timeout=10)
@@ -184,7 +185,7 @@ def test_record_writes_are_rate_limited_and_the_last_state_lands(
     writes, started = publisher.writes, time.monotonic()
     for index in range(8):
         cluster.kubelet.admit(f"p{index}", [ContainerRequest("main", {GPU: 1})])
-        cluster.daemon.monitor.poke()
+        cluster.daemon.core.monitor.poke()
     assert wait_until(lambda: status(api)["summary"]["gpusFree"] == 0, timeout=10)
     elapsed = time.monotonic() - started
     # Eight changes, at most one write per second (plus the one in flight).
@@ -204,7 +205,7 @@ def test_a_release_reaches_the_record_within_a_second_of_the_pod_event_not_a_pol
             "pod_resources.min_interval_seconds": 60,
         },
     )
-    monitor = cluster.daemon.monitor
+    monitor = cluster.daemon.core.monitor
     assert wait_until(lambda: monitor.polls >= 1 and bool(status(api).get("devices")), timeout=10)
     polls = monitor.polls
     latencies = []
@@ -231,7 +232,7 @@ def test_under_churn_the_record_is_written_at_most_once_a_second_and_lands(
 ) -> None:
     cluster = start_cluster(hgx_node(), api=api)
     assert wait_until(lambda: status(api).get("summary", {}).get("gpusFree") == 8, timeout=10)
-    writes = cluster.daemon.metrics.record_writes.labels("ok")
+    writes = cluster.daemon.core.metrics.record_writes.labels("ok")
     before, started = writes._value.get(), time.monotonic()
     live: list[str] = []
     for index in range(60):  # pods 20 ms apart, each deleted four arrivals later

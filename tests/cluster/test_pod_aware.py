@@ -37,10 +37,10 @@ def all_healthy(cluster: Cluster) -> bool:
 
 def settle(cluster: Cluster) -> None:
     """The daemon's view of what is free has caught up with the kubelet's."""
-    coordinator = cluster.daemon.coordinator
+    coordinator = cluster.daemon.core.coordinator
     assert wait_until(
         lambda: (
-            (cluster.daemon.monitor.poke() or True)
+            (cluster.daemon.core.monitor.poke() or True)
             and coordinator.free(DeviceKind.GPU) == free(cluster, GPU)
             and coordinator.free(DeviceKind.HCA) == free(cluster, HCA)
         ),
@@ -61,7 +61,7 @@ class Share:
 def optimal_share(cluster: Cluster, seed: int, events: int = 60) -> Share:
     """Admit and remove a seeded stream of pods; count who got the optimum."""
     rng = random.Random(seed)
-    topology = cluster.daemon.coordinator.topology
+    topology = cluster.daemon.core.coordinator.topology
     live: list[str] = []
     share = Share()
     for event in range(events):
@@ -145,7 +145,7 @@ def test_with_the_pod_cache_every_container_gets_the_optimum(
     outcomes = {
         f"{resource} {sample.labels['outcome']}": sample.value
         for resource in (GPU, HCA)
-        for metric in aware.daemon.metrics.registry.collect()
+        for metric in aware.daemon.core.metrics.registry.collect()
         if metric.name == "devplugin_pod_aware_choices"
         for sample in metric.samples
         if sample.labels.get("resource") == resource and sample.name.endswith("_total")
@@ -153,7 +153,7 @@ def test_with_the_pod_cache_every_container_gets_the_optimum(
     assert all(run.optimal == run.total for run in after), (after, outcomes)
     assert sum(run.reuse_total for run in after) > 0
     assert all(run.reuse_optimal == run.reuse_total for run in after), (before, after)
-    metrics = aware.daemon.metrics.pod_aware
+    metrics = aware.daemon.core.metrics.pod_aware
     exact = sum(metrics.labels(resource, "exact")._value.get() for resource in (GPU, HCA))
     assert exact > 0
     with capsys.disabled():
@@ -189,7 +189,7 @@ def test_an_app_container_reusing_an_init_containers_gpu_is_planned_around_it(
     # main's HCA (asked first or second) must sit best for that GPU plus one more.
     cluster = start_cluster(LAYOUTS[layout](), api=api)
     watched(cluster)
-    topology = cluster.daemon.coordinator.topology
+    topology = cluster.daemon.core.coordinator.topology
     free_g, free_h = free(cluster, GPU), free(cluster, HCA)
     pod = cluster.kubelet.admit(
         "p",
@@ -218,7 +218,7 @@ def test_a_pod_reaching_the_watch_between_a_containers_two_calls_still_pairs_the
     pods = cluster.daemon.pods
     assert pods is not None
     assert wait_until(lambda: pods.current)
-    topology = cluster.daemon.coordinator.topology
+    topology = cluster.daemon.core.coordinator.topology
     free_g, free_h = free(cluster, GPU), free(cluster, HCA)
     api.hold_watches()
 

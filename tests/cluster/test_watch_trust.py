@@ -108,10 +108,10 @@ def test_a_silent_api_path_is_noticed_said_and_survived_by_the_daemon_and_the_ex
         assert wait_until(all_said, timeout=DEADLINE + 3)
         # Allocation goes on meanwhile, planned from the kubelet alone.
         cluster.kubelet.admit("meanwhile", [ContainerRequest("main", {GPU: 2, HCA: 2})])
-        outcome = cluster.daemon.metrics.pod_aware.labels(GPU, "fallback-not-current")
+        outcome = cluster.daemon.core.metrics.pod_aware.labels(GPU, "fallback-not-current")
         assert (
             outcome._value.get()
-            + cluster.daemon.metrics.pod_aware.labels(HCA, "fallback-not-current")._value.get()
+            + cluster.daemon.core.metrics.pod_aware.labels(HCA, "fallback-not-current")._value.get()
             >= 1
         )
         time.sleep(max(0.0, silent_at + 10 - time.monotonic()))  # the outage lasts 10 s
@@ -256,6 +256,6 @@ def test_pods_wrong_in_any_way_are_skipped_and_the_pod_cache_goes_on(
     assert wait_until(lambda: any(p.name == "good" for p in pods.pods().values()), timeout=5)
     assert pods.current
     assert len(pod.container("main").devices[GPU]) == 2
-    exact = cluster.daemon.metrics.pod_aware.labels(GPU, "exact")._value.get()
-    exact += cluster.daemon.metrics.pod_aware.labels(HCA, "exact")._value.get()
+    exact = cluster.daemon.core.metrics.pod_aware.labels(GPU, "exact")._value.get()
+    exact += cluster.daemon.core.metrics.pod_aware.labels(HCA, "exact")._value.get()
     assert exact >= 1

@@ -321,7 +321,7 @@ def test_a_gpu_no_spec_names_is_not_offered_until_one_does(
     reason = cluster.daemon.servicer(GPU).state.device(left_out)
     assert reason is not None
     assert reason.reason.startswith("no CDI spec declares nvidia.com/gpu=5")
-    metrics = cluster.daemon.metrics
+    metrics = cluster.daemon.core.metrics
     assert metrics.cdi_undeclared.labels(GPU)._value.get() == 1
     # A malformed spec next to it names nothing and breaks nothing.
     with caplog.at_level(logging.WARNING):

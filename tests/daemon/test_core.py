@@ -167,7 +167,7 @@ def test_nvml_ready_only_after_start_still_gets_xid_events_watched(start_cluster
     cluster = start_cluster(hgx_node(), nvml_init_error=NVML_ERROR_DRIVER_NOT_LOADED, wait=False)
     assert cluster.kubelet.wait_for_devices(HCA, len(cluster.node.hcas), timeout=10)
     assert cluster.kubelet.devices(GPU) == {}
-    xid = cluster.daemon.xid
+    xid = cluster.daemon.core.xid
     assert xid is not None
     assert xid.watched == frozenset()
     cluster.nvml.init_error = None  # the driver container finished loading
@@ -248,7 +248,7 @@ def test_fifty_extra_list_and_watch_streams_cannot_starve_allocate(
 def test_allocates_with_pod_resources_down_keep_the_ledger_bounded(start_cluster: Start) -> None:
     cluster = start_cluster(hgx_node())
     cluster.kubelet.stop_pod_resources()
-    monitor = cluster.daemon.monitor
+    monitor = cluster.daemon.core.monitor
     polls = monitor.polls
     assert wait_until(lambda: monitor.polls > polls)  # polls are failing now
     devices = [gpu.uuid for gpu in cluster.node.gpus]
@@ -260,8 +260,8 @@ def test_allocates_with_pod_resources_down_keep_the_ledger_bounded(start_cluster
             )
             stub.Allocate(request, timeout=5)
         # One entry per physical device, however many Allocates.
-        assert len(cluster.daemon.ledger) <= len(devices), round_
-    assert len(cluster.daemon.ledger) == len(devices)
+        assert len(cluster.daemon.core.ledger) <= len(devices), round_
+    assert len(cluster.daemon.core.ledger) == len(devices)
 
 
 def test_allocate_validates_the_whole_request_before_any_side_effect(
@@ -285,8 +285,8 @@ def test_allocate_validates_the_whole_request_before_any_side_effect(
     assert "GPU-not-here" in (failure.value.details() or "")
     # Nothing happened for the first, valid container: no hook, no record.
     assert not log.exists()
-    assert len(cluster.daemon.ledger) == 0
-    assert cluster.daemon.cleanup.in_use(DeviceKind.GPU) == set()
+    assert len(cluster.daemon.core.ledger) == 0
+    assert cluster.daemon.core.cleanup.in_use(DeviceKind.GPU) == set()
 
 
 def test_a_cleanup_owed_at_start_runs_at_once_not_after_a_retry_delay(
@@ -311,4 +311,4 @@ def test_a_cleanup_owed_at_start_runs_at_once_not_after_a_retry_delay(
     )
     assert wait_until(lambda: log.exists() and owed in log.read_text(), timeout=10)
     assert cluster.kubelet.wait_for(lambda: health(cluster, GPU, owed) == "Healthy", 5)
-    assert cluster.daemon.cleanup.pending() == {}
+    assert cluster.daemon.core.cleanup.pending() == {}

@@ -112,7 +112,7 @@ def wait_checks(cluster: Cluster, more: int) -> None:
 
 
 def wait_events(cluster: Cluster, count: int) -> None:
-    xid = cluster.daemon.xid
+    xid = cluster.daemon.core.xid
     assert xid is not None
     deadline = time.monotonic() + 5
     while xid.events_seen < count and time.monotonic() < deadline:

@@ -134,8 +134,8 @@ def test_deleting_a_pod_runs_cleanup_once_unhealthy_during_and_healthy_after(
     assert run["env"]["DEVPLUGIN_HOOK"] == "cleanup"
     assert run["env"]["DEVPLUGIN_DEVICE_IDS"] == hca
     # Several more polls later, still exactly one run.
-    polls = cluster.daemon.monitor.polls
-    assert wait_until(lambda: cluster.daemon.monitor.polls >= polls + 3)
+    polls = cluster.daemon.core.monitor.polls
+    assert wait_until(lambda: cluster.daemon.core.monitor.polls >= polls + 3)
     assert len(runs(log)) == 1
 
 

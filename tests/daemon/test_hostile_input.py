@@ -131,11 +131,11 @@ def test_odd_numbers_in_sysfs_are_unknown_for_that_device_only(
             mad = cluster.node.sysfs_root / "class" / "infiniband_mad" / f"umad{hca.umads[0]}"
             (mad / "port").write_text("²\n")
         checks = cluster.daemon.checks
-        cluster.daemon.check_loop.requests.rescan()
+        cluster.daemon.core.checks.requests.rescan()
         assert wait_until(lambda: cluster.daemon.checks >= checks + 3)
     # The check loop keeps running and every other HCA is untouched.
-    assert cluster.daemon.check_loop.thread is not None
-    assert cluster.daemon.check_loop.thread.is_alive()
+    assert cluster.daemon.core.checks.thread is not None
+    assert cluster.daemon.core.checks.thread.is_alive()
     others = {h.device_id for h in cluster.node.hcas} - {hca.device_id}
     devices = cluster.kubelet.devices(HCA)
     assert all(devices[d].health == "Healthy" for d in others)

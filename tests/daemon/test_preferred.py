@@ -42,11 +42,11 @@ def free_devices(kubelet: KubeletSimulator, resource: str) -> set[str]:
 def settle(cluster: Cluster) -> None:
     """Let the daemon see released devices: it learns of releases only from
     its PodResources poll, as it would on a real node."""
-    coordinator = cluster.daemon.coordinator
+    coordinator = cluster.daemon.core.coordinator
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         # Allocations younger than the bookkeeping grace need a later poll.
-        cluster.daemon.monitor.poke()
+        cluster.daemon.core.monitor.poke()
         if coordinator.free(DeviceKind.GPU) == free_devices(
             cluster.kubelet, GPU
         ) and coordinator.free(DeviceKind.HCA) == free_devices(cluster.kubelet, HCA):
@@ -81,7 +81,7 @@ def test_both_call_orders_reach_the_joint_optimum(
     """
     cluster = start_cluster(LAYOUTS[layout](), **{"pod_resources.min_interval_seconds": 0.02})
     kubelet = cluster.kubelet
-    coordinator = cluster.daemon.coordinator
+    coordinator = cluster.daemon.core.coordinator
     topology = coordinator.topology
     first_kind = DeviceKind.GPU if order[0] == GPU else DeviceKind.HCA
     rng = random.Random(f"{layout}{order}")
@@ -122,7 +122,7 @@ def test_both_call_orders_reach_the_joint_optimum(
 
 def test_second_resource_follows_the_first_within_one_container(start_cluster: Start) -> None:
     cluster = start_cluster(LAYOUTS["dgx-a100"]())
-    topology = cluster.daemon.coordinator.topology
+    topology = cluster.daemon.core.coordinator.topology
     for order in [(HCA, GPU), (GPU, HCA)] * 2:
         pod = cluster.kubelet.admit(
             f"pod-{len(cluster.kubelet.registrations)}-{order[0]}-{time.monotonic_ns()}",
@@ -203,7 +203,7 @@ def test_alignment_is_verified_through_pod_resources(start_cluster: Start) -> No
     kubelet = cluster.kubelet
     pod = kubelet.admit("train", [ContainerRequest("main", {GPU: 2, HCA: 2})])
     solo = kubelet.admit("infer", [ContainerRequest("srv", {GPU: 1})])
-    monitor = cluster.daemon.monitor
+    monitor = cluster.daemon.core.monitor
 
     def reported() -> bool:
         report = monitor.report()
@@ -226,8 +226,8 @@ def test_alignment_is_verified_through_pod_resources(start_cluster: Start) -> No
     while "default/train/main" in monitor.report() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert "default/train/main" not in monitor.report()
-    assert set(pod.container("main").devices[HCA]) <= cluster.daemon.coordinator.free(
-        cluster.daemon.coordinator.topology.kind[pod.container("main").devices[HCA][0]]
+    assert set(pod.container("main").devices[HCA]) <= cluster.daemon.core.coordinator.free(
+        cluster.daemon.core.coordinator.topology.kind[pod.container("main").devices[HCA][0]]
     )
 
 

@@ -52,7 +52,7 @@ def test_gpus_are_advertised_as_replicas_under_a_renamed_resource(start_cluster:
 
 def test_distributed_replicas_spread_over_gpus_next_to_the_hcas(start_cluster: Start) -> None:
     cluster = start_shared(start_cluster, **{"sharing.gpu.replicas": 4})
-    topology = cluster.daemon.coordinator.topology
+    topology = cluster.daemon.core.coordinator.topology
     pod = cluster.kubelet.admit("p", [ContainerRequest("c", {GPU: 2, HCA: 2})], order=[GPU, HCA])
     container = pod.container("c")
     gpus = [physical_of(r) for r in container.devices[GPU]]
@@ -107,7 +107,7 @@ def test_several_replicas_of_one_gpu_can_be_refused(start_cluster: Start) -> Non
 
 def test_shared_hca_units_carry_the_hcas_nodes_and_follow_the_gpus(start_cluster: Start) -> None:
     cluster = start_shared(start_cluster, **{"sharing.hca.units": 4})
-    topology = cluster.daemon.coordinator.topology
+    topology = cluster.daemon.core.coordinator.topology
     assert len(cluster.kubelet.devices(HCA)) == 32
     pod = cluster.kubelet.admit("p", [ContainerRequest("c", {GPU: 1, HCA: 1})], order=[GPU, HCA])
     container = pod.container("c")
@@ -151,8 +151,8 @@ def test_a_shared_gpu_is_cleaned_once_its_last_replica_is_released(
     gpu = physical_of(a.devices[GPU][0])
     assert physical_of(b.devices[GPU][0]) == gpu  # packed onto one GPU
     kubelet.remove("a")
-    polls = cluster.daemon.monitor.polls
-    assert wait_until(lambda: cluster.daemon.monitor.polls >= polls + 4)
+    polls = cluster.daemon.core.monitor.polls
+    assert wait_until(lambda: cluster.daemon.core.monitor.polls >= polls + 4)
     assert runs(log) == []  # b still holds a replica of it
     kubelet.remove("b")
     assert wait_until(lambda: len(runs(log)) == 1)
