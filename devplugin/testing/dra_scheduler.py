@@ -8,7 +8,8 @@ allocator does:
   whose slices disagree on the generation counts only its newest slices,
   and an incomplete pool (fewer slices than it says) is not used;
 * a device tainted NoSchedule or NoExecute is skipped unless the request
-  tolerates the taint;
+  tolerates the taint, only where the DRADeviceTaints gate is on (by
+  default from 1.36: the `version` parameter);
 * requests in order; a `firstAvailable` request tries its subrequests in
   order, each with every way to pick its devices, before the next one;
   `ExactCount` picks `count` devices (in candidate order), `All` every
@@ -156,6 +157,17 @@ def _tolerated(taint: Mapping[str, Any], tolerations: Sequence[Mapping[str, Any]
     return False
 
 
+# The Kubernetes version the imitation follows unless told another.
+DEFAULT_VERSION = (1, 36)
+
+
+def device_taints_on(version: tuple[int, int]) -> bool:
+    """Whether the scheduler honours device taints by default at this
+    version: the DRADeviceTaints gate (pkg/features/kube_features.go) is
+    alpha, off by default, from 1.33 and beta, on by default, from 1.36."""
+    return version >= (1, 36)
+
+
 class Allocator:
     def __init__(
         self,
@@ -164,10 +176,15 @@ class Allocator:
         node: str,
         *,
         selectors: Selectors | None = None,
+        version: tuple[int, int] = DEFAULT_VERSION,
+        device_taints: bool | None = None,
     ) -> None:
         self.devices = candidates(slices, node)
         self._classes = classes
         self._selectors = selectors or Selectors()
+        # A cluster may set the gate either way; by default it follows the
+        # version's default.
+        self.device_taints = device_taints_on(version) if device_taints is None else device_taints
         self.steps = 0
 
     def _alternatives(self, request: Mapping[str, Any]) -> list[_Alternative]:
@@ -198,7 +215,10 @@ class Allocator:
         return alternatives
 
     def _eligible(self, alternative: _Alternative, device: Candidate) -> bool:
-        for taint in device.taints:
+        # Taints are checked only with the DRADeviceTaints feature
+        # (structured/internal/stable/allocator_stable.go, allocateDevice:
+        # `alloc.features.DeviceTaints && !allTaintsTolerated(...)`).
+        for taint in device.taints if self.device_taints else ():
             if taint.get("effect") in NOSCHEDULE and not _tolerated(taint, alternative.tolerations):
                 return False
         return all(self._selectors.match(e, device) for e in alternative.expressions)
@@ -295,12 +315,31 @@ class Allocator:
 
 
 def spec_slices(
-    spec: NodeSpec, driver: str, node: str, *, unhealthy: frozenset[str] = frozenset()
+    spec: NodeSpec,
+    driver: str,
+    node: str,
+    *,
+    unhealthy: frozenset[str] = frozenset(),
+    mode: str = "taint",
 ) -> tuple[list[dict[str, Any]], Inventory]:
     """The ResourceSlices the driver would publish for a layout, built in
     memory (no daemon), and the inventory behind them."""
     gpus, hcas = devices_from_spec(spec)
     inventory = Inventory(gpus=gpus, hcas=hcas)
+    slices = inventory_slices(inventory, driver, node, unhealthy=unhealthy, mode=mode)
+    return slices, inventory
+
+
+def inventory_slices(
+    inventory: Inventory,
+    driver: str,
+    node: str,
+    *,
+    unhealthy: frozenset[str] = frozenset(),
+    mode: str = "taint",
+) -> list[dict[str, Any]]:
+    """The ResourceSlices the driver would publish for these devices, with
+    the unhealthy ones tainted or left out (`mode`, as dra.unhealthy)."""
     devices = node_devices(inventory, [DeviceKind.GPU, DeviceKind.HCA])
     states = {
         kind: ResourceState(
@@ -316,7 +355,8 @@ def spec_slices(
         )
         for kind in DeviceKind
     }  # fmt: skip
-    chunks = split(published(devices, states, domain=driver, unhealthy="taint"), tainting=True)
+    entries = published(devices, states, domain=driver, unhealthy=mode)
+    chunks = split(entries, tainting=mode == "taint")
     slices = [
         {
             "metadata": {"name": f"{index:05x}-{driver}-{node}"},
@@ -329,7 +369,7 @@ def spec_slices(
         }
         for index, chunk in enumerate(chunks)
     ]
-    return slices, inventory
+    return slices
 
 
 def node_ids(slices: Iterable[Mapping[str, Any]]) -> dict[str, str]:
@@ -364,15 +404,21 @@ def taken_devices(claims: Iterable[Mapping[str, Any]]) -> set[tuple[str, str, st
 
 
 def schedule_claim(
-    api: ApiServerImitation, name: str, namespace: str, node: str
+    api: ApiServerImitation,
+    name: str,
+    namespace: str,
+    node: str,
+    *,
+    version: tuple[int, int] = DEFAULT_VERSION,
 ) -> list[dict[str, str]] | None:
     """Allocate one claim from what the API imitation holds and write its
-    allocation into its status, as the scheduler does; None if it fits not."""
+    allocation into its status, as the scheduler of `version` does; None if
+    it fits not."""
     claim = api.get("resourceclaims", name, namespace)
     if claim is None:
         raise KeyError(f"{namespace}/{name}")
     classes = {c["metadata"]["name"]: c for c in api.items("deviceclasses")}
-    allocator = Allocator(api.items("resourceslices"), classes, node)
+    allocator = Allocator(api.items("resourceslices"), classes, node, version=version)
     results = allocator.allocate(claim["spec"], taken_devices(api.items("resourceclaims")))
     if results is None:
         return None

@@ -4,13 +4,16 @@ taints; and templates that reach the best level any free choice allows."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
+from collections import Counter
 from typing import Any
 
 import pytest
 import yaml
 
 from devplugin.cli import main
+from devplugin.frontends.dra.slices import NUMA_NODE, UNKNOWN_NUMA, nvlink_domains
 from devplugin.model import Inventory
 from devplugin.policy.claim_templates import (
     CHART_SHAPES,
@@ -21,9 +24,15 @@ from devplugin.policy.claim_templates import (
     device_classes,
 )
 from devplugin.policy.topology import Level, Topology
-from devplugin.testing.dra_scheduler import Allocator, node_ids, pair_levels, spec_slices
+from devplugin.testing.dra_scheduler import (
+    Allocator,
+    inventory_slices,
+    node_ids,
+    pair_levels,
+    spec_slices,
+)
 from devplugin.testing.layouts import LAYOUTS
-from devplugin.testing.node import devices_from_spec, hgx_node
+from devplugin.testing.node import NodeSpec, RootComplex, Switch, devices_from_spec, hgx_node
 
 DRIVER = "devplugin.io"
 NODE = "node-1"
@@ -191,3 +200,158 @@ def test_memory_is_published_as_the_api_server_stores_it() -> None:
         stored = {"spec": {"devices": [{"capacity": {"memory": {"value": f"{value}Mi"}}}]}}
         slice_defaults(stored, "2026-12-04T00:00:00Z")
         assert stored["spec"]["devices"][0]["capacity"]["memory"]["value"] == mebibytes(value)
+
+
+# -- devices that lack a place attribute (issue 30) ----------------------------------
+
+
+def without_numa(spec: NodeSpec) -> NodeSpec:
+    """The layout on a host whose sysfs gives every device NUMA node -1
+    (single-socket hosts, most VMs)."""
+    return dataclasses.replace(
+        spec, roots=[dataclasses.replace(root, numa_node=None) for root in spec.roots]
+    )
+
+
+def hca_on_a_root_port() -> NodeSpec:
+    """hgx-h100 with one pair's HCA moved off its switch onto a root port of
+    its own (no PCIe switch above it)."""
+    spec = hgx_node()
+    first = spec.roots[0]
+    switch = first.children[0]
+    assert isinstance(switch, Switch)
+    moved = dataclasses.replace(first, children=[Switch([switch.children[0]])])
+    alone = RootComplex(numa_node=first.numa_node, local_cpulist=first.local_cpulist)
+    alone.children.append(switch.children[1])
+    return dataclasses.replace(spec, roots=[moved, alone, *spec.roots[1:]])
+
+
+def hcas_path(inventory: Inventory) -> tuple[object, ...]:
+    """The PCI chain of the HCA with the longest one."""
+    return max((h.pci.path.chain for h in inventory.hcas if h.pci), key=len)
+
+
+def best_free_level_is_reached(
+    slices: list[dict[str, Any]], topology: Topology, *, rounds: int = 25
+) -> int:
+    """The one-pair template, over random sets of taken devices, allocates a
+    pair at the best level free each time; how many rounds allocated."""
+    names = ids(slices)
+    allocator = Allocator(slices, CLASSES, NODE)
+    spec = claim_spec(Shape(1, 1), DRIVER)
+    devices = [d.name for d in allocator.devices]
+    rng = random.Random(11)
+    allocated = 0
+    for _ in range(rounds):
+        taken = {(DRIVER, NODE, n) for n in devices if rng.random() < 0.5}
+        free_gpus = [n for n in devices if n.startswith("gpu-") and (DRIVER, NODE, n) not in taken]
+        free_hcas = [n for n in devices if n.startswith("hca-") and (DRIVER, NODE, n) not in taken]
+        if not free_gpus or not free_hcas:
+            continue
+        best = min(topology.level(names[g], names[h]) for g in free_gpus for h in free_hcas)
+        results = allocator.allocate(spec, taken)
+        assert results is not None, f"nothing allocated with a {best.name} pair free"
+        (level,) = pair_levels(results, names, topology)
+        assert level == best
+        allocated += 1
+    return allocated
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_with_every_numa_node_unknown_the_best_free_pair_is_allocated(layout: str) -> None:
+    slices, inventory = node_slices(without_numa(LAYOUTS[layout]()))
+    assert all(
+        device["attributes"][NUMA_NODE] == {"int": UNKNOWN_NUMA}
+        for item in slices
+        for device in item["spec"]["devices"]
+    )
+    assert best_free_level_is_reached(slices, Topology.from_inventory(inventory)) > 0
+    # Every chart template that fits the node allocates on it, free.
+    allocator = Allocator(slices, CLASSES, NODE)
+    domains = Counter(nvlink_domains(inventory.gpus).values())
+    for shape in CHART_SHAPES:
+        if shape.gpus > len(inventory.gpus) or shape.hcas > len(inventory.hcas):
+            continue
+        if shape.nvlink and max(domains.values(), default=0) < shape.gpus:
+            continue
+        assert allocator.allocate(claim_spec(shape, DRIVER)) is not None, shape
+
+
+def test_an_hca_without_a_switch_pairs_at_the_best_level_it_has() -> None:
+    slices, inventory = node_slices(hca_on_a_root_port())
+    topology = Topology.from_inventory(inventory)
+    assert best_free_level_is_reached(slices, topology) > 0
+    # Its own GPU's old partner now shares only the NUMA node with it: with
+    # everything else taken, that pair is still allocated (at NODE).
+    names = ids(slices)
+    # The moved HCA: the one with the shortest path (no switch above it).
+    alone = min(inventory.hcas, key=lambda h: len(h.pci.path.chain) if h.pci else 0)
+    assert alone.pci is not None
+    assert len(alone.pci.path.chain) < len(hcas_path(inventory))
+    gpu = inventory.gpus[0]
+    allocator = Allocator(slices, CLASSES, NODE)
+    keep = {n for n, i in names.items() if i in (alone.device_id, gpu.uuid)}
+    taken = {(DRIVER, NODE, d.name) for d in allocator.devices if d.name not in keep}
+    results = allocator.allocate(claim_spec(Shape(1, 1), DRIVER), taken)
+    assert results is not None
+    assert pair_levels(results, names, topology) == [topology.level(gpu.uuid, alone.device_id)]
+
+
+def test_a_device_of_unknown_position_is_paired_only_by_the_any_rung() -> None:
+    gpus, hcas = devices_from_spec(hgx_node())
+    lost = dataclasses.replace(hcas[0], pci=None)
+    inventory = Inventory(gpus=gpus, hcas=[lost, *hcas[1:]])
+    slices = inventory_slices(inventory, DRIVER, NODE)
+    names = ids(slices)
+    allocator = Allocator(slices, CLASSES, NODE)
+    (lost_name,) = [n for n, i in names.items() if i == lost.device_id]
+    attributes = next(d.attributes for d in allocator.devices if d.name == lost_name)
+    assert attributes[NUMA_NODE] < UNKNOWN_NUMA
+    # Only it and one GPU are free: the pair is made, by the `any` rung.
+    keep = {lost_name, next(n for n in names if n.startswith("gpu-"))}
+    taken = {(DRIVER, NODE, d.name) for d in allocator.devices if d.name not in keep}
+    results = allocator.allocate(claim_spec(Shape(1, 1), DRIVER), taken)
+    assert results is not None
+    assert {r["request"] for r in results} == {"gpu-0/any", "hca-0"}
+
+
+# -- taints and the scheduler's version (issue 30) ---------------------------------
+
+
+def test_before_1_36_the_scheduler_ignores_taints_so_unhealthy_devices_are_left_out() -> None:
+    spec = hgx_node()
+    gpus, hcas = devices_from_spec(spec)
+    # A pair's devices are awaiting their cleanup (Unhealthy until it ends).
+    owed = frozenset({gpus[0].uuid, hcas[0].device_id})
+    claim = claim_spec(Shape(1, 1), DRIVER)
+
+    def allocated(mode: str, version: tuple[int, int]) -> set[str]:
+        slices, _ = node_slices_with(spec, owed, mode)
+        names = ids(slices)
+        allocator = Allocator(slices, CLASSES, NODE, version=version)
+        results = allocator.allocate(claim)
+        assert results is not None
+        return {names[r["device"]] for r in results}
+
+    # The taint is what keeps them out on 1.36, where the gate is on by default.
+    assert not allocated("taint", (1, 36)) & owed
+    # On 1.34 and 1.35 a tainted device is handed out (and its prepare refused).
+    assert allocated("taint", (1, 34)) == owed
+    assert allocated("taint", (1, 35)) == owed
+    # With those versions' chart default (remove), it is never allocated,
+    # whatever else is taken: every claim over the rest of the node.
+    for version in ((1, 34), (1, 35)):
+        slices, _ = node_slices_with(spec, owed, "remove")
+        names = ids(slices)
+        allocator = Allocator(slices, CLASSES, NODE, version=version)
+        taken: set[tuple[str, str, str]] = set()
+        while (results := allocator.allocate(claim, taken)) is not None:
+            assert not {names[r["device"]] for r in results} & owed
+            taken |= {(DRIVER, NODE, r["device"]) for r in results}
+        assert len(taken) == 2 * (len(gpus) - 1)
+
+
+def node_slices_with(
+    spec: NodeSpec, unhealthy: frozenset[str], mode: str
+) -> tuple[list[dict[str, Any]], Inventory]:
+    return spec_slices(spec, DRIVER, NODE, unhealthy=unhealthy, mode=mode)

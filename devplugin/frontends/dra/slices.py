@@ -114,17 +114,42 @@ def _string(value: str) -> dict[str, str]:
     return {"string": value[:MAX_STRING]}
 
 
+# NUMA node published when sysfs says none (-1: single-socket hosts, most
+# VMs). The topology takes every unknown node as one shared node, and so
+# does a matchAttribute on this value.
+UNKNOWN_NUMA = -1
+
+
+def unplaced_numa(address: PciAddress) -> int:
+    """A NUMA value no other device has (below UNKNOWN_NUMA), for a device
+    whose place in the tree is unknown: SYS to everything, as in the
+    topology."""
+    packed = (address.domain << 16) | (address.bus << 8) | (address.device << 3) | address.function
+    return UNKNOWN_NUMA - 1 - packed
+
+
 def _placement(function: PciFunction | None, address: PciAddress) -> dict[str, Any]:
+    """Where a device sits, as the claim templates' rungs match it. Every
+    device has every rung's attribute: the real allocator refuses a device
+    that lacks an attribute any constraint naming its request matches
+    (structured/allocator.go, matchAttributeConstraint.add), and each pair's
+    HCA request is named by every rung. So what is unknown is published as
+    a value that matches what the topology says it is: an unknown NUMA node
+    as the one shared UNKNOWN_NUMA, an unknown position as values of its own
+    (matching no other device, so only the `any` rung pairs it)."""
     attributes: dict[str, Any] = {PCI_BUS_ID: _string(str(address))}
-    if function is None:
+    keys = switch_keys(function)
+    if function is None or keys is None:
+        own = f"unplaced-{address}"
+        attributes[PCIE_ROOT] = _string(own)
+        attributes[NUMA_NODE] = {"int": unplaced_numa(address)}
+        attributes["pcieSwitch"] = attributes["pcieTopSwitch"] = _string(own)
         return attributes
     attributes[PCIE_ROOT] = _string(function.path.root)
-    if function.numa_node is not None and function.numa_node >= 0:
-        attributes[NUMA_NODE] = {"int": function.numa_node}
-    keys = switch_keys(function)
-    if keys is not None:
-        attributes["pcieSwitch"] = _string(keys[0])
-        attributes["pcieTopSwitch"] = _string(keys[1])
+    numa = function.numa_node
+    attributes[NUMA_NODE] = {"int": numa if numa is not None and numa >= 0 else UNKNOWN_NUMA}
+    attributes["pcieSwitch"] = _string(keys[0])
+    attributes["pcieTopSwitch"] = _string(keys[1])
     return attributes
 
 
