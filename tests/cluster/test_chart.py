@@ -107,6 +107,13 @@ CASES: dict[str, dict[str, Any]] = {
         "dra": {"claimTemplates": {"namespaces": ["default", "training"]}},
         "hostPaths": {"kubeletPlugins": "/data/kubelet/plugins"},
     },
+    # Device taints honoured by the cluster's scheduler (1.36+), and a 1.34
+    # cluster told to use them anyway.
+    "dra-1.36": {"config": {"resources": {"gpu": {"api": "dra"}, "hca": {"api": "dra"}}}},
+    "dra-taint-forced": {
+        "config": {"resources": {"gpu": {"api": "dra"}, "hca": {"api": "dra"}},
+                   "dra": {"unhealthy": "taint"}},
+    },
     "placement": {
         "nodeSelector": {"gpu.example.com/pool": "training"},
         "affinity": {"podAntiAffinity": {}},
@@ -124,6 +131,9 @@ CLUSTERS: dict[str, dict[str, Any]] = {
     "pinned-scheduler": {"kubeVersion": "v1.34.2"},
     "old-cluster": OLD,
     "no-node-restriction": OLD,
+    "dra": {"kubeVersion": "v1.34.2"},
+    "dra-1.36": {"kubeVersion": "v1.36.1"},
+    "dra-taint-forced": {"kubeVersion": "v1.34.2"},
 }
 
 BAD: dict[str, tuple[dict[str, Any], str]] = {
@@ -167,8 +177,9 @@ def merged(values: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def expected_config(values: dict[str, Any]) -> dict[str, Any]:
-    """The daemon config the chart's `devplugin.config` template renders."""
+def expected_config(values: dict[str, Any], kube_version: str = "v1.31.0") -> dict[str, Any]:
+    """The daemon config the chart's `devplugin.config` template renders on
+    a cluster of `kube_version`."""
     full = merged(values)
     config: dict[str, Any] = copy.deepcopy(full["config"])
     config.setdefault("lifecycle", {})["checkpoint_file"] = "/var/lib/devplugin/checkpoint.json"
@@ -184,6 +195,16 @@ def expected_config(values: dict[str, Any]) -> dict[str, Any]:
     config["metrics"] = {"enabled": full["metrics"]["enabled"]}
     paths = full["hostPaths"]
     config.setdefault("cdi", {})["spec_dirs"] = [paths["cdiStatic"], paths["cdiDynamic"]]
+    resources = config.get("resources") or {}
+    if any(
+        (resources.get(kind) or {}).get("api") == "dra"
+        and (resources.get(kind) or {}).get("enabled", True)
+        for kind in ("gpu", "hca")
+    ):
+        # Device taints are honoured by default from 1.36 (DRADeviceTaints beta).
+        major, minor = (int(n) for n in kube_version.lstrip("v").split(".")[:2])
+        dra = config.setdefault("dra", {})
+        dra.setdefault("unhealthy", "taint" if (major, minor) >= (1, 36) else "remove")
     return config
 
 
@@ -401,10 +422,23 @@ def test_rendered_config_is_the_expected_one_and_rolls_the_pods(
 ) -> None:
     objs = objects(installs, case)
     text = objs["ConfigMap"]["data"]["config.yaml"]
-    assert yaml.safe_load(text) == expected_config(CASES[case])
+    version = CLUSTERS.get(case, {}).get("kubeVersion", "v1.31.0")
+    assert yaml.safe_load(text) == expected_config(CASES[case], version)
     parse_config(yaml.safe_load(text))
     annotations = objs["DaemonSet"]["spec"]["template"]["metadata"]["annotations"]
     assert annotations["checksum/config"] == hashlib.sha256(text.rstrip("\n").encode()).hexdigest()
+
+
+def test_unhealthy_dra_devices_are_left_out_where_the_scheduler_ignores_taints(
+    installs: dict[str, dict[str, Any]],
+) -> None:
+    def unhealthy(case: str) -> str:
+        text = objects(installs, case)["ConfigMap"]["data"]["config.yaml"]
+        return str(parse_config(yaml.safe_load(text)).dra.unhealthy)
+
+    assert unhealthy("dra") == "remove"  # 1.34: DRADeviceTaints off by default
+    assert unhealthy("dra-1.36") == "taint"
+    assert unhealthy("dra-taint-forced") == "taint"
 
 
 def test_a_config_change_changes_the_checksum(installs: dict[str, dict[str, Any]]) -> None:

@@ -62,6 +62,17 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- $cdi := get $config "cdi" | default dict -}}
 {{- $_ = set $cdi "spec_dirs" (list .Values.hostPaths.cdiStatic .Values.hostPaths.cdiDynamic) -}}
 {{- $_ = set $config "cdi" $cdi -}}
+{{- /* A device that is unhealthy or awaiting cleanup: tainted where the
+     scheduler honours device taints (DRADeviceTaints, on by default from
+     1.36), else left out of the slices; config.dra.unhealthy overrides. */ -}}
+{{- if eq (include "devplugin.draOn" .) "true" -}}
+{{- $dra := get $config "dra" | default dict -}}
+{{- if not (hasKey $dra "unhealthy") -}}
+{{- $taints := semverCompare ">=1.36-0" .Capabilities.KubeVersion.Version -}}
+{{- $_ = set $dra "unhealthy" (ternary "taint" "remove" $taints) -}}
+{{- $_ = set $config "dra" $dra -}}
+{{- end -}}
+{{- end -}}
 {{- toYaml $config -}}
 {{- end -}}
 
