@@ -4,9 +4,10 @@ Given the ResourceSlices of one node, the DeviceClasses, the devices other
 claims already hold and a claim's spec, it finds devices as the scheduler's
 allocator does:
 
-* candidates in pool order: slices by name, devices in slice order; a pool
-  whose slices disagree on the generation counts only its newest slices,
-  and an incomplete pool (fewer slices than it says) is not used;
+* candidates in the order given: pools as their slices first come, slices
+  in the order listed, devices in slice order; a pool whose slices
+  disagree on the generation counts only its newest slices, and an
+  incomplete pool (fewer slices than it says) is not used;
 * a device tainted NoSchedule or NoExecute is skipped unless the request
   tolerates the taint, only where the DRADeviceTaints gate is on (by
   default from 1.36: the `version` parameter);
@@ -20,8 +21,13 @@ allocator does:
 * `matchAttribute` constraints hold over every device picked for the
   requests they name (a subrequest as `request/subrequest`; none named:
   every request): each has the attribute, all with one value;
-* first fit with backtracking: the first complete choice wins (no scoring,
-  as in DRA), within a step budget like the scheduler's time limit.
+* every device a request needs is looked for from the node's first device
+  on (one try per device considered), with full backtracking: the first
+  complete choice wins (no scoring, as in DRA), within a try budget that
+  stands in for the scheduler's Filter timeout;
+* `All` takes every selectable device, in use or not: one in use fails it;
+* a missing DeviceClass, a CEL runtime error, or an `All` device a
+  constraint refuses is an AllocationError, as the allocator errors out.
 
 Results name the request as the scheduler does (`gpu-0/pix` for a
 subrequest).
@@ -44,7 +50,13 @@ from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.node import NodeSpec, devices_from_spec
 
 NOSCHEDULE = {"NoSchedule", "NoExecute"}
-STEP_BUDGET = 200_000
+# Device tries before the imitation gives up, as the scheduler's Filter
+# gives up at its timeout (10 s); the real allocator itself has no budget.
+TRY_BUDGET = 5_000_000
+
+
+class AllocationError(Exception):
+    """Where the scheduler's allocator returns an error, not "no fit"."""
 
 
 @dataclass(frozen=True)
@@ -70,7 +82,9 @@ def _qualify(name: str, driver: str) -> tuple[str, str]:
 def candidates(slices: Iterable[Mapping[str, Any]], node: str) -> list[Candidate]:
     """The node's devices in the order the allocator visits them."""
     pools: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
-    for item in sorted(slices, key=lambda s: s["metadata"]["name"]):
+    # Pools in the order their slices first come, slices in the order given
+    # (the allocator walks what the lister hands it; it sorts nothing).
+    for item in slices:
         spec = item["spec"]
         if spec.get("nodeName") != node:
             continue
@@ -127,8 +141,12 @@ class Selectors:
                 self._programs[expression] = program
             try:
                 verdict = bool(program.evaluate({"device": device.view}))
-            except Exception:  # noqa: BLE001 - a missing attribute is a non-match, as in the API
-                verdict = False
+            except Exception as exc:
+                # selectorsMatch: a CEL runtime error (a missing attribute
+                # read without has(), a type mismatch) aborts the allocation.
+                raise AllocationError(
+                    f"selector {expression!r} on device {device.name}: CEL runtime error: {exc}"
+                ) from exc
             self._verdicts[key] = verdict
         return verdict
 
@@ -178,14 +196,17 @@ class Allocator:
         selectors: Selectors | None = None,
         version: tuple[int, int] = DEFAULT_VERSION,
         device_taints: bool | None = None,
+        budget: int = TRY_BUDGET,
     ) -> None:
         self.devices = candidates(slices, node)
+        self.budget = budget
         self._classes = classes
         self._selectors = selectors or Selectors()
         # A cluster may set the gate either way; by default it follows the
         # version's default.
         self.device_taints = device_taints_on(version) if device_taints is None else device_taints
-        self.steps = 0
+        self.tries = 0
+        self.timed_out = False
 
     def _alternatives(self, request: Mapping[str, Any]) -> list[_Alternative]:
         name = request["name"]
@@ -197,7 +218,10 @@ class Allocator:
         for label, body in options:
             device_class = self._classes.get(body["deviceClassName"])
             if device_class is None:
-                continue  # a class that does not exist matches nothing
+                # validateDeviceRequest: "could not retrieve device class".
+                raise AllocationError(
+                    f"request {label}: could not retrieve device class {body['deviceClassName']}"
+                )
             expressions = [
                 s["cel"]["expression"] for s in device_class["spec"].get("selectors") or []
             ]
@@ -214,104 +238,161 @@ class Allocator:
             )
         return alternatives
 
-    def _eligible(self, alternative: _Alternative, device: Candidate) -> bool:
-        # Taints are checked only with the DRADeviceTaints feature
-        # (structured/internal/stable/allocator_stable.go, allocateDevice:
-        # `alloc.features.DeviceTaints && !allTaintsTolerated(...)`).
+    def selectable(self, alternative: _Alternative, device: Candidate) -> bool:
+        """The class's and the request's selectors match (isSelectable)."""
+        return all(self._selectors.match(e, device) for e in alternative.expressions)
+
+    def untainted(self, alternative: _Alternative, device: Candidate) -> bool:
+        """No untolerated NoSchedule or NoExecute taint, checked only with
+        the DRADeviceTaints feature (allocateDevice:
+        `alloc.features.DeviceTaints && taintPreventsAllocation(...)`)."""
         for taint in device.taints if self.device_taints else ():
             if taint.get("effect") in NOSCHEDULE and not _tolerated(taint, alternative.tolerations):
                 return False
-        return all(self._selectors.match(e, device) for e in alternative.expressions)
+        return True
 
     def allocate(
         self, spec: Mapping[str, Any], taken: Iterable[tuple[str, str, str]] = ()
     ) -> list[dict[str, str]] | None:
-        """The claim's results, or None when no choice satisfies it."""
+        """The claim's results, or None when no choice satisfies it (or the
+        walk ran past its try budget). AllocationError where the scheduler's
+        allocator errors out: a missing DeviceClass, a CEL runtime error, an
+        `All` request that a constraint makes impossible."""
         devices_spec = spec.get("devices") or {}
-        requests = list(devices_spec.get("requests") or [])
-        constraints = [
-            (tuple(c.get("requests") or ()), c["matchAttribute"])
-            for c in devices_spec.get("constraints") or []
-            if "matchAttribute" in c
-        ]
-        used = set(taken)
-        chosen: list[tuple[_Alternative, Candidate]] = []
-        self.steps = 0
-
-        def fits(alternative: _Alternative, device: Candidate) -> bool:
-            for scope, attribute in constraints:
-                if scope and not set(scope) & set(alternative.scope):
-                    continue
-                if attribute not in device.attributes:
-                    return False
-                for other_alternative, other in chosen:
-                    if scope and not set(scope) & set(other_alternative.scope):
-                        continue
-                    if other.attributes.get(attribute) != device.attributes[attribute]:
-                        return False
-            return True
-
-        def place(index: int) -> bool:
-            if index == len(requests):
-                return True
-            for alternative in self._alternatives(requests[index]):
-                pool = [
-                    d for d in self.devices
-                    if (d.driver, d.pool, d.name) not in used and self._eligible(alternative, d)
-                ]  # fmt: skip
-                if alternative.mode == "All":
-                    if pool and pick_all(alternative, pool, index):
-                        return True
-                    continue
-                if pick(alternative, pool, 0, alternative.count, index):
-                    return True
-            return False
-
-        def pick_all(alternative: _Alternative, pool: list[Candidate], index: int) -> bool:
-            added = 0
-            ok = True
-            for device in pool:
-                if not fits(alternative, device):
-                    ok = False
-                    break
-                chosen.append((alternative, device))
-                used.add((device.driver, device.pool, device.name))
-                added += 1
-            if ok and place(index + 1):
-                return True
-            for _ in range(added):
-                _, device = chosen.pop()
-                used.discard((device.driver, device.pool, device.name))
-            return False
-
-        def pick(
-            alternative: _Alternative, pool: list[Candidate], start: int, left: int, index: int
-        ) -> bool:
-            if left == 0:
-                return place(index + 1)
-            for position in range(start, len(pool) - left + 1):
-                self.steps += 1
-                if self.steps > STEP_BUDGET:
-                    return False
-                device = pool[position]
-                if not fits(alternative, device):
-                    continue
-                key = (device.driver, device.pool, device.name)
-                chosen.append((alternative, device))
-                used.add(key)
-                if pick(alternative, pool, position + 1, left - 1, index):
-                    return True
-                chosen.pop()
-                used.discard(key)
-            return False
-
-        if not place(0):
+        walk = _Walk(
+            self,
+            [self._alternatives(request) for request in devices_spec.get("requests") or []],
+            [
+                (tuple(c.get("requests") or ()), c["matchAttribute"])
+                for c in devices_spec.get("constraints") or []
+                if "matchAttribute" in c
+            ],
+            set(taken),
+        )
+        self.tries = 0
+        self.timed_out = False
+        try:
+            found = walk.request(0)
+        finally:
+            self.tries = walk.tries
+            self.timed_out = walk.tries > self.budget
+        if not found:
             return None
         return [
             {"request": alternative.request, "driver": device.driver, "pool": device.pool,
              "device": device.name}
-            for alternative, device in chosen
+            for alternative, device in walk.chosen
         ]  # fmt: skip
+
+    @property
+    def steps(self) -> int:
+        """The last allocation's device tries (the name older tests use)."""
+        return self.tries
+
+
+class _Walk:
+    """One claim's allocation, walked as the stable allocator walks it
+    (structured/internal/stable/allocator_stable.go, allocateOne and
+    allocateDevice): requests in order; a request's subrequests in order,
+    each tried to the end before the next; for each device a request
+    needs, every device of the node considered in slice order from the
+    first (one try each: in use, not selectable, tainted, or breaking a
+    constraint, it is passed over), with full backtracking; the first
+    complete choice wins."""
+
+    def __init__(
+        self,
+        allocator: Allocator,
+        requests: list[list[_Alternative]],
+        constraints: list[tuple[tuple[str, ...], str]],
+        used: set[tuple[str, str, str]],
+    ) -> None:
+        self.allocator = allocator
+        self.requests = requests
+        self.constraints = constraints
+        self.used = used
+        self.chosen: list[tuple[_Alternative, Candidate]] = []
+        self.tries = 0
+
+    def fits(self, alternative: _Alternative, device: Candidate) -> bool:
+        """Every constraint naming the request holds with this device added
+        (matchAttributeConstraint.add: the attribute present, and equal to
+        the value of the devices already in the set)."""
+        for scope, attribute in self.constraints:
+            if scope and not set(scope) & set(alternative.scope):
+                continue
+            if attribute not in device.attributes:
+                return False
+            for other_alternative, other in self.chosen:
+                if scope and not set(scope) & set(other_alternative.scope):
+                    continue
+                if other.attributes.get(attribute) != device.attributes[attribute]:
+                    return False
+        return True
+
+    def request(self, index: int) -> bool:
+        if index == len(self.requests):
+            return True
+        for alternative in self.requests[index]:
+            if alternative.mode == "All":
+                if self.every(alternative, index):
+                    return True
+            elif self.pick(alternative, alternative.count, index):
+                return True
+            if self.tries > self.allocator.budget:
+                return False
+        return False
+
+    def every(self, alternative: _Alternative, index: int) -> bool:
+        """`All`: every selectable device of the node, in use or not
+        (validateDeviceRequest collects them before the walk); one in use
+        fails the request, one a constraint refuses is an error."""
+        allocator = self.allocator
+        wanted = [d for d in allocator.devices if allocator.selectable(alternative, d)]
+        if not wanted:
+            return False
+        added = 0
+        for device in wanted:
+            self.tries += 1
+            key = (device.driver, device.pool, device.name)
+            if key in self.used or not allocator.untainted(alternative, device):
+                break
+            if not self.fits(alternative, device):
+                raise AllocationError(
+                    f"request {alternative.request}: cannot add device {device.name} because "
+                    "a claim constraint would not be satisfied"
+                )
+            self.chosen.append((alternative, device))
+            self.used.add(key)
+            added += 1
+        else:
+            if self.request(index + 1):
+                return True
+        for _ in range(added):
+            _, device = self.chosen.pop()
+            self.used.discard((device.driver, device.pool, device.name))
+        return False
+
+    def pick(self, alternative: _Alternative, left: int, index: int) -> bool:
+        if left == 0:
+            return self.request(index + 1)
+        allocator = self.allocator
+        for device in allocator.devices:
+            self.tries += 1
+            if self.tries > allocator.budget:
+                return False
+            key = (device.driver, device.pool, device.name)
+            if key in self.used or not allocator.selectable(alternative, device):
+                continue
+            if not allocator.untainted(alternative, device) or not self.fits(alternative, device):
+                continue
+            self.chosen.append((alternative, device))
+            self.used.add(key)
+            if self.pick(alternative, left - 1, index):
+                return True
+            self.chosen.pop()
+            self.used.discard(key)
+        return False
 
 
 def spec_slices(

@@ -4,6 +4,7 @@ taints; and templates that reach the best level any free choice allows."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import random
 from collections import Counter
@@ -25,6 +26,7 @@ from devplugin.policy.claim_templates import (
 )
 from devplugin.policy.topology import Level, Topology
 from devplugin.testing.dra_scheduler import (
+    AllocationError,
     Allocator,
     inventory_slices,
     node_ids,
@@ -115,6 +117,9 @@ def test_prioritized_list_falls_back_in_order_and_names_the_subrequest() -> None
     results = allocator.allocate(spec)
     assert results is not None
     assert [r["request"] for r in results] == ["g/few", "g/few"]
+    # As the real allocator walks it: every order of the 8 GPUs is tried
+    # for `many` before `few` is (it checks no counts first).
+    assert allocator.tries > 1_000_000
 
 
 @pytest.mark.parametrize("layout", ["hgx-h100", "dgx-a100", "pcie-server", "asymmetric", "16-gpu"])
@@ -355,3 +360,74 @@ def node_slices_with(
     spec: NodeSpec, unhealthy: frozenset[str], mode: str
 ) -> tuple[list[dict[str, Any]], Inventory]:
     return spec_slices(spec, DRIVER, NODE, unhealthy=unhealthy, mode=mode)
+
+
+# -- where the real allocator errors out, and its walk (issue 30) -------------------
+
+
+def two_gpus(class_name: str = f"gpu.{DRIVER}", mode: str = "ExactCount") -> dict[str, Any]:
+    body: dict[str, Any] = {"deviceClassName": class_name, "allocationMode": mode}
+    if mode == "ExactCount":
+        body["count"] = 2
+    return {"devices": {"requests": [{"name": "g", "exactly": body}]}}
+
+
+def test_a_missing_device_class_is_an_error_not_a_non_match() -> None:
+    slices, _ = node_slices(hgx_node())
+    allocator = Allocator(slices, CLASSES, NODE)
+    with pytest.raises(AllocationError, match="could not retrieve device class nope"):
+        allocator.allocate(two_gpus("nope"))
+
+
+def test_a_cel_runtime_error_aborts_the_allocation() -> None:
+    slices, _ = node_slices(hgx_node())
+    classes = dict(CLASSES)
+    broken = copy.deepcopy(classes[f"gpu.{DRIVER}"])
+    # An attribute no device has, read without has(): a runtime error.
+    broken["spec"]["selectors"] = [
+        {"cel": {"expression": f'device.attributes["{DRIVER}"].vendorSecret == "x"'}}
+    ]
+    classes["broken"] = broken
+    allocator = Allocator(slices, classes, NODE)
+    with pytest.raises(AllocationError, match="CEL runtime error"):
+        allocator.allocate(two_gpus("broken"))
+
+
+def test_all_mode_is_strict_one_device_in_use_fails_it() -> None:
+    slices, _ = node_slices(hgx_node())
+    allocator = Allocator(slices, CLASSES, NODE)
+    every = two_gpus(mode="All")
+    results = allocator.allocate(every)
+    assert results is not None
+    assert len(results) == 8
+    first_gpu = next(d.name for d in allocator.devices if d.name.startswith("gpu-"))
+    assert allocator.allocate(every, {(DRIVER, NODE, first_gpu)}) is None
+
+
+def test_all_mode_with_a_constraint_it_cannot_meet_is_an_error() -> None:
+    slices, _ = node_slices(hgx_node())
+    allocator = Allocator(slices, CLASSES, NODE)
+    spec = two_gpus(mode="All")
+    spec["devices"]["constraints"] = [{"matchAttribute": f"{DRIVER}/pcieSwitch"}]
+    with pytest.raises(AllocationError, match="constraint would not be satisfied"):
+        allocator.allocate(spec)
+
+
+def test_slices_are_walked_in_the_order_given() -> None:
+    slices, _ = node_slices(LAYOUTS["64-gpu"]())
+    assert len(slices) > 1
+    one = {
+        "devices": {"requests": [{"name": "g", "exactly": {"deviceClassName": f"gpu.{DRIVER}"}}]}
+    }
+
+    def first_gpu(order: list[dict[str, Any]]) -> str:
+        names = [d["name"] for item in order for d in item["spec"]["devices"]]
+        return next(name for name in names if name.startswith("gpu-"))
+
+    forward = Allocator(slices, CLASSES, NODE).allocate(one)
+    backward = Allocator(list(reversed(slices)), CLASSES, NODE).allocate(one)
+    assert forward is not None
+    assert backward is not None
+    assert forward[0]["device"] == first_gpu(slices)
+    assert backward[0]["device"] == first_gpu(list(reversed(slices)))
+    assert forward[0]["device"] != backward[0]["device"]
