@@ -107,6 +107,11 @@ CASES: dict[str, dict[str, Any]] = {
         "dra": {"claimTemplates": {"namespaces": ["default", "training"]}},
         "hostPaths": {"kubeletPlugins": "/data/kubelet/plugins"},
     },
+    # DRA with the second scheduler: on 1.35+ its profile weighs DRA's score.
+    "dra-scheduler": {
+        "config": {"resources": {"gpu": {"api": "dra"}, "hca": {"api": "dra"}}},
+        "extender": {"enabled": True, "scheduler": {"enabled": True}},
+    },
     # Device taints honoured by the cluster's scheduler (1.36+), and a 1.34
     # cluster told to use them anyway.
     "dra-1.36": {"config": {"resources": {"gpu": {"api": "dra"}, "hca": {"api": "dra"}}}},
@@ -133,6 +138,7 @@ CLUSTERS: dict[str, dict[str, Any]] = {
     "no-node-restriction": OLD,
     "dra": {"kubeVersion": "v1.34.2"},
     "dra-1.36": {"kubeVersion": "v1.36.1"},
+    "dra-scheduler": {"kubeVersion": "v1.35.3"},
     "dra-taint-forced": {"kubeVersion": "v1.34.2"},
 }
 
@@ -427,6 +433,28 @@ def test_rendered_config_is_the_expected_one_and_rolls_the_pods(
     parse_config(yaml.safe_load(text))
     annotations = objs["DaemonSet"]["spec"]["template"]["metadata"]["annotations"]
     assert annotations["checksum/config"] == hashlib.sha256(text.rstrip("\n").encode()).hexdigest()
+
+
+def test_the_second_scheduler_weighs_dra_scores_above_the_default_plugins_from_1_35(
+    installs: dict[str, dict[str, Any]],
+) -> None:
+    def profile(case: str) -> dict[str, Any]:
+        objs = installs[case]["objects"]
+        maps = [
+            o for o in objs if o["kind"] == "ConfigMap" and "scheduler-config.yaml" in o["data"]
+        ]
+        (found,) = maps
+        config = yaml.safe_load(found["data"]["scheduler-config.yaml"])
+        (only,) = config["profiles"]
+        return dict(only)
+
+    weighed = profile("dra-scheduler")["plugins"]["score"]["enabled"]
+    assert weighed == [{"name": "DynamicResources", "weight": 1301}]
+    # The other default score plugins together: TaintToleration 3, NodeAffinity,
+    # PodTopologySpread and InterPodAffinity 2 each, four more at 1.
+    assert weighed[0]["weight"] > 100 * (3 + 2 + 2 + 2 + 1 + 1 + 1 + 1)
+    # Without DRA (1.34, device plugins) the profile is the default one.
+    assert "plugins" not in profile("managed-cluster")
 
 
 def test_unhealthy_dra_devices_are_left_out_where_the_scheduler_ignores_taints(

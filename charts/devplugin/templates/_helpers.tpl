@@ -117,6 +117,18 @@ leaderElection:
   leaderElect: false
 profiles:
   - schedulerName: {{ .Values.extender.scheduler.schedulerName }}
+    {{- if and (eq (include "devplugin.draOn" .) "true") (semverCompare ">=1.35-0" .Capabilities.KubeVersion.Version) }}
+    {{- /* From 1.35 DynamicResources scores a node by the firstAvailable
+         rungs its claims would take there (8 minus each rung's index); at
+         the default weight 1 the other default score plugins (weights 3,
+         2, 2, 2, 1, 1, 1, 1: 13 in all, each scoring up to 100) outvote
+         it. 1301 lets one point of its normalized score outweigh them. */}}
+    plugins:
+      score:
+        enabled:
+          - name: DynamicResources
+            weight: 1301
+    {{- end }}
 extenders:
   - urlPrefix: {{ include "devplugin.extenderURL" . }}
     filterVerb: filter
