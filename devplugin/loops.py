@@ -12,10 +12,9 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 
-@runtime_checkable
 class Loop(Protocol):
     """What a supervisor needs of a part that runs on its own."""
 
@@ -64,6 +63,7 @@ class ThreadLoop:
         backoff: Backoff | None = None,
         join_timeout: float = 10.0,
         failing: str | None = None,
+        wake: threading.Event | None = None,
     ) -> None:
         self.name = name
         self._backoff = backoff or Backoff()
@@ -71,7 +71,8 @@ class ThreadLoop:
         # What the warning says a failed step did not do ("Lease not renewed").
         self._failing_text = failing or f"{name} loop step failed"
         self._stop = threading.Event()
-        self._wake = threading.Event()
+        # What pokes it; a loop may share one its callers already set.
+        self._wake = wake if wake is not None else threading.Event()
         self._thread: threading.Thread | None = None
         self._failing: str | None = None
         self._log = logging.getLogger(type(self).__module__)

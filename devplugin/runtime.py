@@ -72,14 +72,17 @@ class Daemon:
         plugins: DevicePluginFrontend,
         cluster: ClusterSide,
         dra: DraFrontend | None = None,
-        hotplug: HotplugWatcher | None = None,
+        hotplug_monitor: Any | None = None,
     ) -> None:
         self.core = core
         self.config = core.config
         self.plugins = plugins
         self.cluster = cluster
         self.dra = dra
-        self.hotplug = hotplug
+        # Opened at start (udev's netlink socket, the watcher's wake pipe):
+        # a daemon built and never started holds neither.
+        self._hotplug_monitor = hotplug_monitor
+        self.hotplug: HotplugWatcher | None = None
         self.status: StatusServer | None = None
         if self.config.metrics.enabled:
             self.status = StatusServer(
@@ -162,6 +165,7 @@ class Daemon:
         # than half a millisecond (the default slice is 5 ms).
         sys.setswitchinterval(SWITCH_INTERVAL)
         self.core.prepare()
+        self.hotplug = self.core.hotplug(self._hotplug_monitor)
         self._running = [self.core.xid] if self.core.xid is not None else []
         try:
             for loop in self.loops:
@@ -249,9 +253,7 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
             publisher=lambda desired: cluster.slice_publisher(desired, core.metrics),
         )
     cluster.publish_record(_status_inputs(core, plugins, dra), core)
-    return Daemon(
-        core, plugins=plugins, cluster=cluster, dra=dra, hotplug=core.hotplug(hotplug_monitor)
-    )
+    return Daemon(core, plugins=plugins, cluster=cluster, dra=dra, hotplug_monitor=hotplug_monitor)
 
 
 def _status_inputs(

@@ -109,6 +109,14 @@ class BoundedHandler(BaseHTTPRequestHandler):
             reader.begin(self.server.idle_timeout, self.server.request_timeout)
         super().handle_one_request()
 
+    def reply(self, code: int, body: bytes, content_type: str) -> None:
+        """A whole answer: status, type and length, then the body."""
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
 
 class BoundedServer(ThreadingHTTPServer):
     """A threading server with a cap on connections at once."""

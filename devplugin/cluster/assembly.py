@@ -161,8 +161,10 @@ class ClusterSide:
 
     def slice_publisher(self, desired: Desired, metrics: Metrics) -> SlicePublisher | None:
         kube = self.config.kubernetes
-        watcher = make_client(kube) if self.writer is not None else None
-        if self.writer is None or watcher is None:
+        if self.writer is None:
+            return None
+        watcher = make_client(kube)
+        if watcher is None:
             return None
         node = node_name(self.config)
         return SlicePublisher(

@@ -696,7 +696,7 @@ class ExtenderHandler(BoundedHandler):
             return
         self.extender.metrics.seconds.labels(name).observe(time.perf_counter() - started)
         self.extender.metrics.requests.labels(name, "ok").inc()
-        self._raw(200, answer, "application/json")
+        self.reply(200, answer, "application/json")
 
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
@@ -712,7 +712,7 @@ class ExtenderHandler(BoundedHandler):
         elif path == "/metrics":
             self.extender.count_records()
             data = generate_latest(self.extender.metrics.registry)
-            self._raw(200, data, "text/plain; version=0.0.4")
+            self.reply(200, data, "text/plain; version=0.0.4")
         else:
             self._text(404, "not found\n")
 
@@ -761,17 +761,10 @@ class ExtenderHandler(BoundedHandler):
             raise BadRequest("a value nested too deeply") from exc
 
     def _send(self, code: int, body: Any) -> None:
-        self._raw(code, json.dumps(body).encode(), "application/json")
+        self.reply(code, json.dumps(body).encode(), "application/json")
 
     def _text(self, code: int, text: str) -> None:
-        self._raw(code, text.encode(), "text/plain; charset=utf-8")
-
-    def _raw(self, code: int, data: bytes, kind: str) -> None:
-        self.send_response(code)
-        self.send_header("Content-Type", kind)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        self.reply(code, text.encode(), "text/plain; charset=utf-8")
 
     def log_message(self, format: str, *args: object) -> None:
         log.debug("extender http: " + format, *args)

@@ -75,7 +75,6 @@ class Layouts(ThreadLoop):
 
     def __init__(self, on_ready: Callable[[str], None] = lambda node: None) -> None:
         super().__init__("layouts", failing="a node's topology could not be built")
-        self._started = False
         self._lock = threading.Lock()
         self._by_node: dict[str, Layout] = {}
         self._shared: weakref.WeakValueDictionary[tuple[Any, ...], Layout] = (
@@ -110,8 +109,7 @@ class Layouts(ThreadLoop):
             if self._wanted.get(record.name) == record.layout_key:
                 return _slim(record, record.layout_key)
             self._wanted[record.name] = record.layout_key
-            if not self._started:
-                self._started = True
+            if self.thread is None:
                 self.start()
         self._queue.put((record.name, record))
         return _slim(record, record.layout_key)

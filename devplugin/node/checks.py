@@ -73,10 +73,13 @@ class CheckLoop(ThreadLoop):
     ) -> None:
         # A failed check keeps the previous device lists and is tried again
         # after a pause, not at once in a tight loop.
+        self.requests = requests if requests is not None else Requests()
+        # The events that ask for a check are this loop's pokes.
         super().__init__(
             "checks",
             backoff=Backoff(min(1.0, interval), interval),
             failing="health check failed; keeping the previous device lists",
+            wake=self.requests.wake,
         )
         self._discoverer = discoverer
         self._port_interval = port_interval
@@ -89,9 +92,6 @@ class CheckLoop(ThreadLoop):
         self._on_scan = on_scan
         self._metrics = metrics
         self._clock = clock
-        self.requests = requests if requests is not None else Requests()
-        # The events that ask for a check are this loop's pokes.
-        self._wake = self.requests.wake
         never = float("inf")
         self._port_every = port_interval or never
         self._next_check = self._next_full = self._next_ports = never

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from devplugin.config import CDI_STRATEGIES, Config, ConfigError, HooksConfig, dra_kinds
+from devplugin.config import CDI_STRATEGIES, Config, ConfigError, dra_kinds
 from devplugin.model import KINDS, DeviceKind, Inventory
 from devplugin.node.alignment import AlignmentMonitor
 from devplugin.node.checks import CheckLoop, Requests
@@ -57,10 +57,6 @@ def check_socket_field(field: str, path: Path) -> None:
         check_server_path(path)
     except ValueError as exc:
         raise ConfigError(field, str(exc)) from exc
-
-
-def hooks_of(config: Config, kind: DeviceKind) -> HooksConfig:
-    return config.resources.of(kind).hooks
 
 
 def _gpu_resource(config: Config, capabilities: Capabilities) -> Resource:
@@ -146,7 +142,6 @@ class NodeCore:
     metrics: Metrics
     coordinator: Coordinator
     runner: HookRunner
-    health: HealthTracker
     cleanup: CleanupManager
     pipeline: Pipeline
     checks: CheckLoop
@@ -155,12 +150,8 @@ class NodeCore:
     # The HCA as the GPU front-end's attach option and the pipeline see it.
     hca_view: HcaResource
 
-    @property
-    def names(self) -> dict[DeviceKind, str]:
-        return {resource.kind: resource.name for resource in self.resources}
-
     def init_hook(self, kind: DeviceKind) -> HookSpec | None:
-        hooks = hooks_of(self.config, kind)
+        hooks = self.config.resources.of(kind).hooks
         return HookSpec(hooks.init, hooks.timeout_seconds) if hooks.init else None
 
     def hotplug(self, monitor: object | None) -> HotplugWatcher | None:
@@ -243,7 +234,7 @@ def build_core(config: Config, nvml_lib: object | None, *, witness: Witness) -> 
         hooks={
             resource.kind: HookSpec(hooks.cleanup, hooks.timeout_seconds)
             for resource in resources
-            if (hooks := hooks_of(config, resource.kind)).cleanup
+            if (hooks := config.resources.of(resource.kind).hooks).cleanup
         },
         resource_names=names,
         describe=lambda kind, ids: describe(discoverer.last, kind, ids),
@@ -303,7 +294,6 @@ def build_core(config: Config, nvml_lib: object | None, *, witness: Witness) -> 
         metrics=metrics,
         coordinator=coordinator,
         runner=runner,
-        health=health,
         cleanup=cleanup,
         pipeline=pipeline,
         checks=checks,

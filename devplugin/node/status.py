@@ -89,20 +89,13 @@ class StatusServer:
             def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
-                    self._send(200, generate_latest(registry), CONTENT_TYPE_LATEST)
+                    self.reply(200, generate_latest(registry), CONTENT_TYPE_LATEST)
                 elif path in ("/healthz", "/readyz"):
                     ok, detail = (healthy if path == "/healthz" else ready)()
                     body = ("ok" if ok else detail or "not ok") + "\n"
-                    self._send(200 if ok else 503, body.encode(), "text/plain; charset=utf-8")
+                    self.reply(200 if ok else 503, body.encode(), "text/plain; charset=utf-8")
                 else:
-                    self._send(404, b"not found\n", "text/plain; charset=utf-8")
-
-            def _send(self, code: int, body: bytes, content_type: str) -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                    self.reply(404, b"not found\n", "text/plain; charset=utf-8")
 
             def log_message(self, format: str, *args: object) -> None:
                 log.debug("http: " + format, *args)

@@ -269,8 +269,6 @@ class Allocator:
             ],
             set(taken),
         )
-        self.tries = 0
-        self.timed_out = False
         try:
             found = walk.request(0)
         finally:
@@ -283,11 +281,6 @@ class Allocator:
              "device": device.name}
             for alternative, device in walk.chosen
         ]  # fmt: skip
-
-    @property
-    def steps(self) -> int:
-        """The last allocation's device tries (the name older tests use)."""
-        return self.tries
 
 
 class _Walk:
