@@ -105,8 +105,7 @@ def run_layout(layout: str, trials: int, seed: int) -> list[dict[str, Any]]:
     topology = Topology.from_inventory(inventory)
     classes = {c["metadata"]["name"]: c for c in device_classes(DRIVER)}
     selectors = Selectors()
-    allocator = Allocator(slices, classes, NODE, selectors=selectors)
-    devices = [d.name for d in allocator.devices]
+    devices = [d.name for d in Allocator(slices, classes, NODE).devices]
     rows = []
     for shape in SHAPES:
         rng = random.Random(f"{seed}-{layout}-{shape.pairs}")
@@ -128,6 +127,11 @@ def run_layout(layout: str, trials: int, seed: int) -> list[dict[str, Any]]:
             best = optimum(levels, shape.pairs)
             assert best is not None
             counted += 1
+            # The slices as the node publishes them with these held: the
+            # templates' gate reads their free counts.
+            held = {name for _, _, name in taken}
+            now, _ = spec_slices(LAYOUTS[layout](), DRIVER, NODE, held=held)
+            allocator = Allocator(now, classes, NODE, selectors=selectors)
             started = time.perf_counter()
             results = allocator.allocate(template, taken)
             times.append(time.perf_counter() - started)
@@ -189,55 +193,60 @@ def dra_bench(*, quick: bool = False) -> bool:
         f"{root_many:.1%}), unallocated {failed}: {'met' if met else 'MISSED'}"
     )
     print()
-    tries_bench(quick=quick)
-    return met
+    return tries_bench(quick=quick) and met
 
 
-# Issue 30's target for the real allocator's walk: any chart template
+# The goal for the real allocator's walk (issue 30): any chart template
 # decided (allocated, or found not to fit) within this many device tries.
 TRIES_TARGET = 10_000
 # Counting stops here: past the target, the exact count says nothing more.
 TRIES_CAP = 100_000
 
 
-def _short(devices: list[str], kind: str, keep: int) -> set[tuple[str, str, str]]:
-    """Every device of `kind` after the first `keep` taken by other claims."""
+def _short(devices: list[str], kind: str, keep: int) -> set[str]:
+    """Every device of `kind` after the first `keep`, held by other claims."""
     mine = [name for name in devices if name.startswith(f"{kind}-")]
-    return {(DRIVER, NODE, name) for name in mine[keep:]}
+    return set(mine[keep:])
 
 
-def _tries(allocator: Allocator, shape: Shape, taken: set[tuple[str, str, str]]) -> str:
-    allocator.allocate(claim_spec(shape, DRIVER), taken)
-    return f">{TRIES_CAP:,}" if allocator.timed_out else f"{allocator.tries:,}"
+def _tries(layout: str, shape: Shape, held: set[str]) -> tuple[str, int]:
+    """The walk's tries for a claim of this shape on a node whose `held`
+    devices prepared claims hold (the slices' free counts say so)."""
+    slices, _ = spec_slices(LAYOUTS[layout](), DRIVER, NODE, held=held)
+    classes = {c["metadata"]["name"]: c for c in device_classes(DRIVER)}
+    allocator = Allocator(slices, classes, NODE, budget=TRIES_CAP)
+    allocator.allocate(claim_spec(shape, DRIVER), {(DRIVER, NODE, name) for name in held})
+    count = f">{TRIES_CAP:,}" if allocator.timed_out else f"{allocator.tries:,}"
+    return count, allocator.tries
 
 
 def tries_rows(layout: str) -> list[tuple[str, str, str, str, int]]:
     """(template, tries when it fits on a free node, one HCA short, one GPU
     short, the worst count) for each chart template the layout can hold."""
     slices, inventory = spec_slices(LAYOUTS[layout](), DRIVER, NODE)
-    classes = {c["metadata"]["name"]: c for c in device_classes(DRIVER)}
-    allocator = Allocator(slices, classes, NODE, budget=TRIES_CAP)
-    devices = [d.name for d in allocator.devices]
+    devices = [d["name"] for s in slices for d in s["spec"]["devices"]]
     rows = []
     for shape in CHART_SHAPES:
         if shape.gpus > len(inventory.gpus) or shape.hcas > len(inventory.hcas):
             continue
-        counts = [_tries(allocator, shape, set())]
-        worst = allocator.tries
+        count, worst = _tries(layout, shape, set())
+        counts = [count]
         for kind, need in (("hca", shape.hcas), ("gpu", shape.gpus)):
             if need == 0:
                 counts.append("-")
                 continue
-            counts.append(_tries(allocator, shape, _short(devices, kind, need - 1)))
-            worst = max(worst, allocator.tries)
+            count, tries = _tries(layout, shape, _short(devices, kind, need - 1))
+            counts.append(count)
+            worst = max(worst, tries)
         rows.append((template_name(shape), counts[0], counts[1], counts[2], worst))
     return rows
 
 
-def tries_bench(*, quick: bool = False) -> None:
-    """Device tries of the real allocator's walk per layout and template:
-    printed against issue 30's target, which the templates do not meet yet
-    (so it is not a gate of `make bench`)."""
+def tries_bench(*, quick: bool = False) -> bool:
+    """Device tries of the real allocator's walk per layout and template,
+    on a free node and on nodes one HCA or one GPU short (prepared claims
+    hold the rest, and the slices' free counts say so): against issue 30's
+    target."""
     layouts = (
         BENCH_LAYOUTS
         if quick
@@ -247,14 +256,16 @@ def tries_bench(*, quick: bool = False) -> None:
         "DRA device tries, walked as the scheduler's allocator walks (one per device "
         f"considered; counting stops past {TRIES_CAP:,})"
     )
-    print(f"{'layout':16} {'template':22} {'fits':>9} {'HCA short':>10} {'GPU short':>10}")
+    print(f"{'layout':16} {'template':22} {'free node':>9} {'HCA short':>10} {'GPU short':>10}")
     worst: tuple[int, str] = (0, "")
     for layout in layouts:
         for name, fits, hca_short, gpu_short, most in tries_rows(layout):
             print(f"{layout:16} {name:22} {fits:>9} {hca_short:>10} {gpu_short:>10}")
             worst = max(worst, (most, f"{layout} {name}"))
     count = f">{TRIES_CAP:,}" if worst[0] > TRIES_CAP else f"{worst[0]:,}"
+    met = worst[0] <= TRIES_TARGET
     print(
-        f"== DRA tries: worst {count} ({worst[1]}); target <= {TRIES_TARGET:,} "
-        f"(issue 30): {'met' if worst[0] <= TRIES_TARGET else 'not yet'}"
+        f"== DRA tries: worst {count} ({worst[1]}); goal <= {TRIES_TARGET:,}: "
+        f"{'met' if met else 'MISSED'}"
     )
+    return met

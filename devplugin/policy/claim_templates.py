@@ -19,6 +19,18 @@ the second request would settle for the first GPU's best HCA.) Pairs are
 placed one after another; a GPU set in one NVLink domain adds one
 constraint over every GPU request on `devplugin.io/nvlinkDomain`.
 
+The first request carries a gate: a selector on the free counts the driver
+publishes on every device (`freeGpus`, `freeHcas`, and on an NVLink GPU
+`freeInNvlinkDomain`). The scheduler's allocator has no count check of
+its own: on a node one HCA short it walks every order of the pairs'
+interchangeable requests, and on a node whose NVLink domains are all too
+small every GPU order, before it gives up (millions of device tries for 8
+pairs, against a Filter timeout of 10 s). With the gate such a node is
+refused by the first request's scan. Where the counts say the claim fits,
+the `any` rung cannot fail, so each pair settles on its own without the
+walk going back to an earlier one. A device without the counts (a driver
+from before them) passes the gate.
+
 Limits (resource.k8s.io/v1): at most 32 requests and 32 constraints per
 claim, at most 8 subrequests per request: so at most 8 pairs (32
 constraints, 16 requests, plus the extra GPUs or HCAs beyond the pairs).
@@ -87,6 +99,24 @@ def device_classes(driver: str) -> list[dict[str, Any]]:
     ]
 
 
+def gate(shape: Shape, driver: str) -> str:
+    """The CEL selector on the free counts for this shape (see above)."""
+    here = f'device.attributes["{driver}"]'
+    checks = [f"{here}.freeGpus >= {shape.gpus}", f"{here}.freeHcas >= {shape.hcas}"]
+    if shape.nvlink and shape.gpus > 1:
+        checks.append(
+            f"has({here}.freeInNvlinkDomain) && {here}.freeInNvlinkDomain >= {shape.gpus}"
+        )
+    return f"!has({here}.freeGpus) || ({' && '.join(checks)})"
+
+
+def _gated(request: dict[str, Any], expression: str) -> None:
+    selector = {"cel": {"expression": expression}}
+    for part in request.get("firstAvailable") or [request.get("exactly")]:
+        if part is not None:
+            part.setdefault("selectors", []).append(selector)
+
+
 def _ladder(prefer: str, driver: str, *, node: bool) -> list[tuple[str, str]]:
     """(subrequest name, qualified attribute it matches) from the preferred level down."""
     if prefer == "NONE":
@@ -148,6 +178,7 @@ def claim_spec(shape: Shape, driver: str) -> dict[str, Any]:
         constraints.append({"requests": gpu_requests, "matchAttribute": f"{driver}/nvlinkDomain"})
     if len(requests) > MAX_REQUESTS or len(constraints) > MAX_CONSTRAINTS:
         raise TemplateError("the shape needs more requests or constraints than a claim holds")
+    _gated(requests[0], gate(shape, driver))
     devices: dict[str, Any] = {"requests": requests}
     if constraints:
         devices["constraints"] = constraints

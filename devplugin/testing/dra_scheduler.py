@@ -35,7 +35,7 @@ subrequest).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,31 +124,26 @@ def candidates(slices: Iterable[Mapping[str, Any]], node: str) -> list[Candidate
 
 
 class Selectors:
-    """Compiled CEL programs, and each one's verdict per device, kept."""
+    """Compiled CEL programs, kept across allocators (the scheduler's CEL
+    cache); verdicts are kept per allocator, whose slices they judge."""
 
     def __init__(self) -> None:
         self._env = celpy.Environment()
         self._programs: dict[str, Any] = {}
-        self._verdicts: dict[tuple[str, str, str, str], bool] = {}
 
-    def match(self, expression: str, device: Candidate) -> bool:
-        key = (expression, device.driver, device.pool, device.name)
-        verdict = self._verdicts.get(key)
-        if verdict is None:
-            program = self._programs.get(expression)
-            if program is None:
-                program = self._env.program(self._env.compile(expression))
-                self._programs[expression] = program
-            try:
-                verdict = bool(program.evaluate({"device": device.view}))
-            except Exception as exc:
-                # selectorsMatch: a CEL runtime error (a missing attribute
-                # read without has(), a type mismatch) aborts the allocation.
-                raise AllocationError(
-                    f"selector {expression!r} on device {device.name}: CEL runtime error: {exc}"
-                ) from exc
-            self._verdicts[key] = verdict
-        return verdict
+    def evaluate(self, expression: str, device: Candidate) -> bool:
+        program = self._programs.get(expression)
+        if program is None:
+            program = self._env.program(self._env.compile(expression))
+            self._programs[expression] = program
+        try:
+            return bool(program.evaluate({"device": device.view}))
+        except Exception as exc:
+            # selectorsMatch: a CEL runtime error (a missing attribute
+            # read without has(), a type mismatch) aborts the allocation.
+            raise AllocationError(
+                f"selector {expression!r} on device {device.name}: CEL runtime error: {exc}"
+            ) from exc
 
 
 @dataclass(frozen=True)
@@ -202,6 +197,9 @@ class Allocator:
         self.budget = budget
         self._classes = classes
         self._selectors = selectors or Selectors()
+        # isSelectable's deviceMatchesRequest: a verdict per expression and
+        # device, for these slices.
+        self._verdicts: dict[tuple[str, str, str, str], bool] = {}
         # A cluster may set the gate either way; by default it follows the
         # version's default.
         self.device_taints = device_taints_on(version) if device_taints is None else device_taints
@@ -240,7 +238,14 @@ class Allocator:
 
     def selectable(self, alternative: _Alternative, device: Candidate) -> bool:
         """The class's and the request's selectors match (isSelectable)."""
-        return all(self._selectors.match(e, device) for e in alternative.expressions)
+        return all(self._match(e, device) for e in alternative.expressions)
+
+    def _match(self, expression: str, device: Candidate) -> bool:
+        key = (expression, device.driver, device.pool, device.name)
+        verdict = self._verdicts.get(key)
+        if verdict is None:
+            verdict = self._verdicts[key] = self._selectors.evaluate(expression, device)
+        return verdict
 
     def untainted(self, alternative: _Alternative, device: Candidate) -> bool:
         """No untolerated NoSchedule or NoExecute taint, checked only with
@@ -395,12 +400,13 @@ def spec_slices(
     *,
     unhealthy: frozenset[str] = frozenset(),
     mode: str = "taint",
+    held: Collection[str] = frozenset(),
 ) -> tuple[list[dict[str, Any]], Inventory]:
     """The ResourceSlices the driver would publish for a layout, built in
     memory (no daemon), and the inventory behind them."""
     gpus, hcas = devices_from_spec(spec)
     inventory = Inventory(gpus=gpus, hcas=hcas)
-    slices = inventory_slices(inventory, driver, node, unhealthy=unhealthy, mode=mode)
+    slices = inventory_slices(inventory, driver, node, unhealthy=unhealthy, mode=mode, held=held)
     return slices, inventory
 
 
@@ -411,9 +417,12 @@ def inventory_slices(
     *,
     unhealthy: frozenset[str] = frozenset(),
     mode: str = "taint",
+    held: Collection[str] = frozenset(),
 ) -> list[dict[str, Any]]:
     """The ResourceSlices the driver would publish for these devices, with
-    the unhealthy ones tainted or left out (`mode`, as dra.unhealthy)."""
+    the unhealthy ones tainted or left out (`mode`, as dra.unhealthy), and
+    the free counts with the devices `held` (slice names) taken by
+    prepared claims."""
     devices = node_devices(inventory, [DeviceKind.GPU, DeviceKind.HCA])
     states = {
         kind: ResourceState(
@@ -429,7 +438,7 @@ def inventory_slices(
         )
         for kind in DeviceKind
     }  # fmt: skip
-    entries = published(devices, states, domain=driver, unhealthy=mode)
+    entries = published(devices, states, domain=driver, unhealthy=mode, held=held)
     chunks = split(entries, tainting=mode == "taint")
     slices = [
         {

@@ -13,11 +13,14 @@ from typing import Any
 import grpc
 import pytest
 
+from devplugin.frontends.dra.slices import FREE_GPUS, FREE_HCAS
 from devplugin.policy.cdi import validate_spec
+from devplugin.policy.claim_templates import Shape, claim_spec, device_classes
 from devplugin.policy.topology import Level, Topology
 from devplugin.testing.cdi import CdiRuntime
 from devplugin.testing.dra_kubelet import ClaimCall
 from devplugin.testing.dra_limits import slice_problems
+from devplugin.testing.dra_scheduler import Allocator, taken_devices
 from devplugin.testing.kubelet import ContainerRequest, KubeletSimulator
 from devplugin.testing.node import hgx_node
 from tests.dra_support import DRIVER, NODE, DraCluster, pix_pair, published, start_dra
@@ -427,3 +430,40 @@ def test_claims_prepared_and_unprepared_back_to_back_clean_each_release_once(
     assert len(set(cleaned)) == 16
     assert wait_until(lambda: published(cluster, 16), timeout=20)
     assert json.loads(cluster.checkpoint.read_text())["claims"] == []
+
+
+def test_free_counts_follow_prepare_and_cleanup_and_refuse_a_short_node_at_once(
+    start_dra: Start, tmp_path: Path
+) -> None:
+    log = tmp_path / "cleanup.log"
+    gate = tmp_path / "gate"
+    cluster = start_dra(hgx_node(), **{"resources.gpu.hooks.cleanup": hook(log, f"wait:{gate}")})
+    assert wait_until(lambda: published(cluster, 16), timeout=10)
+
+    def counts() -> set[tuple[int, int]]:
+        return {
+            (d["attributes"][FREE_GPUS]["int"], d["attributes"][FREE_HCAS]["int"])
+            for d in cluster.devices().values()
+        }
+
+    assert counts() == {(8, 8)}
+    gpus = sorted(n for n in cluster.devices() if n.startswith("gpu-"))
+    hca = next(n for n in sorted(cluster.devices()) if n.startswith("hca-"))
+    claim = cluster.claim("c", [("gpu", gpus[0]), ("gpu", gpus[1]), ("hca", hca)])
+    assert cluster.prepare(claim)[claim.uid]["error"] == ""
+    # The take rejudges, which pokes the publisher: no scan or poll waited for.
+    assert wait_until(lambda: counts() == {(6, 7)}, timeout=2)  # the check runs every 5 s
+    # The scheduler's walk on these slices: an 8-pair claim no longer fits
+    # and is refused by its first scan.
+    classes = {c["metadata"]["name"]: c for c in device_classes(DRIVER)}
+    allocator = Allocator(cluster.slices(), classes, NODE)
+    taken = taken_devices(cluster.api.items("resourceclaims"))
+    assert allocator.allocate(claim_spec(Shape(8, 8), DRIVER), taken) is None
+    assert allocator.tries <= 10_000
+    assert allocator.allocate(claim_spec(Shape(6, 6), DRIVER), taken) is not None
+    # Released, the GPUs are owed a cleanup: still not free while it runs.
+    assert cluster.unprepare(claim) == {claim.uid: ""}
+    assert wait_until(lambda: counts() == {(6, 8)}, timeout=10)
+    assert all("taints" in cluster.devices()[g] for g in gpus[:2])
+    gate.touch()
+    assert wait_until(lambda: counts() == {(8, 8)}, timeout=20)

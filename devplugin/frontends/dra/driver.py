@@ -175,7 +175,13 @@ class DraFrontend(ThreadLoop):
     def desired(self) -> list[list[dict[str, Any]]]:
         with self._lock:
             devices, states = self._snapshot
-        entries = published(devices, states, domain=self.preparer.driver, unhealthy=self._unhealthy)
+        entries = published(
+            devices,
+            states,
+            domain=self.preparer.driver,
+            unhealthy=self._unhealthy,
+            held=self.preparer.held(),
+        )
         return split(entries, tainting=self._unhealthy == "taint")
 
     def _health(

@@ -137,6 +137,17 @@ class Preparer:
         """The devices as the slices name them (what a claim's results name)."""
         return slice_names(node_devices(self._pipeline.inventory, self._kinds))
 
+    def held(self) -> frozenset[str]:
+        """The devices of this pool that claims hold, as slices name them
+        (the slices' free counts; the rejudge after a take or a release
+        makes the publisher compare them again)."""
+        return frozenset(
+            device.device
+            for claim in self._cleanup.claims()
+            for device in claim.devices
+            if device.pool == self.pool
+        )
+
     @property
     def kinds(self) -> Collection[DeviceKind]:
         return self._resources.keys()

@@ -15,7 +15,7 @@ another device: it is SYS to everything, as the node's own allocator sees it.
 
 Limits come from the API: at most 128 devices per slice, 64 when any device
 may carry taints; at most 32 attributes and capacities per device (these
-have at most 10); string values at most 64 characters. The API imitation
+have at most 13); string values at most 64 characters. The API imitation
 checks every slice written against those limits (testing/dra_limits.py).
 """
 
@@ -230,10 +230,12 @@ def published(
     *,
     domain: str,
     unhealthy: str,
+    held: Collection[str] = frozenset(),
 ) -> list[dict[str, Any]]:
     """The device entries as the slice holds them: healthy devices as they
-    are, unhealthy ones tainted (or left out, `unhealthy == "remove"`). A
-    device no judged state covers yet is not offered."""
+    are, unhealthy ones tainted (or left out, `unhealthy == "remove"`), all
+    with the free counts (`held`: the names prepared claims hold). A device
+    no judged state covers yet is not offered."""
     entries: list[dict[str, Any]] = []
     for device in devices:
         state = served.get(device.kind)
@@ -246,7 +248,48 @@ def published(
             reason = judged.reason if judged is not None else "not judged yet"
             entry["taints"] = [taint(reason, domain)]
         entries.append(entry)
-    return entries
+    return with_free_counts(entries, held)
+
+
+# What a claim template's first request checks before the allocator walks
+# (policy/claim_templates.py, `gate`): how many devices of each type no
+# prepared claim holds and no taint keeps out, and on a GPU with NVLink,
+# how many of its domain are so. The allocator walks every order of a
+# claim's interchangeable requests before it gives up, so without these a
+# node one device short holds the scheduler for millions of tries.
+FREE_GPUS = "freeGpus"
+FREE_HCAS = "freeHcas"
+FREE_IN_NVLINK_DOMAIN = "freeInNvlinkDomain"
+
+
+def with_free_counts(
+    entries: Sequence[Mapping[str, Any]], held: Collection[str]
+) -> list[dict[str, Any]]:
+    """The entries, each with the node's free counts. `held` names the
+    devices prepared claims hold. A claim the scheduler allocated and the
+    kubelet has not prepared yet still counts as free: the counts can be
+    high for a moment (the walk then runs as without them), never low, so
+    they never turn away a node that fits."""
+    free = [e for e in entries if not e.get("taints") and e["name"] not in held]
+    by_type: dict[str, int] = {"gpu": 0, "hca": 0}
+    by_domain: dict[str, int] = {}
+    for entry in free:
+        attributes = entry["attributes"]
+        kind = attributes["type"]["string"]
+        by_type[kind] = by_type.get(kind, 0) + 1
+        if "nvlinkDomain" in attributes:
+            domain = attributes["nvlinkDomain"]["string"]
+            by_domain[domain] = by_domain.get(domain, 0) + 1
+    counted = []
+    for entry in entries:
+        attributes = dict(entry["attributes"])
+        attributes[FREE_GPUS] = {"int": by_type["gpu"]}
+        attributes[FREE_HCAS] = {"int": by_type["hca"]}
+        if "nvlinkDomain" in attributes:
+            domain = attributes["nvlinkDomain"]["string"]
+            attributes[FREE_IN_NVLINK_DOMAIN] = {"int": by_domain.get(domain, 0)}
+        counted.append({**entry, "attributes": attributes})
+    return counted
 
 
 def split(entries: Sequence[dict[str, Any]], *, tainting: bool) -> list[list[dict[str, Any]]]:
