@@ -98,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     template.add_argument("--driver", default="devplugin.io", help="the DRA driver name")
     template.add_argument("--name", default="", help="the template's name")
     template.add_argument("--namespace", default="", help="the template's namespace")
+    _extender_arguments(commands)
+    return parser
+
+
+def _extender_arguments(commands: Any) -> None:
     extender = commands.add_parser(
         "extender", help="serve the kube-scheduler extender (filter, prioritize)"
     )
@@ -134,10 +139,22 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("POD_NAMESPACE") or "default",
         help="where the node daemons' heartbeat Leases are (default: $POD_NAMESPACE or default)",
     )
+    extender.add_argument(
+        "--dra",
+        action="store_true",
+        help="also serve /scheduler/claims/{filter,prioritize} for pods with ResourceClaims "
+        "(watches ResourceClaims, ResourceSlices and DeviceClasses)",
+    )
+    extender.add_argument(
+        "--dra-device-taints",
+        choices=["on", "off"],
+        default="on",
+        help="whether the scheduler honours device taints (the DRADeviceTaints gate: on by "
+        "default from 1.36); the predictions follow it (default on)",
+    )
     extender.add_argument("--gpu-resource", default="nvidia.com/gpu")
     extender.add_argument("--hca-resource", default="rdma/hca")
     extender.add_argument("--log-format", choices=["text", "json"], default="text")
-    return parser
 
 
 def resolve_config(args: argparse.Namespace) -> Config:
@@ -348,6 +365,8 @@ def cmd_extender(args: argparse.Namespace) -> int:
             tls=tls,
             names=(args.gpu_resource, args.hca_resource),
             lease_namespace=args.lease_namespace,
+            dra=args.dra,
+            device_taints=args.dra_device_taints == "on",
         )
     except (OSError, ValueError, RuntimeError) as exc:
         log.error("cannot start: %s", exc)

@@ -12,6 +12,15 @@ the field names are the Go names):
   FailedAndUnresolvableNodes, Error}.
 * POST /scheduler/prioritize: ExtenderArgs -> HostPriorityList
   [{Host, Score}], Score 0..10.
+* POST /scheduler/claims/filter and /scheduler/claims/prioritize: the same
+  for pods that ask for devices through ResourceClaims (with --dra). The
+  scheduler calls an extender whose `managedResources` is set only for
+  pods that request one of them (HTTPExtender.IsInterested), so the chart
+  names this one without: it is asked about every pod and answers at once
+  (everything passes, every score 0) for one without claims. For a pod
+  with claims it predicts, node by node, what the allocator will pick
+  (dra_views.py), filters out nodes where that is nothing, and ranks the
+  rest by the worst GPU+HCA pair of that choice.
 
 A node without a record, whose daemon's Lease has run out, or whose large
 layout is still being built, is never filtered (scheduling must not stop
@@ -45,12 +54,14 @@ from lightkube import operators as op
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from devplugin.cluster.client import Heartbeat, make_client
+from devplugin.cluster.dra_views import DraCaches, DraViews, dra_caches, pod_claims
 from devplugin.cluster.lease import NODE_LABEL, Lease, lease_name, parse_micro_time
 from devplugin.cluster.pods import PodCache
 from devplugin.cluster.publisher import NodeDevices
 from devplugin.cluster.views import Layouts, NodeViews, parse_record
 from devplugin.cluster.watch import Incomplete, WatchCache, WatchTiming
 from devplugin.config import KubernetesConfig
+from devplugin.policy.dra_predict import Prediction, ranks
 from devplugin.policy.placement import (
     Outcome,
     ParsedRecord,
@@ -310,10 +321,12 @@ class Extender:
         wall: Callable[[], float] = time.time,
         layouts: Layouts | None = None,
         clock: Callable[[], float] = time.monotonic,
+        dra: tuple[DraViews, DraCaches] | None = None,
     ) -> None:
         self.records = records
         self.pods = pods
         self.leases = leases
+        self.dra = dra
         self.gpu, self.hca = gpu, hca
         self.stale_after = stale_after
         self.metrics = metrics or ExtenderMetrics()
@@ -401,6 +414,49 @@ class Extender:
         ranked = scores(outcomes)
         return [{"Host": name, "Score": ranked[name]} for name in names]
 
+    def claims_filter(self, args: Mapping[str, Any]) -> dict[str, Any]:
+        """Filter for pods with ResourceClaims: a node passes unless the
+        allocator's walk there finds nothing for the pod's claims."""
+        _, names, nodes = self._args(args)
+        predictions = self._predictions(args, names)
+        failed = {
+            name: "devplugin: the pod's ResourceClaims cannot be allocated here"
+            for name, prediction in predictions.items()
+            if prediction is not None and not prediction.fits
+        }
+        result: dict[str, Any] = {"FailedNodes": failed, "FailedAndUnresolvableNodes": {}}
+        result["Error"] = ""
+        passing = [name for name in names if name not in failed]
+        if nodes is not None:
+            keep = set(passing)
+            items = [n for n in nodes if _node_name(n) in keep]
+            result["Nodes"] = {"apiVersion": "v1", "kind": "NodeList", "items": items}
+            result["NodeNames"] = None
+        else:
+            result["NodeNames"] = passing
+            result["Nodes"] = None
+        return result
+
+    def claims_prioritize(self, args: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """Scores for pods with ResourceClaims: by the worst pair, then the
+        sum over pairs, of what the allocator will pick on each node."""
+        _, names, _ = self._args(args)
+        scored = ranks(self._predictions(args, names))
+        return [{"Host": name, "Score": scored.get(name, 0)} for name in names]
+
+    def _predictions(
+        self, args: Mapping[str, Any], names: list[str]
+    ) -> dict[str, Prediction | None]:
+        """Per node, the allocator's choice for the pod's claims; nothing
+        (every node None) for a pod without claims or with one not known."""
+        if self.dra is None:
+            return {}
+        views, caches = self.dra
+        claims = pod_claims(args["Pod"], caches.claims)
+        if not claims:
+            return {}
+        return {name: views.predict(name, claims) for name in names}
+
     def _count(self, hits: int, asked: int) -> None:
         # Counted once per call: a counter per node would cost more than the lookup.
         if hits:
@@ -471,12 +527,21 @@ class Extender:
         caches: list[WatchCache[Any]] = [self.records, self.pods]
         if self.leases is not None:
             caches.append(self.leases)
+        if self.dra is not None:
+            caches.extend(self.dra[1].all())
         return caches
 
     def ready(self) -> tuple[bool, str]:
         """Ready while both caches are current: a frozen view must not steer
         pods (with `ignorable: true` the scheduler goes on without us)."""
-        named = {"nodedevices": "NodeDevices records", "pods": "pods", "leases": "node Leases"}
+        named = {
+            "nodedevices": "NodeDevices records",
+            "pods": "pods",
+            "leases": "node Leases",
+            "resourceclaims": "ResourceClaims",
+            "resourceslices": "ResourceSlices",
+            "deviceclasses": "DeviceClasses",
+        }
         for cache in self._caches():
             what = named.get(cache.name, cache.name)
             if not cache.synced.is_set():
@@ -774,6 +839,8 @@ def _handler(extender: Extender, slots: Slots, full_for: float) -> type[BaseHTTP
     verbs: dict[str, Callable[[Mapping[str, Any]], Any]] = {
         "/scheduler/filter": extender.filter,
         "/scheduler/prioritize": extender.prioritize,
+        "/scheduler/claims/filter": extender.claims_filter,
+        "/scheduler/claims/prioritize": extender.claims_prioritize,
     }
     attributes = {
         "extender": extender, "slots": slots, "full_for": full_for,
@@ -790,6 +857,8 @@ def serve(
     tls: tuple[str, str] | None = None,
     names: Sequence[str] = ("nvidia.com/gpu", "rdma/hca"),
     lease_namespace: str = "default",
+    dra: bool = False,
+    device_taints: bool = True,
 ) -> tuple[Extender, ExtenderServer, list[WatchCache[Any]]]:
     """Wire and start the caches (each on its own client, whose transport
     tells it when the server last answered) and the HTTP server (the CLI's
@@ -806,6 +875,12 @@ def serve(
     records = record_cache(connect(beats[0]), kube, beats[0], layouts)
     pods = pod_cache(connect(beats[1]), kube, beats[1], names)
     leases = lease_cache(connect(beats[2]), lease_namespace, kube, beats[2])
+    claims: tuple[DraViews, DraCaches] | None = None
+    if dra:
+        views = DraViews(device_taints=device_taints)
+        dra_beats = Heartbeat(), Heartbeat(), Heartbeat()
+        clients = [connect(beat) for beat in dra_beats]
+        claims = views, dra_caches(views, clients, WatchTiming.of(kube), dra_beats)
     extender = Extender(
         records,
         pods,
@@ -814,9 +889,12 @@ def serve(
         hca=names[1],
         stale_after=stale_after,
         layouts=layouts,
+        dra=claims,
     )
     server = ExtenderServer(extender, address, tls=tls)
     caches: list[WatchCache[Any]] = [records, pods, leases]
+    if claims is not None:
+        caches.extend(claims[1].all())
     for cache in caches:
         cache.start()
     server.start()

@@ -931,3 +931,52 @@ def test_the_policy_lets_a_node_write_only_its_own_slices(
         verdict = judge(policy, _request(node_a, "CREATE", *slices), forged)
         assert not verdict.allowed, spec
         assert "may publish only the pool node-a of the driver dra.example.com" in verdict.message
+
+
+def test_with_dra_the_second_scheduler_asks_the_extender_about_claim_only_pods(
+    installs: dict[str, dict[str, Any]],
+) -> None:
+    entry = installs["dra-scheduler"]
+    assert entry["ok"], entry.get("error")
+    found = {(o["kind"], o["metadata"]["name"]): o for o in entry["objects"]}
+    maps = [o for o in entry["objects"] if o["kind"] == "ConfigMap"]
+    (text,) = [
+        o["data"]["scheduler-config.yaml"] for o in maps if "scheduler-config.yaml" in o["data"]
+    ]
+    resources, claims = yaml.safe_load(text)["extenders"]
+    assert resources["urlPrefix"].endswith("/scheduler")
+    assert [r["name"] for r in resources["managedResources"]] == ["nvidia.com/gpu", "rdma/hca"]
+    # No managedResources: the scheduler asks it about every pod of the profile.
+    assert claims["urlPrefix"] == resources["urlPrefix"] + "/claims"
+    assert "managedResources" not in claims
+    assert (claims["filterVerb"], claims["prioritizeVerb"]) == ("filter", "prioritize")
+    assert claims["nodeCacheCapable"] is True
+    assert claims["ignorable"] is True
+    deployment = next(
+        o
+        for (kind, name), o in found.items()
+        if kind == "Deployment" and name.endswith("-extender")
+    )
+    (main,) = deployment["spec"]["template"]["spec"]["containers"]
+    # 1.35: the scheduler ignores device taints, and the predictions follow it.
+    assert "--dra" in main["args"]
+    assert "--dra-device-taints=off" in main["args"]
+    role = next(
+        o
+        for (kind, name), o in found.items()
+        if kind == "ClusterRole" and name.endswith("-extender")
+    )
+    granted = {
+        (group, resource): sorted(rule["verbs"])
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+    }
+    for resource in ("resourceclaims", "resourceslices", "deviceclasses"):
+        assert granted[("resource.k8s.io", resource)] == ["get", "list", "watch"]
+    # Without DRA the extender neither watches claims nor is asked about them.
+    plain = installs["extender"]["objects"]
+    plain_config = next(
+        o for o in plain if o["kind"] == "ConfigMap" and "scheduler-config.yaml" in o["data"]
+    )
+    assert len(yaml.safe_load(plain_config["data"]["scheduler-config.yaml"])["extenders"]) == 1

@@ -146,6 +146,24 @@ extenders:
         ignoredByScheduler: false
       - name: {{ .Values.config.resources.hca.name }}
         ignoredByScheduler: false
+  {{- if eq (include "devplugin.draOn" .) "true" }}
+  {{- /* Pods that ask through ResourceClaims request neither resource, and
+       the scheduler calls an extender with managedResources only for pods
+       that request one (HTTPExtender.IsInterested, 1.34-1.37). This entry
+       has none: it is asked about every pod of the profile and answers at
+       once for those without claims. */}}
+  - urlPrefix: {{ include "devplugin.extenderURL" . }}/claims
+    filterVerb: filter
+    prioritizeVerb: prioritize
+    weight: {{ .Values.extender.scheduler.weight }}
+    nodeCacheCapable: true
+    enableHTTPS: {{ ne .Values.extender.tlsSecretName "" }}
+    {{- if .Values.extender.tlsSecretName }}
+    tlsConfig:
+      caData: {{ .Values.extender.caBundle }}
+    {{- end }}
+    ignorable: true
+  {{- end }}
 {{- end -}}
 
 {{/* The second scheduler's image: the pinned tag, or the cluster's vX.Y.Z

@@ -1,0 +1,333 @@
+"""The extender's view of DRA: claims, slices and classes, per node.
+
+Three watches (ResourceClaims, ResourceSlices, DeviceClasses) keep what
+the scheduler's allocator reads. Each event does O(size of the object)
+work: a slice marks its node's devices to be read again, a claim whose
+allocation changed marks the nodes of the pools it holds devices in, a
+class marks everything. A node's devices and the devices held there are
+rebuilt on the first request after such a mark; a prediction (the
+allocator's walk for one set of claim specs) is kept per node until the
+node is marked, so a call for a pod whose claims were seen before costs a
+lookup per node. Nothing here touches the network.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lightkube.generic_resource import create_global_resource
+
+from devplugin.cluster.claims import ResourceClaim
+from devplugin.cluster.client import Heartbeat
+from devplugin.cluster.slices import ResourceSlice
+from devplugin.cluster.watch import WatchCache, WatchTiming
+from devplugin.policy.dra_predict import NodeDevices, Prediction, Selectors, Unpredictable, predict
+from devplugin.policy.dra_walk import candidates
+
+GROUP, VERSION = "resource.k8s.io", "v1"
+DeviceClass = create_global_resource(GROUP, VERSION, "DeviceClass", "deviceclasses")
+
+# Predictions kept at most (node x claim specs); past it they are dropped
+# and made again on use.
+MAX_PREDICTIONS = 200_000
+# A claim spec larger than this (serialized) is not predicted.
+MAX_SPEC = 64 << 10
+
+
+@dataclass(frozen=True)
+class Claim:
+    namespace: str
+    name: str
+    # The spec as one canonical string (a key for predictions) and parsed.
+    spec_key: str
+    spec: Mapping[str, Any]
+    held: tuple[tuple[str, str, str], ...]  # (driver, pool, device) of its allocation
+    allocated: bool
+
+
+def parse_claim(data: Mapping[str, Any]) -> tuple[str, Claim]:
+    meta = data.get("metadata") or {}
+    namespace, name = meta.get("namespace"), meta.get("name")
+    if not isinstance(namespace, str) or not isinstance(name, str) or not name:
+        raise ValueError("a ResourceClaim without a namespace or name")
+    spec = data.get("spec") or {}
+    key = json.dumps(spec, sort_keys=True, separators=(",", ":"))
+    if len(key) > MAX_SPEC:
+        raise ValueError(f"spec larger than {MAX_SPEC} bytes")
+    allocation = (data.get("status") or {}).get("allocation")
+    held = tuple(
+        (str(r["driver"]), str(r["pool"]), str(r["device"]))
+        for r in ((allocation or {}).get("devices") or {}).get("results") or []
+    )
+    return f"{namespace}/{name}", Claim(namespace, name, key, spec, held, allocation is not None)
+
+
+@dataclass(frozen=True)
+class Slice:
+    node: str  # "" for a slice that names no node
+    driver: str
+    pool: str
+    body: Mapping[str, Any]
+
+
+def parse_slice(data: Mapping[str, Any]) -> tuple[str, Slice]:
+    meta = data.get("metadata") or {}
+    name = meta.get("name")
+    spec = data.get("spec") or {}
+    pool = spec.get("pool") or {}
+    if not isinstance(name, str) or not name:
+        raise ValueError("a ResourceSlice without a name")
+    if not isinstance(spec.get("driver"), str) or not isinstance(pool.get("name"), str):
+        raise ValueError("a ResourceSlice without a driver or pool")
+    node = spec.get("nodeName")
+    return name, Slice(node if isinstance(node, str) else "", spec["driver"], pool["name"], data)
+
+
+def parse_class(data: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    name = (data.get("metadata") or {}).get("name")
+    if not isinstance(name, str) or not name:
+        raise ValueError("a DeviceClass without a name")
+    return name, {"metadata": {"name": name}, "spec": dict(data.get("spec") or {})}
+
+
+class _Node:
+    """One node: its slices, and what was derived from them."""
+
+    def __init__(self) -> None:
+        self.slices: dict[str, Slice] = {}
+        self.devices: NodeDevices | None = None
+        self.predictions: dict[str, Prediction | None] = {}
+
+
+class DraViews:
+    """Fed by the three caches' change hooks (their threads); read by the
+    extender's calls (theirs). One lock guards the indexes; a walk runs
+    outside it on what it read."""
+
+    def __init__(self, *, device_taints: bool) -> None:
+        self.device_taints = device_taints
+        self._lock = threading.Lock()
+        self._nodes: dict[str, _Node] = {}
+        self._pool_nodes: dict[tuple[str, str], set[str]] = {}
+        self._held: dict[tuple[str, str], dict[str, int]] = {}  # (driver, pool) -> device -> claims
+        self._classes: dict[str, dict[str, Any]] = {}
+        self._selectors = Selectors()
+        self._kept = 0
+        self.walks = 0
+
+    # -- events (cache threads) -----------------------------------------------------
+    def slice_changed(self, key: str, before: Slice | None, after: Slice | None) -> None:
+        with self._lock:
+            for item, add in ((before, False), (after, True)):
+                if item is None or not item.node:
+                    continue
+                node = self._nodes.setdefault(item.node, _Node())
+                if add:
+                    node.slices[key] = item
+                    self._pool_nodes.setdefault((item.driver, item.pool), set()).add(item.node)
+                else:
+                    node.slices.pop(key, None)
+                    self._forget_pool(item)
+                self._mark(item.node)
+
+    def _forget_pool(self, item: Slice) -> None:
+        pool = (item.driver, item.pool)
+        node = self._nodes.get(item.node)
+        still = node is not None and any((s.driver, s.pool) == pool for s in node.slices.values())
+        if not still:
+            nodes = self._pool_nodes.get(pool)
+            if nodes is not None:
+                nodes.discard(item.node)
+                if not nodes:
+                    del self._pool_nodes[pool]
+
+    def claim_changed(self, key: str, before: Claim | None, after: Claim | None) -> None:
+        old = before.held if before is not None else ()
+        new = after.held if after is not None else ()
+        if old == new:
+            return
+        with self._lock:
+            for held, step in ((old, -1), (new, 1)):
+                for driver, pool, device in held:
+                    counts = self._held.setdefault((driver, pool), {})
+                    counts[device] = counts.get(device, 0) + step
+                    if counts[device] <= 0:
+                        del counts[device]
+                    for node in self._pool_nodes.get((driver, pool), ()):
+                        self._mark(node, devices=False)
+
+    def class_changed(
+        self, key: str, before: dict[str, Any] | None, after: dict[str, Any] | None
+    ) -> None:
+        with self._lock:
+            if after is None:
+                self._classes.pop(key, None)
+            else:
+                self._classes[key] = after
+            for name in self._nodes:
+                self._mark(name, devices=False)
+
+    def _mark(self, name: str, *, devices: bool = True) -> None:
+        node = self._nodes[name]
+        if devices:
+            node.devices = None
+        self._kept -= len(node.predictions)
+        node.predictions = {}
+
+    # -- reads (calls) ------------------------------------------------------------------
+    def predict(self, node_name: str, claims: Sequence[Claim]) -> Prediction | None:
+        """What the allocator picks on this node for these (unallocated)
+        claims; None where the extender cannot tell."""
+        key = "\n".join(claim.spec_key for claim in claims)
+        with self._lock:
+            node = self._nodes.get(node_name)
+            if node is None:
+                node = self._nodes[node_name] = _Node()
+            if key in node.predictions:
+                return node.predictions[key]
+            if node.devices is None:
+                slices = [s.body for s in node.slices.values()]
+                slices.sort(key=lambda body: str(body["metadata"]["name"]))
+                node.devices = NodeDevices(candidates(slices, node_name))
+            devices = node.devices
+            used = [
+                (driver, pool, device)
+                for driver, pool in {(d.driver, d.pool) for d in devices.devices}
+                for device in self._held.get((driver, pool), {})
+            ]
+            classes = dict(self._classes)
+            predictions = node.predictions
+        try:
+            prediction: Prediction | None = predict(
+                devices,
+                [claim.spec for claim in claims],
+                classes,
+                used,
+                self._selectors,
+                device_taints=self.device_taints,
+            )
+        except Unpredictable:
+            prediction = None
+        with self._lock:
+            self.walks += 1
+            # Kept only if the node was not marked meanwhile.
+            if self._nodes.get(node_name) is node and node.predictions is predictions:
+                if self._kept >= MAX_PREDICTIONS:
+                    for other in self._nodes.values():
+                        other.predictions = {}
+                    self._kept = 0
+                    predictions = node.predictions = {}
+                predictions[key] = prediction
+                self._kept += 1
+        return prediction
+
+
+def pod_claims(pod: Mapping[str, Any], claims: WatchCache[Claim]) -> list[Claim] | None:
+    """The pod's claims that still need an allocation, in the pod's order
+    (the order the scheduler allocates them in); None when one is not known
+    yet (not created, or not in the cache): nothing can be told then. An
+    empty list: the pod asks for nothing through claims."""
+    meta = pod.get("metadata") or {}
+    namespace = meta.get("namespace") or "default"
+    spec, status = pod.get("spec") or {}, pod.get("status") or {}
+    generated = {
+        entry.get("name"): entry.get("resourceClaimName")
+        for entry in status.get("resourceClaimStatuses") or []
+        if isinstance(entry, Mapping)
+    }
+    found: list[Claim] = []
+    for entry in spec.get("resourceClaims") or []:
+        if not isinstance(entry, Mapping):
+            return None
+        name = entry.get("resourceClaimName") or generated.get(entry.get("name"))
+        if not isinstance(name, str) or not name:
+            return None
+        claim = claims.get(f"{namespace}/{name}")
+        if claim is None:
+            return None
+        if not claim.allocated:
+            found.append(claim)
+    return found
+
+
+class ClaimCache(WatchCache[Claim]):
+    def __init__(self, views: DraViews, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._views = views
+
+    def changed(self, key: str, before: Claim | None, after: Claim | None) -> None:
+        self._views.claim_changed(key, before, after)
+
+
+class SliceCache(WatchCache[Slice]):
+    def __init__(self, views: DraViews, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._views = views
+
+    def changed(self, key: str, before: Slice | None, after: Slice | None) -> None:
+        self._views.slice_changed(key, before, after)
+
+
+class ClassCache(WatchCache[dict[str, Any]]):
+    def __init__(self, views: DraViews, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._views = views
+
+    def changed(
+        self, key: str, before: dict[str, Any] | None, after: dict[str, Any] | None
+    ) -> None:
+        self._views.class_changed(key, before, after)
+
+
+@dataclass(frozen=True)
+class DraCaches:
+    claims: ClaimCache
+    slices: SliceCache
+    classes: ClassCache
+
+    def all(self) -> list[WatchCache[Any]]:
+        return [self.claims, self.slices, self.classes]
+
+
+def dra_caches(
+    views: DraViews,
+    clients: Sequence[Any],
+    timing: WatchTiming,
+    heartbeats: Sequence[Heartbeat | None] = (None, None, None),
+) -> DraCaches:
+    """The three watches, each on its own client (`clients`: three)."""
+    claims = ClaimCache(
+        views,
+        clients[0],
+        ResourceClaim,
+        parse_claim,
+        name="resourceclaims",
+        namespaced=True,
+        timing=timing,
+        heartbeat=heartbeats[0],
+    )
+    slices = SliceCache(
+        views,
+        clients[1],
+        ResourceSlice,
+        parse_slice,
+        name="resourceslices",
+        namespaced=False,
+        timing=timing,
+        heartbeat=heartbeats[1],
+    )
+    classes = ClassCache(
+        views,
+        clients[2],
+        DeviceClass,
+        parse_class,
+        name="deviceclasses",
+        namespaced=False,
+        timing=timing,
+        heartbeat=heartbeats[2],
+    )
+    return DraCaches(claims, slices, classes)

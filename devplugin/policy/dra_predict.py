@@ -1,0 +1,187 @@
+"""What the scheduler's allocator will pick on one node for a pod's claims,
+and how good its GPU+HCA pairs are (pure).
+
+The extender ranks nodes for pods that ask for devices only through
+ResourceClaims. It does not look for the best pairs a node could give: the
+allocator takes the first choice its walk finds, so the extender walks
+the same way (dra_walk.py) with the devices other claims hold, and judges
+that choice. Pairs are the chart templates' `gpu-i` and `hca-i` requests;
+a pair's level comes from the attributes its rungs match.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from devplugin.policy.cel import EvalError, Program, Unsupported, compile_selector, matches
+from devplugin.policy.dra_walk import (
+    Alternative,
+    Device,
+    Walk,
+    WalkError,
+    alternatives,
+    constraints_of,
+    untainted,
+)
+from devplugin.policy.topology import Level
+
+STANDARD = "resource.kubernetes.io"
+# The attribute each level shares, best first (claim_templates.RUNGS,
+# qualified: the driver's own ones by the device's driver).
+LEVEL_ATTRIBUTES = (
+    (Level.PIX, "pcieSwitch"),
+    (Level.PXB, "pcieTopSwitch"),
+    (Level.PHB, f"{STANDARD}/pcieRoot"),
+    (Level.NODE, f"{STANDARD}/numaNode"),
+)
+# A walk past this many device tries is not predicted (the scheduler's
+# own walk would be as slow; the templates decide within 10,000).
+TRY_BUDGET = 50_000
+
+
+def pair_level(gpu: Device, hca: Device) -> Level:
+    """The best level whose attribute the two share."""
+    for level, name in LEVEL_ATTRIBUTES:
+        gpu_key = name if "/" in name else f"{gpu.driver}/{name}"
+        hca_key = name if "/" in name else f"{hca.driver}/{name}"
+        value = gpu.attributes.get(gpu_key)
+        if value is not None and value == hca.attributes.get(hca_key):
+            return level
+    return Level.SYS
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The allocator's choice on a node: whether the claims fit, and the
+    worst and summed level of its pairs (None: no pairs)."""
+
+    fits: bool
+    worst: Level | None = None
+    total: int = 0
+    tries: int = 0
+
+    def key(self) -> tuple[int, int]:
+        """Lower is better: the worst pair, then the sum over pairs."""
+        return (int(self.worst or 0), self.total)
+
+
+class Unpredictable(Exception):
+    """The extender cannot tell what the allocator does here (a selector
+    outside the CEL subset, an allocator error, a walk past the budget)."""
+
+
+@dataclass
+class Selectors:
+    """Compiled selectors (the extender's CEL cache); compile errors kept."""
+
+    programs: dict[str, Program | Unsupported] = field(default_factory=dict)
+
+    def program(self, expression: str) -> Program:
+        found = self.programs.get(expression)
+        if found is None:
+            try:
+                found = compile_selector(expression)
+            except Unsupported as exc:
+                found = exc
+            self.programs[expression] = found
+        if isinstance(found, Unsupported):
+            raise Unpredictable(f"selector outside the supported CEL: {found}")
+        return found
+
+
+@dataclass
+class NodeDevices:
+    """One node's devices as the allocator visits them, with each
+    selector's verdicts (isSelectable's cache, kept while the slices are)."""
+
+    devices: list[Device]
+    verdicts: dict[tuple[str, tuple[str, str, str]], bool] = field(default_factory=dict)
+
+
+def predict(
+    node: NodeDevices,
+    specs: Sequence[Mapping[str, Any]],
+    classes: Mapping[str, Mapping[str, Any]],
+    used: Iterable[tuple[str, str, str]],
+    selectors: Selectors,
+    *,
+    device_taints: bool,
+    budget: int = TRY_BUDGET,
+) -> Prediction:
+    """The allocator's walk for these claims on this node; Unpredictable
+    where the extender cannot follow it."""
+    try:
+        requests = [
+            alternatives(index, request, classes)
+            for index, spec in enumerate(specs)
+            for request in (spec.get("devices") or {}).get("requests") or []
+        ]
+    except (WalkError, KeyError, TypeError, ValueError) as exc:
+        raise Unpredictable(f"claim not understood: {exc}") from exc
+    programs = {e: selectors.program(e) for alts in requests for a in alts for e in a.expressions}
+
+    def selectable(alternative: Alternative, device: Device) -> bool:
+        for expression in alternative.expressions:
+            key = (expression, device.key)
+            verdict = node.verdicts.get(key)
+            if verdict is None:
+                try:
+                    verdict = matches(programs[expression], device.view)
+                except EvalError as exc:
+                    raise Unpredictable(f"selector error on {device.name}: {exc}") from exc
+                node.verdicts[key] = verdict
+            if not verdict:
+                return False
+        return True
+
+    def allowed(alternative: Alternative, device: Device) -> bool:
+        return not device_taints or untainted(alternative, device)
+
+    walk = Walk(
+        node.devices,
+        requests,
+        [constraints_of(spec) for spec in specs],
+        used,
+        selectable=selectable,
+        allowed=allowed,
+        budget=budget,
+    )
+    try:
+        chosen = walk.run()
+    except WalkError as exc:
+        raise Unpredictable(f"the allocator errors out: {exc}") from exc
+    if walk.timed_out:
+        raise Unpredictable(f"the walk ran past {budget} device tries")
+    if chosen is None:
+        return Prediction(False, tries=walk.tries)
+    levels = _pair_levels(chosen)
+    if not levels:
+        return Prediction(True, tries=walk.tries)
+    return Prediction(True, max(levels), sum(int(level) for level in levels), walk.tries)
+
+
+def _pair_levels(chosen: Sequence[tuple[Alternative, Device]]) -> list[Level]:
+    by_request: dict[tuple[int, str], Device] = {}
+    for alternative, device in chosen:
+        by_request[(alternative.claim, alternative.request.split("/")[0])] = device
+    levels = []
+    for (claim, request), gpu in sorted(by_request.items()):
+        if not request.startswith("gpu-") or not request[4:].isdigit():
+            continue
+        hca = by_request.get((claim, f"hca-{request[4:]}"))
+        if hca is not None:
+            levels.append(pair_level(gpu, hca))
+    return levels
+
+
+def ranks(predictions: Mapping[str, Prediction | None], top: int = 10) -> dict[str, int]:
+    """Scores: the nodes whose choice is best (worst pair, then the sum)
+    get `top`, each worse distinct choice one less (down to 1); nodes where
+    the claims do not fit, or nothing could be told, get 0."""
+    keys = sorted({p.key() for p in predictions.values() if p is not None and p.fits})
+    rank = {key: max(1, top - index) for index, key in enumerate(keys)}
+    return {
+        name: rank[p.key()] if p is not None and p.fits else 0 for name, p in predictions.items()
+    }

@@ -1,0 +1,311 @@
+"""The walk of kube-scheduler's structured-parameters allocator (pure).
+
+Follows k8s.io/dynamic-resource-allocation/structured/internal/stable/
+allocator_stable.go (`Allocate`, `allocateOne`, `allocateDevice`) and
+pool.go (`GatherPools`):
+
+* candidates in the order given: pools as their slices first come, slices
+  in the order listed, devices in slice order; a pool whose slices
+  disagree on the generation counts only its newest slices; an incomplete
+  pool (fewer slices than it says) is not used;
+* the pod's claims in order, each claim's requests in order; a
+  `firstAvailable` request tries its subrequests in order, each with every
+  way to pick its devices, before the next one;
+* every device a request needs is looked for from the node's first device
+  on (one try per device considered: one in use, not selectable, tainted
+  or breaking a constraint is passed over), with full backtracking; the
+  first complete choice wins (DRA has no scoring);
+* `matchAttribute` constraints hold over every device picked for the
+  requests they name in their claim (`request/subrequest` for one rung;
+  none named: every request): each has the attribute, all one value;
+* `All` takes every selectable device, in use or not: one in use fails it,
+  one a constraint refuses is an error.
+
+What a device matches (selectors) and whether its taints allow it are the
+caller's: the scheduler's imitation evaluates CEL with cel-python and
+gates taints on the Kubernetes version; the extender uses its own CEL
+subset. Both walk here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+NOSCHEDULE = frozenset({"NoSchedule", "NoExecute"})
+
+
+class WalkError(Exception):
+    """Where the allocator returns an error, not "no fit"."""
+
+
+@dataclass(frozen=True)
+class Device:
+    driver: str
+    pool: str
+    name: str
+    attributes: Mapping[str, Any]  # fully qualified name -> value
+    view: Mapping[str, Any]  # what a selector sees: {driver, attributes: {domain: {name: value}}}
+    taints: tuple[Mapping[str, Any], ...] = ()
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.driver, self.pool, self.name)
+
+
+def _value(entry: Mapping[str, Any]) -> Any:
+    ((_, inner),) = entry.items()
+    return inner
+
+
+def qualify(name: str, driver: str) -> tuple[str, str]:
+    domain, slash, local = name.rpartition("/")
+    return (domain, local) if slash else (driver, name)
+
+
+def slice_devices(item: Mapping[str, Any]) -> list[Device]:
+    """One slice's devices, with their qualified attributes."""
+    spec = item["spec"]
+    driver, pool = spec["driver"], spec["pool"]["name"]
+    found = []
+    for device in spec.get("devices") or []:
+        attributes: dict[str, Any] = {}
+        by_domain: dict[str, dict[str, Any]] = {}
+        for key, entry in (device.get("attributes") or {}).items():
+            domain, local = qualify(key, driver)
+            attributes[f"{domain}/{local}"] = by_domain.setdefault(domain, {})[local] = _value(
+                entry
+            )
+        capacity: dict[str, dict[str, Any]] = {}
+        for key, entry in (device.get("capacity") or {}).items():
+            domain, local = qualify(key, driver)
+            capacity.setdefault(domain, {})[local] = entry.get("value")
+        view = {"driver": driver, "attributes": by_domain, "capacity": capacity}
+        taints = tuple(device.get("taints") or ())
+        found.append(Device(driver, pool, device["name"], attributes, view, taints))
+    return found
+
+
+def candidates(slices: Iterable[Mapping[str, Any]], node: str) -> list[Device]:
+    """The node's devices in the order the allocator visits them."""
+    pools: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
+    # Pools in the order their slices first come, slices in the order given
+    # (the allocator walks what the lister hands it; it sorts nothing).
+    for item in slices:
+        spec = item["spec"]
+        if spec.get("nodeName") != node:
+            continue
+        pools.setdefault((spec["driver"], spec["pool"]["name"]), []).append(item)
+    found: list[Device] = []
+    for items in pools.values():
+        newest = max(i["spec"]["pool"]["generation"] for i in items)
+        current = [i for i in items if i["spec"]["pool"]["generation"] == newest]
+        if len(current) != current[0]["spec"]["pool"]["resourceSliceCount"]:
+            continue  # incomplete: the scheduler waits for the rest
+        for item in current:
+            found.extend(slice_devices(item))
+    return found
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """A request, or one subrequest of a `firstAvailable` request."""
+
+    claim: int  # index in the pod's claims
+    request: str  # as results name it (`gpu-0/pix`)
+    scope: tuple[str, ...]  # the names a constraint may use for it
+    expressions: tuple[str, ...]  # the class's selectors, then the request's
+    mode: str
+    count: int
+    tolerations: tuple[Mapping[str, Any], ...]
+
+
+def tolerated(taint: Mapping[str, Any], tolerations: Sequence[Mapping[str, Any]]) -> bool:
+    for toleration in tolerations:
+        if toleration.get("effect") and toleration["effect"] != taint.get("effect"):
+            continue
+        if toleration.get("operator", "Equal") == "Exists":
+            if not toleration.get("key") or toleration["key"] == taint.get("key"):
+                return True
+        elif toleration.get("key") == taint.get("key") and toleration.get("value") == taint.get(
+            "value"
+        ):
+            return True
+    return False
+
+
+def untainted(alternative: Alternative, device: Device) -> bool:
+    """No NoSchedule or NoExecute taint the request does not tolerate
+    (taintPreventsAllocation); the caller asks only where the cluster
+    honours device taints."""
+    for taint in device.taints:
+        if taint.get("effect") in NOSCHEDULE and not tolerated(taint, alternative.tolerations):
+            return False
+    return True
+
+
+def alternatives(
+    claim: int, request: Mapping[str, Any], classes: Mapping[str, Mapping[str, Any]]
+) -> list[Alternative]:
+    """A request's alternatives in the order tried; WalkError for a class
+    that does not exist (validateDeviceRequest)."""
+    name = request["name"]
+    if "firstAvailable" in request:
+        options = [(f"{name}/{sub['name']}", sub) for sub in request["firstAvailable"]]
+    else:
+        options = [(name, request["exactly"])]
+    found = []
+    for label, body in options:
+        device_class = classes.get(body["deviceClassName"])
+        if device_class is None:
+            raise WalkError(
+                f"request {label}: could not retrieve device class {body['deviceClassName']}"
+            )
+        expressions = [s["cel"]["expression"] for s in device_class["spec"].get("selectors") or []]
+        expressions += [s["cel"]["expression"] for s in body.get("selectors") or []]
+        found.append(
+            Alternative(
+                claim,
+                label,
+                (name, label) if label != name else (name,),
+                tuple(expressions),
+                body.get("allocationMode", "ExactCount"),
+                int(body.get("count", 1)),
+                tuple(body.get("tolerations") or ()),
+            )
+        )
+    return found
+
+
+def constraints_of(spec: Mapping[str, Any]) -> list[tuple[tuple[str, ...], str]]:
+    return [
+        (tuple(c.get("requests") or ()), c["matchAttribute"])
+        for c in (spec.get("devices") or {}).get("constraints") or []
+        if "matchAttribute" in c
+    ]
+
+
+Choice = tuple[Alternative, Device]
+
+
+class Walk:
+    """One pod's claims walked together, as allocateOne walks them."""
+
+    def __init__(
+        self,
+        devices: Sequence[Device],
+        requests: Sequence[Sequence[Alternative]],
+        constraints: Sequence[Sequence[tuple[tuple[str, ...], str]]],
+        used: Iterable[tuple[str, str, str]],
+        *,
+        selectable: Callable[[Alternative, Device], bool],
+        allowed: Callable[[Alternative, Device], bool] = lambda a, d: True,
+        budget: int,
+    ) -> None:
+        self.devices = devices
+        self.requests = requests
+        self.constraints = constraints
+        self.used = set(used)
+        self.selectable = selectable
+        self.allowed = allowed
+        self.budget = budget
+        self.chosen: list[Choice] = []
+        self.tries = 0
+
+    @property
+    def timed_out(self) -> bool:
+        return self.tries > self.budget
+
+    def run(self) -> list[Choice] | None:
+        """The first complete choice, or None (no fit, or past the budget)."""
+        return list(self.chosen) if self.request(0) else None
+
+    def fits(self, alternative: Alternative, device: Device) -> bool:
+        """Every constraint of the claim naming the request holds with this
+        device added (matchAttributeConstraint.add: the attribute present,
+        and equal to the value of the devices already in the set)."""
+        for scope, attribute in self.constraints[alternative.claim]:
+            if scope and not set(scope) & set(alternative.scope):
+                continue
+            if attribute not in device.attributes:
+                return False
+            for other_alternative, other in self.chosen:
+                if other_alternative.claim != alternative.claim:
+                    continue
+                if scope and not set(scope) & set(other_alternative.scope):
+                    continue
+                if other.attributes.get(attribute) != device.attributes[attribute]:
+                    return False
+        return True
+
+    def request(self, index: int) -> bool:
+        if index == len(self.requests):
+            return True
+        for alternative in self.requests[index]:
+            if alternative.mode == "All":
+                if self.every(alternative, index):
+                    return True
+            elif self.pick(alternative, alternative.count, index):
+                return True
+            if self.timed_out:
+                return False
+        return False
+
+    def every(self, alternative: Alternative, index: int) -> bool:
+        """`All`: every selectable device of the node, in use or not
+        (validateDeviceRequest collects them before the walk); one in use
+        fails the request, one a constraint refuses is an error."""
+        wanted = [d for d in self.devices if self.selectable(alternative, d)]
+        if not wanted:
+            return False
+        added = 0
+        for device in wanted:
+            self.tries += 1
+            if device.key in self.used or not self.allowed(alternative, device):
+                break
+            if not self.fits(alternative, device):
+                raise WalkError(
+                    f"request {alternative.request}: cannot add device {device.name} because "
+                    "a claim constraint would not be satisfied"
+                )
+            self.chosen.append((alternative, device))
+            self.used.add(device.key)
+            added += 1
+        else:
+            if self.request(index + 1):
+                return True
+        for _ in range(added):
+            _, device = self.chosen.pop()
+            self.used.discard(device.key)
+        return False
+
+    def pick(self, alternative: Alternative, left: int, index: int) -> bool:
+        if left == 0:
+            return self.request(index + 1)
+        for device in self.devices:
+            self.tries += 1
+            if self.tries > self.budget:
+                return False
+            if device.key in self.used or not self.selectable(alternative, device):
+                continue
+            if not self.allowed(alternative, device) or not self.fits(alternative, device):
+                continue
+            self.chosen.append((alternative, device))
+            self.used.add(device.key)
+            if self.pick(alternative, left - 1, index):
+                return True
+            self.chosen.pop()
+            self.used.discard(device.key)
+        return False
+
+
+def results(chosen: Sequence[Choice], claims: int) -> list[list[dict[str, str]]]:
+    """Each claim's allocation results, as the scheduler writes them."""
+    by_claim: list[list[dict[str, str]]] = [[] for _ in range(claims)]
+    for alternative, device in chosen:
+        by_claim[alternative.claim].append(
+            {"request": alternative.request, "driver": device.driver, "pool": device.pool,
+             "device": device.name}
+        )  # fmt: skip
+    return by_claim
