@@ -76,8 +76,8 @@ def put_node(api: ApiServerImitation, node: str, layout: str) -> None:
     taken = {name for _, pool, name in taken_devices(api.items("resourceclaims")) if pool == node}
     slices, _ = spec_slices(LAYOUTS[layout](), DRIVER, node, held=taken)
     for item in slices:
-        api.put("resourceslices", {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
-                                   "metadata": {"name": item["metadata"]["name"]}, **item})  # fmt: skip
+        head = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice"}
+        api.put("resourceslices", {**head, **item})
 
 
 def put_claim(
@@ -134,7 +134,7 @@ def setup(api: ApiServerImitation) -> dict[str, Any]:
 
 
 def settled(running: Running, api: ApiServerImitation) -> None:
-    views, caches = running[0].dra  # type: ignore[misc]
+    _, caches = running[0].dra  # type: ignore[misc]
     want = len(api.items("resourceslices"))
     assert wait_until(
         lambda: len(caches.slices) == want and len(caches.claims) == 2 and len(caches.classes) == 2,
