@@ -175,9 +175,9 @@ def test_claim_only_pods_are_filtered_and_ranked_by_the_allocators_pick(
     assert score["n-none"] == 0
     best = min(worst.values())
     assert {n for n in worst if score[n] == 10} == {n for n in worst if worst[n] == best}
-    for a in worst:
-        for b in worst:
-            if worst[a] < worst[b]:
+    for a, level_a in worst.items():
+        for b, level_b in worst.items():
+            if level_a < level_b:
                 assert score[a] > score[b], (worst, score)
     assert worst["n-busy"] > worst["n-free"]
 
