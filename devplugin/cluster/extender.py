@@ -42,6 +42,7 @@ import logging
 import ssl
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
@@ -101,6 +102,42 @@ BACKLOG = 128
 MAX_REASON = 256
 # /healthz fails once every call slot has been busy this long.
 FULL_FOR = 10.0
+# A prioritize for a pod takes the per-node answers its filter made this
+# recently (the scheduler filters and then scores in one cycle, on one
+# snapshot of the cluster taken before both); answers for this many pods
+# are kept.
+REUSE_FOR = 1.0
+REUSED_PODS = 16
+
+
+class CycleMemo:
+    """Per pod, the per-node answers its last filter made: what the
+    prioritize of the same scheduling cycle scores."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._kept: OrderedDict[tuple[str, str], tuple[float, dict[str, Any]]] = OrderedDict()
+
+    def keep(self, kind: str, uid: str, answers: dict[str, Any]) -> None:
+        with self._lock:
+            self._kept[(kind, uid)] = (self._clock(), answers)
+            self._kept.move_to_end((kind, uid))
+            while len(self._kept) > REUSED_PODS:
+                self._kept.popitem(last=False)
+
+    def take(self, kind: str, uid: str, names: Sequence[str]) -> dict[str, Any] | None:
+        """The answers for these nodes, if the pod's filter made them all
+        within REUSE_FOR; None otherwise."""
+        with self._lock:
+            found = self._kept.get((kind, uid))
+        if found is None or self._clock() - found[0] > REUSE_FOR:
+            return None
+        answers = found[1]
+        try:
+            return {name: answers[name] for name in names}
+        except KeyError:
+            return None
 
 
 class BadRequest(ValueError):
@@ -349,6 +386,7 @@ class Extender:
         )
         self._hit = self.metrics.memo.labels("hit")
         self._miss = self.metrics.memo.labels("miss")
+        self.cycles = CycleMemo(clock)
 
     # -- the verbs ---------------------------------------------------------------
     def filter(self, args: Mapping[str, Any]) -> dict[str, Any]:
@@ -361,6 +399,7 @@ class Extender:
             passing = list(names)
         else:
             now, hits = self._wall(), 0
+            outcomes: dict[str, Outcome | None] = {}
             for name in names:
                 record = self._fresh(name, now)
                 outcome, hit = (
@@ -368,6 +407,7 @@ class Extender:
                     if record is not None
                     else (None, False)
                 )
+                outcomes[name] = outcome
                 hits += hit
                 if outcome is None:
                     passing.append(name)  # no usable record: never block scheduling on it
@@ -383,6 +423,7 @@ class Extender:
                 target = unresolvable if never is not None else failed
                 target[name] = f"devplugin: {reason}"[:MAX_REASON]
             self._count(hits, len(names))
+            self.cycles.keep("resources", pod.uid, outcomes)
         result: dict[str, Any] = {
             "FailedNodes": failed, "FailedAndUnresolvableNodes": unresolvable, "Error": "",
         }  # fmt: skip
@@ -401,6 +442,10 @@ class Extender:
         shape, _ = self._pod(pod)
         if not shape.wants_devices:
             return [{"Host": name, "Score": 0} for name in names]
+        kept = self.cycles.take("resources", pod.uid, names)
+        if kept is not None:
+            ranked = scores(kept)
+            return [{"Host": name, "Score": ranked[name]} for name in names]
         outcomes: dict[str, Outcome | None] = {}
         now, hits = self._wall(), 0
         for name in names:
@@ -417,8 +462,10 @@ class Extender:
     def claims_filter(self, args: Mapping[str, Any]) -> dict[str, Any]:
         """Filter for pods with ResourceClaims: a node passes unless the
         allocator's walk there finds nothing for the pod's claims."""
-        _, names, nodes = self._args(args)
+        pod, names, nodes = self._args(args)
         predictions = self._predictions(args, names)
+        if predictions:
+            self.cycles.keep("claims", pod.uid, predictions)
         failed = {
             name: "devplugin: the pod's ResourceClaims cannot be allocated here"
             for name, prediction in predictions.items()
@@ -440,8 +487,9 @@ class Extender:
     def claims_prioritize(self, args: Mapping[str, Any]) -> list[dict[str, Any]]:
         """Scores for pods with ResourceClaims: by the worst pair, then the
         sum over pairs, of what the allocator will pick on each node."""
-        _, names, _ = self._args(args)
-        scored = ranks(self._predictions(args, names))
+        pod, names, _ = self._args(args)
+        kept = self.cycles.take("claims", pod.uid, names)
+        scored = ranks(kept if kept is not None else self._predictions(args, names))
         return [{"Host": name, "Score": scored.get(name, 0)} for name in names]
 
     def _predictions(
