@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -336,7 +337,7 @@ def cmd_extender(args: argparse.Namespace) -> int:
     from devplugin.cluster.client import make_client
     from devplugin.cluster.extender import serve
     from devplugin.config import KubernetesConfig
-    from devplugin.runtime import settle_heap
+    from devplugin.runtime import refreeze_heap, settle_heap
 
     setup_logging(args.log_format, "info")
     address = _listen(args.listen)
@@ -373,17 +374,28 @@ def cmd_extender(args: argparse.Namespace) -> int:
         return 1
     log.info("scheduler extender serving on %s:%d", *server.address)
     settled = False
+    refrozen = time.monotonic()
     try:
         while not stop.wait(0.5):
             if not settled and all(cache.synced.is_set() for cache in caches):
                 # After the first lists: what decoding them left behind goes.
                 settle_heap()
                 settled = True
+            elif settled and time.monotonic() - refrozen > REFREEZE_SECONDS:
+                # The node views the calls build are long-lived too: frozen,
+                # the collector's full passes (30-350 ms at 5,000 nodes,
+                # holding every call) do not walk them again and again.
+                refreeze_heap()
+                refrozen = time.monotonic()
     finally:
         server.stop()
         for cache in caches:
             cache.signal_stop()
     return 0
+
+
+# How often the serving extender freezes what survived (refreeze_heap).
+REFREEZE_SECONDS = 10.0
 
 
 COMMANDS = {

@@ -52,6 +52,24 @@ def settle_heap() -> None:
     _trim_malloc()
 
 
+def refreeze_heap() -> None:
+    """Later in a long-serving process: collect the young generation only (a
+    few milliseconds), then freeze what is left. Full passes over objects
+    that live for the process's life are what make its pauses long; the
+    price is that a reference cycle alive now is never collected, and the
+    extender's objects (views, records, answers) hold none."""
+    gc.collect(1)
+    gc.freeze()
+    # With everything frozen the old generation counts as empty, and the
+    # collector's rule (a full pass once it grew by a quarter) then runs one
+    # every ten young passes; these make full passes rare again.
+    gc.set_threshold(*LONG_SERVING_THRESHOLDS)
+
+
+# gc thresholds for a process that refreezes (the defaults are 700, 10, 10).
+LONG_SERVING_THRESHOLDS = (5_000, 20, 100)
+
+
 def _trim_malloc() -> None:
     """Give the C heap's free pages back to the system (glibc only): a start-up
     that decoded large lists leaves them resident otherwise."""

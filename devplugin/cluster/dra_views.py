@@ -179,10 +179,32 @@ class DraViews:
         node.predictions = {}
 
     # -- reads (calls) ------------------------------------------------------------------
+    def predictions(
+        self, names: Sequence[str], claims: Sequence[Claim]
+    ) -> dict[str, Prediction | None]:
+        """`predict` on many nodes: those kept are read under one lock hold,
+        the others walked one by one."""
+        key = "\n".join(claim.spec_key for claim in claims)
+        found: dict[str, Prediction | None] = {}
+        missing: list[str] = []
+        with self._lock:
+            nodes = self._nodes
+            for name in names:
+                node = nodes.get(name)
+                if node is not None and key in node.predictions:
+                    found[name] = node.predictions[key]
+                else:
+                    missing.append(name)
+        for name in missing:
+            found[name] = self._predict(name, claims, key)
+        return {name: found[name] for name in names}
+
     def predict(self, node_name: str, claims: Sequence[Claim]) -> Prediction | None:
         """What the allocator picks on this node for these (unallocated)
         claims; None where the extender cannot tell."""
-        key = "\n".join(claim.spec_key for claim in claims)
+        return self._predict(node_name, claims, "\n".join(claim.spec_key for claim in claims))
+
+    def _predict(self, node_name: str, claims: Sequence[Claim], key: str) -> Prediction | None:
         with self._lock:
             node = self._nodes.get(node_name)
             if node is None:

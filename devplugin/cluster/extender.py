@@ -59,7 +59,7 @@ from devplugin.cluster.dra_views import DraCaches, DraViews, dra_caches, pod_cla
 from devplugin.cluster.lease import NODE_LABEL, Lease, lease_name, parse_micro_time
 from devplugin.cluster.pods import PodCache
 from devplugin.cluster.publisher import NodeDevices
-from devplugin.cluster.views import Layouts, NodeViews, parse_record
+from devplugin.cluster.views import MAX_REASON, Layouts, NodeViews, parse_record
 from devplugin.cluster.watch import Incomplete, WatchCache, WatchTiming
 from devplugin.config import KubernetesConfig
 from devplugin.policy.dra_predict import Prediction, ranks
@@ -99,7 +99,6 @@ IDLE_TIMEOUT = 5.0
 # Connections at once (a thread each); more are closed at once.
 MAX_CONNECTIONS = 256
 BACKLOG = 128
-MAX_REASON = 256
 # /healthz fails once every call slot has been busy this long.
 FULL_FOR = 10.0
 # A prioritize for a pod takes the per-node answers its filter made this
@@ -398,30 +397,25 @@ class Extender:
         if not shape.wants_devices:
             passing = list(names)
         else:
-            now, hits = self._wall(), 0
-            outcomes: dict[str, Outcome | None] = {}
+            fresh = self._freshness()
+            outcomes, hits = self.views.outcomes(names, fresh, shape, pod.uid)
+            relaxed = not requirement.required or requirement.level is None
+            failing: dict[str, str] = {}
             for name in names:
-                record = self._fresh(name, now)
-                outcome, hit = (
-                    self.views.outcome(record.parsed, record, shape, pod.uid)
-                    if record is not None
-                    else (None, False)
-                )
-                outcomes[name] = outcome
-                hits += hit
-                if outcome is None:
-                    passing.append(name)  # no usable record: never block scheduling on it
-                    continue
-                reason = check(outcome, requirement)
-                if reason is None:
+                outcome = outcomes[name]
+                if outcome is None or (relaxed and outcome.fits):
+                    # No usable record (never block scheduling on it), or what
+                    # check() would say without the call.
                     passing.append(name)
                     continue
-                assert record is not None
-                # Whether evicting pods could ever help: the empty node's answer.
-                empty = self.views.empty_outcome(record.parsed, record, shape)
-                never = check(empty, requirement) if empty is not None else None
-                target = unresolvable if never is not None else failed
-                target[name] = f"devplugin: {reason}"[:MAX_REASON]
+                reason = outcome.reason if not outcome.fits else check(outcome, requirement)
+                if reason is None:
+                    passing.append(name)
+                else:
+                    failing[name] = reason
+            answers = self.views.failures(failing, fresh, shape, requirement, pod.uid)
+            for name, (message, never) in answers.items():
+                (unresolvable if never else failed)[name] = message
             self._count(hits, len(names))
             self.cycles.keep("resources", pod.uid, outcomes)
         result: dict[str, Any] = {
@@ -446,15 +440,7 @@ class Extender:
         if kept is not None:
             ranked = scores(kept)
             return [{"Host": name, "Score": ranked[name]} for name in names]
-        outcomes: dict[str, Outcome | None] = {}
-        now, hits = self._wall(), 0
-        for name in names:
-            record = self._fresh(name, now)
-            if record is None:
-                outcomes[name] = None
-                continue
-            outcomes[name], hit = self.views.outcome(record.parsed, record, shape, pod.uid)
-            hits += hit
+        outcomes, hits = self._outcomes(names, shape, pod.uid)
         self._count(hits, len(names))
         ranked = scores(outcomes)
         return [{"Host": name, "Score": ranked[name]} for name in names]
@@ -503,7 +489,7 @@ class Extender:
         claims = pod_claims(args["Pod"], caches.claims)
         if not claims:
             return {}
-        return {name: views.predict(name, claims) for name in names}
+        return views.predictions(names, claims)
 
     def _count(self, hits: int, asked: int) -> None:
         # Counted once per call: a counter per node would cost more than the lookup.
@@ -552,6 +538,33 @@ class Extender:
         except ValueError as exc:
             raise BadRequest(f"Pod annotations: {exc}") from exc
         return shape, requirement
+
+    def _outcomes(
+        self, names: Sequence[str], shape: Shape, uid: str
+    ) -> tuple[dict[str, Outcome | None], int]:
+        """Every node's outcome (None: no fresh record), and the memo hits."""
+        return self.views.outcomes(names, self._freshness(), shape, uid)
+
+    def _freshness(self) -> Callable[[str], Record | None]:
+        """`_fresh` with the clocks read once and the maps bound: for a loop
+        over every node of a call."""
+        now, mono, stale_after = self._wall(), self._clock(), self.stale_after
+        records = self.records.getter()
+        leases = self.leases.getter() if self.leases is not None else None
+
+        def fresh(name: str) -> Record | None:
+            record = records(name)
+            if record is None:
+                return None
+            lease = leases(name) if leases is not None else None
+            if lease is not None:
+                return record if mono - lease.seen <= lease.duration else None
+            updated = record.updated
+            if updated is None or now - min(updated, now) > stale_after:
+                return None
+            return record
+
+        return fresh
 
     def _fresh(self, name: str, now: float | None = None) -> Record | None:
         """The node's record while its daemon is alive: its Lease renewed

@@ -20,14 +20,23 @@ import logging
 import queue
 import threading
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from devplugin.loops import ThreadLoop
 from devplugin.model import DeviceKind
 from devplugin.policy.allocator import Allocator
-from devplugin.policy.placement import NodeState, Outcome, ParsedRecord, Shape, place, shape_of
+from devplugin.policy.placement import (
+    NodeState,
+    Outcome,
+    ParsedRecord,
+    Requirement,
+    Shape,
+    check,
+    place,
+    shape_of,
+)
 from devplugin.policy.placement import parse_record as placement_record
 from devplugin.policy.podinfo import PodInfo
 from devplugin.policy.topology import Topology
@@ -44,6 +53,10 @@ MAX_ALLOCATIONS = 4096
 INLINE_DEVICES = 128
 # Pod shapes answered per view at most (the oldest answers are dropped).
 SHAPES_PER_VIEW = 32
+# A filter's reason is cut to this many characters.
+MAX_REASON = 256
+# Distinct pod shapes numbered at most (the oldest numbers are forgotten).
+MAX_SHAPES = 4096
 
 
 @dataclass(frozen=True)
@@ -163,8 +176,13 @@ class _View:
     layout: Layout
     node: NodeState
     pending: frozenset[str]  # uids of the pods placed ahead
-    outcomes: dict[Shape, Outcome] = field(default_factory=dict)
-    empty: dict[Shape, Outcome] = field(default_factory=dict)
+    # Keyed by the shape's number (NodeViews.shape_id): an int hashes for
+    # free, a Shape hashes its tuples at every lookup.
+    outcomes: dict[int, Outcome] = field(default_factory=dict)
+    empty: dict[int, Outcome] = field(default_factory=dict)
+    # Per (shape number, required level, required): the filter's message,
+    # and whether the failure is for good (kept while the view is).
+    failures: dict[tuple[int, int, bool], tuple[str, bool]] = field(default_factory=dict)
 
 
 class NodeViews:
@@ -186,7 +204,59 @@ class NodeViews:
         self._has_ended = has_ended
         self._gpu, self._hca = gpu, hca
         self._views: dict[str, _View] = {}
+        self._shape_ids: dict[Shape, int] = {}
+        self._next_shape = 0
         self.builds = 0
+
+    def shape_id(self, shape: Shape) -> int:
+        """A number per distinct shape, never reused (the oldest shapes are
+        forgotten past MAX_SHAPES; a view's answers for them are then never
+        read again and age out of it)."""
+        found = self._shape_ids.get(shape)
+        if found is None:
+            if len(self._shape_ids) >= MAX_SHAPES:
+                self._shape_ids.pop(next(iter(self._shape_ids)))
+            found = self._shape_ids[shape] = self._next_shape
+            self._next_shape += 1
+        return found
+
+    def outcomes(
+        self,
+        names: Iterable[str],
+        fresh: Callable[[str], Any],
+        shape: Shape,
+        asking: str,
+    ) -> tuple[dict[str, Outcome | None], int]:
+        """`outcome` on many nodes: per name its outcome (None where `fresh`
+        gives no record: one with a `parsed` ParsedRecord, whose identity is
+        its token), and how many were answered before. The loop the
+        extender's calls spend their time in: a node whose view is current
+        and has the answer costs a few lookups."""
+        key = self.shape_id(shape)
+        views = self._views
+        generations = self._generation
+        found: dict[str, Outcome | None] = {}
+        hits = 0
+        for name in names:
+            record = fresh(name)
+            if record is None:
+                found[name] = None
+                continue
+            view = views.get(name)
+            if (
+                view is not None
+                and view.record is record
+                and view.generation == generations(name)
+                and asking not in view.pending
+            ):
+                answer = view.outcomes.get(key)
+                if answer is not None:
+                    found[name] = answer
+                    hits += 1
+                    continue
+            found[name], hit = self.outcome(record.parsed, record, shape, asking)
+            hits += hit
+        return found, hits
 
     def outcome(
         self, record: ParsedRecord, token: object, shape: Shape, asking: str
@@ -202,24 +272,72 @@ class NodeViews:
             # The pod itself is bound there already (a retry): place the
             # others without it; not kept, it is rare.
             return self._compute(record, view.layout, shape, exclude=asking), False
-        found = view.outcomes.get(shape)
+        key = self.shape_id(shape)
+        found = view.outcomes.get(key)
         if found is not None:
             return found, True
         outcome = place(view.node, shape, view.layout.allocator)
-        _keep(view.outcomes, shape, replace(outcome, free_after=None))
+        _keep(view.outcomes, key, replace(outcome, free_after=None))
         return outcome, False
+
+    def failures(
+        self,
+        failing: Mapping[str, str],
+        fresh: Callable[[str], Any],
+        shape: Shape,
+        requirement: Requirement,
+        asking: str,
+    ) -> dict[str, tuple[str, bool]]:
+        """For each node the pod fails (name -> reason): the filter's message,
+        and whether the failure is for good (the node with nothing held
+        fails the pod too), kept per view."""
+        # Plain values: an enum member hashes through a Python call.
+        level = int(requirement.level) if requirement.level is not None else 0
+        key = (self.shape_id(shape), level, requirement.required)
+        views = self._views
+        generations = self._generation
+        found: dict[str, tuple[str, bool]] = {}
+        for name, reason in failing.items():
+            record = fresh(name)
+            view = views.get(name)
+            current = (
+                record is not None
+                and view is not None
+                and view.record is record
+                and view.generation == generations(name)
+                and asking not in view.pending
+            )
+            if current:
+                assert view is not None
+                answer = view.failures.get(key)
+                if answer is not None:
+                    found[name] = answer
+                    continue
+            never = False
+            if record is not None:
+                empty = self.empty_outcome(record.parsed, record, shape)
+                never = empty is not None and check(empty, requirement) is not None
+            answer = (f"devplugin: {reason}"[:MAX_REASON], never)
+            found[name] = answer
+            if current:
+                assert view is not None
+                if len(view.failures) >= SHAPES_PER_VIEW:
+                    view.failures.pop(next(iter(view.failures)))
+                view.failures[key] = answer
+        return found
 
     def empty_outcome(self, record: ParsedRecord, token: object, shape: Shape) -> Outcome | None:
         """The pod on the node with nothing held."""
         view = self._view(record, token)
         if view is None:
             return None
-        found = view.empty.get(shape)
+        key = self.shape_id(shape)
+        found = view.empty.get(key)
         if found is None:
             everything = {kind: view.layout.topology.id_set(kind) for kind in DeviceKind}
             empty = replace(view.node, free=everything)
             found = replace(place(empty, shape, view.layout.allocator), free_after=None)
-            _keep(view.empty, shape, found)
+            _keep(view.empty, key, found)
         return found
 
     def _view(self, record: ParsedRecord, token: object) -> _View | None:
@@ -274,7 +392,7 @@ class NodeViews:
         return place(node, shape, layout.allocator)
 
 
-def _keep(answers: dict[Shape, Outcome], shape: Shape, outcome: Outcome) -> None:
+def _keep(answers: dict[int, Outcome], key: int, outcome: Outcome) -> None:
     if len(answers) >= SHAPES_PER_VIEW:
         answers.pop(next(iter(answers)))
-    answers[shape] = outcome
+    answers[key] = outcome

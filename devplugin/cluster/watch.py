@@ -158,6 +158,11 @@ class WatchCache(ThreadLoop, Generic[T]):
         """One object by key (O(1), no copy)."""
         return self._items.get(key)
 
+    def getter(self) -> Callable[[str], T | None]:
+        """`get` bound to the map as it is now: a loop over thousands of
+        keys saves a call per key (a relist after this is not seen)."""
+        return self._items.get
+
     def __len__(self) -> int:
         return len(self._items)
 

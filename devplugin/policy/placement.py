@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from devplugin.model import (
@@ -110,6 +111,11 @@ class Outcome:
     free_after: Mapping[DeviceKind, frozenset[str]] | None = None
 
     def key(self) -> tuple[int, int, int]:
+        return self.rank_key
+
+    @cached_property
+    def rank_key(self) -> tuple[int, int, int]:
+        # Kept: the extender ranks thousands of nodes' outcomes per call.
         worst = int(self.worst) if self.worst is not None else 0
         return (worst, self.total, self.fragmentation)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from devplugin.cluster.extender import serve
+from devplugin.cluster.extender import REUSE_FOR, REUSED_PODS, CycleMemo, serve
 from devplugin.config import KubernetesConfig
 from devplugin.node.alignment import ContainerAlignment
 from devplugin.policy.topology import Level
@@ -210,19 +210,28 @@ def test_a_pod_the_watch_saw_end_holds_nothing_whatever_the_record_says(
         assert call(extender, "filter", big)[1]["NodeNames"] == []
 
 
-def test_a_prioritize_after_a_filter_is_a_memo_hit(
+def test_a_prioritize_after_a_filter_scores_the_filters_answers(
     api: ApiServerImitation, tmp_path: Path, extender: Running
 ) -> None:
     put_record(api, "n", "hgx-h100", tmp_path)
-    synced(extender, {"n"})
-    args = {"Pod": pod("t", [{GPU: 4, HCA: 2}]), "NodeNames": ["n"]}
+    put_record(api, "m", "pcie-server", tmp_path)
+    synced(extender, {"n", "m"})
+    args = {"Pod": pod("t", [{GPU: 4, HCA: 2}]), "NodeNames": ["n", "m"]}
     memo = extender[0].metrics.memo
     call(extender, "filter", args)
     hits = memo.labels("hit")._value.get()
     misses = memo.labels("miss")._value.get()
-    call(extender, "prioritize", args)
-    assert memo.labels("hit")._value.get() == hits + 1
+    # The same cycle: scored from what the filter found, no node looked up.
+    _, kept = call(extender, "prioritize", args)
+    assert memo.labels("hit")._value.get() == hits
     assert memo.labels("miss")._value.get() == misses
+    # Another pod of the same shape, never filtered: each node's view answers.
+    other = {"Pod": pod("u", [{GPU: 4, HCA: 2}]), "NodeNames": ["n", "m"]}
+    _, fresh = call(extender, "prioritize", other)
+    assert memo.labels("hit")._value.get() == hits + 2
+    assert memo.labels("miss")._value.get() == misses
+    assert fresh == kept
+    assert {entry["Score"] for entry in kept} != {0}
 
 
 @pytest.mark.parametrize(
@@ -340,3 +349,18 @@ def test_bad_extender_flags_exit_two_with_one_line(flags: list[str], message: st
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1
     assert message in lines[0]
+
+
+def test_a_filters_answers_serve_its_prioritize_for_one_second_and_sixteen_pods() -> None:
+    now = [0.0]
+    memo = CycleMemo(lambda: now[0])
+    memo.keep("resources", "p0", {"a": None, "b": None})
+    assert memo.take("resources", "p0", ["b"]) == {"b": None}
+    assert memo.take("resources", "p0", ["a", "c"]) is None  # a node the filter never saw
+    assert memo.take("claims", "p0", ["a"]) is None  # the other verb's answers are apart
+    now[0] = REUSE_FOR + 0.01
+    assert memo.take("resources", "p0", ["a"]) is None
+    for i in range(REUSED_PODS + 1):
+        memo.keep("resources", f"q{i}", {"a": None})
+    assert memo.take("resources", "q0", ["a"]) is None
+    assert memo.take("resources", f"q{REUSED_PODS}", ["a"]) == {"a": None}
