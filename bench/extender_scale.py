@@ -45,7 +45,16 @@ import yaml
 from bench.proc import status_field, terminate
 from devplugin.cluster.extender import MAX_BODY
 from devplugin.cluster.views import parse_record
+from devplugin.policy.claim_templates import (
+    CHART_SHAPES,
+    Shape,
+    claim_spec,
+    device_classes,
+    template_name,
+)
 from devplugin.testing.apiserver import ApiServerImitation
+from devplugin.testing.dra_scheduler import spec_slices
+from devplugin.testing.layouts import LAYOUTS
 from devplugin.testing.records import gpu_id, hca_id, hgx_record
 
 GPU, HCA = "nvidia.com/gpu", "rdma/hca"
@@ -65,6 +74,113 @@ class Scale:
     changed: list[float] = field(default_factory=list)
     counted: list[float] = field(default_factory=list)
     peak_mib: float = 0.0
+    # Pods that ask through ResourceClaims (the /scheduler/claims verbs).
+    claims_first: list[float] = field(default_factory=list)
+    claims_warm: list[float] = field(default_factory=list)
+    claims_changed: list[float] = field(default_factory=list)
+
+
+DRIVER = "devplugin.io"
+# DRA side: every node an HGX H100 on the DRA driver, its first two GPUs and
+# HCAs held by allocated claims (the record side's holders hold four).
+CLAIM_HOLDERS = 2
+
+
+def _populate_claims(api: ApiServerImitation, names: list[str]) -> dict[str, list[str]]:
+    """Classes, each node's slices and its holders' allocated claims, and a
+    pending claim per chart template; node -> its devices (slice names)."""
+    for item in device_classes(DRIVER):
+        api.put("deviceclasses", item)
+    devices: dict[str, list[str]] = {}
+    for name in names:
+        slices, _ = spec_slices(LAYOUTS["hgx-h100"](), DRIVER, name)
+        ordered = sorted(d["name"] for item in slices for d in item["spec"]["devices"])
+        devices[name] = ordered
+        gpus = [d for d in ordered if d.startswith("gpu-")]
+        hcas = [d for d in ordered if d.startswith("hca-")]
+        held = set(gpus[:CLAIM_HOLDERS] + hcas[:CLAIM_HOLDERS])
+        slices, _ = spec_slices(LAYOUTS["hgx-h100"](), DRIVER, name, held=held)
+        for item in slices:
+            api.put("resourceslices", {"apiVersion": "resource.k8s.io/v1",
+                                       "kind": "ResourceSlice", **item})  # fmt: skip
+        for i in range(CLAIM_HOLDERS):
+            _claim(api, f"{name}-c{i}", [gpus[i], hcas[i]], name)
+    for shape in CHART_SHAPES:
+        _claim(api, f"ask-{template_name(shape)}", [], "", claim_spec(shape, DRIVER))
+    return devices
+
+
+def _claim(
+    api: ApiServerImitation,
+    name: str,
+    held: list[str],
+    node: str,
+    spec: dict[str, Any] | None = None,
+) -> None:
+    api.put("resourceclaims", {
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": spec or {"devices": {"requests": []}},
+    })  # fmt: skip
+    if held:
+        results = [{"request": "r", "driver": DRIVER, "pool": node, "device": d} for d in held]
+        api.set_status("resourceclaims", name, "default",
+                       {"allocation": {"devices": {"results": results}}})  # fmt: skip
+
+
+def _claims_args(name: str, shape: Shape, nodes: list[str]) -> bytes:
+    pod = {
+        "metadata": {"name": name, "namespace": "default", "uid": f"uid-{name}"},
+        "spec": {"containers": [{"name": "c"}], "resourceClaims": [
+            {"name": "devices", "resourceClaimName": f"ask-{template_name(shape)}"}]},
+        "status": {"phase": "Pending"},
+    }  # fmt: skip
+    return json.dumps({"Pod": pod, "NodeNames": nodes}).encode()
+
+
+def _claims(
+    api: ApiServerImitation,
+    client: Client,
+    names: list[str],
+    devices: dict[str, list[str]],
+    rounds: int,
+    result: Scale,
+) -> None:
+    """Claim-only pods: each template's first call (every node walked),
+    then warm pairs, then pairs 0.3 s after 5 nodes' claims changed (a node
+    filled up by another claim must fail the 4-pair template)."""
+    bodies = [_claims_args(f"claims-{i}", shape, names) for i, shape in enumerate(CHART_SHAPES)]
+    for body in bodies:
+        result.claims_first.append(client.pair(body, "claims/")[0])
+    for _ in range(rounds):
+        for body in bodies:
+            result.claims_warm.append(client.pair(body, "claims/")[0])
+    rng = random.Random(len(names))
+    full: set[str] = set()
+    four = _claims_args("claims-changes", Shape(4, 4), names)
+    for _ in range(max(10, rounds * 3)):
+        for name in rng.sample(names, CHANGED):
+            gpus = [d for d in devices[name] if d.startswith("gpu-")]
+            hcas = [d for d in devices[name] if d.startswith("hca-")]
+            held = set(gpus[:CLAIM_HOLDERS] + hcas[:CLAIM_HOLDERS])
+            extra = gpus[CLAIM_HOLDERS : CLAIM_HOLDERS + 4]
+            if name in full:
+                full.discard(name)
+                api.remove("resourceclaims", f"{name}-extra", "default")
+            else:
+                full.add(name)
+                _claim(api, f"{name}-extra", extra, name)
+                held.update(extra)
+            # The node's daemon prepares (or releases) it: its counts follow.
+            slices, _ = spec_slices(LAYOUTS["hgx-h100"](), DRIVER, name, held=held)
+            for item in slices:
+                api.put("resourceslices", {"apiVersion": "resource.k8s.io/v1",
+                                           "kind": "ResourceSlice", **item})  # fmt: skip
+        time.sleep(0.3)
+        took, filtered = client.pair(four, "claims/")
+        if set(filtered["FailedNodes"]) != full:
+            raise RuntimeError("the extender missed claim changes")
+        result.claims_changed.append(took)
 
 
 def _stamp() -> str:
@@ -131,10 +247,10 @@ class Client:
         with urllib.request.urlopen(request, timeout=120) as answer:
             return json.loads(answer.read())
 
-    def pair(self, body: bytes) -> tuple[float, Any]:
+    def pair(self, body: bytes, prefix: str = "") -> tuple[float, Any]:
         started = time.perf_counter()
-        filtered = self.post("filter", body)
-        self.post("prioritize", body)
+        filtered = self.post(f"{prefix}filter", body)
+        self.post(f"{prefix}prioritize", body)
         return time.perf_counter() - started, filtered
 
 
@@ -150,13 +266,14 @@ def _ms(samples: list[float], fraction: float) -> float:
     return 1000 * ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
-def _measure(count: int, rounds: int, base: Path, churn: bool) -> Scale:
+def _measure(count: int, rounds: int, base: Path, churn: bool, claims: bool = False) -> Scale:
     result = Scale(count)
     api = ApiServerImitation()
     api.start()
     process: subprocess.Popen[bytes] | None = None
     try:
         names = _populate(api, count)
+        devices = _populate_claims(api, names) if claims else {}
         # The API imitation's objects live in this process: frozen, the
         # cycle collector's full passes over them do not land in the
         # client's timings (the extender's own heap is its own).
@@ -178,6 +295,7 @@ def _measure(count: int, rounds: int, base: Path, churn: bool) -> Scale:
                 str(kubeconfig),
                 "--stale-after-seconds",
                 "86400",
+                *(["--dra"] if claims else []),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -196,6 +314,8 @@ def _measure(count: int, rounds: int, base: Path, churn: bool) -> Scale:
             for body in bodies:
                 result.warm.append(client.pair(body)[0])
         _after_changes(api, client, names, rounds, result)
+        if claims:
+            _claims(api, client, names, devices, rounds, result)
         if churn:
             _counted_under_churn(api, client, names, result)
         _big_bodies(client, names, process.pid, result)

@@ -36,9 +36,12 @@ LEVEL_ATTRIBUTES = (
     (Level.PHB, f"{STANDARD}/pcieRoot"),
     (Level.NODE, f"{STANDARD}/numaNode"),
 )
-# A walk past this many device tries is not predicted (the scheduler's
-# own walk would be as slow; the templates decide within 10,000).
-TRY_BUDGET = 50_000
+# A walk past this many device tries is not predicted: the chart's
+# templates decide within it wherever the slices' free counts are current
+# (make bench --dra), and a walk on counts not yet caught up with an
+# allocation (the minute between the scheduler's choice and the node's
+# prepare) would otherwise cost a call about 10 ms per such node.
+TRY_BUDGET = 10_000
 
 
 def pair_level(gpu: Device, hca: Device) -> Level:
