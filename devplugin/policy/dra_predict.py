@@ -100,7 +100,9 @@ class NodeDevices:
     selector's verdicts (isSelectable's cache, kept while the slices are)."""
 
     devices: list[Device]
-    verdicts: dict[tuple[str, tuple[str, str, str]], bool] = field(default_factory=dict)
+    # expression -> id of the device (alive while `devices` holds it) -> verdict:
+    # no key tuple per device and expression across a fleet.
+    verdicts: dict[str, dict[int, bool]] = field(default_factory=dict)
 
 
 def predict(
@@ -126,15 +128,19 @@ def predict(
     programs = {e: selectors.program(e) for alts in requests for a in alts for e in a.expressions}
 
     def selectable(alternative: Alternative, device: Device) -> bool:
+        view = None
         for expression in alternative.expressions:
-            key = (expression, device.key)
-            verdict = node.verdicts.get(key)
+            known = node.verdicts.get(expression)
+            if known is None:
+                known = node.verdicts[expression] = {}
+            verdict = known.get(id(device))
             if verdict is None:
+                view = view if view is not None else device.view
                 try:
-                    verdict = matches(programs[expression], device.view)
+                    verdict = matches(programs[expression], view)
                 except EvalError as exc:
                     raise Unpredictable(f"selector error on {device.name}: {exc}") from exc
-                node.verdicts[key] = verdict
+                known[id(device)] = verdict
             if not verdict:
                 return False
         return True

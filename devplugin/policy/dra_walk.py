@@ -29,8 +29,9 @@ subset. Both walk here.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 NOSCHEDULE = frozenset({"NoSchedule", "NoExecute"})
@@ -40,23 +41,44 @@ class WalkError(Exception):
     """Where the allocator returns an error, not "no fit"."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Device:
     driver: str
     pool: str
     name: str
     attributes: Mapping[str, Any]  # fully qualified name -> value
-    view: Mapping[str, Any]  # what a selector sees: {driver, attributes: {domain: {name: value}}}
     taints: tuple[Mapping[str, Any], ...] = ()
+    capacity: Mapping[str, Any] = field(default_factory=dict)  # qualified name -> quantity
 
     @property
     def key(self) -> tuple[str, str, str]:
         return (self.driver, self.pool, self.name)
 
+    @property
+    def view(self) -> dict[str, Any]:
+        """What a selector sees: {driver, attributes: {domain: {name:
+        value}}, capacity: the same}. Built when asked (a verdict is kept
+        per device), not kept: a fleet's devices would hold it twice."""
+        return {
+            "driver": self.driver,
+            "attributes": _by_domain(self.attributes),
+            "capacity": _by_domain(self.capacity),
+        }
+
+
+def _by_domain(qualified: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    found: dict[str, dict[str, Any]] = {}
+    for key, value in qualified.items():
+        domain, _, local = key.rpartition("/")
+        found.setdefault(domain, {})[local] = value
+    return found
+
 
 def _value(entry: Mapping[str, Any]) -> Any:
     ((_, inner),) = entry.items()
-    return inner
+    # Nodes of one model repeat the same names and values (types, product
+    # names, PCI paths): one copy each across the fleet.
+    return sys.intern(inner) if type(inner) is str else inner
 
 
 def qualify(name: str, driver: str) -> tuple[str, str]:
@@ -64,48 +86,73 @@ def qualify(name: str, driver: str) -> tuple[str, str]:
     return (domain, local) if slash else (driver, name)
 
 
-def slice_devices(item: Mapping[str, Any]) -> list[Device]:
-    """One slice's devices, with their qualified attributes."""
+@dataclass(frozen=True)
+class PoolSlice:
+    """One ResourceSlice as the allocator reads it."""
+
+    name: str
+    node: str  # "" for a slice that names no node
+    driver: str
+    pool: str
+    generation: int
+    count: int  # resourceSliceCount
+    devices: tuple[Device, ...]
+
+
+def pool_slice(item: Mapping[str, Any]) -> PoolSlice:
+    """One slice's devices, with their qualified attributes (KeyError,
+    TypeError or ValueError for a slice that is not one)."""
     spec = item["spec"]
-    driver, pool = spec["driver"], spec["pool"]["name"]
+    driver, pool = str(spec["driver"]), spec["pool"]
     found = []
     for device in spec.get("devices") or []:
         attributes: dict[str, Any] = {}
-        by_domain: dict[str, dict[str, Any]] = {}
         for key, entry in (device.get("attributes") or {}).items():
             domain, local = qualify(key, driver)
-            attributes[f"{domain}/{local}"] = by_domain.setdefault(domain, {})[local] = _value(
-                entry
-            )
-        capacity: dict[str, dict[str, Any]] = {}
+            attributes[sys.intern(f"{domain}/{local}")] = _value(entry)
+        capacity: dict[str, Any] = {}
         for key, entry in (device.get("capacity") or {}).items():
             domain, local = qualify(key, driver)
-            capacity.setdefault(domain, {})[local] = entry.get("value")
-        view = {"driver": driver, "attributes": by_domain, "capacity": capacity}
+            capacity[f"{domain}/{local}"] = entry.get("value")
         taints = tuple(device.get("taints") or ())
-        found.append(Device(driver, pool, device["name"], attributes, view, taints))
+        found.append(
+            Device(driver, str(pool["name"]), str(device["name"]), attributes, taints, capacity)
+        )
+    node = spec.get("nodeName")
+    return PoolSlice(
+        str(item["metadata"]["name"]),
+        node if isinstance(node, str) else "",
+        driver,
+        str(pool["name"]),
+        int(pool.get("generation", 0)),
+        int(pool.get("resourceSliceCount", 1)),
+        tuple(found),
+    )
+
+
+def gather(slices: Iterable[PoolSlice]) -> list[Device]:
+    """Devices in the order the allocator visits them (GatherPools): pools
+    as their slices first come, slices in the order given, devices in slice
+    order; a pool counts only its newest generation's slices, and not at
+    all while it has fewer than it says (the scheduler waits for the rest).
+    The allocator walks what the lister hands it; it sorts nothing."""
+    pools: dict[tuple[str, str], list[PoolSlice]] = {}
+    for item in slices:
+        pools.setdefault((item.driver, item.pool), []).append(item)
+    found: list[Device] = []
+    for items in pools.values():
+        newest = max(i.generation for i in items)
+        current = [i for i in items if i.generation == newest]
+        if len(current) != current[0].count:
+            continue
+        for item in current:
+            found.extend(item.devices)
     return found
 
 
 def candidates(slices: Iterable[Mapping[str, Any]], node: str) -> list[Device]:
     """The node's devices in the order the allocator visits them."""
-    pools: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
-    # Pools in the order their slices first come, slices in the order given
-    # (the allocator walks what the lister hands it; it sorts nothing).
-    for item in slices:
-        spec = item["spec"]
-        if spec.get("nodeName") != node:
-            continue
-        pools.setdefault((spec["driver"], spec["pool"]["name"]), []).append(item)
-    found: list[Device] = []
-    for items in pools.values():
-        newest = max(i["spec"]["pool"]["generation"] for i in items)
-        current = [i for i in items if i["spec"]["pool"]["generation"] == newest]
-        if len(current) != current[0]["spec"]["pool"]["resourceSliceCount"]:
-            continue  # incomplete: the scheduler waits for the rest
-        for item in current:
-            found.extend(slice_devices(item))
-    return found
+    return gather(s for s in map(pool_slice, slices) if s.node == node)
 
 
 @dataclass(frozen=True)

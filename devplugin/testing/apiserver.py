@@ -27,6 +27,7 @@ on), and stopping the server altogether.
 
 from __future__ import annotations
 
+import base64
 import bisect
 import contextlib
 import copy
@@ -115,6 +116,7 @@ class ApiServerImitation:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._objects: dict[tuple[Kind, str, str], Obj] = {}
+        self._sorted_keys: dict[Kind, tuple[int, list[tuple[str, str]]]] = {}
         self._events: list[_Event] = []
         self._version = 100
         self._compacted = 0
@@ -416,6 +418,54 @@ class ApiServerImitation:
             obj.pop("status", None)  # set through the subresource only
         return self._store_locked(kind, key, obj, "ADDED")
 
+    def _list(self, kind: Kind, namespace: str, query: dict[str, str]) -> Obj:
+        """A list, in pages when asked (`limit`, then `continue`): items in
+        key order, each page after the last key of the one before. Every page
+        says the resourceVersion of the first; unlike etcd, a later page shows
+        the objects as they are now, not as they were then (a watch from that
+        version replays the changes, so a cache ends up the same)."""
+        token = query.get("continue")
+        version, after = str(self._version), None
+        if token:
+            try:
+                version, place = json.loads(base64.urlsafe_b64decode(token.encode()))
+                after = (str(place[0]), str(place[1]))
+            except (ValueError, TypeError, IndexError) as exc:
+                raise ApiError(400, "BadRequest", "continue: not a token of this server") from exc
+        places = self._sorted(kind)
+        start = bisect.bisect_right(places, after) if after is not None else 0
+        items: list[Obj] = []
+        limit = int(query.get("limit") or 0)
+        more = ""
+        last: tuple[str, str] = ("", "")
+        for place in places[start:]:
+            key = (kind, *place)
+            obj = self._objects[key]
+            if not self._matches(obj, kind, namespace, query):
+                continue
+            if limit and len(items) == limit:
+                more = base64.urlsafe_b64encode(json.dumps([version, list(last)]).encode()).decode()
+                break
+            items.append(copy.deepcopy(obj))
+            last = place
+        metadata: dict[str, Any] = {"resourceVersion": version}
+        if more:
+            metadata["continue"] = more
+        return {
+            "kind": f"{kind.kind}List", "apiVersion": kind.api_version,
+            "metadata": metadata, "items": items,
+        }  # fmt: skip
+
+    def _sorted(self, kind: Kind) -> list[tuple[str, str]]:
+        """(namespace, name) of every object of a kind, in order; sorted once
+        per version of the store (a paged list of 100,000 pods sorted them
+        again for each of its 200 pages)."""
+        found = self._sorted_keys.get(kind)
+        if found is None or found[0] != self._version:
+            places = sorted((key[1], key[2]) for key in self._objects if key[0] is kind)
+            found = self._sorted_keys[kind] = (self._version, places)
+        return found[1]
+
     def _answer(
         self,
         method: str,
@@ -427,16 +477,7 @@ class ApiServerImitation:
         kind, namespace, name, status = route
         with self._cond:
             if method == "GET" and name is None:
-                items = [
-                    copy.deepcopy(o) for (k, _, _), o in sorted(
-                        self._objects.items(), key=lambda item: item[0][1:]
-                    )
-                    if k is kind and self._matches(o, kind, namespace, query)
-                ]  # fmt: skip
-                return 200, {
-                    "kind": f"{kind.kind}List", "apiVersion": kind.api_version,
-                    "metadata": {"resourceVersion": str(self._version)}, "items": items,
-                }  # fmt: skip
+                return 200, self._list(kind, namespace, query)
             key = (kind, namespace, name or "")
             if method == "GET":
                 return 200, copy.deepcopy(self._existing(key))

@@ -161,3 +161,34 @@ def test_traffic_is_counted_by_resource_and_verb(api: ApiServerImitation, client
     watched = traffic[("pods", "watch")]
     assert watched[0] == 1
     assert watched[2] > len('{"type":"ADDED"}')
+
+
+def test_lists_come_in_pages_each_after_the_last_key_all_at_the_first_version(
+    api: ApiServerImitation, client: Client
+) -> None:
+    # "a-b" sorts between "a" and "b" as a namespace, not as text with the name.
+    for namespace in ("a", "a-b", "b"):
+        for i in range(7):
+            api.put("pods", pod(f"p{i}", "n1", namespace))
+    listed = client.list(RawPod, namespace="*", chunk_size=4)
+    seen = [(p.metadata.namespace, p.metadata.name) for p in listed]
+    assert len(seen) == len(set(seen)) == 21
+    assert seen == sorted(seen)
+    whole = client.list(RawPod, namespace="*")
+    assert [(p.metadata.namespace, p.metadata.name) for p in whole] == seen
+    assert listed.resourceVersion == whole.resourceVersion
+    # A write between pages: the pages go on after their last key; the
+    # version is the first page's, so a watch from it replays the write.
+    pages = client.list(RawPod, namespace="a", chunk_size=3)
+    iterator = iter(pages)
+    first = [next(iterator) for _ in range(3)]
+    api.put("pods", pod("p9", "n1", "a"))
+    rest = list(iterator)
+    assert len(first) + len(rest) == 8
+    now = client.list(RawPod)
+    list(now)
+    assert int(pages.resourceVersion) < int(now.resourceVersion)
+    server = api.kubeconfig()["clusters"][0]["cluster"]["server"]
+    answer = httpx2.get(f"{server}/api/v1/pods?limit=2&continue=not-a-token", timeout=5)
+    assert answer.status_code == 400
+    assert "continue" in answer.json()["message"]

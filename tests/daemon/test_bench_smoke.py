@@ -64,10 +64,13 @@ def test_bench_extender_quick_run_measures_every_line() -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     rows = [line.split() for line in result.stdout.splitlines() if line.startswith("   100 ")]
-    assert len(rows) == 1
+    assert len(rows) == 2  # extended-resource pods, then claim-only pods
     startup, rss, peak = float(rows[0][1]), float(rows[0][2]), float(rows[0][-1])
     assert 0 < startup < 60
     assert 0 < rss <= peak < 512
+    claims = [float(cell.removesuffix("ms")) for cell in rows[1][1:]]
+    assert len(claims) == 5
+    assert all(value > 0 for value in claims)
     assert "a 1,024-device record parses in" in result.stdout
     assert "== extender:" in result.stdout
 
