@@ -418,18 +418,7 @@ class Extender:
                 (unresolvable if never else failed)[name] = message
             self._count(hits, len(names))
             self.cycles.keep("resources", pod.uid, outcomes)
-        result: dict[str, Any] = {
-            "FailedNodes": failed, "FailedAndUnresolvableNodes": unresolvable, "Error": "",
-        }  # fmt: skip
-        if nodes is not None:
-            keep = set(passing)
-            items = [n for n in nodes if _node_name(n) in keep]
-            result["Nodes"] = {"apiVersion": "v1", "kind": "NodeList", "items": items}
-            result["NodeNames"] = None
-        else:
-            result["NodeNames"] = passing
-            result["Nodes"] = None
-        return result
+        return _filter_result(passing, failed, unresolvable, nodes)
 
     def prioritize(self, args: Mapping[str, Any]) -> list[dict[str, Any]]:
         pod, names, _ = self._args(args)
@@ -457,18 +446,8 @@ class Extender:
             for name, prediction in predictions.items()
             if prediction is not None and not prediction.fits
         }
-        result: dict[str, Any] = {"FailedNodes": failed, "FailedAndUnresolvableNodes": {}}
-        result["Error"] = ""
         passing = [name for name in names if name not in failed]
-        if nodes is not None:
-            keep = set(passing)
-            items = [n for n in nodes if _node_name(n) in keep]
-            result["Nodes"] = {"apiVersion": "v1", "kind": "NodeList", "items": items}
-            result["NodeNames"] = None
-        else:
-            result["NodeNames"] = passing
-            result["Nodes"] = None
-        return result
+        return _filter_result(passing, failed, {}, nodes)
 
     def claims_prioritize(self, args: Mapping[str, Any]) -> list[dict[str, Any]]:
         """Scores for pods with ResourceClaims: by the worst pair, then the
@@ -623,6 +602,27 @@ class Extender:
 
 def _current(cache: WatchCache[Any]) -> float:
     return 1.0 if cache.current else 0.0
+
+
+def _filter_result(
+    passing: list[str],
+    failed: dict[str, str],
+    unresolvable: dict[str, str],
+    nodes: list[dict[str, Any]] | None,
+) -> dict[str, Any]:
+    """ExtenderFilterResult, in the form it was asked in (names, or the
+    passing Node objects)."""
+    result: dict[str, Any] = {"FailedNodes": failed, "FailedAndUnresolvableNodes": unresolvable}
+    result["Error"] = ""
+    if nodes is not None:
+        keep = set(passing)
+        items = [n for n in nodes if _node_name(n) in keep]
+        result["Nodes"] = {"apiVersion": "v1", "kind": "NodeList", "items": items}
+        result["NodeNames"] = None
+    else:
+        result["NodeNames"] = passing
+        result["Nodes"] = None
+    return result
 
 
 def _node_name(node: Mapping[str, Any]) -> str | None:

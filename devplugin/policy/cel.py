@@ -234,36 +234,31 @@ def _decided(program: Program, device: Mapping[str, Any]) -> bool | EvalError:
         return exc
 
 
-def _and(left: Program, right: Program) -> Program:
+def _junction(left: Program, right: Program, *, decides: bool) -> Program:
+    """`&&` (a false side decides) or `||` (a true side decides): an error
+    on one side counts only when the other does not decide."""
+
     def run(device: Mapping[str, Any]) -> Any:
         first = _decided(left, device)
-        if first is False:
-            return False
+        if first is decides:
+            return decides
         second = _decided(right, device)
-        if second is False:
-            return False
+        if second is decides:
+            return decides
         for side in (first, second):
             if isinstance(side, EvalError):
                 raise side
-        return True
+        return not decides
 
     return run
+
+
+def _and(left: Program, right: Program) -> Program:
+    return _junction(left, right, decides=False)
 
 
 def _or(left: Program, right: Program) -> Program:
-    def run(device: Mapping[str, Any]) -> Any:
-        first = _decided(left, device)
-        if first is True:
-            return True
-        second = _decided(right, device)
-        if second is True:
-            return True
-        for side in (first, second):
-            if isinstance(side, EvalError):
-                raise side
-        return False
-
-    return run
+    return _junction(left, right, decides=True)
 
 
 def _kind(value: Any) -> str:

@@ -5,9 +5,7 @@ and slice events, and says nothing where it cannot tell."""
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,20 +26,12 @@ from devplugin.testing.dra_scheduler import (
     taken_devices,
 )
 from devplugin.testing.layouts import LAYOUTS
-from tests.extender_support import Running
+from tests.extender_support import Running, call
 from tests.waiting import wait_until
 
 DRIVER = "devplugin.io"
 # Node -> layout. n-busy gets its PIX pairs taken by another claim.
 NODES = {"n-free": "hgx-h100", "n-busy": "hgx-h100", "n-small": "pcie-server", "n-none": ""}
-
-
-@pytest.fixture
-def api() -> Iterator[ApiServerImitation]:
-    server = ApiServerImitation()
-    server.start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture
@@ -54,18 +44,6 @@ def running(api: ApiServerImitation, tmp_path: Path) -> Iterator[Running]:
     served[1].stop()
     for cache in served[2]:
         cache.signal_stop()
-
-
-def call(running: Running, verb: str, body: Any) -> tuple[int, Any]:
-    host, port = running[1].address
-    request = urllib.request.Request(
-        f"http://{host}:{port}/scheduler/{verb}",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-        method="POST",
-    )
-    with urllib.request.urlopen(request, timeout=10) as answer:
-        return answer.status, json.loads(answer.read())
 
 
 def put_node(api: ApiServerImitation, node: str, layout: str) -> None:
