@@ -77,7 +77,7 @@ def _port() -> int:
 
 
 @contextmanager
-def extender_process(api: ApiServerImitation, base: Path) -> Iterator[str]:
+def extender_process(api: ApiServerImitation, base: Path, *, dra: bool = False) -> Iterator[str]:
     kubeconfig = base / "extender-kubeconfig"
     kubeconfig.write_text(yaml.safe_dump(api.kubeconfig()))
     port = _port()
@@ -94,6 +94,7 @@ def extender_process(api: ApiServerImitation, base: Path) -> Iterator[str]:
             str(kubeconfig),
             "--stale-after-seconds",
             "120",
+            *(["--dra"] if dra else []),
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
