@@ -89,6 +89,7 @@ import grpc
 from bench.cluster import cluster_bench
 from bench.cluster_live import live_cluster_bench
 from bench.dra import dra_bench
+from bench.dra_live import dra_live_bench
 from bench.extender_scale import extender_scale_bench
 from bench.fleet import fleet_bench
 from bench.idle import idle_bench
@@ -797,6 +798,8 @@ def main() -> int:
             if nodes or layouts:
                 print()
             failed |= not live_cluster_bench(quick=args.quick)
+            print()
+            failed |= not dra_live_bench(quick=args.quick)
         if fleet:
             if nodes or layouts or live:
                 print()

@@ -5,7 +5,8 @@ server with two NICs, an asymmetric node), each a real daemon serving both
 kinds on `api: dra` behind its DRA kubelet simulator, one API server
 imitation, and `devplugin extender --dra` as a process. A seeded stream of
 claims from the chart's templates (1, 2 and 4 pairs) arrives at a fixed
-cadence (0.05 s, 0.2 s, 1 s) with releases between; nothing waits for
+cadence (0.05 s, 0.2 s, 1 s) with releases between (one more where no node
+has room for the next by count, as the live cluster bench does); nothing waits for
 slices or caches to catch up. Each claim is placed twice over the same
 stream (the cluster emptied between runs):
 
@@ -136,7 +137,7 @@ def run_stream(
         release = rng.random() < 0.4
         slot = start + index * gap
         time.sleep(max(0.0, slot + gap / 2 - time.monotonic()))
-        if live and release:
+        if live and (release or not _room(api, nodes, shape)):
             _release(api, nodes, *live.pop(rng.randrange(len(live))))
         time.sleep(max(0.0, slot + gap - time.monotonic()))
         tally.lag = max(tally.lag, time.monotonic() - (slot + gap))
@@ -209,6 +210,17 @@ def _choose(
             return pick.choice([n for n in passed if (ours[n], scores[n]) == top])
     top_score = max(scores.values())
     return pick.choice([n for n in candidates_ if scores[n] == top_score])
+
+
+def _room(api: ApiServerImitation, nodes: Mapping[str, DraSimNode], shape: Shape) -> bool:
+    """Some node has enough free devices (by count) for the shape."""
+    taken = taken_devices(api.items("resourceclaims"))
+    for name, node in nodes.items():
+        free = [n for n in node.devices() if (DRIVER, name, n) not in taken]
+        gpus = sum(1 for n in free if n.startswith("gpu-"))
+        if gpus >= shape.gpus and len(free) - gpus >= shape.hcas:
+            return True
+    return False
 
 
 def _release(

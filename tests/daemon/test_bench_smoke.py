@@ -100,3 +100,22 @@ def test_bench_dra_quick_run_meets_the_alignment_goals() -> None:
     # A free node fits a 1-pair claim within a handful of tries everywhere.
     assert all(int(row[2].replace(",", "")) < 10 for row in counted if row[1] == "1-pair")
     assert "== DRA tries: worst " in tries
+
+
+@pytest.mark.slow
+def test_bench_dra_live_quick_run_places_claims_with_real_daemons() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.dra_live", "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [line.split() for line in result.stdout.splitlines() if line.strip()[:1].isdigit()]
+    # Three cadences, the extender's row then the default's.
+    assert [row[1] for row in rows] == ["extender", "default"] * 3
+    assert all(int(row[2]) > 0 for row in rows)
+    assert all(float(row[3].rstrip("%")) >= 98.0 for row in rows if row[1] == "extender")
+    assert "== DRA live:" in result.stdout
