@@ -718,6 +718,11 @@ def node_sections(
 
 
 def main() -> int:
+    args = _parser().parse_args()
+    return _run(args)
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench")
     parser.add_argument("--iterations", type=int, default=400)
     parser.add_argument("--quick", action="store_true", help="few iterations (smoke test)")
@@ -763,7 +768,10 @@ def main() -> int:
         help="API traffic per node, idle and under churn (alone unless others are named; "
         "a full run includes it, --quick leaves it out)",
     )
-    args = parser.parse_args()
+    return parser
+
+
+def _run(args: argparse.Namespace) -> int:
     iterations, warmup = (20, 5) if args.quick else (args.iterations, 50)
     selected = (
         args.node is not None

@@ -143,10 +143,9 @@ def run_stream(
         tally.lag = max(tally.lag, time.monotonic() - (slot + gap))
         name = f"{label}{seed}-{index}"
         spec = claim_spec(shape, DRIVER)
-        created = api.put("resourceclaims", {
-            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
-            "metadata": {"name": name, "namespace": NAMESPACE}, "spec": spec,
-        })  # fmt: skip
+        head = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim"}
+        meta = {"name": name, "namespace": NAMESPACE}
+        created = api.put("resourceclaims", {**head, "metadata": meta, "spec": spec})
         claim = ClaimCall(NAMESPACE, created["metadata"]["uid"], name)
         slices = api.items("resourceslices")
         taken = taken_devices(api.items("resourceclaims"))
@@ -167,8 +166,8 @@ def run_stream(
             continue
         target = _choose(url, name, picks, spec, pick)
         results = picks[target]
-        api.set_status("resourceclaims", name, NAMESPACE,
-                       {"allocation": {"devices": {"results": results}}})  # fmt: skip
+        allocation = {"allocation": {"devices": {"results": results}}}
+        api.set_status("resourceclaims", name, NAMESPACE, allocation)
         answer = nodes[target].kubelet.prepare(DRIVER, [claim])[claim.uid]
         if answer["error"]:
             raise RuntimeError(f"{target} refused {name}: {answer['error']}")
@@ -249,21 +248,19 @@ def dra_live_bench(quick: bool = False) -> bool:
         for item in device_classes(DRIVER):
             api.put("deviceclasses", item)
         with ExitStack() as stack:
-            nodes = {
-                name: stack.enter_context(
-                    DraSimNode(LAYOUTS[layout](), api, node_name=name, settings=SETTINGS,
-                               workdir=base)
-                )
-                for name, layout in NODES.items()
-            }  # fmt: skip
+            nodes = {}
+            for name, layout in NODES.items():
+                spec = LAYOUTS[layout]()
+                node = DraSimNode(spec, api, node_name=name, settings=SETTINGS, workdir=base)
+                nodes[name] = stack.enter_context(node)
             url = stack.enter_context(extender_process(api, base, dra=True))
             print(
                 f"DRA placement with real daemons: {len(nodes)} nodes "
                 f"({', '.join(NODES.values())}) on api: dra, claims from the chart's templates "
                 "at a fixed cadence with releases between"
             )
-            print(f"{'cadence':>7} {'placer':9} {'claims':>6} {'best-free':>9} {'unplaced':>8} "
-                  f"{'max lag':>8}")  # fmt: skip
+            columns = f"{'claims':>6} {'best-free':>9} {'unplaced':>8} {'max lag':>8}"
+            print(f"{'cadence':>7} {'placer':9} {columns}")
             for gap, arrivals in cadences:
                 tallies = {}
                 for label, placer in (("extender", url), ("default", None)):
