@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from lightkube.generic_resource import create_global_resource
 
@@ -28,6 +28,7 @@ from devplugin.cluster.watch import WatchCache, WatchTiming
 from devplugin.policy.dra_predict import NodeDevices, Prediction, Selectors, Unpredictable, predict
 from devplugin.policy.dra_walk import PoolSlice, gather, pool_slice
 
+T = TypeVar("T")
 GROUP, VERSION = "resource.k8s.io", "v1"
 DeviceClass = create_global_resource(GROUP, VERSION, "DeviceClass", "deviceclasses")
 
@@ -173,8 +174,9 @@ class DraViews:
     def predictions(
         self, names: Sequence[str], claims: Sequence[Claim]
     ) -> dict[str, Prediction | None]:
-        """`predict` on many nodes: those kept are read under one lock hold,
-        the others walked one by one."""
+        """What the allocator picks on each node for these (unallocated)
+        claims; None where the extender cannot tell. Those kept are read
+        under one lock hold, the others walked one by one."""
         key = "\n".join(claim.spec_key for claim in claims)
         found: dict[str, Prediction | None] = {}
         missing: list[str] = []
@@ -189,11 +191,6 @@ class DraViews:
         for name in missing:
             found[name] = self._predict(name, claims, key)
         return {name: found[name] for name in names}
-
-    def predict(self, node_name: str, claims: Sequence[Claim]) -> Prediction | None:
-        """What the allocator picks on this node for these (unallocated)
-        claims; None where the extender cannot tell."""
-        return self._predict(node_name, claims, "\n".join(claim.spec_key for claim in claims))
 
     def _predict(self, node_name: str, claims: Sequence[Claim], key: str) -> Prediction | None:
         with self._lock:
@@ -266,40 +263,24 @@ def pod_claims(pod: Mapping[str, Any], claims: WatchCache[Claim]) -> list[Claim]
     return found
 
 
-class ClaimCache(WatchCache[Claim]):
-    def __init__(self, views: DraViews, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._views = views
+class _Telling(WatchCache[T]):
+    """A cache that tells the views each change, on its own thread."""
 
-    def changed(self, key: str, before: Claim | None, after: Claim | None) -> None:
-        self._views.claim_changed(key, before, after)
-
-
-class SliceCache(WatchCache[PoolSlice]):
-    def __init__(self, views: DraViews, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._views = views
-
-    def changed(self, key: str, before: PoolSlice | None, after: PoolSlice | None) -> None:
-        self._views.slice_changed(key, before, after)
-
-
-class ClassCache(WatchCache[dict[str, Any]]):
-    def __init__(self, views: DraViews, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._views = views
-
-    def changed(
-        self, key: str, before: dict[str, Any] | None, after: dict[str, Any] | None
+    def __init__(
+        self, told: Callable[[str, T | None, T | None], None], *args: Any, **kwargs: Any
     ) -> None:
-        self._views.class_changed(key, before, after)
+        super().__init__(*args, **kwargs)
+        self._told = told
+
+    def changed(self, key: str, before: T | None, after: T | None) -> None:
+        self._told(key, before, after)
 
 
 @dataclass(frozen=True)
 class DraCaches:
-    claims: ClaimCache
-    slices: SliceCache
-    classes: ClassCache
+    claims: WatchCache[Claim]
+    slices: WatchCache[PoolSlice]
+    classes: WatchCache[dict[str, Any]]
 
     def all(self) -> list[WatchCache[Any]]:
         return [self.claims, self.slices, self.classes]
@@ -312,34 +293,24 @@ def dra_caches(
     heartbeats: Sequence[Heartbeat | None] = (None, None, None),
 ) -> DraCaches:
     """The three watches, each on its own client (`clients`: three)."""
-    claims = ClaimCache(
-        views,
-        clients[0],
-        ResourceClaim,
-        parse_claim,
-        name="resourceclaims",
-        namespaced=True,
-        timing=timing,
-        heartbeat=heartbeats[0],
-    )
-    slices = SliceCache(
-        views,
-        clients[1],
-        ResourceSlice,
-        parse_slice,
-        name="resourceslices",
-        namespaced=False,
-        timing=timing,
-        heartbeat=heartbeats[1],
-    )
-    classes = ClassCache(
-        views,
-        clients[2],
-        DeviceClass,
-        parse_class,
-        name="deviceclasses",
-        namespaced=False,
-        timing=timing,
-        heartbeat=heartbeats[2],
-    )
-    return DraCaches(claims, slices, classes)
+    kinds: list[tuple[Any, Any, Any, str, bool]] = [
+        (views.claim_changed, ResourceClaim, parse_claim, "resourceclaims", True),
+        (views.slice_changed, ResourceSlice, parse_slice, "resourceslices", False),
+        (views.class_changed, DeviceClass, parse_class, "deviceclasses", False),
+    ]
+    caches = [
+        _Telling(
+            told,
+            client,
+            resource,
+            parse,
+            name=name,
+            namespaced=namespaced,
+            timing=timing,
+            heartbeat=heartbeat,
+        )
+        for (told, resource, parse, name, namespaced), client, heartbeat in zip(
+            kinds, clients, heartbeats, strict=True
+        )
+    ]
+    return DraCaches(caches[0], caches[1], caches[2])

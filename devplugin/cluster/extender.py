@@ -398,7 +398,8 @@ class Extender:
             passing = list(names)
         else:
             fresh = self._freshness()
-            outcomes, hits = self.views.outcomes(names, fresh, shape, pod.uid)
+            records: dict[str, Record | None] = {}
+            outcomes, hits = self.views.outcomes(names, fresh, shape, pod.uid, seen=records)
             relaxed = not requirement.required or requirement.level is None
             failing: dict[str, str] = {}
             for name in names:
@@ -413,7 +414,7 @@ class Extender:
                     passing.append(name)
                 else:
                     failing[name] = reason
-            answers = self.views.failures(failing, fresh, shape, requirement, pod.uid)
+            answers = self.views.failures(failing, records, shape, requirement, pod.uid)
             for name, (message, never) in answers.items():
                 (unresolvable if never else failed)[name] = message
             self._count(hits, len(names))
@@ -525,8 +526,11 @@ class Extender:
         return self.views.outcomes(names, self._freshness(), shape, uid)
 
     def _freshness(self) -> Callable[[str], Record | None]:
-        """`_fresh` with the clocks read once and the maps bound: for a loop
-        over every node of a call."""
+        """Per node, its record while its daemon is alive: its Lease renewed
+        within the duration it promised (a daemon without a Lease, an older
+        one, rewrites its record instead: then `updated` is judged, and one
+        dated in the future counts as written now). The clocks are read once
+        and the maps bound: for a loop over every node of a call."""
         now, mono, stale_after = self._wall(), self._clock(), self.stale_after
         records = self.records.getter()
         leases = self.leases.getter() if self.leases is not None else None
@@ -544,24 +548,6 @@ class Extender:
             return record
 
         return fresh
-
-    def _fresh(self, name: str, now: float | None = None) -> Record | None:
-        """The node's record while its daemon is alive: its Lease renewed
-        within the duration it promised (a daemon without a Lease, an older
-        one, rewrites its record instead: then `updated` is judged)."""
-        record = self.records.get(name)
-        if record is None:
-            return None
-        if now is None:
-            now = self._wall()
-        lease = self.leases.get(name) if self.leases is not None else None
-        if lease is not None:
-            return record if self._clock() - lease.seen <= lease.duration else None
-        # No Lease (an older daemon rewrites its record instead): a record
-        # dated in the future counts as written now, no later.
-        if record.updated is None or now - min(record.updated, now) > self.stale_after:
-            return None
-        return record
 
     def _caches(self) -> list[WatchCache[Any]]:
         caches: list[WatchCache[Any]] = [self.records, self.pods]
@@ -594,8 +580,8 @@ class Extender:
 
     def count_records(self) -> None:
         records = self.records.items()
-        now = self._wall()
-        fresh = sum(1 for name in records if self._fresh(name, now) is not None)
+        is_fresh = self._freshness()
+        fresh = sum(1 for name in records if is_fresh(name) is not None)
         self.metrics.records.labels("fresh").set(fresh)
         self.metrics.records.labels("stale").set(len(records) - fresh)
 

@@ -226,12 +226,15 @@ class NodeViews:
         fresh: Callable[[str], Any],
         shape: Shape,
         asking: str,
+        *,
+        seen: dict[str, Any] | None = None,
     ) -> tuple[dict[str, Outcome | None], int]:
         """`outcome` on many nodes: per name its outcome (None where `fresh`
         gives no record: one with a `parsed` ParsedRecord, whose identity is
         its token), and how many were answered before. The loop the
         extender's calls spend their time in: a node whose view is current
-        and has the answer costs a few lookups."""
+        and has the answer costs a few lookups. `seen`, when given, gets each
+        node's record as `fresh` gave it."""
         key = self.shape_id(shape)
         views = self._views
         generations = self._generation
@@ -239,6 +242,8 @@ class NodeViews:
         hits = 0
         for name in names:
             record = fresh(name)
+            if seen is not None:
+                seen[name] = record
             if record is None:
                 found[name] = None
                 continue
@@ -283,14 +288,15 @@ class NodeViews:
     def failures(
         self,
         failing: Mapping[str, str],
-        fresh: Callable[[str], Any],
+        records: Mapping[str, Any],
         shape: Shape,
         requirement: Requirement,
         asking: str,
     ) -> dict[str, tuple[str, bool]]:
         """For each node the pod fails (name -> reason): the filter's message,
         and whether the failure is for good (the node with nothing held
-        fails the pod too), kept per view."""
+        fails the pod too), kept per view. `records`: each node's fresh
+        record as `outcomes` saw it."""
         # Plain values: an enum member hashes through a Python call.
         level = int(requirement.level) if requirement.level is not None else 0
         key = (self.shape_id(shape), level, requirement.required)
@@ -298,7 +304,7 @@ class NodeViews:
         generations = self._generation
         found: dict[str, tuple[str, bool]] = {}
         for name, reason in failing.items():
-            record = fresh(name)
+            record = records.get(name)
             view = views.get(name)
             current = (
                 record is not None

@@ -63,7 +63,6 @@ class Prediction:
     fits: bool
     worst: Level | None = None
     total: int = 0
-    tries: int = 0
 
     def key(self) -> tuple[int, int]:
         """Lower is better: the worst pair, then the sum over pairs."""
@@ -164,11 +163,11 @@ def predict(
     if walk.timed_out:
         raise Unpredictable(f"the walk ran past {budget} device tries")
     if chosen is None:
-        return Prediction(False, tries=walk.tries)
+        return Prediction(False)
     levels = _pair_levels(chosen)
     if not levels:
-        return Prediction(True, tries=walk.tries)
-    return Prediction(True, max(levels), sum(int(level) for level in levels), walk.tries)
+        return Prediction(True)
+    return Prediction(True, max(levels), sum(int(level) for level in levels))
 
 
 def _pair_levels(chosen: Sequence[tuple[Alternative, Device]]) -> list[Level]:
