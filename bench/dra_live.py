@@ -47,7 +47,7 @@ from devplugin.policy.topology import Level
 from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.dra_cluster import DraSimNode
 from devplugin.testing.dra_kubelet import ClaimCall
-from devplugin.testing.dra_scheduler import Allocator, taken_devices
+from devplugin.testing.dra_scheduler import Allocator, allocate, put_claim, taken_devices
 from devplugin.testing.layouts import LAYOUTS
 
 DRIVER = "devplugin.io"
@@ -143,9 +143,7 @@ def run_stream(
         tally.lag = max(tally.lag, time.monotonic() - (slot + gap))
         name = f"{label}{seed}-{index}"
         spec = claim_spec(shape, DRIVER)
-        head = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim"}
-        meta = {"name": name, "namespace": NAMESPACE}
-        created = api.put("resourceclaims", {**head, "metadata": meta, "spec": spec})
+        created = put_claim(api, name, spec, namespace=NAMESPACE)
         claim = ClaimCall(NAMESPACE, created["metadata"]["uid"], name)
         slices = api.items("resourceslices")
         taken = taken_devices(api.items("resourceclaims"))
@@ -166,8 +164,7 @@ def run_stream(
             continue
         target = _choose(url, name, picks, spec, pick)
         results = picks[target]
-        allocation = {"allocation": {"devices": {"results": results}}}
-        api.set_status("resourceclaims", name, NAMESPACE, allocation)
+        allocate(api, name, NAMESPACE, results)
         answer = nodes[target].kubelet.prepare(DRIVER, [claim])[claim.uid]
         if answer["error"]:
             raise RuntimeError(f"{target} refused {name}: {answer['error']}")

@@ -58,7 +58,7 @@ from devplugin.policy.claim_templates import (
     template_name,
 )
 from devplugin.testing.apiserver import ApiServerImitation
-from devplugin.testing.dra_scheduler import spec_slices
+from devplugin.testing.dra_scheduler import put_claim, put_slices, spec_slices
 from devplugin.testing.layouts import LAYOUTS
 from devplugin.testing.records import gpu_id, hca_id, hgx_record
 
@@ -104,10 +104,7 @@ def _populate_claims(api: ApiServerImitation, names: list[str]) -> dict[str, lis
         gpus = [d for d in ordered if d.startswith("gpu-")]
         hcas = [d for d in ordered if d.startswith("hca-")]
         held = set(gpus[:CLAIM_HOLDERS] + hcas[:CLAIM_HOLDERS])
-        slices, _ = spec_slices(LAYOUTS["hgx-h100"](), DRIVER, name, held=held)
-        for item in slices:
-            api.put("resourceslices", {"apiVersion": "resource.k8s.io/v1",
-                                       "kind": "ResourceSlice", **item})  # fmt: skip
+        put_slices(api, spec_slices(LAYOUTS["hgx-h100"](), DRIVER, name, held=held)[0])
         for i in range(CLAIM_HOLDERS):
             _claim(api, f"{name}-c{i}", [gpus[i], hcas[i]], name)
     for shape in CHART_SHAPES:
@@ -122,15 +119,9 @@ def _claim(
     node: str,
     spec: dict[str, Any] | None = None,
 ) -> None:
-    api.put("resourceclaims", {
-        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
-        "metadata": {"name": name, "namespace": "default"},
-        "spec": spec or {"devices": {"requests": []}},
-    })  # fmt: skip
-    if held:
-        results = [{"request": "r", "driver": DRIVER, "pool": node, "device": d} for d in held]
-        api.set_status("resourceclaims", name, "default",
-                       {"allocation": {"devices": {"results": results}}})  # fmt: skip
+    """A claim holding `held` on `node` (none: not allocated)."""
+    results = [{"request": "r", "driver": DRIVER, "pool": node, "device": d} for d in held]
+    put_claim(api, name, spec or {"devices": {"requests": []}}, results=results or None)
 
 
 def _claims_args(name: str, shape: Shape, nodes: list[str]) -> bytes:
@@ -177,10 +168,7 @@ def _claims(
                 _claim(api, f"{name}-extra", extra, name)
                 held.update(extra)
             # The node's daemon prepares (or releases) it: its counts follow.
-            slices, _ = spec_slices(LAYOUTS["hgx-h100"](), DRIVER, name, held=held)
-            for item in slices:
-                api.put("resourceslices", {"apiVersion": "resource.k8s.io/v1",
-                                           "kind": "ResourceSlice", **item})  # fmt: skip
+            put_slices(api, spec_slices(LAYOUTS["hgx-h100"](), DRIVER, name, held=held)[0])
         time.sleep(0.3)
         took, filtered = client.pair(four, "claims/")
         if set(filtered["FailedNodes"]) != full:

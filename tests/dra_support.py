@@ -15,6 +15,7 @@ from devplugin.node.lifecycle.checkpoint import Checkpoint, LifecycleState
 from devplugin.runtime import Daemon, build
 from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.dra_kubelet import ClaimCall, DraKubeletSimulator
+from devplugin.testing.dra_scheduler import put_claim
 from devplugin.testing.fake_nvml import FakeNvml
 from devplugin.testing.node import BuiltNode, NodeSpec, build_node
 from tests.conftest import fast_config
@@ -55,29 +56,17 @@ class DraCluster:
         self, name: str, results: list[tuple[str, str]], namespace: str = "default"
     ) -> ClaimCall:
         """An allocated ResourceClaim: (request, device) results in this pool."""
-        created = self.api.put(
-            "resourceclaims",
-            {
-                "apiVersion": "resource.k8s.io/v1",
-                "kind": "ResourceClaim",
-                "metadata": {"name": name, "namespace": namespace},
-                "spec": {
-                    "devices": {
-                        "requests": [
-                            {"name": r.split("/")[0], "exactly": {"deviceClassName": "x"}}
-                            for r in dict.fromkeys(request for request, _ in results)
-                        ]
-                    }
-                },
-            },
+        requests = [
+            {"name": r.split("/")[0], "exactly": {"deviceClassName": "x"}}
+            for r in dict.fromkeys(request for request, _ in results)
+        ]
+        chosen = [
+            {"request": request, "driver": self.driver, "pool": NODE, "device": device}
+            for request, device in results
+        ]
+        created = put_claim(
+            self.api, name, {"devices": {"requests": requests}}, namespace=namespace, results=chosen
         )
-        self.api.set_status(
-            "resourceclaims", name, namespace,
-            {"allocation": {"devices": {"results": [
-                {"request": request, "driver": self.driver, "pool": NODE, "device": device}
-                for request, device in results
-            ]}}},
-        )  # fmt: skip
         return ClaimCall(namespace, created["metadata"]["uid"], name)
 
     def prepare(self, *claims: ClaimCall) -> dict[str, Any]:

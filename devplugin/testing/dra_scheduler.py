@@ -283,8 +283,44 @@ def schedule_claim(
     results = allocator.allocate(claim["spec"], taken_devices(api.items("resourceclaims")))
     if results is None:
         return None
-    api.set_status(
-        "resourceclaims", name, namespace,
-        {"allocation": {"devices": {"results": results}}},
-    )  # fmt: skip
+    allocate(api, name, namespace, results)
     return results
+
+
+def allocate(
+    api: ApiServerImitation, name: str, namespace: str, results: Sequence[Mapping[str, str]]
+) -> None:
+    """Write a claim's allocation into its status, as the scheduler does."""
+    status = {"allocation": {"devices": {"results": [dict(r) for r in results]}}}
+    api.set_status("resourceclaims", name, namespace, status)
+
+
+def put_claim(
+    api: ApiServerImitation,
+    name: str,
+    spec: Mapping[str, Any],
+    *,
+    namespace: str = "default",
+    results: Sequence[Mapping[str, str]] | None = None,
+) -> dict[str, Any]:
+    """A ResourceClaim stored in the API imitation (allocated with `results`
+    when given); the object as stored."""
+    created = api.put(
+        "resourceclaims",
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": dict(spec),
+        },
+    )
+    if results is not None:
+        allocate(api, name, namespace, results)
+    return created
+
+
+def put_slices(api: ApiServerImitation, slices: Iterable[Mapping[str, Any]]) -> None:
+    """ResourceSlices built in memory (spec_slices) stored in the API imitation."""
+    head = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice"}
+    for item in slices:
+        api.put("resourceslices", {**head, **item})

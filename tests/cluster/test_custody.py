@@ -41,6 +41,7 @@ from devplugin.node.lifecycle.checkpoint import (
 from devplugin.node.lifecycle.custody import Custody, Phase, Take, state_of
 from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.dra_kubelet import ClaimCall, DraKubeletSimulator, DraPluginRecord
+from devplugin.testing.dra_scheduler import put_claim
 from devplugin.testing.kubelet import ContainerRequest, KubeletSimulator
 from devplugin.testing.layouts import LAYOUTS
 from devplugin.testing.node import BuiltNode, build_node, devices_from_spec, hgx_node
@@ -882,29 +883,12 @@ def dra_devices(api: ApiServerImitation) -> dict[str, str]:
 
 def make_claim(api: ApiServerImitation, name: str, results: list[tuple[str, str]]) -> ClaimCall:
     """An allocated ResourceClaim with these (request, device) results."""
-    created = api.put(
-        "resourceclaims",
-        {
-            "apiVersion": "resource.k8s.io/v1",
-            "kind": "ResourceClaim",
-            "metadata": {"name": name, "namespace": "default"},
-            "spec": {
-                "devices": {
-                    "requests": [
-                        {"name": request, "exactly": {"deviceClassName": "x"}}
-                        for request, _ in results
-                    ]
-                }
-            },
-        },
-    )
-    api.set_status(
-        "resourceclaims", name, "default",
-        {"allocation": {"devices": {"results": [
-            {"request": request, "driver": DRIVER, "pool": NODE, "device": device}
-            for request, device in results
-        ]}}},
-    )  # fmt: skip
+    requests = [{"name": request, "exactly": {"deviceClassName": "x"}} for request, _ in results]
+    chosen = [
+        {"request": request, "driver": DRIVER, "pool": NODE, "device": device}
+        for request, device in results
+    ]
+    created = put_claim(api, name, {"devices": {"requests": requests}}, results=chosen)
     return ClaimCall("default", created["metadata"]["uid"], name)
 
 

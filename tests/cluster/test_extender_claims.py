@@ -22,6 +22,8 @@ from devplugin.testing.dra_scheduler import (
     Allocator,
     node_ids,
     pair_levels,
+    put_claim,
+    put_slices,
     spec_slices,
     taken_devices,
 )
@@ -52,22 +54,7 @@ def put_node(api: ApiServerImitation, node: str, layout: str) -> None:
     if not layout:
         return
     taken = {name for _, pool, name in taken_devices(api.items("resourceclaims")) if pool == node}
-    slices, _ = spec_slices(LAYOUTS[layout](), DRIVER, node, held=taken)
-    for item in slices:
-        head = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice"}
-        api.put("resourceslices", {**head, **item})
-
-
-def put_claim(
-    api: ApiServerImitation, name: str, spec: dict[str, Any], results: list[dict[str, str]] | None
-) -> None:
-    api.put("resourceclaims", {
-        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
-        "metadata": {"name": name, "namespace": "default"}, "spec": spec,
-    })  # fmt: skip
-    if results is not None:
-        api.set_status("resourceclaims", name, "default",
-                       {"allocation": {"devices": {"results": results}}})  # fmt: skip
+    put_slices(api, spec_slices(LAYOUTS[layout](), DRIVER, node, held=taken)[0])
 
 
 def pod(claim: str | None) -> dict[str, Any]:
@@ -103,11 +90,11 @@ def setup(api: ApiServerImitation) -> dict[str, Any]:
         api.put("deviceclasses", item)
     # Another claim holds the first two GPUs and all HCAs but the first two
     # of n-busy: its free HCAs are left without a PIX GPU.
-    put_claim(api, "other", {"devices": {"requests": []}}, unpaired("n-busy"))
+    put_claim(api, "other", {"devices": {"requests": []}}, results=unpaired("n-busy"))
     for node, layout in NODES.items():
         put_node(api, node, layout)
     spec = claim_spec(Shape(2, 2), DRIVER)
-    put_claim(api, "trainer-devices", spec, None)
+    put_claim(api, "trainer-devices", spec)
     return spec
 
 
@@ -175,7 +162,7 @@ def test_an_allocation_elsewhere_changes_the_ranking_at_the_next_call(
     assert views.walks == walks  # kept: no walk for an unchanged node
     # A claim takes devices of n-free so that its pairs are worse than
     # n-busy's; n-busy is not walked again.
-    put_claim(api, "more", {"devices": {"requests": []}}, unpaired("n-free"))
+    put_claim(api, "more", {"devices": {"requests": []}}, results=unpaired("n-free"))
     busy = scheduler_pick(api, "n-busy", spec)
     slices, inventory = spec_slices(LAYOUTS["hgx-h100"](), DRIVER, "n-free")
     topology = Topology.from_inventory(inventory)
@@ -216,7 +203,7 @@ def test_pods_without_claims_or_with_unknown_ones_pass_everywhere_with_no_score(
     odd["devices"]["requests"][1]["exactly"]["selectors"] = [
         {"cel": {"expression": f'device.attributes["{DRIVER}"].ibdev.startsWith("mlx5")'}}
     ]
-    put_claim(api, "odd", odd, None)
+    put_claim(api, "odd", odd)
     assert wait_until(lambda: running[0].dra[1].claims.get("default/odd") is not None, timeout=10)  # type: ignore[index]
     _, answer = call(running, "claims/filter", {"Pod": pod("odd"), "NodeNames": names})
     assert answer["NodeNames"] == names
