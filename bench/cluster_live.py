@@ -24,18 +24,13 @@ from __future__ import annotations
 
 import random
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import yaml
 
 from bench.cluster import SHAPES, WEIGHTS
 from devplugin.node.alignment import alignment, best_worst_level
@@ -43,6 +38,7 @@ from devplugin.policy.topology import Level
 from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.churn import free_now
 from devplugin.testing.cluster import GPU, HCA, SimCluster
+from devplugin.testing.extender_proc import extender_process as serve_extender
 from devplugin.testing.kubelet import AdmissionError, ContainerRequest
 from devplugin.testing.layouts import LAYOUTS
 from devplugin.testing.scheduler import choose_node, pending_pod
@@ -70,52 +66,14 @@ class LiveTally:
         return part / self.containers if self.containers else 1.0
 
 
-def _port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @contextmanager
 def extender_process(api: ApiServerImitation, base: Path, *, dra: bool = False) -> Iterator[str]:
-    kubeconfig = base / "extender-kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump(api.kubeconfig()))
-    port = _port()
-    log = (base / "extender.log").open("w")
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "devplugin",
-            "extender",
-            "--listen",
-            f"127.0.0.1:{port}",
-            "--kubeconfig",
-            str(kubeconfig),
-            "--stale-after-seconds",
-            "120",
-            *(["--dra"] if dra else []),
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"{url}/readyz", timeout=1) as answer:
-                    if answer.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.05)
-        else:
-            raise RuntimeError("the extender did not become ready")
+    """The extender process, its output in `base`/extender.log."""
+    with (
+        (base / "extender.log").open("w") as log,
+        serve_extender(api, base, stale_after=120, dra=dra, output=log) as url,
+    ):
         yield url
-    finally:
-        process.terminate()
-        process.wait(10)
-        log.close()
 
 
 def _fits(nodes: dict[str, SimCluster], gpus: int, hcas: int) -> list[str]:

@@ -32,7 +32,6 @@ import gc
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,8 +43,6 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 from bench.proc import status_field, terminate
 from devplugin.cluster.extender import MAX_BODY
@@ -59,6 +56,7 @@ from devplugin.policy.claim_templates import (
 )
 from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.dra_scheduler import put_claim, put_slices, spec_slices
+from devplugin.testing.extender_proc import extender_command, free_port, ready
 from devplugin.testing.layouts import LAYOUTS
 from devplugin.testing.records import gpu_id, hca_id, hgx_record
 
@@ -209,12 +207,6 @@ def _populate(api: ApiServerImitation, count: int) -> list[str]:
     return names
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def _rss_mib(pid: int, field_name: str = "VmRSS") -> float:
     return status_field(pid, field_name) / 1024
 
@@ -224,11 +216,7 @@ class Client:
         self.base = f"http://127.0.0.1:{port}"
 
     def ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.base}/readyz", timeout=5) as answer:
-                return bool(answer.status == 200)
-        except (urllib.error.URLError, OSError):
-            return False
+        return ready(self.base)
 
     def post(self, verb: str, body: bytes) -> Any:
         request = urllib.request.Request(
@@ -272,24 +260,11 @@ def _measure(count: int, rounds: int, base: Path, churn: bool, claims: bool = Fa
         # client's timings (the extender's own heap is its own).
         gc.collect()
         gc.freeze()
-        kubeconfig = base / f"kubeconfig-{count}"
-        kubeconfig.write_text(yaml.safe_dump(api.kubeconfig()))
-        port = _free_port()
+        port = free_port()
+        command = extender_command(api, base, port, stale_after=86400, dra=claims)
         started = time.monotonic()
         process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "devplugin",
-                "extender",
-                "--listen",
-                f"127.0.0.1:{port}",
-                "--kubeconfig",
-                str(kubeconfig),
-                "--stale-after-seconds",
-                "86400",
-                *(["--dra"] if claims else []),
-            ],
+            command,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

@@ -7,19 +7,15 @@ node's kubelet admit the pod."""
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import yaml
 
 from devplugin.node.alignment import alignment, best_worst_level
 from devplugin.policy.topology import Level
 from devplugin.testing.apiserver import ApiServerImitation
+from devplugin.testing.extender_proc import extender_process
 from devplugin.testing.kubelet import ContainerRequest
 from devplugin.testing.layouts import LAYOUTS
 from devplugin.testing.scheduler import choose_node, pending_pod
@@ -36,49 +32,13 @@ def free(cluster: Cluster, resource: str) -> set[str]:
     return {d for d, r in devices.items() if r.health == "Healthy"} - held
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @pytest.fixture
 def extender_url(api: ApiServerImitation, tmp_path: Path) -> Iterator[str]:
-    kubeconfig = tmp_path / "extender-kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump(api.kubeconfig()))
-    port = free_port()
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "devplugin",
-            "extender",
-            "--listen",
-            f"127.0.0.1:{port}",
-            "--kubeconfig",
-            str(kubeconfig),
-            "--stale-after-seconds",
-            "60",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-
-    def ready() -> bool:
-        try:
-            with urllib.request.urlopen(f"{url}/readyz", timeout=1) as answer:
-                return bool(answer.status == 200)
-        except OSError:
-            return False
-
-    try:
-        assert wait_until(ready, timeout=20), "the extender process did not become ready"
+    with (
+        (tmp_path / "extender.log").open("w") as log,
+        extender_process(api, tmp_path, stale_after=60, output=log, within=20) as url,
+    ):
         yield url
-    finally:
-        process.terminate()
-        process.wait(10)
 
 
 def schedule(url: str, clusters: dict[str, Cluster], name: str, gpus: int, hcas: int) -> str | None:
