@@ -21,7 +21,32 @@ GPU = "nvidia.com/gpu"
 HCA = "rdma/hca"
 
 
-class SimCluster:
+class RunningNode:
+    """What a started simulated node holds: a base directory, a kubelet
+    simulator and a daemon; closing stops both and removes the directory,
+    whatever part started."""
+
+    base: Path
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        daemon = getattr(self, "daemon", None)
+        if daemon is not None:
+            daemon.stop()
+        kubelet = getattr(self, "kubelet", None)
+        if kubelet is not None:
+            kubelet.stop()
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
+class SimCluster(RunningNode):
     """Builds `spec` under a short temporary directory (unix socket paths are
     limited to 107 bytes), starts the kubelet simulator and the daemon, and
     waits until both resources are registered with every device listed."""
@@ -91,20 +116,3 @@ class SimCluster:
             self.close()
             raise
         return self
-
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def close(self) -> None:
-        daemon = getattr(self, "daemon", None)
-        if daemon is not None:
-            daemon.stop()
-        kubelet = getattr(self, "kubelet", None)
-        if kubelet is not None:
-            kubelet.stop()
-        shutil.rmtree(self.base, ignore_errors=True)

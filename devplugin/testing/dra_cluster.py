@@ -3,10 +3,8 @@ simulator and a running daemon, as one context manager."""
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import yaml
@@ -15,12 +13,13 @@ from devplugin.config import Config, override
 from devplugin.node.lifecycle.checkpoint import Checkpoint, LifecycleState
 from devplugin.runtime import Daemon, build
 from devplugin.testing.apiserver import ApiServerImitation
+from devplugin.testing.cluster import RunningNode
 from devplugin.testing.dra_kubelet import DraKubeletSimulator
 from devplugin.testing.fake_nvml import FakeNvml
 from devplugin.testing.node import BuiltNode, NodeSpec, build_node
 
 
-class DraSimNode:
+class DraSimNode(RunningNode):
     """Builds `spec` under a short temporary directory, registers a Node
     object, starts the DRA kubelet simulator and the daemon (both resources
     on `api: dra`, driver `driver`, pool = the node's name) and waits until
@@ -115,20 +114,3 @@ class DraSimNode:
             for d in item["spec"]["devices"]
             if not d.get("taints")
         }
-
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def close(self) -> None:
-        daemon = getattr(self, "daemon", None)
-        if daemon is not None:
-            daemon.stop()
-        kubelet = getattr(self, "kubelet", None)
-        if kubelet is not None:
-            kubelet.stop()
-        shutil.rmtree(self.base, ignore_errors=True)
