@@ -12,9 +12,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_bench_quick_run_reports_optimal_answers() -> None:
+def run_bench(*args: str) -> subprocess.CompletedProcess[str]:
+    """`python -m <args>` from the repository root; it must exit 0."""
     result = subprocess.run(
-        [sys.executable, "-m", "bench", "--quick", "--node", "hgx-h100", "--nvlink", "dgx-1"],
+        [sys.executable, "-m", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -22,6 +23,11 @@ def test_bench_quick_run_reports_optimal_answers() -> None:
         check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def test_bench_quick_run_reports_optimal_answers() -> None:
+    result = run_bench("bench", "--quick", "--node", "hgx-h100", "--nvlink", "dgx-1")
     preferred, allocate, summary, cluster, nvlink = result.stdout.split("\n\n")
     rows = [line for line in preferred.splitlines() if line.startswith("hgx-h100 ")]
     assert len(rows) == 16  # every size of both resources
@@ -54,15 +60,7 @@ def test_bench_quick_run_reports_optimal_answers() -> None:
 
 @pytest.mark.slow
 def test_bench_extender_quick_run_measures_every_line() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "bench", "--quick", "--extender"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    result = run_bench("bench", "--quick", "--extender")
     rows = [line.split() for line in result.stdout.splitlines() if line.startswith("   100 ")]
     assert len(rows) == 2  # extended-resource pods, then claim-only pods
     startup, rss, peak = float(rows[0][1]), float(rows[0][2]), float(rows[0][-1])
@@ -76,15 +74,7 @@ def test_bench_extender_quick_run_measures_every_line() -> None:
 
 
 def test_bench_dra_quick_run_meets_the_alignment_goals() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "bench", "--quick", "--dra"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    result = run_bench("bench", "--quick", "--dra")
     # The alignment table, then the device-tries table (issue 30).
     alignment, _, tries = result.stdout.partition("DRA device tries")
     layouts = ("hgx-h100", "dgx-a100", "pcie-server", "asymmetric", "16-gpu")
@@ -104,15 +94,7 @@ def test_bench_dra_quick_run_meets_the_alignment_goals() -> None:
 
 @pytest.mark.slow
 def test_bench_dra_live_quick_run_places_claims_with_real_daemons() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "bench.dra_live", "--quick"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    result = run_bench("bench.dra_live", "--quick")
     rows = [line.split() for line in result.stdout.splitlines() if line.strip()[:1].isdigit()]
     # Three cadences, the extender's row then the default's.
     assert [row[1] for row in rows] == ["extender", "default"] * 3
