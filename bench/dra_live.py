@@ -41,7 +41,7 @@ from typing import Any
 from bench.cluster_live import extender_process
 from bench.dra import optimum
 from devplugin.policy.claim_templates import Shape, claim_spec, device_classes, template_name
-from devplugin.policy.dra_predict import pair_level
+from devplugin.policy.dra_predict import pair_level, pair_levels
 from devplugin.policy.dra_walk import Device, candidates
 from devplugin.policy.topology import Level
 from devplugin.testing.apiserver import ApiServerImitation
@@ -101,9 +101,7 @@ def _dra_score(results: Sequence[Mapping[str, str]], spec: Mapping[str, Any]) ->
 
 
 def _worst(results: Sequence[Mapping[str, str]], devices: Mapping[str, Device]) -> Level:
-    chosen = {r["request"].split("/")[0]: devices[r["device"]] for r in results}
-    pairs = [key[4:] for key in chosen if key.startswith("gpu-")]
-    return max(pair_level(chosen[f"gpu-{i}"], chosen[f"hca-{i}"]) for i in pairs)
+    return max(pair_levels({r["request"]: devices[r["device"]] for r in results}))
 
 
 def _best_free(

@@ -171,14 +171,21 @@ def predict(
 
 
 def _pair_levels(chosen: Sequence[tuple[Alternative, Device]]) -> list[Level]:
-    by_request: dict[tuple[int, str], Device] = {}
+    by_claim: dict[int, dict[str, Device]] = {}
     for alternative, device in chosen:
-        by_request[(alternative.claim, alternative.request.split("/")[0])] = device
+        by_claim.setdefault(alternative.claim, {})[alternative.request] = device
+    return [level for claim in sorted(by_claim) for level in pair_levels(by_claim[claim])]
+
+
+def pair_levels(chosen: Mapping[str, Device]) -> list[Level]:
+    """The level of each `gpu-i` + `hca-i` pair of one claim's devices, by
+    the request (or `request/subrequest`) that chose each, in pair order."""
+    by_request = {request.split("/")[0]: device for request, device in chosen.items()}
     levels = []
-    for (claim, request), gpu in sorted(by_request.items()):
+    for request, gpu in sorted(by_request.items()):
         if not request.startswith("gpu-") or not request[4:].isdigit():
             continue
-        hca = by_request.get((claim, f"hca-{request[4:]}"))
+        hca = by_request.get(f"hca-{request[4:]}")
         if hca is not None:
             levels.append(pair_level(gpu, hca))
     return levels
