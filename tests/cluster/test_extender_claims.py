@@ -5,7 +5,10 @@ and slice events, and says nothing where it cannot tell."""
 
 from __future__ import annotations
 
+import json
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -207,3 +210,32 @@ def test_pods_without_claims_or_with_unknown_ones_pass_everywhere_with_no_score(
     assert wait_until(lambda: running[0].dra[1].claims.get("default/odd") is not None, timeout=10)  # type: ignore[index]
     _, answer = call(running, "claims/filter", {"Pod": pod("odd"), "NodeNames": names})
     assert answer["NodeNames"] == names
+
+
+def test_bad_bodies_to_the_claims_verbs_get_a_400_and_it_keeps_serving(
+    api: ApiServerImitation, running: Running
+) -> None:
+    setup(api)
+    settled(running, api)
+    names = list(NODES)
+    host, port = running[1].address
+    for raw in (b"{not json", b"[1]", b'{"NodeNames": ["n-free"]}'):
+        url = f"http://{host}:{port}/scheduler/claims/filter"
+        headers = {"Content-Type": "application/json"}
+        request = urllib.request.Request(url, data=raw, method="POST", headers=headers)
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(request, timeout=10)
+        assert caught.value.code == 400
+        assert json.loads(caught.value.read())["Error"]
+    # resourceClaims that are not claim references: nothing to say, every node passes.
+    odd = pod("trainer-devices")
+    odd["spec"]["resourceClaims"] = ["not-a-mapping"]
+    status, answer = call(running, "claims/filter", {"Pod": odd, "NodeNames": names})
+    assert (status, answer["NodeNames"]) == (200, names)
+    status, answer = call(
+        running, "claims/filter", {"Pod": pod("trainer-devices"), "NodeNames": names}
+    )
+    assert status == 200
+    assert answer["FailedNodes"] == {
+        "n-none": "devplugin: the pod's ResourceClaims cannot be allocated here"
+    }
