@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from lightkube.generic_resource import create_global_resource
 
+from devplugin.cluster.answers import ChangeLog
 from devplugin.cluster.claims import ResourceClaim
 from devplugin.cluster.client import Heartbeat
 from devplugin.cluster.slices import ResourceSlice
@@ -110,6 +111,8 @@ class DraViews:
         self._selectors = Selectors()
         self._kept = 0
         self.walks = 0
+        # Nodes whose predictions were dropped, for answers kept across calls.
+        self.changes = ChangeLog()
 
     # -- events (cache threads) -----------------------------------------------------
     def slice_changed(self, key: str, before: PoolSlice | None, after: PoolSlice | None) -> None:
@@ -162,6 +165,7 @@ class DraViews:
                 self._classes[key] = after
             for name in self._nodes:
                 self._mark(name, devices=False)
+            self.changes.changed_everything()
 
     def _mark(self, name: str, *, devices: bool = True) -> None:
         node = self._nodes[name]
@@ -169,6 +173,7 @@ class DraViews:
             node.devices = None
         self._kept -= len(node.predictions)
         node.predictions = {}
+        self.changes.changed(name)
 
     # -- reads (calls) ------------------------------------------------------------------
     def predictions(

@@ -26,8 +26,11 @@ A node without a record, whose daemon's Lease has run out, or whose large
 layout is still being built, is never filtered (scheduling must not stop
 because a daemon is down) and scores 0. Work follows events, not requests
 (`views.py`): a record or pod change makes that node's view be rebuilt on
-its next use, each pod shape placed once; a call then costs a few lookups
-per node. Nothing here waits on the network: the caches are read.
+its next use, each pod shape placed once. Each kind of question (a pod
+shape and requirement, or a set of claim specs) keeps every node's answer
+across calls (`answers.py`): a call works out only the nodes the watches
+touched since the last one (or whose Lease ran out meanwhile) and reads
+the rest. Nothing here waits on the network: the caches are read.
 
 Requests are bounded: bodies up to MAX_BODY, at most IN_FLIGHT_BYTES of
 them decoded at once, CONCURRENT calls handled at once with a listen
@@ -39,10 +42,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import ssl
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
@@ -54,6 +57,7 @@ from lightkube import Client
 from lightkube import operators as op
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from devplugin.cluster.answers import Answers, ChangeLog
 from devplugin.cluster.client import Heartbeat, make_client
 from devplugin.cluster.dra_views import DraCaches, DraViews, dra_caches, pod_claims
 from devplugin.cluster.lease import NODE_LABEL, Lease, lease_name, parse_micro_time
@@ -62,18 +66,17 @@ from devplugin.cluster.publisher import NodeDevices
 from devplugin.cluster.views import MAX_REASON, Layouts, NodeViews, parse_record
 from devplugin.cluster.watch import Incomplete, WatchCache, WatchTiming
 from devplugin.config import KubernetesConfig
-from devplugin.policy.dra_predict import Prediction, ranks
+from devplugin.policy.dra_predict import Prediction
 from devplugin.policy.placement import (
-    Outcome,
     ParsedRecord,
     Requirement,
     Shape,
     check,
     requirement_of,
-    scores,
     shape_of,
 )
 from devplugin.policy.podinfo import ContainerInfo, PodInfo, parse_pod
+from devplugin.policy.ranking import rank_scores
 from devplugin.web import BoundedHandler, BoundedServer, Listener
 
 log = logging.getLogger(__name__)
@@ -101,42 +104,6 @@ MAX_CONNECTIONS = 256
 BACKLOG = 128
 # /healthz fails once every call slot has been busy this long.
 FULL_FOR = 10.0
-# A prioritize for a pod takes the per-node answers its filter made this
-# recently (the scheduler filters and then scores in one cycle, on one
-# snapshot of the cluster taken before both); answers for this many pods
-# are kept.
-REUSE_FOR = 1.0
-REUSED_PODS = 16
-
-
-class CycleMemo:
-    """Per pod, the per-node answers its last filter made: what the
-    prioritize of the same scheduling cycle scores."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._kept: OrderedDict[tuple[str, str], tuple[float, dict[str, Any]]] = OrderedDict()
-
-    def keep(self, kind: str, uid: str, answers: dict[str, Any]) -> None:
-        with self._lock:
-            self._kept[(kind, uid)] = (self._clock(), answers)
-            self._kept.move_to_end((kind, uid))
-            while len(self._kept) > REUSED_PODS:
-                self._kept.popitem(last=False)
-
-    def take(self, kind: str, uid: str, names: Sequence[str]) -> dict[str, Any] | None:
-        """The answers for these nodes, if the pod's filter made them all
-        within REUSE_FOR; None otherwise."""
-        with self._lock:
-            found = self._kept.get((kind, uid))
-        if found is None or self._clock() - found[0] > REUSE_FOR:
-            return None
-        answers = found[1]
-        try:
-            return {name: answers[name] for name in names}
-        except KeyError:
-            return None
 
 
 class BadRequest(ValueError):
@@ -385,91 +352,124 @@ class Extender:
         )
         self._hit = self.metrics.memo.labels("hit")
         self._miss = self.metrics.memo.labels("miss")
-        self.cycles = CycleMemo(clock)
+        # Per pod shape and requirement, each node's answer (answers.py):
+        # what the record, Lease and pod watches touch is worked out again.
+        changes = ChangeLog()
+        self.answers: Answers[Entry] = Answers(changes, clock)
+        records.listen_keys(lambda node, before, after: changes.changed(node))
+        if leases is not None:
+            leases.listen_keys(lambda node, before, after: changes.changed(node))
+        pods.listen_keys(partial(_pod_nodes, changes))
+        self.layouts.listen(changes.changed)
+        self.claim_answers: Answers[ClaimEntry] | None = None
+        if dra is not None:
+            self.claim_answers = Answers(dra[0].changes, clock)
 
     # -- the verbs ---------------------------------------------------------------
     def filter(self, args: Mapping[str, Any]) -> dict[str, Any]:
         pod, names, nodes = self._args(args)
         shape, requirement = self._pod(pod)
-        failed: dict[str, str] = {}
-        unresolvable: dict[str, str] = {}
-        passing: list[str] = []
         if not shape.wants_devices:
-            passing = list(names)
-        else:
-            fresh = self._freshness()
-            records: dict[str, Record | None] = {}
-            outcomes, hits = self.views.outcomes(names, fresh, shape, pod.uid, seen=records)
-            relaxed = not requirement.required or requirement.level is None
-            failing: dict[str, str] = {}
-            for name in names:
-                outcome = outcomes[name]
-                if outcome is None or (relaxed and outcome.fits):
-                    # No usable record (never block scheduling on it), or what
-                    # check() would say without the call.
-                    passing.append(name)
-                    continue
-                reason = outcome.reason if not outcome.fits else check(outcome, requirement)
-                if reason is None:
-                    passing.append(name)
-                else:
-                    failing[name] = reason
-            answers = self.views.failures(failing, records, shape, requirement, pod.uid)
-            for name, (message, never) in answers.items():
-                (unresolvable if never else failed)[name] = message
-            self._count(hits, len(names))
-            self.cycles.keep("resources", pod.uid, outcomes)
+            return _filter_result(list(names), {}, {}, nodes)
+        found = self._resource_answers(pod, shape, requirement, names)
+        passing = [name for name in names if found[name][0] == PASS]
+        failed = {name: entry[1] for name in names if (entry := found[name])[0] == FAILED}
+        unresolvable = {name: entry[1] for name in names if (entry := found[name])[0] == NEVER}
         return _filter_result(passing, failed, unresolvable, nodes)
 
     def prioritize(self, args: Mapping[str, Any]) -> list[dict[str, Any]]:
         pod, names, _ = self._args(args)
-        shape, _ = self._pod(pod)
+        shape, requirement = self._pod(pod)
         if not shape.wants_devices:
             return [{"Host": name, "Score": 0} for name in names]
-        kept = self.cycles.take("resources", pod.uid, names)
-        if kept is not None:
-            ranked = scores(kept)
-            return [{"Host": name, "Score": ranked[name]} for name in names]
-        outcomes, hits = self._outcomes(names, shape, pod.uid)
-        self._count(hits, len(names))
-        ranked = scores(outcomes)
+        found = self._resource_answers(pod, shape, requirement, names)
+        ranked = rank_scores({name: found[name][2] for name in names})
         return [{"Host": name, "Score": ranked[name]} for name in names]
 
     def claims_filter(self, args: Mapping[str, Any]) -> dict[str, Any]:
         """Filter for pods with ResourceClaims: a node passes unless the
         allocator's walk there finds nothing for the pod's claims."""
-        pod, names, nodes = self._args(args)
-        predictions = self._predictions(args, names)
-        if predictions:
-            self.cycles.keep("claims", pod.uid, predictions)
-        failed = {
-            name: "devplugin: the pod's ResourceClaims cannot be allocated here"
-            for name, prediction in predictions.items()
-            if prediction is not None and not prediction.fits
-        }
+        _, names, nodes = self._args(args)
+        found = self._claim_answers(args, names)
+        failed = {name: CLAIMS_REFUSED for name in names if found.get(name, UNTOLD)[0] == FAILED}
         passing = [name for name in names if name not in failed]
         return _filter_result(passing, failed, {}, nodes)
 
     def claims_prioritize(self, args: Mapping[str, Any]) -> list[dict[str, Any]]:
         """Scores for pods with ResourceClaims: by the worst pair, then the
         sum over pairs, of what the allocator will pick on each node."""
-        pod, names, _ = self._args(args)
-        kept = self.cycles.take("claims", pod.uid, names)
-        scored = ranks(kept if kept is not None else self._predictions(args, names))
-        return [{"Host": name, "Score": scored.get(name, 0)} for name in names]
+        _, names, _ = self._args(args)
+        found = self._claim_answers(args, names)
+        scored = rank_scores({name: found.get(name, UNTOLD)[1] for name in names})
+        return [{"Host": name, "Score": scored[name]} for name in names]
 
-    def _predictions(
-        self, args: Mapping[str, Any], names: list[str]
-    ) -> dict[str, Prediction | None]:
-        """Per node, the allocator's choice for the pod's claims; nothing
-        (every node None) for a pod without claims or with one not known."""
-        if self.dra is None:
+    # -- per-node answers ------------------------------------------------------------
+    def _resource_answers(
+        self, pod: PodInfo, shape: Shape, requirement: Requirement, names: list[str]
+    ) -> dict[str, Entry]:
+        """Each node's answer for a pod of this shape and requirement: kept
+        ones read, the others (new, changed, gone stale) worked out."""
+        level = int(requirement.level) if requirement.level is not None else 0
+        key = (self.views.shape_id(shape), level, requirement.required)
+        # A pod already bound to a node (a retry) is placed there without itself.
+        bound = self.pods.get(pod.uid)
+        unkept = (bound.node,) if bound is not None and bound.node else ()
+        compute = partial(self._resource_entries, shape, requirement, pod.uid)
+        found, kept = self.answers.read(key, names, compute, unkept=unkept)
+        self._count(kept, kept)
+        return found
+
+    def _resource_entries(
+        self, shape: Shape, requirement: Requirement, uid: str, names: Sequence[str]
+    ) -> dict[str, tuple[Entry, float]]:
+        until: dict[str, float] = {}
+        fresh = self._freshness(until)
+        records: dict[str, Record | None] = {}
+        outcomes, hits = self.views.outcomes(names, fresh, shape, uid, seen=records)
+        self._count(hits, len(names))
+        relaxed = not requirement.required or requirement.level is None
+        entries: dict[str, tuple[Entry, float]] = {}
+        failing: dict[str, str] = {}
+        for name in names:
+            outcome = outcomes[name]
+            if outcome is None:
+                # No usable record: never block scheduling on it.
+                entries[name] = (PASSING, until.get(name, math.inf))
+                continue
+            rank = outcome.rank_key if outcome.fits else None
+            if relaxed and outcome.fits:
+                reason = None  # what check() would say, without the call
+            else:
+                reason = outcome.reason if not outcome.fits else check(outcome, requirement)
+            if reason is None:
+                entries[name] = ((PASS, "", rank), until.get(name, math.inf))
+            else:
+                failing[name] = reason
+                entries[name] = ((FAILED, reason, rank), until.get(name, math.inf))
+        answers = self.views.failures(failing, records, shape, requirement, uid)
+        for name, (message, never) in answers.items():
+            rank = entries[name][0][2]
+            entries[name] = ((NEVER if never else FAILED, message, rank), entries[name][1])
+        return entries
+
+    def _claim_answers(self, args: Mapping[str, Any], names: list[str]) -> dict[str, ClaimEntry]:
+        """Per node, whether the allocator's pick for the pod's claims fits
+        and its rank key; nothing (every node passes, score 0) for a pod
+        without claims or with one not known."""
+        if self.dra is None or self.claim_answers is None:
             return {}
         views, caches = self.dra
         claims = pod_claims(args["Pod"], caches.claims)
         if not claims:
             return {}
-        return views.predictions(names, claims)
+        key = "\n".join(claim.spec_key for claim in claims)
+
+        def compute(missing: Sequence[str]) -> dict[str, tuple[ClaimEntry, float]]:
+            predictions = views.predictions(missing, claims)
+            return {name: (_claim_entry(p), math.inf) for name, p in predictions.items()}
+
+        found, _ = self.claim_answers.read(key, names, compute)
+        return found
 
     def _count(self, hits: int, asked: int) -> None:
         # Counted once per call: a counter per node would cost more than the lookup.
@@ -498,7 +498,8 @@ class Extender:
         names = args.get("NodeNames")
         nodes = args.get("Nodes")
         if names is not None:
-            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            # type() mapped in C: a generator per name cost a millisecond at 5,000.
+            if not isinstance(names, list) or not set(map(type, names)) <= {str}:
                 raise BadRequest("NodeNames: must be a list of names")
             return pod, list(names), None
         if isinstance(nodes, dict):
@@ -519,18 +520,14 @@ class Extender:
             raise BadRequest(f"Pod annotations: {exc}") from exc
         return shape, requirement
 
-    def _outcomes(
-        self, names: Sequence[str], shape: Shape, uid: str
-    ) -> tuple[dict[str, Outcome | None], int]:
-        """Every node's outcome (None: no fresh record), and the memo hits."""
-        return self.views.outcomes(names, self._freshness(), shape, uid)
-
-    def _freshness(self) -> Callable[[str], Record | None]:
+    def _freshness(self, until: dict[str, float] | None = None) -> Callable[[str], Record | None]:
         """Per node, its record while its daemon is alive: its Lease renewed
         within the duration it promised (a daemon without a Lease, an older
         one, rewrites its record instead: then `updated` is judged, and one
         dated in the future counts as written now). The clocks are read once
-        and the maps bound: for a loop over every node of a call."""
+        and the maps bound: for a loop over every node of a call. `until`,
+        when given, gets for each fresh node when (on the monotonic clock)
+        it goes stale unless an event comes first."""
         now, mono, stale_after = self._wall(), self._clock(), self.stale_after
         records = self.records.getter()
         leases = self.leases.getter() if self.leases is not None else None
@@ -541,10 +538,16 @@ class Extender:
                 return None
             lease = leases(name) if leases is not None else None
             if lease is not None:
-                return record if mono - lease.seen <= lease.duration else None
+                if mono - lease.seen > lease.duration:
+                    return None
+                if until is not None:
+                    until[name] = lease.seen + lease.duration
+                return record
             updated = record.updated
             if updated is None or now - min(updated, now) > stale_after:
                 return None
+            if until is not None:
+                until[name] = mono + stale_after - (now - min(updated, now))
             return record
 
         return fresh
@@ -584,6 +587,32 @@ class Extender:
         fresh = sum(1 for name in records if is_fresh(name) is not None)
         self.metrics.records.labels("fresh").set(fresh)
         self.metrics.records.labels("stale").set(len(records) - fresh)
+
+
+# A node's answer for a pod: whether it passes (PASS, FAILED, or NEVER: not
+# even with nothing held there), the filter's message, and the key its
+# score is ranked by (None: scores 0).
+PASS, FAILED, NEVER = 0, 1, 2
+Entry = tuple[int, str, tuple[int, int, int] | None]
+PASSING: Entry = (PASS, "", None)
+# For claims: PASS or FAILED, and the rank key of the allocator's pick.
+ClaimEntry = tuple[int, tuple[Any, ...] | None]
+UNTOLD: ClaimEntry = (PASS, None)
+CLAIMS_REFUSED = "devplugin: the pod's ResourceClaims cannot be allocated here"
+
+
+def _claim_entry(prediction: Prediction | None) -> ClaimEntry:
+    if prediction is None:
+        return UNTOLD  # never block on what cannot be told
+    if not prediction.fits:
+        return (FAILED, None)
+    return (PASS, prediction.key())
+
+
+def _pod_nodes(changes: ChangeLog, uid: str, before: PodInfo | None, after: PodInfo | None) -> None:
+    for pod in (before, after):
+        if pod is not None and pod.node:
+            changes.changed(pod.node)
 
 
 def _current(cache: WatchCache[Any]) -> float:

@@ -95,8 +95,13 @@ class Layouts(ThreadLoop):
         )
         self._wanted: dict[str, tuple[Any, ...]] = {}
         self._queue: queue.SimpleQueue[tuple[str, ParsedRecord] | None] = queue.SimpleQueue()
-        self._on_ready = on_ready
+        self._on_ready = [on_ready]
         self.built = 0
+
+    def listen(self, on_ready: Callable[[str], None]) -> None:
+        """Call `on_ready(node)` (on the builder's thread) when a layout
+        built there is in place for `node`."""
+        self._on_ready.append(on_ready)
 
     def get(self, node: str, key: tuple[Any, ...]) -> Layout | None:
         layout = self._by_node.get(node)
@@ -157,7 +162,8 @@ class Layouts(ThreadLoop):
                     continue
                 del self._wanted[node]
             self._store(node, layout)
-            self._on_ready(node)
+            for listener in self._on_ready:
+                listener(node)
 
 
 def _slim(record: ParsedRecord, key: tuple[Any, ...]) -> ParsedRecord:

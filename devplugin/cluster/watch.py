@@ -134,6 +134,7 @@ class WatchCache(ThreadLoop, Generic[T]):
         self._key_by_name: dict[str, str] = {}
         self._refused = False
         self._listeners: list[Callable[[], None]] = []
+        self._key_listeners: list[Callable[[str, T | None, T | None], None]] = []
         # True from a successful list until the next error.
         self._listed = False
         # When the last list, event or server answer arrived.
@@ -208,6 +209,12 @@ class WatchCache(ThreadLoop, Generic[T]):
         """Call `listener` (on the cache's thread) after every change."""
         self._listeners.append(listener)
 
+    def listen_keys(self, listener: Callable[[str, T | None, T | None], None]) -> None:
+        """Call `listener(key, before, after)` (on the cache's thread) after
+        the map holds each change: a reader that notes a change before it
+        reads the map can then never keep an answer older than its note."""
+        self._key_listeners.append(listener)
+
     # -- the loop --------------------------------------------------------------------
     def signal_stop(self) -> None:
         super().signal_stop()
@@ -273,10 +280,12 @@ class WatchCache(ThreadLoop, Generic[T]):
         self._version = listed.resourceVersion
         self.relists += 1
         previous = self._items
+        differ = []
         for key in set(previous) | set(items):
             before, after = previous.get(key), items.get(key)
             if before != after:
                 self._safely(self.changed, key, before, after)
+                differ.append((key, before, after))
         self._listed = True
         self._alive()
         self._key_by_name = keys
@@ -284,6 +293,8 @@ class WatchCache(ThreadLoop, Generic[T]):
             self._items = items
             self._snapshot = None
             self._cond.notify_all()
+        for change in differ:
+            self._told_keys(*change)
         self._tell()
         self.synced.set()
 
@@ -331,6 +342,7 @@ class WatchCache(ThreadLoop, Generic[T]):
                     self._items[key] = after
                 self._snapshot = None
                 self._cond.notify_all()
+            self._told_keys(key, before, after)
             self._tell()
 
     def _alive(self) -> None:
@@ -378,6 +390,10 @@ class WatchCache(ThreadLoop, Generic[T]):
     def _tell(self) -> None:
         for listener in self._listeners:
             self._safely(listener)
+
+    def _told_keys(self, key: str, before: T | None, after: T | None) -> None:
+        for listener in self._key_listeners:
+            self._safely(listener, key, before, after)
 
     def _safely(self, call: Callable[..., None], *args: Any) -> None:
         try:

@@ -25,6 +25,7 @@ from devplugin.policy.dra_walk import (
     constraints_of,
     untainted,
 )
+from devplugin.policy.ranking import rank_scores
 from devplugin.policy.topology import Level
 
 STANDARD = "resource.kubernetes.io"
@@ -195,8 +196,7 @@ def ranks(predictions: Mapping[str, Prediction | None], top: int = 10) -> dict[s
     """Scores: the nodes whose choice is best (worst pair, then the sum)
     get `top`, each worse distinct choice one less (down to 1); nodes where
     the claims do not fit, or nothing could be told, get 0."""
-    keys = sorted({p.key() for p in predictions.values() if p is not None and p.fits})
-    rank = {key: max(1, top - index) for index, key in enumerate(keys)}
-    return {
-        name: rank[p.key()] if p is not None and p.fits else 0 for name, p in predictions.items()
-    }
+    return rank_scores(
+        {name: p.key() if p is not None and p.fits else None for name, p in predictions.items()},
+        top,
+    )

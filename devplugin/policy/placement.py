@@ -31,6 +31,7 @@ from devplugin.model import (
 )
 from devplugin.policy.allocator import Allocator, Request, Role
 from devplugin.policy.podinfo import ContainerInfo, PodInfo
+from devplugin.policy.ranking import rank_scores
 from devplugin.policy.topology import DOMAIN_DEPTH, Level, Topology
 
 ALIGNMENT_ANNOTATION = "devplugin.io/alignment"
@@ -531,6 +532,7 @@ def scores(outcomes: Mapping[str, Outcome | None], top: int = 10) -> dict[str, i
     """Rank scores: nodes with the best (worst level, total, fragmentation)
     get `top`, each worse distinct key one less (down to 1); nodes without a
     usable record, or where the pod does not fit, get 0."""
-    keys = sorted({o.key() for o in outcomes.values() if o is not None and o.fits})
-    rank = {key: max(1, top - index) for index, key in enumerate(keys)}
-    return {name: rank[o.key()] if o is not None and o.fits else 0 for name, o in outcomes.items()}
+    return rank_scores(
+        {name: o.rank_key if o is not None and o.fits else None for name, o in outcomes.items()},
+        top,
+    )

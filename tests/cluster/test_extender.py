@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from devplugin.cluster.extender import REUSE_FOR, REUSED_PODS, CycleMemo, serve
+from devplugin.cluster.extender import serve
 from devplugin.config import KubernetesConfig
 from devplugin.node.alignment import ContainerAlignment
 from devplugin.policy.topology import Level
@@ -162,6 +162,27 @@ def test_pods_bound_but_not_yet_in_the_record_take_their_devices_first(
     assert "2 GPUs" in result["FailedNodes"]["n"]
 
 
+def test_a_bound_pod_asking_again_is_placed_without_itself_and_others_are_not(
+    api: ApiServerImitation, tmp_path: Path, extender: Running
+) -> None:
+    # A retry: the scheduler asks again about a pod already bound to "n".
+    put_record(api, "n", "hgx-h100", tmp_path)
+    put_record(api, "m", "hgx-h100", tmp_path)
+    bound = pod("first", [{GPU: 6, HCA: 2}])
+    bound["spec"]["nodeName"] = "n"
+    uid = api.put("pods", bound)["metadata"]["uid"]
+    synced(extender, {"n", "m"})
+    assert wait_until(lambda: len(extender[0].pods.pods()) == 1, timeout=10)
+    other = {"Pod": pod("second", [{GPU: 6, HCA: 2}]), "NodeNames": ["n", "m"]}
+    again = pod("first", [{GPU: 6, HCA: 2}])
+    again["metadata"]["uid"] = uid
+    retry = {"Pod": again, "NodeNames": ["n", "m"]}
+    # Asked first by another pod of the same shape: "n" is full for it.
+    assert call(extender, "filter", other)[1]["NodeNames"] == ["m"]
+    assert call(extender, "filter", retry)[1]["NodeNames"] == ["n", "m"]
+    assert call(extender, "filter", other)[1]["NodeNames"] == ["m"]
+
+
 @pytest.mark.parametrize("end", ["deleted", "finished", "replaced by a namesake"])
 @pytest.mark.parametrize("uid_in_record", [True, False], ids=["with-uid", "by-name"])
 def test_a_pod_the_watch_saw_end_holds_nothing_whatever_the_record_says(
@@ -210,7 +231,7 @@ def test_a_pod_the_watch_saw_end_holds_nothing_whatever_the_record_says(
         assert call(extender, "filter", big)[1]["NodeNames"] == []
 
 
-def test_a_prioritize_after_a_filter_scores_the_filters_answers(
+def test_a_prioritize_after_a_filter_reads_the_answers_the_filter_kept(
     api: ApiServerImitation, tmp_path: Path, extender: Running
 ) -> None:
     put_record(api, "n", "hgx-h100", tmp_path)
@@ -221,15 +242,20 @@ def test_a_prioritize_after_a_filter_scores_the_filters_answers(
     call(extender, "filter", args)
     hits = memo.labels("hit")._value.get()
     misses = memo.labels("miss")._value.get()
-    # The same cycle: scored from what the filter found, no node looked up.
+    views = extender[0].views
+    looked: list[object] = []
+    outcomes = views.outcomes
+    views.outcomes = lambda *a, **k: looked.append(a) or outcomes(*a, **k)  # type: ignore[method-assign]
+    # The same cycle: both nodes' answers kept, no view asked again.
     _, kept = call(extender, "prioritize", args)
-    assert memo.labels("hit")._value.get() == hits
-    assert memo.labels("miss")._value.get() == misses
-    # Another pod of the same shape, never filtered: each node's view answers.
-    other = {"Pod": pod("u", [{GPU: 4, HCA: 2}]), "NodeNames": ["n", "m"]}
-    _, fresh = call(extender, "prioritize", other)
     assert memo.labels("hit")._value.get() == hits + 2
     assert memo.labels("miss")._value.get() == misses
+    # Another pod of the same shape, never filtered: the same kept answers.
+    other = {"Pod": pod("u", [{GPU: 4, HCA: 2}]), "NodeNames": ["n", "m"]}
+    _, fresh = call(extender, "prioritize", other)
+    assert memo.labels("hit")._value.get() == hits + 4
+    assert memo.labels("miss")._value.get() == misses
+    assert looked == []
     assert fresh == kept
     assert {entry["Score"] for entry in kept} != {0}
 
@@ -349,18 +375,3 @@ def test_bad_extender_flags_exit_two_with_one_line(flags: list[str], message: st
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1
     assert message in lines[0]
-
-
-def test_a_filters_answers_serve_its_prioritize_for_one_second_and_sixteen_pods() -> None:
-    now = [0.0]
-    memo = CycleMemo(lambda: now[0])
-    memo.keep("resources", "p0", {"a": None, "b": None})
-    assert memo.take("resources", "p0", ["b"]) == {"b": None}
-    assert memo.take("resources", "p0", ["a", "c"]) is None  # a node the filter never saw
-    assert memo.take("claims", "p0", ["a"]) is None  # the other verb's answers are apart
-    now[0] = REUSE_FOR + 0.01
-    assert memo.take("resources", "p0", ["a"]) is None
-    for i in range(REUSED_PODS + 1):
-        memo.keep("resources", f"q{i}", {"a": None})
-    assert memo.take("resources", "q0", ["a"]) is None
-    assert memo.take("resources", f"q{REUSED_PODS}", ["a"]) == {"a": None}

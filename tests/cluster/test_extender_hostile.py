@@ -227,15 +227,20 @@ def test_a_lease_is_timed_by_the_extender_not_by_the_time_it_carries(
     assert wait_until(lambda: scores(extender, names)["forged"] > 0, timeout=5)
 
 
-def test_a_lease_that_stops_changing_goes_stale_whatever_it_says(
+def test_a_lease_that_stops_changing_goes_stale_with_no_event_after_it_was_scored(
     api: ApiServerImitation, tmp_path: Path, extender: Running
 ) -> None:
-    put_record(api, "quiet", "hgx-h100", tmp_path)
+    # The answer is kept between calls; only time says the daemon is gone.
+    for node in ("quiet", "live"):
+        put_record(api, node, "hgx-h100", tmp_path, age=3600)
+    lease(api, "live", age=0)
     now = time.strftime("%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime())
-    forged_lease(api, "devplugin-quiet", "quiet", now, duration=1)
-    synced(extender, {"quiet"})
-    assert wait_until(lambda: "quiet" in extender[0].leases.items(), timeout=10)
-    assert wait_until(lambda: scores(extender, ["quiet"])["quiet"] == 0, timeout=5)
+    forged_lease(api, "devplugin-quiet", "quiet", now, duration=4)
+    synced(extender, {"quiet", "live"})
+    assert wait_until(lambda: {"quiet", "live"} <= set(extender[0].leases.items()), timeout=3)
+    assert scores(extender, ["quiet", "live"])["quiet"] > 0
+    assert wait_until(lambda: scores(extender, ["quiet", "live"])["quiet"] == 0, timeout=10)
+    assert scores(extender, ["quiet", "live"])["live"] > 0
 
 
 def _gpus(record: dict[str, Any]) -> list[dict[str, Any]]:
