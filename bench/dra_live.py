@@ -20,7 +20,9 @@ The chosen node's allocation is written to the claim and the node's
 kubelet prepares it (the daemon takes the devices; its slices' free counts
 follow). For every claim: is its worst GPU+HCA pair at the best level free
 anywhere in the cluster at that moment (an exhaustive search over each
-node's free devices)? Goal: at least 98% through the extender.
+node's free devices: held by no claim, untainted, and on a node whose
+published free counts have room, since a released device is cleaned
+before its node offers it again)? Goal: at least 98% through the extender.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from typing import Any
 
 from bench.cluster_live import extender_process
 from bench.dra import optimum
+from devplugin.frontends.dra.slices import FREE_GPUS, FREE_HCAS
 from devplugin.policy.claim_templates import Shape, claim_spec, device_classes, template_name
 from devplugin.policy.dra_predict import pair_level, pair_levels
 from devplugin.policy.dra_walk import Device, candidates
@@ -58,6 +61,7 @@ WEIGHTS = [0.5, 0.3, 0.2]
 # (seconds between arrivals, arrivals)
 CADENCES = [(0.05, 60), (0.2, 40), (1.0, 20)]
 GOAL = 0.98
+FREE_COUNTS = (FREE_GPUS, FREE_HCAS)
 SETTINGS = {"discovery.rescan_interval_seconds": 30.0}
 
 
@@ -107,10 +111,15 @@ def _worst(results: Sequence[Mapping[str, str]], devices: Mapping[str, Device]) 
 def _best_free(
     devices: Mapping[str, Device], taken: set[tuple[str, str, str]], pairs: int
 ) -> Level | None:
-    free = [d for d in devices.values() if d.key not in taken]
+    # Free: no claim holds it, and its node offers it again. A released
+    # device is cleaned before reuse; until then its node's slices taint it
+    # or still count it held (the free counts every device carries come
+    # back after the cleanup), and no allocator may give it.
+    free = [d for d in devices.values() if d.key not in taken and not d.taints]
     gpus = [d for d in free if d.name.startswith("gpu-")]
     hcas = [d for d in free if d.name.startswith("hca-")]
-    if len(gpus) < pairs or len(hcas) < pairs:
+    offered = [d.attributes.get(f"{DRIVER}/{name}") for d in free for name in FREE_COUNTS]
+    if len(gpus) < pairs or len(hcas) < pairs or any(n < pairs for n in offered if n is not None):
         return None
     return optimum([[pair_level(g, h) for h in hcas] for g in gpus], pairs)
 
