@@ -58,10 +58,12 @@ from lightkube import operators as op
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from devplugin.cluster.answers import Answers, ChangeLog
+from devplugin.cluster.budgets import DisruptionBudget, budget_cache
 from devplugin.cluster.client import Heartbeat, make_client
 from devplugin.cluster.dra_views import DraCaches, DraViews, dra_caches, pod_claims
 from devplugin.cluster.lease import NODE_LABEL, Lease, lease_name, parse_micro_time
 from devplugin.cluster.pods import PodCache
+from devplugin.cluster.preempt import answer, candidates, proposed_victims, unchanged
 from devplugin.cluster.publisher import NodeDevices
 from devplugin.cluster.views import MAX_REASON, Layouts, NodeViews, parse_record
 from devplugin.cluster.watch import Incomplete, WatchCache, WatchTiming
@@ -76,6 +78,7 @@ from devplugin.policy.placement import (
     shape_of,
 )
 from devplugin.policy.podinfo import ContainerInfo, PodInfo, parse_pod
+from devplugin.policy.preemption import Eviction, choose_victims
 from devplugin.policy.ranking import rank_scores
 from devplugin.web import BoundedHandler, BoundedServer, Listener
 
@@ -325,8 +328,10 @@ class Extender:
         layouts: Layouts | None = None,
         clock: Callable[[], float] = time.monotonic,
         dra: tuple[DraViews, DraCaches] | None = None,
+        budgets: WatchCache[DisruptionBudget] | None = None,
     ) -> None:
         self.records = records
+        self.budgets = budgets
         self.pods = pods
         self.leases = leases
         self.dra = dra
@@ -402,6 +407,41 @@ class Extender:
         found = self._claim_answers(args, names)
         scored = rank_scores({name: found.get(name, UNTOLD)[1] for name in names})
         return [{"Host": name, "Score": scored[name]} for name in names]
+
+    def preempt(self, args: Mapping[str, Any]) -> dict[str, Any]:
+        """ExtenderPreemptionArgs -> ExtenderPreemptionResult: per node, the
+        victims that free the best aligned set (cluster/preempt.py)."""
+        pod = self._pod_arg(args)
+        try:
+            proposed = proposed_victims(args)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from exc
+        shape, requirement = self._pod(pod)
+        if not shape.wants_devices:
+            return unchanged(proposed)
+        fresh = self._freshness()
+        budgets = self.budgets.items().values() if self.budgets is not None else ()
+        evictions: dict[str, Eviction] = {}
+        untold: dict[str, tuple[list[str], int]] = {}
+        for node in proposed:
+            record = fresh(node)
+            state = self.views.state(record.parsed, record) if record is not None else None
+            if state is None:
+                untold[node] = proposed[node]
+                continue
+            found, allowed = candidates(state[0], self.pods.on_node(node), pod.priority, budgets)
+            eviction = choose_victims(state[0], shape, state[1], found, allowed)
+            if eviction is None or not eviction.victims:
+                continue  # no eviction lets it fit, or none is needed
+            if (
+                requirement.required
+                and requirement.level is not None
+                and eviction.level is not None
+                and eviction.level > requirement.level
+            ):
+                continue
+            evictions[node] = eviction
+        return answer(evictions, untold)
 
     # -- per-node answers ------------------------------------------------------------
     def _resource_answers(
@@ -482,19 +522,7 @@ class Extender:
     def _args(
         self, args: Mapping[str, Any]
     ) -> tuple[PodInfo, list[str], list[dict[str, Any]] | None]:
-        if not isinstance(args, dict):
-            raise BadRequest("the body must be a JSON object (ExtenderArgs)")
-        raw_pod = args.get("Pod")
-        if not isinstance(raw_pod, dict):
-            raise BadRequest("Pod: required, an object")
-        data = dict(raw_pod)
-        meta = data.get("metadata")
-        if isinstance(meta, dict) and not meta.get("uid"):
-            data["metadata"] = {**meta, "uid": f"{meta.get('namespace')}/{meta.get('name')}"}
-        try:
-            pod = parse_pod(data)
-        except ValueError as exc:
-            raise BadRequest(f"Pod: {exc}") from exc
+        pod = self._pod_arg(args)
         names = args.get("NodeNames")
         nodes = args.get("Nodes")
         if names is not None:
@@ -511,6 +539,21 @@ class Extender:
                 raise BadRequest("Nodes.items: a node without metadata.name")
             return pod, [str(n) for n in found], items
         raise BadRequest("one of NodeNames or Nodes is required")
+
+    def _pod_arg(self, args: Mapping[str, Any]) -> PodInfo:
+        if not isinstance(args, dict):
+            raise BadRequest("the body must be a JSON object")
+        raw_pod = args.get("Pod")
+        if not isinstance(raw_pod, dict):
+            raise BadRequest("Pod: required, an object")
+        data = dict(raw_pod)
+        meta = data.get("metadata")
+        if isinstance(meta, dict) and not meta.get("uid"):
+            data["metadata"] = {**meta, "uid": f"{meta.get('namespace')}/{meta.get('name')}"}
+        try:
+            return parse_pod(data)
+        except ValueError as exc:
+            raise BadRequest(f"Pod: {exc}") from exc
 
     def _pod(self, pod: PodInfo) -> tuple[Shape, Requirement]:
         shape = shape_of(pod, self.gpu, self.hca)
@@ -556,6 +599,8 @@ class Extender:
         caches: list[WatchCache[Any]] = [self.records, self.pods]
         if self.leases is not None:
             caches.append(self.leases)
+        if self.budgets is not None:
+            caches.append(self.budgets)
         if self.dra is not None:
             caches.extend(self.dra[1].all())
         return caches
@@ -570,6 +615,7 @@ class Extender:
             "resourceclaims": "ResourceClaims",
             "resourceslices": "ResourceSlices",
             "deviceclasses": "DeviceClasses",
+            "poddisruptionbudgets": "PodDisruptionBudgets",
         }
         for cache in self._caches():
             what = named.get(cache.name, cache.name)
@@ -917,6 +963,7 @@ def _handler(extender: Extender, slots: Slots, full_for: float) -> type[BaseHTTP
         "/scheduler/prioritize": extender.prioritize,
         "/scheduler/claims/filter": extender.claims_filter,
         "/scheduler/claims/prioritize": extender.claims_prioritize,
+        "/scheduler/preempt": extender.preempt,
     }
     attributes = {
         "extender": extender, "slots": slots, "full_for": full_for,
@@ -946,11 +993,12 @@ def serve(
             raise RuntimeError("no Kubernetes API access")
         return client
 
-    beats = Heartbeat(), Heartbeat(), Heartbeat()
+    beats = Heartbeat(), Heartbeat(), Heartbeat(), Heartbeat()
     layouts = Layouts()
     records = record_cache(connect(beats[0]), kube, beats[0], layouts)
     pods = pod_cache(connect(beats[1]), kube, beats[1], names)
     leases = lease_cache(connect(beats[2]), lease_namespace, kube, beats[2])
+    budgets = budget_cache(connect(beats[3]), WatchTiming.of(kube), beats[3])
     claims: tuple[DraViews, DraCaches] | None = None
     if dra:
         views = DraViews(device_taints=device_taints)
@@ -966,9 +1014,10 @@ def serve(
         stale_after=stale_after,
         layouts=layouts,
         dra=claims,
+        budgets=budgets,
     )
     server = ExtenderServer(extender, address, tls=tls)
-    caches: list[WatchCache[Any]] = [records, pods, leases]
+    caches: list[WatchCache[Any]] = [records, pods, leases, budgets]
     if claims is not None:
         caches.extend(claims[1].all())
     for cache in caches:

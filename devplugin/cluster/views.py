@@ -338,6 +338,15 @@ class NodeViews:
                 view.failures[key] = answer
         return found
 
+    def state(self, record: ParsedRecord, token: object) -> tuple[NodeState, Allocator] | None:
+        """The node as placement sees it (ended holders back, pods bound
+        there and not in the record yet placed) and its allocator; None
+        while its layout is being built."""
+        view = self._view(record, token)
+        if view is None:
+            return None
+        return view.node, view.layout.allocator
+
     def empty_outcome(self, record: ParsedRecord, token: object, shape: Shape) -> Outcome | None:
         """The pod on the node with nothing held."""
         view = self._view(record, token)

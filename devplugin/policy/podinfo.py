@@ -38,6 +38,12 @@ class PodInfo:
     # before starting any: a pod with a started container is past admission.
     started: bool = False
     annotations: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+    # spec.priority (0 when unset, as the scheduler reads it), metadata.labels
+    # (PodDisruptionBudgets select by them) and status.startTime: what
+    # preemption weighs.
+    priority: int = 0
+    labels: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+    start: str = ""
 
     @property
     def terminal(self) -> bool:
@@ -110,7 +116,18 @@ def parse_pod(obj: Mapping[str, Any]) -> PodInfo:
         containers=tuple(_container(c, init=False) for c in main),
         started=_started(status),
         annotations=_annotations(meta.get("annotations")),
+        priority=_priority(spec.get("priority")),
+        labels=_annotations(meta.get("labels")),
+        start=str(status.get("startTime") or ""),
     )
+
+
+def _priority(value: object) -> int:
+    if value is None:
+        return 0
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"spec.priority must be an integer, not {value!r}")
+    return value
 
 
 def _annotations(value: object) -> Mapping[str, str]:

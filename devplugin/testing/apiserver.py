@@ -81,6 +81,9 @@ KINDS = {
     ("apis/resource.k8s.io/v1", "deviceclasses"): Kind(
         "apis/resource.k8s.io/v1", "deviceclasses", "DeviceClass", False
     ),
+    ("apis/policy/v1", "poddisruptionbudgets"): Kind(
+        "apis/policy/v1", "poddisruptionbudgets", "PodDisruptionBudget", True, status=True
+    ),
 }
 
 

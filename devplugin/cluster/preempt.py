@@ -1,0 +1,136 @@
+"""The extender's preemption verb: ExtenderPreemptionArgs in, the victims
+that free an aligned set out (`k8s.io/kube-scheduler/extender/v1`; no JSON
+tags, so the keys are the Go field names).
+
+The scheduler sends, per candidate node, the victims its own dry run chose
+(by counts): UIDs in `NodeNameToMetaVictims` when the extender is
+nodeCacheCapable, whole pods in `NodeNameToVictims` otherwise. The answer
+replaces each node's victims with those policy/preemption.py chooses from
+the pods bound there (lower priority than the preemptor, holding devices
+in the node's record), listed highest priority first, and keeps only the
+nodes whose eviction gives the best level any node here can reach. The
+scheduler then picks one of them by its own rules (fewest PDB violations,
+lowest highest priority, ...), so every node kept is one worth taking.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from devplugin.cluster.budgets import DisruptionBudget
+from devplugin.policy.placement import NodeState
+from devplugin.policy.podinfo import PodInfo
+from devplugin.policy.preemption import Candidate, Eviction
+
+# Nodes per call at most (the scheduler sends at most max(10% of nodes,
+# 100) candidates; a body this large is not one of its).
+MAX_NODES = 10_000
+MAX_VICTIMS = 4_096
+
+
+def proposed_victims(args: Mapping[str, Any]) -> dict[str, tuple[list[str], int]]:
+    """Node -> (victim UIDs, NumPDBViolations) as the scheduler proposed
+    them; ValueError with the field at fault."""
+    meta, full = args.get("NodeNameToMetaVictims"), args.get("NodeNameToVictims")
+    if isinstance(meta, dict):
+        field, nodes = "NodeNameToMetaVictims", meta
+    elif isinstance(full, dict):
+        field, nodes = "NodeNameToVictims", full
+    else:
+        raise ValueError("one of NodeNameToMetaVictims or NodeNameToVictims is required")
+    if len(nodes) > MAX_NODES:
+        raise ValueError(f"{field}: more than {MAX_NODES} nodes")
+    found: dict[str, tuple[list[str], int]] = {}
+    for node, victims in nodes.items():
+        where = f"{field}[{str(node)[:100]!r}]"
+        if not isinstance(victims, dict):
+            raise ValueError(f"{where}: must be an object with Pods")
+        pods = victims.get("Pods") or []
+        if not isinstance(pods, list) or len(pods) > MAX_VICTIMS:
+            raise ValueError(f"{where}.Pods: must be a list of at most {MAX_VICTIMS}")
+        uids = [_uid(pod, meta is not None) for pod in pods]
+        if not all(uids):
+            raise ValueError(f"{where}.Pods: a victim without a UID")
+        violations = victims.get("NumPDBViolations") or 0
+        if not isinstance(violations, int) or isinstance(violations, bool):
+            raise ValueError(f"{where}.NumPDBViolations: must be an integer")
+        found[str(node)] = ([str(u) for u in uids], violations)
+    return found
+
+
+def _uid(pod: object, meta: bool) -> object:
+    if not isinstance(pod, dict):
+        return None
+    if meta:
+        return pod.get("UID")
+    metadata = pod.get("metadata")
+    return metadata.get("uid") if isinstance(metadata, dict) else None
+
+
+def candidates(
+    node: NodeState, bound: Iterable[PodInfo], priority: int, budgets: Iterable[DisruptionBudget]
+) -> tuple[list[Candidate], dict[str, int]]:
+    """The pods that may go for a preemptor of `priority`: bound to the node,
+    of lower priority, holding devices per its record; and the budgets
+    covering any of them (name -> disruptions allowed)."""
+    devices: dict[str, set[str]] = {}
+    by_name: dict[tuple[str, str], str] = {}
+    live = {pod.uid: pod for pod in bound if pod.priority < priority}
+    for pod in live.values():
+        by_name[(pod.namespace, pod.name)] = pod.uid
+    for holding in node.holdings:
+        uid = holding.uid if holding.uid in live else by_name.get((holding.namespace, holding.pod))
+        if uid is not None:
+            devices.setdefault(uid, set()).update(holding.devices)
+    every = list(budgets)
+    found: list[Candidate] = []
+    allowed: dict[str, int] = {}
+    for uid, held in devices.items():
+        pod = live[uid]
+        covering = tuple(
+            f"{b.namespace}/{b.name}" for b in every if b.selects(pod.namespace, pod.labels)
+        )
+        for budget in every:
+            if f"{budget.namespace}/{budget.name}" in covering:
+                allowed[f"{budget.namespace}/{budget.name}"] = budget.allowed
+        found.append(Candidate(uid, pod.priority, frozenset(held), covering, pod.start))
+    return found, allowed
+
+
+def answer(
+    evictions: Mapping[str, Eviction],
+    untold: Mapping[str, tuple[list[str], int]],
+) -> dict[str, Any]:
+    """ExtenderPreemptionResult: the nodes whose eviction reaches the best
+    level among them, each with its victims. `untold`: nodes the extender
+    knows nothing about (no fresh record), kept as proposed only when no
+    node it knows can take the pod."""
+    result: dict[str, Any] = {}
+    if evictions:
+        best = min(_level(e) for e in evictions.values())
+        for node, eviction in evictions.items():
+            if _level(eviction) == best:
+                result[node] = {
+                    "Pods": [{"UID": victim.uid} for victim in eviction.victims],
+                    "NumPDBViolations": eviction.violations,
+                }
+    else:
+        for node, (uids, violations) in untold.items():
+            if uids:
+                result[node] = {"Pods": [{"UID": u} for u in uids], "NumPDBViolations": violations}
+    return {"NodeNameToMetaVictims": result}
+
+
+def _level(eviction: Eviction) -> int:
+    return int(eviction.level) if eviction.level is not None else 0
+
+
+def unchanged(proposed: Mapping[str, tuple[Sequence[str], int]]) -> dict[str, Any]:
+    """The proposal as given, in the meta form (a pod without devices)."""
+    return {
+        "NodeNameToMetaVictims": {
+            node: {"Pods": [{"UID": u} for u in uids], "NumPDBViolations": violations}
+            for node, (uids, violations) in proposed.items()
+        }
+    }

@@ -1,0 +1,217 @@
+"""The extender's preemption verb over real HTTP, with ExtenderPreemptionArgs
+shaped as kube-scheduler sends them, against records, pods and
+PodDisruptionBudgets in the API server imitation."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from devplugin.model import DeviceKind
+from devplugin.node.alignment import ContainerAlignment
+from devplugin.policy.allocator import Allocator
+from devplugin.policy.placement import Shape, node_from_record, place
+from devplugin.testing.apiserver import ApiServerImitation
+from tests.extender_support import (
+    GPU,
+    HCA,
+    Running,
+    call,
+    inventory,
+    pod,
+    put_record,
+    record,
+    running_extender,
+    synced,
+)
+from tests.waiting import wait_until
+
+
+@pytest.fixture
+def extender(api: ApiServerImitation, tmp_path: Path) -> Iterator[Running]:
+    yield from running_extender(api, tmp_path)
+
+
+def fill(
+    api: ApiServerImitation,
+    node: str,
+    layout: str,
+    base: Path,
+    holders: list[tuple[str, int, int, int, dict[str, str]]],
+) -> None:
+    """Bind pods (name, GPUs, HCAs, priority, labels) to `node`, each on the
+    devices its daemon would give it, and write the record that says so."""
+    state = node_from_record(record(inventory(layout, base / f"{node}-plan")))
+    allocator = Allocator(state.topology)
+    held = []
+    for name, gpus, hcas, priority, labels in holders:
+        outcome = place(state, Shape(((gpus, hcas),), gpus, hcas), allocator)
+        assert outcome.fits
+        assert outcome.free_after is not None
+        taken = {k: state.free[k] - outcome.free_after[k] for k in DeviceKind}
+        state = replace(state, free=outcome.free_after)
+        bound = pod(name, [{GPU: gpus, HCA: hcas}])
+        bound["spec"]["nodeName"] = node
+        bound["spec"]["priority"] = priority
+        bound["metadata"]["labels"] = labels
+        bound["status"] = {"phase": "Running", "startTime": "2026-12-01T00:00:00Z"}
+        uid = api.put("pods", bound)["metadata"]["uid"]
+        gpu_ids, hca_ids = sorted(taken[DeviceKind.GPU]), sorted(taken[DeviceKind.HCA])
+        held.append(
+            ContainerAlignment("default", name, "c0", tuple(gpu_ids), tuple(hca_ids), None, None, uid)
+        )
+    put_record(api, node, layout, base, held=held)
+
+
+def uids(api: ApiServerImitation) -> dict[str, str]:
+    return {p["metadata"]["name"]: p["metadata"]["uid"] for p in api.items("pods")}
+
+
+def preemptor(gpus: int, hcas: int, priority: int = 1000) -> dict[str, Any]:
+    asking = pod("urgent", [{GPU: gpus, HCA: hcas}])
+    asking["spec"]["priority"] = priority
+    return asking
+
+
+def meta(nodes: dict[str, list[str]]) -> dict[str, Any]:
+    return {
+        node: {"Pods": [{"UID": u} for u in victims], "NumPDBViolations": 0}
+        for node, victims in nodes.items()
+    }
+
+
+def test_the_verb_frees_the_best_aligned_set_with_the_fewest_and_lowest_victims(
+    api: ApiServerImitation, tmp_path: Path, extender: Running
+) -> None:
+    # hgx: four 2+2 pods (PIX pairs), one at priority 0; pcie: full too.
+    fill(api, "hgx", "hgx-h100", tmp_path, [
+        ("a", 2, 2, 100, {}), ("b", 2, 2, 0, {}), ("c", 2, 2, 200, {}), ("d", 2, 2, 100, {}),
+    ])  # fmt: skip
+    fill(api, "pcie", "pcie-server", tmp_path, [("e", 4, 1, 0, {}), ("f", 4, 1, 0, {})])
+    synced(extender, {"hgx", "pcie"})
+    assert wait_until(lambda: len(extender[0].pods.pods()) == 6, timeout=10)
+    ids = uids(api)
+    # The scheduler's count-only proposal: every pod on each node.
+    proposal = meta({"hgx": [ids[n] for n in "abcd"], "pcie": [ids["e"], ids["f"]]})
+    code, result = call(
+        extender, "preempt", {"Pod": preemptor(2, 2), "NodeNameToMetaVictims": proposal}
+    )
+    assert code == 200
+    # Both give a PIX pair: hgx by one pod (the lowest), pcie by both; the
+    # scheduler's own rule (fewest victims among equals) then takes hgx.
+    assert result == {"NodeNameToMetaVictims": {
+        "hgx": {"Pods": [{"UID": ids["b"]}], "NumPDBViolations": 0},
+        "pcie": {"Pods": [{"UID": ids["e"]}, {"UID": ids["f"]}], "NumPDBViolations": 0},
+    }}  # fmt: skip
+    # 4 GPUs + 2 HCAs: PIX on pcie, at best NODE on hgx, which is dropped.
+    _, result = call(
+        extender, "preempt", {"Pod": preemptor(4, 2), "NodeNameToMetaVictims": proposal}
+    )
+    assert list(result["NodeNameToMetaVictims"]) == ["pcie"]
+    # 8 + 8: pcie has 2 HCAs, whatever goes; hgx needs every pod gone.
+    _, result = call(
+        extender, "preempt", {"Pod": preemptor(8, 8), "NodeNameToMetaVictims": proposal}
+    )
+    assert list(result["NodeNameToMetaVictims"]) == ["hgx"]
+    assert len(result["NodeNameToMetaVictims"]["hgx"]["Pods"]) == 4
+
+
+def test_victims_come_highest_priority_first_and_only_below_the_preemptor(
+    api: ApiServerImitation, tmp_path: Path, extender: Running
+) -> None:
+    fill(api, "hgx", "hgx-h100", tmp_path, [
+        ("a", 4, 4, 100, {}), ("b", 4, 4, 50, {}),
+    ])  # fmt: skip
+    synced(extender, {"hgx"})
+    assert wait_until(lambda: len(extender[0].pods.pods()) == 2, timeout=10)
+    ids = uids(api)
+    proposal = meta({"hgx": [ids["a"], ids["b"]]})
+    _, both = call(extender, "preempt", {"Pod": preemptor(8, 8), "NodeNameToMetaVictims": proposal})
+    assert both["NodeNameToMetaVictims"]["hgx"]["Pods"] == [{"UID": ids["a"]}, {"UID": ids["b"]}]
+    # A preemptor of priority 100 may not evict "a": the node cannot help it.
+    _, none = call(
+        extender, "preempt", {"Pod": preemptor(8, 8, 100), "NodeNameToMetaVictims": proposal}
+    )
+    assert none == {"NodeNameToMetaVictims": {}}
+
+
+def test_disruption_budgets_are_counted_and_steer_the_choice(
+    api: ApiServerImitation, tmp_path: Path, extender: Running
+) -> None:
+    fill(api, "hgx", "hgx-h100", tmp_path, [
+        ("a", 4, 4, 0, {"app": "web"}), ("b", 4, 4, 0, {"app": "db"}),
+    ])  # fmt: skip
+    api.put("poddisruptionbudgets", {
+        "metadata": {"name": "web", "namespace": "default"},
+        "spec": {"selector": {"matchLabels": {"app": "web"}}},
+        "status": {"disruptionsAllowed": 0},
+    })  # fmt: skip
+    synced(extender, {"hgx"})
+    assert wait_until(lambda: len(extender[0].budgets.items()) == 1, timeout=10)
+    assert wait_until(lambda: len(extender[0].pods.pods()) == 2, timeout=10)
+    ids = uids(api)
+    proposal = meta({"hgx": [ids["a"], ids["b"]]})
+    _, one = call(extender, "preempt", {"Pod": preemptor(4, 4), "NodeNameToMetaVictims": proposal})
+    # Either half frees a PIX set; the one no budget protects goes.
+    assert one["NodeNameToMetaVictims"]["hgx"] == {
+        "Pods": [{"UID": ids["b"]}],
+        "NumPDBViolations": 0,
+    }
+    _, both = call(extender, "preempt", {"Pod": preemptor(8, 8), "NodeNameToMetaVictims": proposal})
+    assert both["NodeNameToMetaVictims"]["hgx"]["NumPDBViolations"] == 1
+
+
+def test_the_whole_pods_form_and_nodes_it_knows_nothing_about(
+    api: ApiServerImitation, tmp_path: Path, extender: Running
+) -> None:
+    fill(api, "hgx", "hgx-h100", tmp_path, [("a", 8, 8, 0, {})])
+    synced(extender, {"hgx"})
+    assert wait_until(lambda: len(extender[0].pods.pods()) == 1, timeout=10)
+    ids = uids(api)
+    whole = {
+        "hgx": {"Pods": [{"metadata": {"uid": ids["a"]}}], "NumPDBViolations": 0},
+        "unknown": {"Pods": [{"metadata": {"uid": "someone"}}], "NumPDBViolations": 0},
+    }
+    _, result = call(extender, "preempt", {"Pod": preemptor(2, 2), "NodeNameToVictims": whole})
+    # A node with a record that can take the pod wins over one without.
+    assert result == {
+        "NodeNameToMetaVictims": {"hgx": {"Pods": [{"UID": ids["a"]}], "NumPDBViolations": 0}}
+    }
+    # Only nodes it knows nothing about: the scheduler's own victims stand.
+    only = {"unknown": whole["unknown"]}
+    _, kept = call(extender, "preempt", {"Pod": preemptor(2, 2), "NodeNameToVictims": only})
+    assert kept == {
+        "NodeNameToMetaVictims": {"unknown": {"Pods": [{"UID": "someone"}], "NumPDBViolations": 0}}
+    }
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        ({"Pod": {"metadata": {}}}, "Pod:"),
+        ({"NodeNameToMetaVictims": {}}, "Pod: required"),
+        ({"Pod": None, "NodeNameToMetaVictims": {}}, "Pod: required"),
+        ("just a string", "JSON object"),
+    ],
+)
+def test_bad_preemption_requests_get_a_400_and_it_keeps_serving(
+    extender: Running, body: Any, reason: str
+) -> None:
+    code, result = call(extender, "preempt", body)
+    assert code == 400
+    assert reason in result["Error"]
+    asking = preemptor(1, 1)
+    for bad, why in [
+        ({"Pod": asking}, "one of NodeNameToMetaVictims"),
+        ({"Pod": asking, "NodeNameToMetaVictims": {"n": []}}, "must be an object"),
+        ({"Pod": asking, "NodeNameToMetaVictims": {"n": {"Pods": [{}]}}}, "without a UID"),
+    ]:
+        code, result = call(extender, "preempt", bad)
+        assert code == 400
+        assert why in result["Error"]
+    code, _ = call(extender, "preempt", {"Pod": asking, "NodeNameToMetaVictims": {}})
+    assert code == 200
