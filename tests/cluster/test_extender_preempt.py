@@ -60,10 +60,9 @@ def fill(
         bound["metadata"]["labels"] = labels
         bound["status"] = {"phase": "Running", "startTime": "2026-12-01T00:00:00Z"}
         uid = api.put("pods", bound)["metadata"]["uid"]
-        gpu_ids, hca_ids = sorted(taken[DeviceKind.GPU]), sorted(taken[DeviceKind.HCA])
-        held.append(
-            ContainerAlignment("default", name, "c0", tuple(gpu_ids), tuple(hca_ids), None, None, uid)
-        )
+        gpu_ids = tuple(sorted(taken[DeviceKind.GPU]))
+        hca_ids = tuple(sorted(taken[DeviceKind.HCA]))
+        held.append(ContainerAlignment("default", name, "c0", gpu_ids, hca_ids, None, None, uid))
     put_record(api, node, layout, base, held=held)
 
 
