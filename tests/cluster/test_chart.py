@@ -644,6 +644,7 @@ def test_the_extender_and_a_second_scheduler_profile(installs: dict[str, dict[st
     } == {
         ("devplugin.io", "nodedevices"): ["get", "list", "watch"],
         ("", "pods"): ["get", "list", "watch"],
+        ("policy", "poddisruptionbudgets"): ["get", "list", "watch"],
     }
     leases = found[("Role", "extender-devplugin-extender-leases")]
     assert leases["rules"][0]["resources"] == ["leases"]
@@ -661,6 +662,7 @@ def test_the_extender_and_a_second_scheduler_profile(installs: dict[str, dict[st
     assert extender == {
         "filterVerb": "filter",
         "prioritizeVerb": "prioritize",
+        "preemptVerb": "preempt",
         "weight": 7,
         "nodeCacheCapable": True,
         "enableHTTPS": False,

@@ -130,9 +130,12 @@ profiles:
             weight: 1301
     {{- end }}
 extenders:
+  {{- /* preemptVerb: when the pod must preempt, the scheduler's count-only
+       victims are replaced by those that free an aligned set. */}}
   - urlPrefix: {{ include "devplugin.extenderURL" . }}
     filterVerb: filter
     prioritizeVerb: prioritize
+    preemptVerb: preempt
     weight: {{ .Values.extender.scheduler.weight }}
     nodeCacheCapable: true
     enableHTTPS: {{ ne .Values.extender.tlsSecretName "" }}
