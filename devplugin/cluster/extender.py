@@ -63,17 +63,25 @@ from devplugin.cluster.client import Heartbeat, make_client
 from devplugin.cluster.dra_views import DraCaches, DraViews, dra_caches, pod_claims
 from devplugin.cluster.lease import NODE_LABEL, Lease, lease_name, parse_micro_time
 from devplugin.cluster.pods import PodCache
-from devplugin.cluster.preempt import answer, candidates, proposed_victims, unchanged
+from devplugin.cluster.preempt import (
+    answer,
+    candidates,
+    evictable,
+    proposed_victims,
+    unchanged,
+)
 from devplugin.cluster.publisher import NodeDevices
 from devplugin.cluster.views import MAX_REASON, Layouts, NodeViews, parse_record
 from devplugin.cluster.watch import Incomplete, WatchCache, WatchTiming
 from devplugin.config import KubernetesConfig
 from devplugin.policy.dra_predict import Prediction
 from devplugin.policy.placement import (
+    Holding,
     ParsedRecord,
     Requirement,
     Shape,
     check,
+    place,
     requirement_of,
     shape_of,
 )
@@ -450,18 +458,20 @@ class Extender:
         """Each node's answer for a pod of this shape and requirement: kept
         ones read, the others (new, changed, gone stale) worked out."""
         level = int(requirement.level) if requirement.level is not None else 0
-        key = (self.views.shape_id(shape), level, requirement.required)
+        # The priority decides which failures preemption can resolve.
+        key = (self.views.shape_id(shape), level, requirement.required, pod.priority)
         # A pod already bound to a node (a retry) is placed there without itself.
         bound = self.pods.get(pod.uid)
         unkept = (bound.node,) if bound is not None and bound.node else ()
-        compute = partial(self._resource_entries, shape, requirement, pod.uid)
+        compute = partial(self._resource_entries, shape, requirement, pod)
         found, kept = self.answers.read(key, names, compute, unkept=unkept)
         self._count(kept, kept)
         return found
 
     def _resource_entries(
-        self, shape: Shape, requirement: Requirement, uid: str, names: Sequence[str]
+        self, shape: Shape, requirement: Requirement, pod: PodInfo, names: Sequence[str]
     ) -> dict[str, tuple[Entry, float]]:
+        uid = pod.uid
         until: dict[str, float] = {}
         fresh = self._freshness(until)
         records: dict[str, Record | None] = {}
@@ -487,10 +497,30 @@ class Extender:
                 failing[name] = reason
                 entries[name] = ((FAILED, reason, rank), until.get(name, math.inf))
         answers = self.views.failures(failing, records, shape, requirement, uid)
-        for name, (message, never) in answers.items():
+        for name, (message, empty_fails) in answers.items():
+            never = empty_fails or not self._resolvable(
+                records[name], shape, requirement, pod.priority
+            )
             rank = entries[name][0][2]
             entries[name] = ((NEVER if never else FAILED, message, rank), entries[name][1])
         return entries
+
+    def _resolvable(
+        self, record: Record | None, shape: Shape, requirement: Requirement, priority: int
+    ) -> bool:
+        """Whether evicting every pod of lower priority bound to the node
+        would let the pod pass there: the scheduler tries preemption only
+        on nodes whose failure is not marked unresolvable."""
+        state = self.views.state(record.parsed, record) if record is not None else None
+        if state is None:
+            return True
+        node, allocator, pending = state
+        bound = self.pods.on_node(node.name)
+        if any(pod.uid in pending and pod.priority < priority for pod in bound):
+            return True  # its devices are not known yet: unsure, let it try
+        back = evictable(node, bound, priority)
+        after = node.without([Holding("", "", None, back)])
+        return check(place(after, shape, allocator), requirement) is None
 
     def _claim_answers(self, args: Mapping[str, Any], names: list[str]) -> dict[str, ClaimEntry]:
         """Per node, whether the allocator's pick for the pod's claims fits

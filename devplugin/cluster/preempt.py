@@ -98,6 +98,21 @@ def candidates(
     return found, allowed
 
 
+def evictable(node: NodeState, bound: Iterable[PodInfo], priority: int) -> frozenset[str]:
+    """The held devices preemption might free for a preemptor of
+    `priority`: all but those of pods bound there at or above it. A holder
+    the pod watch does not know counts as evictable: unsure, the filter
+    lets the scheduler try (the verb then decides on what it knows)."""
+    staying = {pod.uid for pod in bound if pod.priority >= priority}
+    names = {(pod.namespace, pod.name) for pod in bound if pod.uid in staying}
+    return frozenset(
+        device
+        for holding in node.holdings
+        if holding.uid not in staying and (holding.namespace, holding.pod) not in names
+        for device in holding.devices
+    )
+
+
 def answer(
     evictions: Mapping[str, Eviction],
     untold: Mapping[str, tuple[list[str], int]],

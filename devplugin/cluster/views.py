@@ -338,14 +338,16 @@ class NodeViews:
                 view.failures[key] = answer
         return found
 
-    def state(self, record: ParsedRecord, token: object) -> tuple[NodeState, Allocator] | None:
+    def state(
+        self, record: ParsedRecord, token: object
+    ) -> tuple[NodeState, Allocator, frozenset[str]] | None:
         """The node as placement sees it (ended holders back, pods bound
-        there and not in the record yet placed) and its allocator; None
-        while its layout is being built."""
+        there and not in the record yet placed), its allocator, and the uids
+        of those placed pods; None while its layout is being built."""
         view = self._view(record, token)
         if view is None:
             return None
-        return view.node, view.layout.allocator
+        return view.node, view.layout.allocator, view.pending
 
     def empty_outcome(self, record: ParsedRecord, token: object, shape: Shape) -> Outcome | None:
         """The pod on the node with nothing held."""

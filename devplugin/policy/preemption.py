@@ -80,7 +80,8 @@ def _level(outcome: Outcome) -> int:
     return int(outcome.worst) if outcome.worst is not None else 0
 
 
-def _freed(node: NodeState, victims: Sequence[Candidate]) -> NodeState:
+def freed(node: NodeState, victims: Sequence[Candidate]) -> NodeState:
+    """The node once the victims' devices are back."""
     devices = frozenset(d for victim in victims for d in victim.devices)
     return node.without([Holding("", "", None, devices)])
 
@@ -117,7 +118,7 @@ def _evict(
 ) -> Eviction:
     ordered = _order(victims)
     return Eviction(
-        ordered, place(_freed(node, ordered), shape, allocator), violations(ordered, allowed)
+        ordered, place(freed(node, ordered), shape, allocator), violations(ordered, allowed)
     )
 
 

@@ -159,6 +159,11 @@ def test_pods_bound_but_not_yet_in_the_record_take_their_devices_first(
     assert wait_until(lambda: len(extender[0].pods.pods()) == 1, timeout=10)
     _code, result = call(extender, "filter", {"Pod": pod("next", [{GPU: 4}]), "NodeNames": ["n"]})
     assert result["NodeNames"] == []
+    # Of the same priority, "first" cannot be preempted: unresolvable.
+    assert "2 GPUs" in result["FailedAndUnresolvableNodes"]["n"]
+    urgent = pod("urgent", [{GPU: 4}])
+    urgent["spec"]["priority"] = 1000
+    _code, result = call(extender, "filter", {"Pod": urgent, "NodeNames": ["n"]})
     assert "2 GPUs" in result["FailedNodes"]["n"]
 
 

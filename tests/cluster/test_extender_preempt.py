@@ -214,3 +214,26 @@ def test_bad_preemption_requests_get_a_400_and_it_keeps_serving(
         assert why in result["Error"]
     code, _ = call(extender, "preempt", {"Pod": asking, "NodeNameToMetaVictims": {}})
     assert code == 200
+
+
+def test_the_filter_marks_failures_preemption_can_resolve_and_those_it_cannot(
+    api: ApiServerImitation, tmp_path: Path, extender: Running
+) -> None:
+    fill(api, "hgx", "hgx-h100", tmp_path, [
+        ("a", 2, 2, 500, {}), ("b", 2, 2, 500, {}), ("c", 2, 2, 500, {}), ("d", 2, 2, 0, {}),
+    ])  # fmt: skip
+    synced(extender, {"hgx"})
+    assert wait_until(lambda: len(extender[0].pods.pods()) == 4, timeout=10)
+
+    def failed(gpus: int, hcas: int, priority: int) -> tuple[list[str], list[str]]:
+        args = {"Pod": preemptor(gpus, hcas, priority), "NodeNames": ["hgx"]}
+        _, result = call(extender, "filter", args)
+        return list(result["FailedNodes"]), list(result["FailedAndUnresolvableNodes"])
+
+    # Evicting "d" (priority 0) makes room: the scheduler may preempt here.
+    assert failed(2, 2, 100) == (["hgx"], [])
+    # 4 + 4 needs a priority-500 pod gone: only a preemptor above 500 can.
+    assert failed(4, 4, 100) == ([], ["hgx"])
+    assert failed(4, 4, 1000) == (["hgx"], [])
+    # More HCAs than the node has: nothing resolves it.
+    assert failed(1, 9, 1000) == ([], ["hgx"])
