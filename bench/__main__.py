@@ -61,6 +61,13 @@ pcieRoot and against the exhaustive optimum. Goal: 100% of 1-pair claims
 and at least 95% of multi-pair claims with their worst pair at the best
 level any free choice allows.
 
+Preemption (`bench/preemption.py`): eight nodes of the four live layouts
+filled with pods of priority 0/100/200, then priority-1000 pods that must
+preempt; victims as kube-scheduler chooses them by counts, and through the
+extender's verb, against every subset of each node's lower pods. Goal:
+through the extender, every preemptor at the best level eviction gives
+anywhere, with the fewest victims for it.
+
 Quality: the answer is compared with an exhaustive search of the same
 objective wherever that is affordable (every size on 8 GPUs, sizes 1-3 on
 64 GPUs). `--quick` runs fewer iterations (used by the tests).
@@ -93,6 +100,7 @@ from bench.dra_live import dra_live_bench
 from bench.extender_scale import extender_scale_bench
 from bench.fleet import fleet_bench
 from bench.idle import idle_bench
+from bench.preemption import preemption_bench
 from devplugin.api import deviceplugin_v1beta1_pb2 as pb
 from devplugin.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from devplugin.config import Config, override
@@ -768,6 +776,12 @@ def _parser() -> argparse.ArgumentParser:
         help="API traffic per node, idle and under churn (alone unless others are named; "
         "a full run includes it, --quick leaves it out)",
     )
+    parser.add_argument(
+        "--preemption",
+        action="store_true",
+        help="victims for priority pods, count-only against the extender's (alone unless "
+        "others are named; a full run includes it)",
+    )
     return parser
 
 
@@ -781,6 +795,7 @@ def _run(args: argparse.Namespace) -> int:
         or args.extender
         or args.idle
         or args.dra
+        or args.preemption
     )
     nodes = [n for n in GOALS_MS if n in (args.node or ([] if selected else GOALS_MS))]
     layouts = args.nvlink or ([] if selected else list(NVLINK_LAYOUTS))
@@ -789,6 +804,7 @@ def _run(args: argparse.Namespace) -> int:
     scale = args.extender or not (selected or args.quick)
     idle = args.idle or not (selected or args.quick)
     dra = args.dra or not selected
+    preemption = args.preemption or not selected
     setup_logging("text", "error")
     base = Path(tempfile.mkdtemp(prefix="dpb-", dir="/tmp"))
     failed = False
@@ -824,6 +840,10 @@ def _run(args: argparse.Namespace) -> int:
             if nodes or layouts or live or fleet or scale or idle:
                 print()
             failed |= not dra_bench(quick=args.quick)
+        if preemption:
+            if nodes or layouts or live or fleet or scale or idle or dra:
+                print()
+            failed |= not preemption_bench(quick=args.quick)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     return 1 if failed else 0

@@ -59,9 +59,11 @@ class Tally:
         return part / self.containers if self.containers else 1.0
 
 
-def node_records(base: Path) -> list[tuple[str, NodeState]]:
+def node_records(
+    base: Path, mix: list[tuple[str, int]] | None = None
+) -> list[tuple[str, NodeState]]:
     found: list[tuple[str, NodeState]] = []
-    for layout, count in MIX:
+    for layout, count in mix or MIX:
         built = build_node(LAYOUTS[layout](), base / layout)
         deadlines = Deadlines(5)
         source = NvmlGpuSource(FakeNvml.from_file(built.fixture), deadlines)

@@ -8,9 +8,10 @@ nodeCacheCapable, whole pods in `NodeNameToVictims` otherwise. The answer
 replaces each node's victims with those policy/preemption.py chooses from
 the pods bound there (lower priority than the preemptor, holding devices
 in the node's record), listed highest priority first, and keeps only the
-nodes whose eviction gives the best level any node here can reach. The
-scheduler then picks one of them by its own rules (fewest PDB violations,
-lowest highest priority, ...), so every node kept is one worth taking.
+nodes whose eviction gives the best level any node here can reach, with
+the fewest victims that reach it there. The scheduler then picks one of
+them by its own rules (fewest PDB violations, lowest highest priority,
+...), so every node kept is one worth taking.
 """
 
 from __future__ import annotations
@@ -118,14 +119,15 @@ def answer(
     untold: Mapping[str, tuple[list[str], int]],
 ) -> dict[str, Any]:
     """ExtenderPreemptionResult: the nodes whose eviction reaches the best
-    level among them, each with its victims. `untold`: nodes the extender
-    knows nothing about (no fresh record), kept as proposed only when no
-    node it knows can take the pod."""
+    level among them with the fewest victims, each with its victims (the
+    scheduler's own pick would otherwise take more pods of lower
+    priority). `untold`: nodes the extender knows nothing about (no fresh
+    record), kept as proposed only when no node it knows can take the pod."""
     result: dict[str, Any] = {}
     if evictions:
-        best = min(_level(e) for e in evictions.values())
+        best = min((_level(e), len(e.victims)) for e in evictions.values())
         for node, eviction in evictions.items():
-            if _level(eviction) == best:
+            if (_level(eviction), len(eviction.victims)) == best:
                 result[node] = {
                     "Pods": [{"UID": victim.uid} for victim in eviction.victims],
                     "NumPDBViolations": eviction.violations,

@@ -175,6 +175,8 @@ def exhaustive(
     found: tuple[int, int] | None = None
     for size in range(len(candidates) + 1):
         for victims in itertools.combinations(candidates, size):
+            if not _covers(node, shape, victims):
+                continue  # too few devices by count: cannot fit, whatever the placement
             outcome = _evict(node, shape, allocator, victims, allowed).outcome
             if outcome.fits:
                 here = (_level(outcome), size)

@@ -100,12 +100,11 @@ def test_the_verb_frees_the_best_aligned_set_with_the_fewest_and_lowest_victims(
         extender, "preempt", {"Pod": preemptor(2, 2), "NodeNameToMetaVictims": proposal}
     )
     assert code == 200
-    # Both give a PIX pair: hgx by one pod (the lowest), pcie by both; the
-    # scheduler's own rule (fewest victims among equals) then takes hgx.
-    assert result == {"NodeNameToMetaVictims": {
-        "hgx": {"Pods": [{"UID": ids["b"]}], "NumPDBViolations": 0},
-        "pcie": {"Pods": [{"UID": ids["e"]}, {"UID": ids["f"]}], "NumPDBViolations": 0},
-    }}  # fmt: skip
+    # Both give a PIX pair: hgx by one pod (the lowest), pcie by both
+    # (priority 0 each, which the scheduler's own pick would prefer): hgx only.
+    assert result == {
+        "NodeNameToMetaVictims": {"hgx": {"Pods": [{"UID": ids["b"]}], "NumPDBViolations": 0}}
+    }
     # 4 GPUs + 2 HCAs: PIX on pcie, at best NODE on hgx, which is dropped.
     _, result = call(
         extender, "preempt", {"Pod": preemptor(4, 2), "NodeNameToMetaVictims": proposal}

@@ -101,3 +101,14 @@ def test_bench_dra_live_quick_run_places_claims_with_real_daemons() -> None:
     assert all(int(row[2]) > 0 for row in rows)
     assert all(float(row[3].rstrip("%")) >= 98.0 for row in rows if row[1] == "extender")
     assert "== DRA live:" in result.stdout
+
+
+def test_bench_preemption_quick_run_frees_the_best_level_with_the_fewest_victims() -> None:
+    result = run_bench("bench", "--quick", "--preemption")
+    rows = [line.split() for line in result.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert [row[1] for row in rows] == ["count-only", "extender"]
+    assert all(int(row[2]) > 0 for row in rows)  # preemptors that needed eviction
+    extender = rows[1]
+    assert extender[3:5] == ["100.0%", "100.0%"]
+    assert "== preemption: through the extender 100.0%" in result.stdout
+    assert result.stdout.rstrip().endswith("met")
