@@ -40,6 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -467,10 +468,12 @@ class KubeletSimulator:
         *,
         namespace: str = "default",
         order: Sequence[str] | None = None,
+        priority: int | None = None,
     ) -> PodResult:
-        """Admit a pod, allocating each container's resources like the kubelet."""
+        """Admit a pod, allocating each container's resources like the
+        kubelet (`priority`: the pod's spec.priority, as admission set it)."""
         with self._admission:
-            return self._admit(pod, containers, namespace, order)
+            return self._admit(pod, containers, namespace, order, priority)
 
     def _admit(
         self,
@@ -478,6 +481,7 @@ class KubeletSimulator:
         containers: Sequence[ContainerRequest],
         namespace: str,
         order: Sequence[str] | None,
+        priority: int | None = None,
     ) -> PodResult:
         key = (namespace, pod)
         with self._cond:
@@ -487,7 +491,10 @@ class KubeletSimulator:
             self._created += 1
             created = self._created
         if self.api is not None:
-            self.api.put("pods", self._pod_object(namespace, pod, containers, created))
+            bound = self._pod_object(namespace, pod, containers, created)
+            if priority is not None:
+                bound["spec"]["priority"] = priority
+            self.api.put("pods", bound)
             if self.after_bind is not None:
                 self.after_bind(namespace, pod)
         results: list[ContainerResult] = []
@@ -679,7 +686,7 @@ class KubeletSimulator:
 
     def _pod_object(
         self, namespace: str, pod: str, containers: Sequence[ContainerRequest], created: int
-    ) -> dict[str, object]:
+    ) -> dict[str, Any]:
         # Creation times one second apart keep admission order = creation order.
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(1_700_000_000 + created))
         return {
