@@ -179,6 +179,10 @@ def test_the_whole_pods_form_and_nodes_it_knows_nothing_about(
     assert result == {
         "NodeNameToMetaVictims": {"hgx": {"Pods": [{"UID": ids["a"]}], "NumPDBViolations": 0}}
     }
+    # A victim UID it has never seen: ignored, its own view answers.
+    strange = meta({"hgx": ["no-such-pod", ids["a"]]})
+    _, same = call(extender, "preempt", {"Pod": preemptor(2, 2), "NodeNameToMetaVictims": strange})
+    assert same == result
     # Only nodes it knows nothing about: the scheduler's own victims stand.
     only = {"unknown": whole["unknown"]}
     _, kept = call(extender, "preempt", {"Pod": preemptor(2, 2), "NodeNameToVictims": only})
