@@ -225,8 +225,9 @@ def preemption_bench(quick: bool = False) -> bool:
         f"{ROUNDS * len(PREEMPTORS)} priority-{URGENT} pods "
         f"({', '.join(f'{g}+{h}' for g, h in PREEMPTORS)}) per seed"
     )
-    print(f"{'seed':>4} {'victims by':<11} {'preemptors':>10} {'best level':>10} "
-          f"{'and fewest':>10} {'victims':>8} {'unplaced':>8}")  # fmt: skip
+    columns = ("preemptors", "best level", "and fewest")
+    header = " ".join(f"{c:>10}" for c in columns)
+    print(f"{'seed':>4} {'victims by':<11} {header} {'victims':>8} {'unplaced':>8}")
     totals = {"count-only": Tally(), "extender": Tally()}
     with tempfile.TemporaryDirectory(prefix="dppre-") as scratch:
         for seed in seeds:
