@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.proc import status_field, terminate
-from devplugin.cluster.extender import MAX_BODY
+from devplugin.cluster.extender_http import MAX_BODY
 from devplugin.cluster.views import parse_record
 from devplugin.policy.claim_templates import (
     CHART_SHAPES,

@@ -14,7 +14,8 @@ from typing import Any
 
 import yaml
 
-from devplugin.cluster.extender import Extender, ExtenderServer, serve
+from devplugin.cluster.extender import Extender, serve
+from devplugin.cluster.extender_http import ExtenderServer
 from devplugin.cluster.record import Registration, build_status
 from devplugin.cluster.watch import WatchCache
 from devplugin.config import KubernetesConfig

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from devplugin.cluster.extender import Budget
+from devplugin.cluster.extender_http import Budget
 from devplugin.cluster.pods import PodCache
 from devplugin.cluster.views import INLINE_DEVICES, MAX_DEVICES, Layouts, parse_record
 from devplugin.testing.apiserver import ApiServerImitation

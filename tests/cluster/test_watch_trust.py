@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import yaml
 
-from devplugin.cluster.extender import Extender, ExtenderServer, serve
+from devplugin.cluster.extender import Extender, serve
+from devplugin.cluster.extender_http import ExtenderServer
 from devplugin.cluster.watch import WatchCache
 from devplugin.config import KubernetesConfig
 from devplugin.testing.apiserver import ApiServerImitation
