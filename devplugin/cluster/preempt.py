@@ -81,8 +81,9 @@ def candidates(
     for pod in live.values():
         by_name[(pod.namespace, pod.name)] = pod.uid
     for holding in node.holdings:
-        uid = holding.uid if holding.uid in live else by_name.get((holding.namespace, holding.pod))
-        if uid is not None:
+        # By uid when the record has it (a namesake is another pod), else by name.
+        uid = holding.uid or by_name.get((holding.namespace, holding.pod))
+        if uid is not None and uid in live:
             devices.setdefault(uid, set()).update(holding.devices)
     every = list(budgets)
     found: list[Candidate] = []

@@ -11,10 +11,12 @@ from typing import Any
 
 import pytest
 
+from devplugin.cluster.preempt import candidates
 from devplugin.model import DeviceKind
 from devplugin.node.alignment import ContainerAlignment
 from devplugin.policy.allocator import Allocator
-from devplugin.policy.placement import Shape, node_from_record, place
+from devplugin.policy.placement import Holding, Shape, node_from_record, place
+from devplugin.policy.podinfo import parse_pod
 from devplugin.testing.apiserver import ApiServerImitation
 from tests.extender_support import (
     GPU,
@@ -240,3 +242,20 @@ def test_the_filter_marks_failures_preemption_can_resolve_and_those_it_cannot(
     assert failed(4, 4, 1000) == (["hgx"], [])
     # More HCAs than the node has: nothing resolves it.
     assert failed(1, 9, 1000) == ([], ["hgx"])
+
+
+def test_a_holder_is_matched_by_uid_and_a_namesake_is_not_a_victim(tmp_path: Path) -> None:
+    # The record's holder "a" (uid-old) ended; a namesake "a" of low priority
+    # is bound now and holds nothing. Only the pod the record names may go.
+    state = node_from_record(record(inventory("hgx-h100", tmp_path)))
+    gpu = sorted(state.free[DeviceKind.GPU])[0]
+    held = replace(state, holdings=(Holding("default", "a", "uid-old", frozenset({gpu})),))
+    namesake = pod("a", [{GPU: 1}])
+    namesake["metadata"]["uid"] = "uid-new"
+    namesake["spec"]["nodeName"] = "n"
+    found, _ = candidates(held, [parse_pod(namesake)], 1000, ())
+    assert found == []
+    old = pod("a", [{GPU: 1}])
+    old["metadata"]["uid"] = "uid-old"
+    found, _ = candidates(held, [parse_pod(old)], 1000, ())
+    assert [c.uid for c in found] == ["uid-old"]
