@@ -27,9 +27,17 @@ def test_products_are_spelled_as_gpu_feature_discovery_spells_them(raw: str, lab
 
 @pytest.mark.parametrize(
     ("compute", "name"),
-    [((7, 0), "volta"), ((7, 5), "turing"), ((8, 0), "ampere"), ((8, 6), "ampere"),
-     ((8, 9), "ada-lovelace"), ((9, 0), "hopper"), ((6, 1), "pascal"), ((42, 0), "undefined")],
-)  # fmt: skip
+    [
+        ((7, 0), "volta"),
+        ((7, 5), "turing"),
+        ((8, 0), "ampere"),
+        ((8, 6), "ampere"),
+        ((8, 9), "ada-lovelace"),
+        ((9, 0), "hopper"),
+        ((6, 1), "pascal"),
+        ((42, 0), "undefined"),
+    ],
+)
 def test_the_family_follows_the_compute_capability(compute: tuple[int, int], name: str) -> None:
     assert family(*compute) == name
 
