@@ -188,6 +188,8 @@ class GpuInfo:
     # Set when NVML can no longer reach a GPU it reported before (lost, or
     # its handle fails): the GPU stays listed, Unhealthy, with this reason.
     error: str | None = None
+    # CUDA compute capability (major, minor); None where NVML cannot tell.
+    compute_capability: tuple[int, int] | None = None
 
     @property
     def numa_node(self) -> int | None:

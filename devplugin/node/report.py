@@ -48,6 +48,9 @@ def _gpu(gpu: GpuInfo) -> dict[str, Any]:
         "pci_bus_id": str(gpu.pci_address),
         "minor_number": gpu.minor_number,
         "memory_total_mib": gpu.memory_total_mib,
+        "cuda_compute_capability": (
+            list(gpu.compute_capability) if gpu.compute_capability is not None else None
+        ),
         "numa_node": gpu.numa_node,
         "nvlink_peers": {str(peer): count for peer, count in gpu.nvlink_peers},
         "pci": _pci(gpu.pci),

@@ -77,6 +77,8 @@ _TOP_KEYS = frozenset({"driver_version", "cuda_driver_version", "gpus"})
 _GPU_KEYS = frozenset(
     {"uuid", "name", "pci_bus_id", "minor_number", "memory_total_mib", "nvlink_peers"}
 )
+# Optional per GPU: [major, minor]; without it NVML answers NOT_SUPPORTED.
+_OPTIONAL_GPU_KEYS = frozenset({"cuda_compute_capability"})
 
 
 class NVMLError(Exception):
@@ -102,6 +104,7 @@ class FixtureGpu:
     minor_number: int
     memory_total_mib: int
     nvlink_peers: Mapping[int, int]
+    cuda_compute_capability: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -143,7 +146,7 @@ def parse_fixture(data: object, source: str = "fixture") -> Fixture:
     for index, raw in enumerate(data["gpus"]):
         where = f"{source}: gpus[{index}]"
         _require(isinstance(raw, dict), where, "must be an object")
-        unknown = sorted(set(raw) - _GPU_KEYS)
+        unknown = sorted(set(raw) - _GPU_KEYS - _OPTIONAL_GPU_KEYS)
         _require(not unknown, f"{where}.{unknown[0] if unknown else ''}", "unknown key")
         missing = sorted(_GPU_KEYS - set(raw))
         _require(not missing, f"{where}.{missing[0] if missing else ''}", "missing key")
@@ -180,6 +183,15 @@ def parse_fixture(data: object, source: str = "fixture") -> Fixture:
             _require(int(key) != index, field, "a GPU cannot link to itself")
             _require(_is_int(links) and links > 0, field, "link count must be an integer > 0")
             peers[int(key)] = links
+        compute = raw.get("cuda_compute_capability")
+        if compute is not None:
+            _require(
+                isinstance(compute, list)
+                and len(compute) == 2
+                and all(_is_int(v) and v >= 0 for v in compute),
+                f"{where}.cuda_compute_capability",
+                "must be [major, minor], integers >= 0",
+            )
         gpus.append(
             FixtureGpu(
                 uuid=raw["uuid"],
@@ -188,6 +200,7 @@ def parse_fixture(data: object, source: str = "fixture") -> Fixture:
                 minor_number=raw["minor_number"],
                 memory_total_mib=raw["memory_total_mib"],
                 nvlink_peers=peers,
+                cuda_compute_capability=(compute[0], compute[1]) if compute else None,
             )
         )
     for index, gpu in enumerate(gpus):
@@ -412,6 +425,12 @@ class FakeNvml:
 
     def nvmlDeviceGetMinorNumber(self, handle: Any) -> int:
         return self._gpu(handle)[1].minor_number
+
+    def nvmlDeviceGetCudaComputeCapability(self, handle: Any) -> tuple[int, int]:
+        compute = self._gpu(handle)[1].cuda_compute_capability
+        if compute is None:
+            raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+        return compute
 
     def nvmlDeviceGetMemoryInfo(self, handle: Any) -> _Memory:
         total = self._gpu(handle)[1].memory_total_mib * 1024 * 1024

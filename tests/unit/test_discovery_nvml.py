@@ -72,6 +72,14 @@ def test_fixture_round_trip(tmp_path: Path) -> None:
             lambda d: d["gpus"][0].update(nvlink_peers={"1": True}),
             "fixture: gpus[0].nvlink_peers.1",
         ),
+        (
+            lambda d: d["gpus"][0].update(cuda_compute_capability=[9]),
+            "fixture: gpus[0].cuda_compute_capability",
+        ),
+        (
+            lambda d: d["gpus"][1].update(cuda_compute_capability="9.0"),
+            "fixture: gpus[1].cuda_compute_capability",
+        ),
     ],
 )
 def test_fixture_errors_name_the_field(mutate: Any, field: str) -> None:
@@ -115,6 +123,22 @@ def test_scan_reads_every_field_through_nvml(tmp_path: Path) -> None:
     assert gpus[1].nvlink_peers == ((0, 4),)
     source.close()
     assert not lib.initialised
+
+
+def test_the_compute_capability_is_read_where_nvml_tells_it(tmp_path: Path) -> None:
+    data = fixture()
+    data["gpus"][0]["cuda_compute_capability"] = [8, 0]
+    path = tmp_path / "f.json"
+    path.write_text(json.dumps(data))
+    lib = FakeNvml.from_file(path)
+    source = NvmlGpuSource(lib)
+    gpus, status = source.scan({})
+    assert status.ok
+    # The second GPU's fixture has none: NVML says Not Supported, and the GPU
+    # is still found, only undescribed.
+    assert [gpu.compute_capability for gpu in gpus] == [(8, 0), None]
+    assert all(gpu.error is None for gpu in gpus)
+    source.close()
 
 
 def test_nvml_failure_is_one_clear_log_line_and_recovers(

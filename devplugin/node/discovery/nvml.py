@@ -36,6 +36,7 @@ class _RawGpu:
     address: PciAddress
     minor: int
     memory: int
+    compute: tuple[int, int] | None = None
 
 
 def load_pynvml() -> Any:
@@ -140,6 +141,7 @@ class NvmlGpuSource:
                     pci_address=entry.address,
                     minor_number=entry.minor,
                     memory_total_mib=entry.memory,
+                    compute_capability=entry.compute,
                     nvlink_peers=self._peers(entry, raw, index_by_address),
                     pci=pci.get(entry.address),
                 )
@@ -188,6 +190,7 @@ class NvmlGpuSource:
             address=PciAddress.parse(_text(lib.nvmlDeviceGetPciInfo(handle).busId)),
             minor=int(lib.nvmlDeviceGetMinorNumber(handle)),
             memory=int(lib.nvmlDeviceGetMemoryInfo(handle).total) // _MIB,
+            compute=_compute(lib, handle),
         )
         if uuid not in self._peer_addresses:
             self._read_links(handle, uuid)
@@ -250,3 +253,14 @@ class NvmlGpuSource:
                 self._initialised = False
             if self._owns_deadlines:
                 self._deadlines.close()
+
+
+def _compute(lib: Any, handle: Any) -> tuple[int, int] | None:
+    """The CUDA compute capability, or None where NVML cannot tell (an old
+    driver, a binding without the call): it only describes the GPU, so its
+    absence never makes the GPU unhealthy."""
+    try:
+        major, minor = lib.nvmlDeviceGetCudaComputeCapability(handle)
+    except Exception:  # noqa: BLE001 - NVML bindings raise various types
+        return None
+    return int(major), int(minor)
