@@ -17,14 +17,17 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from devplugin.model import KINDS, DeviceKind, Health, Inventory, PciFunction
+from devplugin.model import KINDS, DeviceKind, GpuInfo, HcaInfo, Health, Inventory, PciFunction
 from devplugin.node.alignment import ContainerAlignment
 from devplugin.node.resources import ResourceState
+from devplugin.policy.labels import family
 
 GROUP, VERSION, KIND, PLURAL = "devplugin.io", "v1alpha1", "NodeDevices", "nodedevices"
 API_VERSION = f"{GROUP}/{VERSION}"
 # A reason or message in the record is cut to this many characters.
 MAX_TEXT = 256
+# Ports listed per HCA at most (the CRD's limit).
+MAX_PORTS = 16
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,7 @@ def build_status(
                 **_health(states, DeviceKind.GPU, gpu.uuid),
                 "pciAddress": str(gpu.pci_address), "numaNode": _numa(gpu.numa_node),
                 "topologyPath": tree_path(gpu.pci), "nvlinkPeers": peers,
+                **_describe_gpu(gpu),
             })  # fmt: skip
     if DeviceKind.HCA in states:
         for hca in sorted(inventory.hcas, key=lambda h: h.device_id):
@@ -94,6 +98,7 @@ def build_status(
                 **_health(states, DeviceKind.HCA, hca.device_id),
                 "pciAddress": str(hca.pci_address), "numaNode": _numa(hca.numa_node),
                 "topologyPath": tree_path(hca.pci), "name": hca.name[:MAX_TEXT],
+                **_describe_hca(hca),
             })  # fmt: skip
     allocations: list[dict[str, Any]] = []
     held: set[str] = set()
@@ -132,3 +137,23 @@ def build_status(
 
 def _numa(node: int | None) -> int:
     return node if node is not None else -1
+
+
+def _describe_gpu(gpu: GpuInfo) -> dict[str, Any]:
+    """What the GPU is: its product as NVML names it, its memory, and where
+    NVML tells it, its compute capability and the family that gives."""
+    found: dict[str, Any] = {"product": gpu.name[:MAX_TEXT], "memoryMiB": gpu.memory_total_mib}
+    if gpu.compute_capability is not None:
+        major, minor = gpu.compute_capability
+        found["computeCapability"] = f"{major}.{minor}"
+        found["family"] = family(major, minor)
+    return found
+
+
+def _describe_hca(hca: HcaInfo) -> dict[str, Any]:
+    """Each port's link layer (InfiniBand or Ethernet) and rate, as sysfs says."""
+    ports = [
+        {"port": port.number, "linkLayer": port.link_layer[:MAX_TEXT], "rate": port.rate[:MAX_TEXT]}
+        for port in hca.ports[:MAX_PORTS]
+    ]
+    return {"ports": ports}

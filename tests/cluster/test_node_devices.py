@@ -3,6 +3,7 @@ API server imitation over HTTP, checked against the CRD the chart ships."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +17,8 @@ from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.kubelet import ContainerRequest
 from devplugin.testing.node import hgx_node
 from tests.conftest import GPU, HCA, Cluster
+from tests.extender_support import inventory
+from tests.extender_support import record as extender_record
 from tests.waiting import wait_until
 
 Start = Callable[..., Cluster]
@@ -74,7 +77,14 @@ def test_the_daemon_publishes_a_valid_record_owned_by_its_node(
     assert gpu["health"] == "Healthy"
     assert gpu["topologyPath"][0].startswith("numa")
     assert len(gpu["topologyPath"]) == 4
+    # What each device is: the GPU's product and memory (this fixture gives
+    # no compute capability: none is claimed), each HCA port's link and rate.
+    assert (gpu["product"], gpu["memoryMiB"]) == ("NVIDIA H100 80GB HBM3", 81559)
+    assert "computeCapability" not in gpu
+    assert "family" not in gpu
     hca = next(d for d in devices.values() if d["kind"] == "hca")
+    assert hca["ports"]
+    assert all(p["linkLayer"] and p["rate"] for p in hca["ports"])
     # HCAs under the same switch as a GPU share its whole path (PIX).
     assert any(
         d["topologyPath"] == hca["topologyPath"] for d in devices.values() if d["kind"] == "gpu"
@@ -86,6 +96,18 @@ def test_the_daemon_publishes_a_valid_record_owned_by_its_node(
         "hcasTotal": 8,
         "unhealthy": 0,
     }
+
+
+def test_a_gpu_whose_compute_capability_nvml_tells_gets_it_and_its_family(
+    tmp_path: Path,
+) -> None:
+    inv = inventory("hgx-h100", tmp_path)
+    gpus = tuple(dataclasses.replace(g, compute_capability=(9, 0)) for g in inv.gpus)
+    found = extender_record(dataclasses.replace(inv, gpus=gpus))
+    devices = schema()["properties"]["status"]["properties"]["devices"]
+    jsonschema.validate(found["status"]["devices"], devices)
+    described = [d for d in found["status"]["devices"] if d["kind"] == "gpu"]
+    assert {(d["computeCapability"], d["family"]) for d in described} == {("9.0", "hopper")}
 
 
 def test_an_allocation_reaches_the_record_within_two_seconds_with_an_event(
