@@ -150,10 +150,7 @@ def run(seed: int, nodes: list[tuple[str, NodeState]], *, extender: bool, events
         outcome = outcomes[chosen]
         assert outcome.free_after is not None
         node = state[chosen]
-        taken = frozenset(
-            (node.free[DeviceKind.GPU] - outcome.free_after[DeviceKind.GPU])
-            | (node.free[DeviceKind.HCA] - outcome.free_after[DeviceKind.HCA])
-        )
+        taken = outcome.taken(node.free)
         state[chosen] = replace(node, free=outcome.free_after)
         live[pod] = (chosen, taken)
         tally.big_placed += big

@@ -78,7 +78,7 @@ def _take(node: Node, shape: Shape, uid: str, priority: int) -> bool:
     outcome = place(node.state, shape, node.allocator)
     if not outcome.fits or outcome.free_after is None:
         return False
-    taken = frozenset().union(*(node.state.free[k] - outcome.free_after[k] for k in DeviceKind))
+    taken = outcome.taken(node.state.free)
     node.state = replace(node.state, free=outcome.free_after)
     node.pods.append(Candidate(uid, priority, taken))
     return True

@@ -90,13 +90,13 @@ def candidates(
     allowed: dict[str, int] = {}
     for uid, held in devices.items():
         pod = live[uid]
-        covering = tuple(
-            f"{b.namespace}/{b.name}" for b in every if b.selects(pod.namespace, pod.labels)
-        )
-        for budget in every:
-            if f"{budget.namespace}/{budget.name}" in covering:
-                allowed[f"{budget.namespace}/{budget.name}"] = budget.allowed
-        found.append(Candidate(uid, pod.priority, frozenset(held), covering, pod.start))
+        covering = {
+            f"{b.namespace}/{b.name}": b.allowed
+            for b in every
+            if b.selects(pod.namespace, pod.labels)
+        }
+        allowed.update(covering)
+        found.append(Candidate(uid, pod.priority, frozenset(held), tuple(covering), pod.start))
     return found, allowed
 
 

@@ -111,6 +111,13 @@ class Outcome:
     fragmentation: int = 0
     free_after: Mapping[DeviceKind, frozenset[str]] | None = None
 
+    def taken(self, free: Mapping[DeviceKind, frozenset[str]]) -> frozenset[str]:
+        """The devices this placement takes from `free` (the node's free
+        devices it was made on); nothing for an outcome that does not fit."""
+        if self.free_after is None:
+            return frozenset()
+        return frozenset().union(*(free[kind] - self.free_after[kind] for kind in DeviceKind))
+
     def key(self) -> tuple[int, int, int]:
         return self.rank_key
 

@@ -54,7 +54,7 @@ def fill(
         outcome = place(state, Shape(((gpus, hcas),), gpus, hcas), allocator)
         assert outcome.fits
         assert outcome.free_after is not None
-        taken = {k: state.free[k] - outcome.free_after[k] for k in DeviceKind}
+        taken = {k: outcome.taken(state.free) & state.topology.id_set(k) for k in DeviceKind}
         state = replace(state, free=outcome.free_after)
         bound = pod(name, [{GPU: gpus, HCA: hcas}])
         bound["spec"]["nodeName"] = node

@@ -38,7 +38,7 @@ def filled(
         outcome = place(node, wanted, allocator)
         if not outcome.fits or outcome.free_after is None:
             continue
-        taken = frozenset().union(*(node.free[k] - outcome.free_after[k] for k in DeviceKind))
+        taken = outcome.taken(node.free)
         holders.append(Candidate(f"p{index}", rng.choice([0, 100, 200]), taken))
         node = replace(node, free=outcome.free_after)
     return node, allocator, holders
@@ -75,7 +75,7 @@ def test_among_as_few_victims_the_lower_priorities_go(tmp_path: Path) -> None:
     for uid, priority in (("high", 200), ("low", 0)):
         outcome = place(node, shape(((1, 1),)), allocator)
         assert outcome.free_after is not None
-        taken = frozenset().union(*(node.free[k] - outcome.free_after[k] for k in DeviceKind))
+        taken = outcome.taken(node.free)
         holders.append(Candidate(uid, priority, taken))
         node = replace(node, free=outcome.free_after)
     # Nothing else free: take every remaining device away.
