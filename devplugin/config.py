@@ -162,6 +162,19 @@ def _dirs(value: Any) -> str | None:
 Api = Literal["device-plugin", "dra"]
 
 
+# How MIG-enabled GPUs are served, with NVIDIA's meaning: `none` serves
+# whole GPUs only; `single` serves every MIG device as the GPU resource
+# (every GPU must be MIG-enabled with one profile); `mixed` serves one
+# resource per profile, `<domain of the GPU resource>/mig-<profile>`, beside
+# whole GPUs that are not MIG-enabled.
+MigStrategy = Literal["none", "single", "mixed"]
+
+
+@dataclass(frozen=True)
+class MigConfig:
+    strategy: MigStrategy = "none"
+
+
 @dataclass(frozen=True)
 class GpuResourceConfig:
     enabled: bool = True
@@ -169,6 +182,7 @@ class GpuResourceConfig:
     name: str = _checked("nvidia.com/gpu", _resource_name)
     hooks: HooksConfig = field(default_factory=HooksConfig)
     device_list_strategy: tuple[Strategy, ...] = _checked(DEFAULT_STRATEGY, _strategies)
+    mig: MigConfig = field(default_factory=MigConfig)
 
 
 @dataclass(frozen=True)
@@ -330,6 +344,10 @@ class KubernetesConfig:
     events: bool = True
     # Publish this node's NodeDevices record (devices, health, holders).
     node_devices: bool = True
+    # Keep devplugin.io/ labels on this node's Node (GPU product, memory,
+    # count, family; HCA count; MIG strategy) for nodeSelectors. Needs the
+    # chart's Node patch right; only keys under devplugin.io/ are touched.
+    node_labels: bool = True
     # At most one record write per this many seconds (changes are batched).
     record_min_interval_seconds: float = _checked(1.0, _positive)
     # Read the record back this often even without a change (a deleted

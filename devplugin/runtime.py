@@ -271,6 +271,7 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
             publisher=lambda desired: cluster.slice_publisher(desired, core.metrics),
         )
     cluster.publish_record(_status_inputs(core, plugins, dra), core)
+    cluster.label_node(lambda: core.pipeline.inventory, core)
     return Daemon(core, plugins=plugins, cluster=cluster, dra=dra, hotplug_monitor=hotplug_monitor)
 
 

@@ -19,6 +19,7 @@ from devplugin.cluster.claims import ApiClaimReader
 from devplugin.cluster.client import Heartbeat, make_client
 from devplugin.cluster.events import EventRecorder
 from devplugin.cluster.lease import LeaseKeeper
+from devplugin.cluster.node_labels import NodeLabeller, inventory_labels
 from devplugin.cluster.pods import PodCache
 from devplugin.cluster.publisher import RecordPublisher
 from devplugin.cluster.record import Registration, build_status
@@ -103,6 +104,7 @@ class ClusterSide:
     events: EventRecorder | None = None
     publisher: RecordPublisher | None = None
     lease: LeaseKeeper | None = None
+    labeller: NodeLabeller | None = None
 
     @classmethod
     def connect(cls, config: Config) -> ClusterSide:
@@ -200,10 +202,31 @@ class ClusterSide:
             duration=kube.lease_duration_seconds,
         )
 
+    def label_node(self, inventory: Callable[[], Inventory], core: NodeCore) -> None:
+        """The devplugin.io/ labels on this node's Node, when the config asks;
+        every judgement (a scan, a hotplug) pokes it."""
+        kube, writer = self.config.kubernetes, self.writer
+        if writer is None or not kube.node_labels:
+            return
+        strategy = self.config.resources.gpu.mig.strategy
+        labeller = NodeLabeller(
+            writer,
+            node_name(self.config),
+            lambda: inventory_labels(inventory(), None if strategy == "none" else strategy),
+        )
+        core.pipeline.on_judged(labeller.poke)
+        self.labeller = labeller
+
     @property
     def loops(self) -> list[Loop]:
         """In start order: the pod watch first, the record's writers after."""
-        found: list[Loop | None] = [self.pods, self.events, self.publisher, self.lease]
+        found: list[Loop | None] = [
+            self.pods,
+            self.events,
+            self.publisher,
+            self.lease,
+            self.labeller,
+        ]
         return [loop for loop in found if loop is not None]
 
     def close(self) -> None:

@@ -4,7 +4,8 @@ It keeps objects in memory and speaks the API's wire format where a client
 can tell: lists carry `metadata.resourceVersion`; `?watch=1` streams one JSON
 event per line (ADDED / MODIFIED / DELETED, and ERROR with a 410 Status when
 the requested resourceVersion was compacted away); writes with a stale
-`metadata.resourceVersion` get 409 Conflict; a `/status` subresource writes
+`metadata.resourceVersion` get 409 Conflict (a merge patch that names one
+too); labels are validated as the API server does (422); a `/status` subresource writes
 only `status`; `fieldSelector=spec.nodeName=X` and `metadata.name=X` filter.
 
 Served resources: pods (namespaced), events (namespaced), nodes (cluster),
@@ -32,6 +33,7 @@ import bisect
 import contextlib
 import copy
 import json
+import re
 import sys
 import threading
 import time
@@ -496,9 +498,18 @@ class ApiServerImitation:
             if method == "PATCH":
                 if "merge-patch" not in headers.get("Content-Type", ""):
                     raise ApiError(415, "UnsupportedMediaType", "only merge patches")
-                merged = _merge_patch(copy.deepcopy(self._existing(key)), obj)
+                existing = self._existing(key)
+                # A resourceVersion in the patch is a precondition
+                # (apiserver endpoints/handlers/patch.go applies the patch,
+                # then updates with the version the patched object names).
+                wanted = (obj.get("metadata") or {}).get("resourceVersion")
+                if wanted and wanted != existing["metadata"]["resourceVersion"]:
+                    raise _conflict(kind, name)
+                merged = _merge_patch(copy.deepcopy(existing), obj)
+                _check_labels(merged)
                 return 200, self._store_locked(kind, key, merged, "MODIFIED")
             meta = obj.setdefault("metadata", {})
+            _check_labels(obj)
             if kind.plural == "resourceslices" and not status:
                 problems = slice_problems(obj)
                 if problems:
@@ -512,13 +523,7 @@ class ApiServerImitation:
             existing = self._existing(key)
             wanted = meta.get("resourceVersion")
             if wanted and wanted != existing["metadata"]["resourceVersion"]:
-                raise ApiError(
-                    409,
-                    "Conflict",
-                    f'Operation cannot be fulfilled on {kind.plural} "{name}": '
-                    "the object has been modified; please apply your changes to the latest "
-                    "version and try again",
-                )
+                raise _conflict(kind, name)
             if status:
                 replaced = copy.deepcopy(existing)
                 replaced["status"] = obj.get("status")
@@ -623,6 +628,47 @@ class _Server(ThreadingHTTPServer):
         # A client that went away (its timeout, a stop) is not the server's error.
         if not isinstance(sys.exc_info()[1], ConnectionError):
             super().handle_error(request, client_address)
+
+
+def _conflict(kind: Kind, name: str | None) -> ApiError:
+    return ApiError(
+        409,
+        "Conflict",
+        f'Operation cannot be fulfilled on {kind.plural} "{name}": '
+        "the object has been modified; please apply your changes to the latest "
+        "version and try again",
+    )
+
+
+# apimachinery pkg/util/validation/validation.go: a qualified name's part
+# and a label value share this pattern; a key's prefix is a DNS subdomain.
+_LABEL_PART = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+def _label_problem(key: str, value: Any) -> str | None:
+    prefix, _, name = key.rpartition("/")
+    if not name or len(name) > 63 or not _LABEL_PART.match(name):
+        return f"metadata.labels: Invalid value: {key!r}: name part must be a qualified name"
+    if prefix and (len(prefix) > 253 or not _SUBDOMAIN.match(prefix)):
+        return f"metadata.labels: Invalid value: {key!r}: prefix must be a DNS subdomain"
+    if not isinstance(value, str) or len(value) > 63 or not _LABEL_PART.match(value):
+        return (
+            f"metadata.labels: Invalid value: {value!r}: a valid label must be 63 "
+            "characters or less, alphanumeric at both ends"
+        )
+    return None
+
+
+def _check_labels(obj: Obj) -> None:
+    """Labels are validated on every write, as the API server does (422)."""
+    labels = (obj.get("metadata") or {}).get("labels") or {}
+    if not isinstance(labels, dict):
+        raise ApiError(422, "Invalid", "metadata.labels must be a map")
+    for key, value in labels.items():
+        problem = _label_problem(str(key), value)
+        if problem is not None:
+            raise ApiError(422, "Invalid", problem)
 
 
 def _merge_patch(target: Any, patch: Any) -> Any:

@@ -101,6 +101,7 @@ CASES: dict[str, dict[str, Any]] = {
             "repository": "mirror.example.com/kube-scheduler", "tag": "v1.33.5"}}},
     },
     "no-node-restriction": {"rbac": {"nodeRestriction": False}},
+    "no-node-labels": {"config": {"kubernetes": {"node_labels": False}}},
     "dra": {
         "config": {"resources": {"gpu": {"api": "dra"}, "hca": {"api": "dra"}},
                    "dra": {"driver": "dra.example.com"}},
@@ -570,7 +571,7 @@ def test_the_daemon_gets_api_access_with_the_least_rights_that_work(
     }
     assert rules == {
         ("", "pods"): ["get", "list", "watch"],
-        ("", "nodes"): ["get"],
+        ("", "nodes"): ["get", "patch"],
         ("", "events"): ["create", "patch"],
         ("devplugin.io", "nodedevices"): sorted(
             ["get", "list", "watch", "create", "update", "patch"]
@@ -607,6 +608,16 @@ def test_the_daemon_gets_api_access_with_the_least_rights_that_work(
     assert crd["spec"] == shipped["spec"]
     config = yaml.safe_load(objs["ConfigMap"]["data"]["config.yaml"])
     assert config["kubernetes"]["enabled"] is True
+
+
+def test_without_node_labels_the_daemon_may_only_read_its_node(
+    installs: dict[str, dict[str, Any]],
+) -> None:
+    objs = objects(installs, "no-node-labels")
+    (nodes,) = [rule for rule in objs["ClusterRole"]["rules"] if rule["resources"] == ["nodes"]]
+    assert nodes["verbs"] == ["get"]
+    config = yaml.safe_load(objs["ConfigMap"]["data"]["config.yaml"])
+    assert config["kubernetes"]["node_labels"] is False
 
 
 def test_an_existing_service_account_without_rbac(installs: dict[str, dict[str, Any]]) -> None:
@@ -819,6 +830,80 @@ def test_the_policy_refuses_another_nodes_record_and_admits_the_nodes_own(
     # Nor are the daemon's other writes (Events on pods).
     event = {"metadata": {"name": "x", "namespace": "default"}}
     assert not judge(policy, _request(node_a, "CREATE", "", "events"), event).applies
+
+
+def _node(name: str, labels: dict[str, str], **spec: Any) -> dict[str, Any]:
+    metadata = {
+        "name": name,
+        "labels": labels,
+        "annotations": {"node.alpha.kubernetes.io/ttl": "0"},
+    }
+    return {"apiVersion": "v1", "kind": "Node", "metadata": metadata, "spec": spec}
+
+
+def test_the_policy_lets_a_daemon_change_only_devplugin_labels_on_its_own_node(
+    installs: dict[str, dict[str, Any]],
+) -> None:
+    from tests.admission_policy import judge
+
+    objs = {(o["kind"], o["metadata"]["name"]): o for o in installs["defaults"]["objects"]}
+    policy = objs[("ValidatingAdmissionPolicy", POLICY_NAME)]
+    node_a = _daemon_user(objects(installs, "defaults"), "node-a")
+    patch = _request(node_a, "UPDATE", "", "nodes")
+    base = {"kubernetes.io/hostname": "node-a", "devplugin.io/gpu.count": "4"}
+    old = _node("node-a", base, podCIDR="10.0.0.0/24")
+
+    def verdict(new: dict[str, Any], before: dict[str, Any] = old) -> Any:
+        return judge(policy, patch, new, before)
+
+    # Its own labels: set, changed, removed, and the first ever on a bare Node.
+    mine = dict(base, **{"devplugin.io/gpu.count": "8", "devplugin.io/gpu.product": "A100"})
+    assert verdict(_node("node-a", mine, podCIDR="10.0.0.0/24")).allowed
+    gone = {"kubernetes.io/hostname": "node-a"}
+    assert verdict(_node("node-a", gone, podCIDR="10.0.0.0/24")).allowed
+    bare = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-a"}}
+    first = dict(bare, metadata={"name": "node-a", "labels": {"devplugin.io/gpu.count": "8"}})
+    assert verdict(first, bare).allowed
+
+    refused = {
+        "another node": (_node("node-b", mine, podCIDR="10.0.0.0/24"), "only its own Node"),
+        "a foreign label changed": (
+            _node("node-a", dict(base, **{"kubernetes.io/hostname": "x"}), podCIDR="10.0.0.0/24"),
+            "only labels under devplugin.io/",
+        ),
+        "a foreign label added": (
+            _node(
+                "node-a", dict(base, **{"nvidia.com/gpu.product": "A100"}), podCIDR="10.0.0.0/24"
+            ),
+            "only labels under devplugin.io/",
+        ),
+        "a foreign label removed": (
+            _node("node-a", {"devplugin.io/gpu.count": "4"}, podCIDR="10.0.0.0/24"),
+            "only labels under devplugin.io/",
+        ),
+        "a taint": (
+            _node(
+                "node-a", base, podCIDR="10.0.0.0/24", taints=[{"key": "x", "effect": "NoSchedule"}]
+            ),
+            "not its spec",
+        ),
+        "cordoned": (
+            _node("node-a", base, podCIDR="10.0.0.0/24", unschedulable=True),
+            "not its spec",
+        ),
+    }
+    for case, (new, why) in refused.items():
+        found = verdict(new)
+        assert found.applies, case
+        assert not found.allowed, case
+        assert why in found.message, (case, found.message)
+    annotated = _node("node-a", base, podCIDR="10.0.0.0/24")
+    annotated["metadata"]["annotations"]["x"] = "y"
+    assert not verdict(annotated).allowed
+    # The kubelet and everyone else are not this policy's business.
+    kubelet = {"username": "system:node:node-a", "extra": {}}
+    tainted = _node("node-a", {}, taints=[{"key": "x", "effect": "NoSchedule"}])
+    assert not judge(policy, _request(kubelet, "UPDATE", "", "nodes"), tainted, old).applies
 
 
 def test_the_second_schedulers_image_follows_the_cluster(

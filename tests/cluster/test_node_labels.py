@@ -1,0 +1,140 @@
+"""The devplugin.io/ labels the real daemon keeps on its own Node, written
+over HTTP to the API server imitation: what they say, that nothing else on
+the Node is touched, and that they follow the devices."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from lightkube import ApiError
+
+from devplugin.cluster.client import make_client
+from devplugin.cluster.node_labels import NodeLabeller
+from devplugin.config import KubernetesConfig
+from devplugin.testing.apiserver import ApiServerImitation
+from devplugin.testing.node import hgx_node, replug, unplug_hca
+from tests.conftest import Cluster
+from tests.waiting import wait_until
+
+Start = Callable[..., Cluster]
+FOREIGN = {
+    "kubernetes.io/hostname": "node-1",
+    "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",  # GPU Feature Discovery's
+    "devplugin.io/node-pool": "left-over",  # ours once, no device calls for it now
+}
+
+
+def labels(api: ApiServerImitation, name: str = "node-1") -> dict[str, str]:
+    found = api.get("nodes", name) or {}
+    return dict(found.get("metadata", {}).get("labels") or {})
+
+
+def ours(api: ApiServerImitation, name: str = "node-1") -> dict[str, str]:
+    return {k: v for k, v in labels(api, name).items() if k.startswith("devplugin.io/")}
+
+
+def test_the_daemon_labels_its_node_by_its_devices_and_leaves_other_labels(
+    start_cluster: Start, api: ApiServerImitation
+) -> None:
+    api.put("nodes", {"metadata": {"name": "node-1", "labels": dict(FOREIGN)}})
+    start_cluster(hgx_node(), api=api)
+    wanted = {
+        "devplugin.io/gpu.product": "NVIDIA-H100-80GB-HBM3",
+        "devplugin.io/gpu.count": "8",
+        "devplugin.io/gpu.memory": "81559",
+        "devplugin.io/hca.count": "8",
+    }
+    assert wait_until(lambda: ours(api) == wanted, timeout=10), ours(api)
+    found = labels(api)
+    assert found["kubernetes.io/hostname"] == "node-1"
+    assert found["nvidia.com/gpu.product"] == "NVIDIA-H100-80GB-HBM3"
+
+
+def test_a_label_follows_its_devices_away_and_back_at_the_rescan(
+    start_cluster: Start, api: ApiServerImitation, tmp_path: Path
+) -> None:
+    api.put("nodes", {"metadata": {"name": "node-1"}})
+    cluster = start_cluster(hgx_node(), api=api)
+    assert wait_until(lambda: ours(api).get("devplugin.io/hca.count") == "8", timeout=10)
+    stashed = [unplug_hca(cluster.node, f"mlx5_{i}", tmp_path / f"stash{i}") for i in range(8)]
+    cluster.daemon.rescan()
+    assert wait_until(lambda: "devplugin.io/hca.count" not in ours(api), timeout=5), ours(api)
+    assert ours(api)["devplugin.io/gpu.count"] == "8"
+    replug(stashed[0])
+    cluster.daemon.rescan()
+    assert wait_until(lambda: ours(api).get("devplugin.io/hca.count") == "1", timeout=5)
+
+
+def _labeller(api: ApiServerImitation, tmp_path: Path, wanted: dict[str, str]) -> NodeLabeller:
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump(api.kubeconfig()))
+    client = make_client(KubernetesConfig(enabled=True, kubeconfig=str(kubeconfig)))
+    assert client is not None
+    return NodeLabeller(client, "node-1", lambda: wanted, resync=3600.0)
+
+
+def test_a_label_changed_between_read_and_patch_is_read_again_not_overwritten(
+    api: ApiServerImitation, tmp_path: Path
+) -> None:
+    api.put("nodes", {"metadata": {"name": "node-1", "labels": {"team": "a"}}})
+    labeller = _labeller(api, tmp_path, {"devplugin.io/gpu.count": "8"})
+    real_get = labeller._client.get
+    raced = threading.Event()
+
+    def get_then_someone_writes(*args: Any, **kwargs: Any) -> Any:
+        found = real_get(*args, **kwargs)
+        if not raced.is_set():
+            raced.set()
+            changed = {"team": "b", "devplugin.io/stale": "x"}
+            api.put("nodes", {"metadata": {"name": "node-1", "labels": changed}})
+        return found
+
+    labeller._client.get = get_then_someone_writes  # type: ignore[method-assign]
+    assert labeller.sync_once()
+    # The first patch named the old version and was refused; the second was
+    # built from the Node as the other writer left it.
+    assert labels(api) == {"team": "b", "devplugin.io/gpu.count": "8"}
+    assert labeller.patches == 1
+
+
+def test_only_changes_cost_requests_and_a_resync_puts_back_a_removed_label(
+    api: ApiServerImitation, tmp_path: Path
+) -> None:
+    api.put("nodes", {"metadata": {"name": "node-1"}})
+    labeller = _labeller(api, tmp_path, {"devplugin.io/gpu.count": "8"})
+    assert labeller.sync_once()
+    before = len(api.requests)
+    for _ in range(20):
+        assert not labeller.sync_once()
+    assert len(api.requests) == before
+    api.put("nodes", {"metadata": {"name": "node-1", "labels": {}}})
+    labeller._resync = 0.0
+    assert labeller.sync_once()
+    assert ours(api) == {"devplugin.io/gpu.count": "8"}
+
+
+def test_a_missing_node_fails_the_step_and_labels_land_once_it_exists(
+    api: ApiServerImitation, tmp_path: Path
+) -> None:
+    labeller = _labeller(api, tmp_path, {"devplugin.io/gpu.count": "8"})
+    with pytest.raises(ApiError):
+        labeller.sync_once()
+    api.put("nodes", {"metadata": {"name": "node-1"}})
+    assert labeller.sync_once()
+    assert ours(api) == {"devplugin.io/gpu.count": "8"}
+
+
+def test_the_api_server_imitation_refuses_an_invalid_label_value(
+    api: ApiServerImitation, tmp_path: Path
+) -> None:
+    api.put("nodes", {"metadata": {"name": "node-1"}})
+    labeller = _labeller(api, tmp_path, {"devplugin.io/gpu.product": "-bad value-"})
+    with pytest.raises(ApiError) as refused:
+        labeller.sync_once()
+    assert refused.value.status.code == 422
+    assert ours(api) == {}
