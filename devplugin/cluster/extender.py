@@ -77,6 +77,12 @@ from devplugin.cluster.views import Layouts, NodeViews, parse_record
 from devplugin.cluster.watch import Incomplete, WatchCache, WatchTiming
 from devplugin.config import KubernetesConfig
 from devplugin.policy.dra_predict import Prediction
+from devplugin.policy.labels import (
+    EXCLUDE_ANNOTATION,
+    PRODUCT_ANNOTATION,
+    product_choice,
+    product_refusal,
+)
 from devplugin.policy.placement import (
     Holding,
     ParsedRecord,
@@ -262,12 +268,18 @@ class Extender:
     def filter(self, args: Mapping[str, Any]) -> dict[str, Any]:
         pod, names, nodes = self._args(args)
         shape, requirement = self._pod(pod)
+        # A GPU model no eviction changes: those nodes are unresolvable.
+        unresolvable = self._model_refusals(pod, names)
+        if unresolvable:
+            names = [name for name in names if name not in unresolvable]
         if not shape.wants_devices:
-            return _filter_result(list(names), {}, {}, nodes)
+            return _filter_result(list(names), {}, unresolvable, nodes)
         found = self._resource_answers(pod, shape, requirement, names)
         passing = [name for name in names if found[name][0] == PASS]
         failed = {name: entry[1] for name in names if (entry := found[name])[0] == FAILED}
-        unresolvable = {name: entry[1] for name in names if (entry := found[name])[0] == NEVER}
+        unresolvable.update(
+            (name, entry[1]) for name in names if (entry := found[name])[0] == NEVER
+        )
         return _filter_result(passing, failed, unresolvable, nodes)
 
     def prioritize(self, args: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -282,11 +294,14 @@ class Extender:
     def claims_filter(self, args: Mapping[str, Any]) -> dict[str, Any]:
         """Filter for pods with ResourceClaims: a node passes unless the
         allocator's walk there finds nothing for the pod's claims."""
-        _, names, nodes = self._args(args)
+        pod, names, nodes = self._args(args)
+        unresolvable = self._model_refusals(pod, names)
+        if unresolvable:
+            names = [name for name in names if name not in unresolvable]
         found = self._claim_answers(args, names)
         failed = {name: CLAIMS_REFUSED for name in names if found.get(name, UNTOLD)[0] == FAILED}
         passing = [name for name in names if name not in failed]
-        return _filter_result(passing, failed, {}, nodes)
+        return _filter_result(passing, failed, unresolvable, nodes)
 
     def claims_prioritize(self, args: Mapping[str, Any]) -> list[dict[str, Any]]:
         """Scores for pods with ResourceClaims: by the worst pair, then the
@@ -311,7 +326,10 @@ class Extender:
         budgets = self.budgets.items().values() if self.budgets is not None else ()
         evictions: dict[str, Eviction] = {}
         untold: dict[str, tuple[list[str], int]] = {}
+        refused = self._model_refusals(pod, list(proposed))
         for node in proposed:
+            if node in refused:
+                continue  # no eviction gives it the GPU model the pod chose
             record = fresh(node)
             state = self.views.state(record.parsed, record) if record is not None else None
             if state is None:
@@ -472,6 +490,34 @@ class Extender:
         except ValueError as exc:
             raise BadRequest(f"Pod annotations: {exc}") from exc
         return shape, requirement
+
+    def _model_refusals(self, pod: PodInfo, names: Sequence[str]) -> dict[str, str]:
+        """The nodes whose GPU models the pod's devplugin.io/gpu-product(-exclude)
+        annotations rule out, with why; a node without a live record cannot
+        show what it has, so a pod that chose fails there too."""
+        try:
+            choice = product_choice(pod.annotations)
+        except ValueError as exc:
+            raise BadRequest(f"Pod annotations: {exc}") from exc
+        if choice.empty:
+            return {}
+        fresh = self._freshness()
+        which = PRODUCT_ANNOTATION if choice.include else EXCLUDE_ANNOTATION
+        unknown = f"{which}: no live NodeDevices record says which GPUs the node has"
+        judged: dict[tuple[str, ...], str | None] = {}
+        refused: dict[str, str] = {}
+        for name in names:
+            record = fresh(name)
+            if record is None:
+                refused[name] = unknown
+                continue
+            products = record.parsed.products
+            if products not in judged:
+                judged[products] = product_refusal(choice, products)
+            reason = judged[products]
+            if reason is not None:
+                refused[name] = reason
+        return refused
 
     def _freshness(self, until: dict[str, float] | None = None) -> Callable[[str], Record | None]:
         """Per node, its record while its daemon is alive: its Lease renewed

@@ -83,3 +83,76 @@ def label_patch(current: Mapping[str, str], wanted: Mapping[str, str]) -> dict[s
         if key.startswith(PREFIX) and key not in wanted:
             patch[key] = None
     return patch
+
+
+# -- a pod's choice of GPU model (the extender's filter) ----------------------------
+
+PRODUCT_ANNOTATION = f"{PREFIX}gpu-product"
+EXCLUDE_ANNOTATION = f"{PREFIX}gpu-product-exclude"
+# Entries one annotation may list, and characters one entry may have.
+MAX_ENTRIES = 16
+MAX_ENTRY = MAX_VALUE
+
+
+@dataclass(frozen=True)
+class ProductChoice:
+    """What a pod's annotations ask of a node's GPU models: entries spelled
+    as the labels are (sanitised), lower-cased, compared as substrings."""
+
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not self.include and not self.exclude
+
+
+def _entries(annotations: Mapping[str, str], key: str) -> tuple[str, ...]:
+    raw = annotations.get(key)
+    if raw is None:
+        return ()
+    entries = [sanitise(part.strip()).lower() for part in raw.split(",")]
+    found = tuple(entry for entry in entries if entry)
+    if not found:
+        raise ValueError(f"{key} names no product")
+    if len(found) > MAX_ENTRIES:
+        raise ValueError(f"{key} lists {len(found)} products; at most {MAX_ENTRIES}")
+    return found
+
+
+def product_choice(annotations: Mapping[str, str]) -> ProductChoice:
+    """The pod's choice; ValueError for an annotation that names nothing or
+    too much (the entry a pod wrote, not what a node has, is at fault)."""
+    return ProductChoice(
+        _entries(annotations, PRODUCT_ANNOTATION), _entries(annotations, EXCLUDE_ANNOTATION)
+    )
+
+
+def product_refusal(choice: ProductChoice, products: Sequence[str]) -> str | None:
+    """Why a node whose GPUs have these products cannot meet the choice, or
+    None when it can. A node passes the include list only when every GPU
+    matches an entry, and the exclude list only when none matches one: a
+    node's daemon cannot keep a pod to some of its GPUs, so a node with a
+    mix passes only where every GPU would do. A GPU whose product the record
+    does not name cannot be shown to match, so it fails both."""
+    if choice.empty:
+        return None
+    names = [sanitise(product) for product in products]
+    if not names:
+        which = PRODUCT_ANNOTATION if choice.include else EXCLUDE_ANNOTATION
+        return f"{which}: the node has no GPU"
+    if any(not name for name in names):
+        which = PRODUCT_ANNOTATION if choice.include else EXCLUDE_ANNOTATION
+        return f"{which}: the node's record does not name its GPU models"
+    shown = ", ".join(sorted(set(names)))[: MAX_VALUE * 2]
+    if choice.include:
+        missing = [n for n in names if not any(e in n.lower() for e in choice.include)]
+        if missing:
+            return (
+                f"{PRODUCT_ANNOTATION}: the node's GPUs are {shown}, "
+                f"not {' or '.join(choice.include)}"
+            )
+    hit = [n for n in names if any(e in n.lower() for e in choice.exclude)]
+    if hit:
+        return f"{EXCLUDE_ANNOTATION}: the node's GPUs are {shown}, excluded by the pod"
+    return None

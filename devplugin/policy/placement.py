@@ -189,6 +189,9 @@ class ParsedRecord:
     healthy: Mapping[DeviceKind, frozenset[str]]
     holdings: tuple[Holding, ...]
     total: Mapping[DeviceKind, int]
+    # Each GPU's product as the record names it ("" where it does not): what
+    # a pod's choice of model is judged against.
+    products: tuple[str, ...] = ()
 
     def node(self, topology: Topology) -> NodeState:
         return NodeState(
@@ -332,6 +335,7 @@ def parse_record(record: Mapping[str, Any], *, canonical: bool = False) -> Parse
     allocations = _field(status, "allocations", list, "status", [])
     gpus: list[GpuInfo] = []
     hcas: list[HcaInfo] = []
+    products: list[str] = []
     layout: list[tuple[Any, ...]] = []
     healthy: dict[DeviceKind, set[str]] = {kind: set() for kind in DeviceKind}
     # (GPU id, peer id) -> links, as the record says them (before renaming).
@@ -359,6 +363,7 @@ def parse_record(record: Mapping[str, Any], *, canonical: bool = False) -> Parse
             device_id = named.get(device_id, device_id)
             layout.append((device_id, str(address), tuple(path), numa, tuple(peers)))
             gpus.append(_gpu(index_of[entry["id"]], device_id, address, function, peers))
+            products.append(_field(entry, "product", str, where, ""))
             kind_value = DeviceKind.GPU
         elif kind == "hca":
             if device_id != str(address):
@@ -388,6 +393,7 @@ def parse_record(record: Mapping[str, Any], *, canonical: bool = False) -> Parse
         healthy={kind: frozenset(ids) for kind, ids in healthy.items()},
         holdings=tuple(holdings),
         total={DeviceKind.GPU: len(gpus), DeviceKind.HCA: len(hcas)},
+        products=tuple(products),
     )
 
 

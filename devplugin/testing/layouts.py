@@ -15,11 +15,16 @@ def _cpus(numa: int, per_node: int = 32) -> str:
     return f"{numa * per_node}-{numa * per_node + per_node - 1}"
 
 
+def a100() -> Gpu:
+    return Gpu(name="NVIDIA A100-SXM4-80GB", memory_mib=81920, compute=(8, 0))
+
+
 def dgx_a100() -> NodeSpec:
     """Four switch complexes, each a top switch over two switches of one GPU
-    and one HCA (two GPUs + two HCAs per complex), NV12 between all GPUs."""
+    and one HCA (two GPUs + two HCAs per complex), NV12 between all GPUs;
+    A100s, where every other layout has H100s."""
     roots = [
-        RootComplex(numa, _cpus(numa), [Switch([Switch([Gpu(), Hca()]), Switch([Gpu(), Hca()])])])
+        RootComplex(numa, _cpus(numa), [Switch([Switch([a100(), Hca()]), Switch([a100(), Hca()])])])
         for numa in (0, 0, 1, 1)
     ]
     return NodeSpec(roots=roots, nvlink_all_to_all=12)

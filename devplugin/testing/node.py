@@ -51,6 +51,8 @@ class Port:
 class Gpu:
     name: str = "NVIDIA H100 80GB HBM3"
     memory_mib: int = 81559
+    # The CUDA compute capability NVML reports (None: it answers Not Supported).
+    compute: tuple[int, int] | None = None
     # Omitted sysfs attributes (to simulate older kernels / odd platforms).
     omit: tuple[str, ...] = ()
     dev_node: bool = True
@@ -269,6 +271,8 @@ class _Builder:
                 "memory_total_mib": spec.memory_mib,
             }
         )
+        if spec.compute is not None:
+            self.fixture_gpus[-1]["cuda_compute_capability"] = list(spec.compute)
 
     def hca(self, parent: PciNode, address: PciAddress, spec: Hca) -> None:
         index = len(self.hcas)

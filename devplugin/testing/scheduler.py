@@ -43,3 +43,48 @@ def choose_node(url: str, pod: Mapping[str, Any], fits: Sequence[str]) -> str | 
     ranked = call_extender(url, "prioritize", {"Pod": pod, "NodeNames": passing})
     top = max(entry["Score"] for entry in ranked)
     return str(next(entry["Host"] for entry in ranked if entry["Score"] == top))
+
+
+def selector_fits(pod: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
+    """Whether a node with these labels passes the pod's spec.nodeSelector and
+    required node affinity, as the NodeAffinity filter judges them
+    (k8s.io/component-helpers/scheduling/corev1/nodeaffinity/nodeaffinity.go:
+    every nodeSelector pair must hold; the affinity's terms are ORed, the
+    expressions of a term ANDed, a term with no expressions matches nothing)."""
+    spec = pod.get("spec") or {}
+    for key, value in (spec.get("nodeSelector") or {}).items():
+        if labels.get(key) != value:
+            return False
+    required = ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ) or {}
+    terms = required.get("nodeSelectorTerms")
+    if terms is None:
+        return True
+    return any(_term_fits(term, labels) for term in terms)
+
+
+def _term_fits(term: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
+    expressions = term.get("matchExpressions") or []
+    return bool(expressions) and all(_expression_fits(e, labels) for e in expressions)
+
+
+def _expression_fits(expression: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
+    key, operator = expression["key"], expression["operator"]
+    values = list(expression.get("values") or [])
+    present = key in labels
+    if operator == "In":
+        return present and labels[key] in values
+    if operator == "NotIn":
+        return not present or labels[key] not in values
+    if operator == "Exists":
+        return present
+    if operator == "DoesNotExist":
+        return not present
+    if operator in ("Gt", "Lt"):
+        try:
+            have, bound = int(labels[key]), int(values[0])
+        except (KeyError, IndexError, ValueError):
+            return False
+        return have > bound if operator == "Gt" else have < bound
+    raise ValueError(f"unknown node selector operator {operator!r}")

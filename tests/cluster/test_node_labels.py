@@ -138,3 +138,35 @@ def test_the_api_server_imitation_refuses_an_invalid_label_value(
         labeller.sync_once()
     assert refused.value.status.code == 422
     assert ours(api) == {}
+
+
+def test_a_node_selector_on_the_labels_picks_the_model_the_daemons_labelled(
+    start_cluster: Start, api: ApiServerImitation
+) -> None:
+    from devplugin.testing.layouts import dgx_a100
+    from devplugin.testing.scheduler import selector_fits
+
+    for name in ("h100-node", "a100-node"):
+        api.put("nodes", {"metadata": {"name": name}})
+    start_cluster(hgx_node(), api=api, node_name="h100-node")
+    start_cluster(dgx_a100(), api=api, node_name="a100-node")
+    assert wait_until(lambda: "devplugin.io/gpu.family" in ours(api, "a100-node"), timeout=10)
+    assert wait_until(lambda: "devplugin.io/gpu.count" in ours(api, "h100-node"), timeout=10)
+    assert ours(api, "a100-node")["devplugin.io/gpu.family"] == "ampere"
+    selector = {"spec": {"nodeSelector": {"devplugin.io/gpu.product": "NVIDIA-A100-SXM4-80GB"}}}
+    affinity = {"spec": {"affinity": {"nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [
+                {"key": "devplugin.io/gpu.family", "operator": "NotIn", "values": ["ampere"]},
+                {"key": "devplugin.io/gpu.memory", "operator": "Gt", "values": ["40000"]},
+            ]},
+        ]},
+    }}}}  # fmt: skip
+    fits = {
+        name: (
+            selector_fits(selector, labels(api, name)),
+            selector_fits(affinity, labels(api, name)),
+        )
+        for name in ("h100-node", "a100-node")
+    }
+    assert fits == {"h100-node": (False, True), "a100-node": (True, False)}
