@@ -235,6 +235,7 @@ def _scan(config: Config) -> Any:
     discoverer = Discoverer(
         Roots(Path(config.paths.sysfs_root), Path(config.paths.dev_root)),
         NvmlGpuSource(lib) if lib is not None else None,
+        mig_strategy=config.resources.gpu.mig.strategy,
     )
     try:
         return discoverer.scan()

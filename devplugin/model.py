@@ -173,6 +173,30 @@ class CdiCatalog:
 
 
 @dataclass(frozen=True)
+class MigDevice:
+    """One MIG device (a GPU instance with a compute instance) as NVML lists it."""
+
+    uuid: str
+    # Its MIG device index on the parent (nvmlDeviceGetMigDeviceHandleByIndex).
+    index: int
+    gpu_instance: int
+    compute_instance: int
+    # NVIDIA's profile name, e.g. "1g.10gb" or "1c.3g.40gb".
+    profile: str
+    memory_mib: int
+    multiprocessors: int
+
+
+@dataclass(frozen=True)
+class MigSlice:
+    """Set on a served GPU entry that is a MIG device of a physical GPU."""
+
+    parent_uuid: str
+    parent_index: int
+    device: MigDevice
+
+
+@dataclass(frozen=True)
 class GpuInfo:
     """One GPU as NVML reports it, joined to its PCI function when known."""
 
@@ -190,6 +214,18 @@ class GpuInfo:
     error: str | None = None
     # CUDA compute capability (major, minor); None where NVML cannot tell.
     compute_capability: tuple[int, int] | None = None
+    # MIG: whether the GPU can be cut, whether it is, and its MIG devices.
+    mig_capable: bool = False
+    mig_enabled: bool = False
+    mig_devices: tuple[MigDevice, ...] = ()
+    # Set when this entry is one MIG device served in its parent's place.
+    slice: MigSlice | None = None
+
+    @property
+    def physical_uuid(self) -> str:
+        """The UUID of the GPU itself (a slice's parent): what NVML events,
+        handles for faults and the device node belong to."""
+        return self.slice.parent_uuid if self.slice is not None else self.uuid
 
     @property
     def numa_node(self) -> int | None:

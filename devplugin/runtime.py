@@ -23,7 +23,7 @@ from typing import Any
 
 from devplugin.cluster.assembly import ClusterSide, StatusInputs
 from devplugin.cluster.pods import PodCache
-from devplugin.config import Config
+from devplugin.config import Config, ConfigError
 from devplugin.frontends.deviceplugin.frontend import DevicePluginFrontend
 from devplugin.frontends.deviceplugin.kubelet import Registrar
 from devplugin.frontends.deviceplugin.server import DevicePluginServicer, PluginServer
@@ -35,6 +35,7 @@ from devplugin.node.core import NodeCore, build_core
 from devplugin.node.discovery.udev import HotplugWatcher
 from devplugin.node.status import StatusServer
 from devplugin.policy.allocator import native_fold_available
+from devplugin.policy.mig import mig_problem, profiles_of
 
 log = logging.getLogger(__name__)
 
@@ -254,6 +255,12 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
     """Wire one node's daemon from its configuration (nothing starts here)."""
     cluster = ClusterSide.connect(config)
     core = build_core(config, nvml_lib, witness=cluster.witness)
+    try:
+        profiles = _mig_profiles(config, core)
+    except ConfigError:
+        core.discoverer.close()
+        cluster.close()
+        raise
     cluster.attach(core)
     awareness = cluster.awareness
     plugins = DevicePluginFrontend.build(
@@ -261,6 +268,7 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
         core,
         partners=awareness,
         identify=awareness.holder_of if awareness is not None else None,
+        profiles=profiles,
     )
     dra = None
     if core.dra_kinds:
@@ -273,6 +281,30 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
     cluster.publish_record(_status_inputs(core, plugins, dra), core)
     cluster.label_node(lambda: core.pipeline.inventory, core)
     return Daemon(core, plugins=plugins, cluster=cluster, dra=dra, hotplug_monitor=hotplug_monitor)
+
+
+def _mig_profiles(config: Config, core: NodeCore) -> list[str]:
+    """With a MIG strategy: look at the GPUs once before serving. A strategy
+    they cannot serve (no MIG-capable GPU; single over whole GPUs or mixed
+    profiles) is a configuration error; the profiles found are what the
+    mixed strategy serves."""
+    strategy = config.resources.gpu.mig.strategy
+    if strategy == "none" or not config.resources.gpu.enabled:
+        return []
+    inventory = core.discoverer.scan(full=True)
+    if not inventory.nvml.ok:
+        # NVML not up yet (a driver container still loading): nothing can be
+        # judged; the GPUs are served once it answers, none of them whole.
+        error = inventory.nvml.error
+        log.warning("MIG strategy %s: NVML not available at start (%s)", strategy, error)
+        return []
+    problem = mig_problem(inventory.gpus, strategy)
+    if problem is not None:
+        raise ConfigError("resources.gpu.mig.strategy", problem)
+    found = profiles_of(inventory.gpus)
+    listed = ", ".join(f"{n} x {p}" for p, n in sorted(found.items()))
+    log.info("MIG strategy %s: %s", strategy, listed or "no MIG devices")
+    return sorted(found)
 
 
 def _status_inputs(

@@ -187,6 +187,7 @@ def _discoverer(config: Config, gpu_lib: object | None) -> Discoverer:
         NvmlGpuSource(gpu_lib, deadlines) if gpu_lib is not None else None,
         deadlines,
         cdi=CdiReader(config.cdi.spec_dirs) if reads_cdi else None,
+        mig_strategy=gpu.mig.strategy,
     )
 
 

@@ -19,6 +19,7 @@ HCA resource (default `rdma/hca`)
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -143,6 +144,16 @@ class ResourceState:
 
     def healthy_ids(self) -> frozenset[str]:
         return frozenset(d.id for d in self.devices if d.health is Health.HEALTHY)
+
+    def only(self, ids: Collection[str]) -> ResourceState:
+        """The part of this state that serves these device ids (the mixed MIG
+        strategy serves one kind's devices through several resources)."""
+        return dataclasses.replace(
+            self,
+            devices=tuple(d for d in self.devices if d.id in ids),
+            allocations={k: v for k, v in self.allocations.items() if k in ids},
+            names={k: v for k, v in self.names.items() if k in ids},
+        )
 
     def device(self, device_id: str) -> PluginDevice | None:
         for device in self.devices:
@@ -316,7 +327,12 @@ class GpuResource(Exclusive):
         return self.delivery.answer(_merge(state, ids), ids, envs={GPU_VISIBLE_ENV: ",".join(ids)})
 
     def cdi_name(self, gpu: GpuInfo) -> str:
-        return str(gpu.index) if self.delivery.gpu_names == "index" else gpu.uuid
+        if self.delivery.gpu_names != "index":
+            return gpu.uuid
+        # NVIDIA's toolkit names a MIG device <GPU index>:<MIG device index>.
+        if gpu.slice is not None:
+            return f"{gpu.slice.parent_index}:{gpu.slice.device.index}"
+        return str(gpu.index)
 
     def _problem(self, gpu: GpuInfo, catalog: CdiCatalog | None) -> str:
         if gpu.error:

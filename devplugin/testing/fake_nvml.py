@@ -24,6 +24,19 @@ Fixture format (exactly these keys, all required)::
 A GPU's index is its position in `gpus`; `nvlink_peers` maps a peer's index
 (as a string, JSON keys being strings) to the number of NVLinks between the
 two. The links must be listed symmetrically on both GPUs.
+
+Optional per GPU: `cuda_compute_capability` ([major, minor]; without it NVML
+answers Not Supported) and `mig`, which makes the GPU MIG-capable::
+
+    "mig": {"enabled": true, "devices": [
+      {"uuid": "MIG-...", "gpu_instance": 1, "compute_instance": 0,
+       "gpu_slices": 1, "compute_slices": 1, "memory_mib": 9856,
+       "multiprocessors": 16}
+    ]}
+
+A GPU without `mig` answers Not Supported to the MIG calls; one with MIG
+disabled has no MIG devices. Tests reconfigure a GPU's MIG layout while a
+daemon runs (`set_mig`), as an operator's MIG manager would.
 """
 
 from __future__ import annotations
@@ -78,7 +91,23 @@ _GPU_KEYS = frozenset(
     {"uuid", "name", "pci_bus_id", "minor_number", "memory_total_mib", "nvlink_peers"}
 )
 # Optional per GPU: [major, minor]; without it NVML answers NOT_SUPPORTED.
-_OPTIONAL_GPU_KEYS = frozenset({"cuda_compute_capability"})
+_OPTIONAL_GPU_KEYS = frozenset({"cuda_compute_capability", "mig"})
+_MIG_KEYS = frozenset({"enabled", "devices"})
+_MIG_DEVICE_KEYS = frozenset(
+    {
+        "uuid",
+        "gpu_instance",
+        "compute_instance",
+        "gpu_slices",
+        "compute_slices",
+        "memory_mib",
+        "multiprocessors",
+    }
+)
+# An A100 or H100 has at most seven MIG devices.
+MAX_MIG_DEVICES = 7
+# NVML's "no instance" id in an event's gpuInstanceId / computeInstanceId.
+NO_INSTANCE = 0xFFFFFFFF
 
 
 class NVMLError(Exception):
@@ -105,6 +134,24 @@ class FixtureGpu:
     memory_total_mib: int
     nvlink_peers: Mapping[int, int]
     cuda_compute_capability: tuple[int, int] | None = None
+    mig: FixtureMig | None = None
+
+
+@dataclass(frozen=True)
+class FixtureMigDevice:
+    uuid: str
+    gpu_instance: int
+    compute_instance: int
+    gpu_slices: int
+    compute_slices: int
+    memory_mib: int
+    multiprocessors: int
+
+
+@dataclass(frozen=True)
+class FixtureMig:
+    enabled: bool
+    devices: tuple[FixtureMigDevice, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -192,8 +239,10 @@ def parse_fixture(data: object, source: str = "fixture") -> Fixture:
                 f"{where}.cuda_compute_capability",
                 "must be [major, minor], integers >= 0",
             )
+        mig = _parse_mig(raw.get("mig"), f"{where}.mig", seen_uuids)
         gpus.append(
             FixtureGpu(
+                mig=mig,
                 uuid=raw["uuid"],
                 name=raw["name"],
                 pci_bus_id=raw["pci_bus_id"],
@@ -216,6 +265,37 @@ def parse_fixture(data: object, source: str = "fixture") -> Fixture:
         cuda_driver_version=data["cuda_driver_version"],
         gpus=tuple(gpus),
     )
+
+
+def _parse_mig(raw: object, where: str, seen_uuids: set[str]) -> FixtureMig | None:
+    if raw is None:
+        return None
+    _require(isinstance(raw, dict), where, "must be an object")
+    assert isinstance(raw, dict)
+    unknown = sorted(set(raw) - _MIG_KEYS)
+    _require(not unknown, f"{where}.{unknown[0] if unknown else ''}", "unknown key")
+    _require(isinstance(raw.get("enabled"), bool), f"{where}.enabled", "must be true or false")
+    listed = raw.get("devices", [])
+    _require(isinstance(listed, list), f"{where}.devices", "must be a list")
+    _require(len(listed) <= MAX_MIG_DEVICES, f"{where}.devices", f"at most {MAX_MIG_DEVICES}")
+    _require(raw["enabled"] or not listed, f"{where}.devices", "MIG is disabled: none")
+    devices: list[FixtureMigDevice] = []
+    for i, entry in enumerate(listed):
+        at = f"{where}.devices[{i}]"
+        _require(isinstance(entry, dict), at, "must be an object")
+        unknown = sorted(set(entry) ^ _MIG_DEVICE_KEYS)
+        _require(not unknown, f"{at}.{unknown[0] if unknown else ''}", "unknown or missing key")
+        _require(
+            isinstance(entry["uuid"], str) and bool(entry["uuid"]), f"{at}.uuid", "must be a string"
+        )
+        _require(entry["uuid"] not in seen_uuids, f"{at}.uuid", "duplicate UUID")
+        seen_uuids.add(entry["uuid"])
+        for key in sorted(_MIG_DEVICE_KEYS - {"uuid"}):
+            _require(
+                _is_int(entry[key]) and entry[key] >= 0, f"{at}.{key}", "must be an integer >= 0"
+            )
+        devices.append(FixtureMigDevice(**entry))
+    return FixtureMig(raw["enabled"], tuple(devices))
 
 
 def load_fixture(path: Path) -> Fixture:
@@ -248,6 +328,20 @@ class _Memory:
 @dataclass(frozen=True)
 class _Handle:
     index: int
+
+
+@dataclass(frozen=True)
+class _MigHandle:
+    parent: int
+    index: int
+
+
+@dataclass(frozen=True)
+class _Attributes:
+    multiprocessorCount: int
+    gpuInstanceSliceCount: int
+    computeInstanceSliceCount: int
+    memorySizeMB: int
 
 
 @dataclass(frozen=True)
@@ -323,6 +417,8 @@ class FakeNvml:
         # the driver-level queries fail (a blip in the driver).
         self.wedged: dict[int, threading.Event] = {}
         self.system_error: int | None = None
+        # Each GPU's MIG state, changed by `set_mig` (None: not MIG-capable).
+        self.mig: dict[int, FixtureMig | None] = {i: g.mig for i, g in enumerate(fixture.gpus)}
         self._event_sets: list[_EventSet] = []
         # Per GPU: the remote bus id of each NVLink, in link order.
         self._links: list[list[str]] = []
@@ -413,6 +509,8 @@ class FakeNvml:
 
     # -- per device --------------------------------------------------------
     def nvmlDeviceGetUUID(self, handle: Any) -> str:
+        if isinstance(handle, _MigHandle):
+            return self._mig_device(handle).uuid
         return self._gpu(handle)[1].uuid
 
     def nvmlDeviceGetName(self, handle: Any) -> str:
@@ -433,6 +531,9 @@ class FakeNvml:
         return compute
 
     def nvmlDeviceGetMemoryInfo(self, handle: Any) -> _Memory:
+        if isinstance(handle, _MigHandle):
+            total = self._mig_device(handle).memory_mib * 1024 * 1024
+            return _Memory(total=total, free=total, used=0)
         total = self._gpu(handle)[1].memory_total_mib * 1024 * 1024
         return _Memory(total=total, free=total, used=0)
 
@@ -460,15 +561,85 @@ class FakeNvml:
         return _PciInfo(busId=remote, busIdLegacy=remote[4:])
 
     # -- lookups, compute state --------------------------------------------------
-    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> _Handle:
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> _Handle | _MigHandle:
         with self._lock:
             self._require_init()
             for index, gpu in enumerate(self._fixture.gpus):
-                if gpu.uuid == uuid:
+                mig = self.mig.get(index)
+                slices = [d.uuid for d in mig.devices] if mig is not None else []
+                if gpu.uuid == uuid or uuid in slices:
                     if index in self.lost:
                         raise NVMLError(NVML_ERROR_GPU_IS_LOST)
-                    return _Handle(index)
+                    if gpu.uuid == uuid:
+                        return _Handle(index)
+                    return _MigHandle(index, slices.index(uuid))
         raise NVMLError(NVML_ERROR_NOT_FOUND)
+
+    # -- MIG ---------------------------------------------------------------------
+    def set_mig(self, index: int, mig: FixtureMig | None) -> None:
+        """Reconfigure GPU `index` (an operator's MIG manager at work)."""
+        with self._lock:
+            self.mig[index] = mig
+
+    def _mig_of(self, handle: Any) -> tuple[int, FixtureMig]:
+        index, _ = self._gpu(handle)
+        with self._lock:
+            mig = self.mig.get(index)
+        if mig is None:
+            raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+        return index, mig
+
+    def _mig_device(self, handle: _MigHandle) -> FixtureMigDevice:
+        _, mig = self._mig_of(_Handle(handle.parent))
+        if not mig.enabled or not 0 <= handle.index < len(mig.devices):
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)  # the instance is gone
+        return mig.devices[handle.index]
+
+    def nvmlDeviceGetMigMode(self, handle: Any) -> list[int]:
+        _, mig = self._mig_of(handle)
+        mode = NVML_FEATURE_ENABLED if mig.enabled else NVML_FEATURE_DISABLED
+        return [mode, mode]  # [current, pending]
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, handle: Any) -> int:
+        self._mig_of(handle)
+        return MAX_MIG_DEVICES
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: Any, index: int) -> _MigHandle:
+        parent, mig = self._mig_of(handle)
+        if not 0 <= index < MAX_MIG_DEVICES:
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        if not mig.enabled or index >= len(mig.devices):
+            raise NVMLError(NVML_ERROR_NOT_FOUND)
+        return _MigHandle(parent, index)
+
+    def nvmlDeviceIsMigDeviceHandle(self, handle: Any) -> bool:
+        return isinstance(handle, _MigHandle)
+
+    def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, handle: Any) -> _Handle:
+        if not isinstance(handle, _MigHandle):
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        return _Handle(handle.parent)
+
+    def nvmlDeviceGetGpuInstanceId(self, handle: Any) -> int:
+        if not isinstance(handle, _MigHandle):
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        return self._mig_device(handle).gpu_instance
+
+    def nvmlDeviceGetComputeInstanceId(self, handle: Any) -> int:
+        if not isinstance(handle, _MigHandle):
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        return self._mig_device(handle).compute_instance
+
+    def nvmlDeviceGetAttributes(self, handle: Any) -> _Attributes:
+        if not isinstance(handle, _MigHandle):
+            raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+        device = self._mig_device(handle)
+        return _Attributes(
+            multiprocessorCount=device.multiprocessors,
+            gpuInstanceSliceCount=device.gpu_slices,
+            computeInstanceSliceCount=device.compute_slices,
+            memorySizeMB=device.memory_mib,
+        )
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[_Process]:
         index, _ = self._gpu(handle)
@@ -509,16 +680,41 @@ class FakeNvml:
     def nvmlEventSetFree(self, event_set: _EventSet) -> None:
         event_set.freed = True
 
-    def inject_event(self, index: int, event_type: int, data: int = 0) -> int:
-        """Deliver an event to every set registered for it; returns how many."""
+    def inject_event(
+        self,
+        index: int,
+        event_type: int,
+        data: int = 0,
+        *,
+        gpu_instance: int = NO_INSTANCE,
+        compute_instance: int = NO_INSTANCE,
+    ) -> int:
+        """Deliver an event to every set registered for it; returns how many.
+        A MIG device's fault names its GPU and compute instance; a fault of
+        the whole GPU names none (NO_INSTANCE)."""
         delivered = 0
         with self._lock:
             sets = list(self._event_sets)
         for event_set in sets:
             if not event_set.freed and event_set.registered.get(index, 0) & event_type:
-                event_set.queue.put(_EventData(_Handle(index), event_type, data))
+                event_set.queue.put(
+                    _EventData(_Handle(index), event_type, data, gpu_instance, compute_instance)
+                )
                 delivered += 1
         return delivered
 
-    def inject_xid(self, index: int, xid: int) -> int:
-        return self.inject_event(index, nvmlEventTypeXidCriticalError, xid)
+    def inject_xid(
+        self,
+        index: int,
+        xid: int,
+        *,
+        gpu_instance: int = NO_INSTANCE,
+        compute_instance: int = NO_INSTANCE,
+    ) -> int:
+        return self.inject_event(
+            index,
+            nvmlEventTypeXidCriticalError,
+            xid,
+            gpu_instance=gpu_instance,
+            compute_instance=compute_instance,
+        )

@@ -152,6 +152,28 @@ def node_64() -> NodeSpec:
     return NodeSpec(roots=roots)
 
 
+# A mixed MIG node: half its H100s cut (one 3g, one 2g, two 1g each), half whole.
+MIXED_CUTS: tuple[tuple[str, ...], ...] = (("3g.40gb", "2g.20gb", "1g.10gb", "1g.10gb"),) * 4 + (
+    (),
+) * 4
+
+
+def hgx_h100_mig(cuts: tuple[tuple[str, ...] | None, ...] = MIXED_CUTS) -> NodeSpec:
+    """HGX-H100 whose GPU i is cut into MIG devices of `cuts[i]` (() leaves it
+    whole, MIG disabled; None makes it not MIG-capable). Kept out of LAYOUTS:
+    its devices are not whole GPUs, so the whole-GPU corpora skip it."""
+    spec = hgx_node(sockets=2, pairs_per_socket=4, nvlinks=18)
+    gpus = iter(cuts)
+    for root in spec.roots:
+        for switch in root.children:
+            assert isinstance(switch, Switch)
+            switch.children[:] = [
+                Gpu(mig=next(gpus), compute=(9, 0)) if isinstance(c, Gpu) else c
+                for c in switch.children
+            ]
+    return spec
+
+
 LAYOUTS: dict[str, Callable[[], NodeSpec]] = {
     "dgx-a100": dgx_a100,
     "dgx-1": dgx_1,

@@ -53,6 +53,9 @@ class Gpu:
     memory_mib: int = 81559
     # The CUDA compute capability NVML reports (None: it answers Not Supported).
     compute: tuple[int, int] | None = None
+    # MIG: None, not capable; (), capable with MIG disabled; else MIG-enabled
+    # and cut into devices of these profiles (keys of MIG_PROFILES).
+    mig: tuple[str, ...] | None = None
     # Omitted sysfs attributes (to simulate older kernels / odd platforms).
     omit: tuple[str, ...] = ()
     dev_node: bool = True
@@ -273,6 +276,8 @@ class _Builder:
         )
         if spec.compute is not None:
             self.fixture_gpus[-1]["cuda_compute_capability"] = list(spec.compute)
+        if spec.mig is not None:
+            self.fixture_gpus[-1]["mig"] = mig_fixture(uuid, spec.mig)
 
     def hca(self, parent: PciNode, address: PciAddress, spec: Hca) -> None:
         index = len(self.hcas)
@@ -339,6 +344,35 @@ class _Builder:
             "cuda_driver_version": self.spec.cuda_driver_version,
             "gpus": self.fixture_gpus,
         }
+
+
+# An H100 80GB's MIG profiles: (GPU slices, compute slices, MiB, SMs).
+MIG_PROFILES: dict[str, tuple[int, int, int, int]] = {
+    "1g.10gb": (1, 1, 9856, 16),
+    "1g.20gb": (1, 1, 19968, 26),
+    "2g.20gb": (2, 2, 19968, 32),
+    "3g.40gb": (3, 3, 40192, 60),
+    "4g.40gb": (4, 4, 40192, 64),
+    "7g.80gb": (7, 7, 81408, 132),
+}
+
+
+def mig_uuid(parent: str, index: int) -> str:
+    return f"MIG-{parent.removeprefix('GPU-')[:28]}-{index:04d}"
+
+
+def mig_fixture(parent: str, profiles: tuple[str, ...]) -> dict[str, object]:
+    """A fake NVML `mig` entry: MIG enabled with one device per profile
+    (GPU instance i+1, compute instance 0), or disabled when none."""
+    devices = []
+    for i, profile in enumerate(profiles):
+        gpu_slices, compute_slices, memory, sms = MIG_PROFILES[profile]
+        devices.append({
+            "uuid": mig_uuid(parent, i), "gpu_instance": i + 1, "compute_instance": 0,
+            "gpu_slices": gpu_slices, "compute_slices": compute_slices, "memory_mib": memory,
+            "multiprocessors": sms,
+        })  # fmt: skip
+    return {"enabled": bool(profiles), "devices": devices}
 
 
 def build_node(spec: NodeSpec, base: Path) -> BuiltNode:

@@ -6,7 +6,8 @@ pipeline; the daemon starts and stops it as one loop."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from devplugin.config import Config
@@ -21,6 +22,7 @@ from devplugin.model import DeviceKind
 from devplugin.node.core import NodeCore, check_socket_field
 from devplugin.node.node_hooks import Identify, ResourceHooks
 from devplugin.node.resources import Resource, ResourceState
+from devplugin.policy.mig import profile_resource
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +55,27 @@ class DevicePluginFrontend:
         *,
         partners: PartnerOracle | None = None,
         identify: Identify | None = None,
+        profiles: Sequence[str] = (),
     ) -> DevicePluginFrontend:
+        """`profiles`: the MIG profiles found at start, each served as its
+        own resource under the mixed strategy."""
         plugin_dir = Path(config.paths.device_plugin_dir)
         records: list[ResourceRecord] = []
+        served: list[tuple[Resource, str | None]] = []
         for resource in core.resources:
             if resource.kind in core.dra_kinds:
                 continue
+            if resource.kind is DeviceKind.GPU and config.resources.gpu.mig.strategy == "mixed":
+                # One resource per MIG profile found at start, beside whole GPUs.
+                served.append((resource, None))
+                served += [
+                    (replace(resource, name=profile_resource(resource.name, p)), p)  # type: ignore[type-var]
+                    for p in profiles
+                ]
+            else:
+                served.append((resource, None))
+        fans: dict[DeviceKind, _FanOut] = {}
+        for resource, profile in served:
             attach = config.allocation.attach_hcas and resource.kind is DeviceKind.GPU
             hooks = ResourceHooks(
                 resource,
@@ -80,7 +97,12 @@ class DevicePluginFrontend:
                 partners=partners,
                 metrics=core.metrics,
             )
-            core.pipeline.connect(resource.kind, servicer.update)
+            if config.resources.gpu.mig.strategy == "mixed" and resource.kind is DeviceKind.GPU:
+                fan = fans.setdefault(resource.kind, _FanOut(core))
+                fan.add(servicer, profile)
+                core.pipeline.connect(resource.kind, fan)
+            else:
+                core.pipeline.connect(resource.kind, servicer.update)
             endpoint = plugin_dir / socket_name(resource.name)
             check_socket_field("paths.device_plugin_dir", endpoint)
             records.append(
@@ -111,8 +133,21 @@ class DevicePluginFrontend:
         raise KeyError(resource_name)
 
     def states(self) -> dict[DeviceKind, ResourceState]:
-        """What each resource serves now (its last published state)."""
-        return {record.resource.kind: record.servicer.state for record in self.records}
+        """What each kind serves now (its last published state; a kind served
+        as several resources, mixed MIG, put back together)."""
+        found: dict[DeviceKind, ResourceState] = {}
+        for record in self.records:
+            state, kind = record.servicer.state, record.resource.kind
+            before = found.get(kind)
+            if before is not None:
+                state = replace(
+                    before,
+                    devices=before.devices + state.devices,
+                    allocations={**before.allocations, **state.allocations},
+                    names={**before.names, **state.names},
+                )
+            found[kind] = state
+        return found
 
     def healthy(self) -> tuple[bool, str]:
         down = [r.resource.name for r in self.records if not r.server.running]
@@ -156,3 +191,38 @@ class DevicePluginFrontend:
         for record in self.records:
             record.server.stop(grace=STOP_GRACE)
         self.registrar.join(timeout)
+
+
+class _FanOut:
+    """The mixed MIG strategy: one kind's judged state, split among its
+    resources by each device's MIG profile (None: whole GPUs). A profile
+    that appears after start has no resource and is not served until the
+    daemon restarts (one warning), as NVIDIA's plugin is restarted by its
+    MIG manager after a reconfiguration."""
+
+    def __init__(self, core: NodeCore) -> None:
+        self._core = core
+        self._parts: list[tuple[DevicePluginServicer, str | None]] = []
+        self._warned: set[str] = set()
+
+    def add(self, servicer: DevicePluginServicer, profile: str | None) -> None:
+        self._parts.append((servicer, profile))
+
+    def __call__(self, state: ResourceState) -> bool:
+        by_profile: dict[str | None, set[str]] = {}
+        for gpu in self._core.pipeline.inventory.gpus:
+            profile = gpu.slice.device.profile if gpu.slice is not None else None
+            by_profile.setdefault(profile, set()).add(gpu.uuid)
+        known = {profile for _, profile in self._parts}
+        for profile in sorted(p for p in by_profile if p is not None and p not in known):
+            if profile not in self._warned:
+                self._warned.add(profile)
+                log.warning(
+                    "MIG profile %s appeared after start: its devices are not served until "
+                    "the daemon restarts",
+                    profile,
+                )
+        changed = False
+        for servicer, profile in self._parts:
+            changed |= servicer.update(state.only(by_profile.get(profile, set())))
+        return changed

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from devplugin.model import GpuInfo, NvmlStatus, PciAddress, PciFunction
+from devplugin.model import GpuInfo, MigDevice, NvmlStatus, PciAddress, PciFunction
 from devplugin.node.deadline import Deadlines
+from devplugin.policy.mig import profile_name
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,9 @@ class _RawGpu:
     minor: int
     memory: int
     compute: tuple[int, int] | None = None
+    mig_capable: bool = False
+    mig_enabled: bool = False
+    mig: tuple[MigDevice, ...] = ()
 
 
 def load_pynvml() -> Any:
@@ -142,6 +146,9 @@ class NvmlGpuSource:
                     minor_number=entry.minor,
                     memory_total_mib=entry.memory,
                     compute_capability=entry.compute,
+                    mig_capable=entry.mig_capable,
+                    mig_enabled=entry.mig_enabled,
+                    mig_devices=entry.mig,
                     nvlink_peers=self._peers(entry, raw, index_by_address),
                     pci=pci.get(entry.address),
                 )
@@ -183,7 +190,11 @@ class NvmlGpuSource:
         lib = self._lib
         handle = lib.nvmlDeviceGetHandleByIndex(index)
         uuid = _text(lib.nvmlDeviceGetUUID(handle))
+        capable, enabled, mig = _mig(lib, handle)
         entry = _RawGpu(
+            mig_capable=capable,
+            mig_enabled=enabled,
+            mig=mig,
             index=index,
             uuid=uuid,
             name=_text(lib.nvmlDeviceGetName(handle)),
@@ -264,3 +275,55 @@ def _compute(lib: Any, handle: Any) -> tuple[int, int] | None:
     except Exception:  # noqa: BLE001 - NVML bindings raise various types
         return None
     return int(major), int(minor)
+
+
+def _not_supported(lib: Any, exc: BaseException) -> bool:
+    return getattr(exc, "value", None) == getattr(lib, "NVML_ERROR_NOT_SUPPORTED", 3)
+
+
+def _mig(lib: Any, handle: Any) -> tuple[bool, bool, tuple[MigDevice, ...]]:
+    """(capable, enabled, MIG devices). Not Supported means a GPU that cannot
+    be cut (or bindings without MIG); any other failure is the GPU's own and
+    fails its read, so a MIG GPU that cannot be listed is never served whole.
+    Devices are listed as go-nvlib's VisitMigDevices does: every index up to
+    the maximum, skipping Not Found and Invalid Argument."""
+    try:
+        current, _pending = lib.nvmlDeviceGetMigMode(handle)
+    except AttributeError:
+        return False, False, ()
+    except Exception as exc:
+        if _not_supported(lib, exc):
+            return False, False, ()
+        raise
+    if current != getattr(lib, "NVML_FEATURE_ENABLED", 1):
+        return True, False, ()
+    skipped = {
+        getattr(lib, "NVML_ERROR_NOT_FOUND", 6),
+        getattr(lib, "NVML_ERROR_INVALID_ARGUMENT", 2),
+    }
+    devices: list[MigDevice] = []
+    for index in range(int(lib.nvmlDeviceGetMaxMigDeviceCount(handle))):
+        try:
+            mig = lib.nvmlDeviceGetMigDeviceHandleByIndex(handle, index)
+        except Exception as exc:
+            if getattr(exc, "value", None) in skipped:
+                continue
+            raise
+        attributes = lib.nvmlDeviceGetAttributes(mig)
+        memory = int(attributes.memorySizeMB)
+        devices.append(
+            MigDevice(
+                uuid=_text(lib.nvmlDeviceGetUUID(mig)),
+                index=index,
+                gpu_instance=int(lib.nvmlDeviceGetGpuInstanceId(mig)),
+                compute_instance=int(lib.nvmlDeviceGetComputeInstanceId(mig)),
+                profile=profile_name(
+                    int(attributes.gpuInstanceSliceCount),
+                    int(attributes.computeInstanceSliceCount),
+                    memory,
+                ),
+                memory_mib=memory,
+                multiprocessors=int(attributes.multiprocessorCount),
+            )
+        )
+    return True, True, tuple(devices)

@@ -30,6 +30,7 @@ from devplugin.node.discovery.sysfs import (
     read_pci_functions,
     read_port_states,
 )
+from devplugin.policy.mig import served_gpus
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +60,12 @@ class Discoverer:
         deadlines: Deadlines | None = None,
         *,
         cdi: CdiReader | None = None,
+        mig_strategy: str = "none",
     ) -> None:
         self._roots = roots
+        # How MIG-enabled GPUs are served (policy/mig.py): under single and
+        # mixed, a GPU's MIG devices stand in its place in every snapshot.
+        self._mig_strategy = mig_strategy
         self._gpus = gpus
         self._cdi = cdi
         self._deadlines = deadlines if deadlines is not None else Deadlines(READ_TIMEOUT)
@@ -113,6 +118,7 @@ class Discoverer:
         pci = self._pci
         if self._gpus is not None:
             gpus, status = self._gpus.scan(pci)
+            gpus = served_gpus(gpus, self._mig_strategy)
         else:
             gpus, status = (), NvmlStatus(error="GPU discovery disabled")
         for gpu in gpus:

@@ -34,6 +34,10 @@ def _text(value: object) -> str:
     return str(value)
 
 
+# NVML's "no instance" id in an event's gpuInstanceId / computeInstanceId.
+NO_INSTANCE = 0xFFFFFFFF
+
+
 class XidWatcher(ThreadLoop):
     """One thread waiting on an NVML event set for every reachable GPU.
 
@@ -68,6 +72,9 @@ class XidWatcher(ThreadLoop):
         self._lock = threading.Lock()
         self._wanted: tuple[int, frozenset[str]] = (0, frozenset())
         self._armed: tuple[int, frozenset[str]] | None = None
+        # Parent UUID -> its served MIG devices as (GPU instance, compute
+        # instance, served id), from the last tracked inventory.
+        self._slices: dict[str, list[tuple[int, int, str]]] = {}
         self._event_set: Any | None = None
         self._initialised = False
         self.watched: frozenset[str] = frozenset()
@@ -78,9 +85,19 @@ class XidWatcher(ThreadLoop):
         """The GPUs a check found: re-arm when they or the NVML session changed."""
         if not inventory.nvml.ok:
             return  # keep watching what was armed; a blip must not drop the set
-        uuids = frozenset(gpu.uuid for gpu in inventory.gpus if gpu.error is None)
+        # Events are registered on physical GPUs; a MIG device's fault
+        # arrives on its parent, naming its GPU and compute instance.
+        uuids = frozenset(gpu.physical_uuid for gpu in inventory.gpus if gpu.error is None)
+        slices: dict[str, list[tuple[int, int, str]]] = {}
+        for gpu in inventory.gpus:
+            if gpu.slice is not None:
+                device = gpu.slice.device
+                slices.setdefault(gpu.slice.parent_uuid, []).append(
+                    (device.gpu_instance, device.compute_instance, gpu.uuid)
+                )
         wanted = (inventory.nvml.session, uuids)
         with self._lock:
+            self._slices = slices
             if wanted == self._wanted:
                 return
             self._wanted = wanted
@@ -191,6 +208,24 @@ class XidWatcher(ThreadLoop):
             reason = f"XID {xid}"
         else:
             reason = "double-bit ECC error"
-        log.error("GPU %s: %s; marking it Unhealthy", uuid, reason)
-        self._health.fault(uuid, reason, self._good_checks)
+        for device in self._faulted(uuid, event):
+            log.error("GPU %s: %s; marking it Unhealthy", device, reason)
+            self._health.fault(device, reason, self._good_checks)
         self._on_fault()
+
+    def _faulted(self, uuid: str, event: Any) -> list[str]:
+        """The served devices an event on GPU `uuid` faults: the GPU itself,
+        or its MIG devices: the one whose instances the event names, or all
+        of them when it names none (a fault of the whole GPU)."""
+        with self._lock:
+            slices = self._slices.get(uuid)
+        if not slices:
+            return [uuid]
+        gpu_instance = getattr(event, "gpuInstanceId", NO_INSTANCE)
+        compute_instance = getattr(event, "computeInstanceId", NO_INSTANCE)
+        named = [
+            served
+            for gi, ci, served in slices
+            if gi == gpu_instance and compute_instance in (ci, NO_INSTANCE)
+        ]
+        return named or [served for _, _, served in slices]

@@ -1,0 +1,180 @@
+"""MIG through the real daemon, over real gRPC with the kubelet simulator and
+the fake NVML's MIG fixture: the strategies, alignment of a slice with its
+HCA, faults of the parent, layout changes, and configs a node cannot serve."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import yaml
+
+from devplugin.cli import main
+from devplugin.model import DeviceKind
+from devplugin.policy.topology import Level
+from devplugin.testing.fake_nvml import FixtureMig, FixtureMigDevice
+from devplugin.testing.kubelet import ContainerRequest
+from devplugin.testing.layouts import hgx_h100_mig
+from devplugin.testing.node import build_node, hgx_node, mig_uuid
+from tests.conftest import GPU, HCA, Cluster
+from tests.waiting import wait_until
+
+Start = Callable[..., Cluster]
+MIXED = {"resources.gpu.mig.strategy": "mixed"}
+ONE_G, TWO_G, THREE_G = "nvidia.com/mig-1g.10gb", "nvidia.com/mig-2g.20gb", "nvidia.com/mig-3g.40gb"
+
+
+def mixed(start_cluster: Start) -> Cluster:
+    cluster = start_cluster(hgx_h100_mig(), wait=False, **MIXED)
+    kubelet = cluster.kubelet
+    for resource, count in ((GPU, 4), (THREE_G, 4), (TWO_G, 4), (ONE_G, 8), (HCA, 8)):
+        assert kubelet.wait_for_devices(resource, count, timeout=10), resource
+    return cluster
+
+
+def test_mixed_serves_one_resource_per_profile_beside_whole_gpus(start_cluster: Start) -> None:
+    cluster = mixed(start_cluster)
+    kubelet, node = cluster.kubelet, cluster.node
+    whole = {gpu.uuid for gpu in node.gpus[4:]}
+    assert set(kubelet.devices(GPU)) == whole
+    assert set(kubelet.devices(ONE_G)) == {
+        mig_uuid(gpu.uuid, i) for gpu in node.gpus[:4] for i in (2, 3)
+    }
+    assert set(kubelet.devices(THREE_G)) == {mig_uuid(gpu.uuid, 0) for gpu in node.gpus[:4]}
+    # A slice sits at its parent's NUMA node, as the parent does.
+    assert {d.numa_nodes for d in kubelet.devices(THREE_G).values()} == {(0,)}
+
+
+def test_a_slice_gets_the_hca_on_its_parents_switch_and_the_container_sees_the_slice(
+    start_cluster: Start,
+) -> None:
+    cluster = mixed(start_cluster)
+    topology = cluster.daemon.core.coordinator.topology
+    for n in range(4):
+        # The slice first: an HCA allocated before it is planned against
+        # every free GPU-kind device, not knowing the profile (see README).
+        pod = cluster.kubelet.admit(
+            f"infer-{n}", [ContainerRequest("main", {ONE_G: 1, HCA: 1})], order=[ONE_G, HCA]
+        )
+        got = pod.container("main")
+        (slice_id,) = got.devices[ONE_G]
+        (hca,) = got.devices[HCA]
+        assert topology.level(slice_id, hca) is Level.PIX, (n, slice_id, hca)
+        env = got.responses[ONE_G].envs
+        assert env["NVIDIA_VISIBLE_DEVICES"] == slice_id
+        # The parent's device node: a MIG device is reached through it.
+        parent = next(g for g in cluster.node.gpus if slice_id.startswith(mig_uuid(g.uuid, 0)[:-5]))
+        paths = [d.host_path for d in got.responses[ONE_G].devices]
+        assert f"/dev/nvidia{parent.minor}" in paths
+
+
+def test_single_serves_every_mig_device_as_the_gpu_resource(start_cluster: Start) -> None:
+    cuts = (("2g.20gb", "2g.20gb", "2g.20gb"),) * 8
+    cluster = start_cluster(
+        hgx_h100_mig(cuts), wait=False, **{"resources.gpu.mig.strategy": "single"}
+    )
+    assert cluster.kubelet.wait_for_devices(GPU, 24, timeout=10)
+    assert cluster.kubelet.wait_for_devices(HCA, 8, timeout=10)
+    assert all(device.startswith("MIG-") for device in cluster.kubelet.devices(GPU))
+    pod = cluster.kubelet.admit(
+        "train", [ContainerRequest("main", {GPU: 2, HCA: 1})], order=[GPU, HCA]
+    )
+    got = pod.container("main")
+    topology = cluster.daemon.core.coordinator.topology
+    # Two slices of one parent and that parent's HCA: PIX throughout.
+    assert all(topology.level(g, got.devices[HCA][0]) is Level.PIX for g in got.devices[GPU])
+
+
+def test_a_fault_of_the_parent_reaches_its_slices_and_one_of_a_slice_only_that_slice(
+    start_cluster: Start,
+) -> None:
+    cluster = mixed(start_cluster)
+    parent = cluster.node.gpus[1]
+    slices = [mig_uuid(parent.uuid, i) for i in range(4)]
+
+    def health(device: str) -> str:
+        for resource in (THREE_G, TWO_G, ONE_G):
+            found = cluster.kubelet.devices(resource).get(device)
+            if found is not None:
+                return found.health
+        return "missing"
+
+    # The second MIG device (GPU instance 2) faults alone.
+    assert cluster.nvml.inject_xid(1, 79, gpu_instance=2, compute_instance=0) == 1
+    assert wait_until(lambda: health(slices[1]) == "Unhealthy", timeout=3)
+    assert [health(s) for s in slices] == ["Healthy", "Unhealthy", "Healthy", "Healthy"]
+    # A fault of the whole GPU names no instance: every slice goes.
+    assert cluster.nvml.inject_xid(1, 48) == 1
+    assert wait_until(lambda: all(health(s) == "Unhealthy" for s in slices), timeout=3)
+    # Another parent's slices are untouched.
+    assert health(mig_uuid(cluster.node.gpus[2].uuid, 0)) == "Healthy"
+
+
+def test_a_reconfigured_gpu_is_seen_by_the_next_rescan_and_its_old_slices_leave(
+    start_cluster: Start,
+) -> None:
+    cluster = mixed(start_cluster)
+    parent = cluster.node.gpus[0]
+    old = [mig_uuid(parent.uuid, i) for i in range(4)]
+    # An operator recuts GPU 0 into two 1g devices with new instances.
+    fresh = tuple(FixtureMigDevice(f"MIG-recut-{i}", 9 + i, 0, 1, 1, 9856, 16) for i in range(2))
+    cluster.nvml.set_mig(0, FixtureMig(True, fresh))
+    cluster.daemon.rescan()
+    listed = cluster.kubelet.devices
+
+    def served() -> set[str]:
+        return {d for r in (THREE_G, TWO_G, ONE_G) for d in listed(r)}
+
+    assert wait_until(lambda: not set(old) & served(), timeout=5)
+    assert {"MIG-recut-0", "MIG-recut-1"} <= set(listed(ONE_G))
+    assert len(listed(ONE_G)) == 8 - 2 + 2
+    assert len(listed(THREE_G)) == 3
+    # Taken back whole (MIG disabled), it joins the GPU resource.
+    cluster.nvml.set_mig(0, FixtureMig(False))
+    cluster.daemon.rescan()
+    assert wait_until(lambda: parent.uuid in listed(GPU), timeout=5)
+    assert not {"MIG-recut-0", "MIG-recut-1"} & set(listed(ONE_G))
+
+
+def test_the_record_and_the_topology_place_slices_at_their_parent(start_cluster: Start) -> None:
+    cluster = mixed(start_cluster)
+    inventory = cluster.daemon.inventory
+    slices = [gpu for gpu in inventory.gpus if gpu.slice is not None]
+    assert len(slices) == 16
+    for gpu in slices:
+        assert gpu.slice is not None
+        parent = cluster.node.gpus[gpu.slice.parent_index]
+        assert gpu.pci_address == parent.address
+        assert gpu.nvlink_peers == ()
+    topology = cluster.daemon.core.coordinator.topology
+    assert len(topology.ids(DeviceKind.GPU)) == 16 + 4
+
+
+@pytest.mark.parametrize(
+    ("cuts", "strategy", "says"),
+    [
+        (None, "single", "no GPU on this node is MIG-capable (NVIDIA H100 80GB HBM3)"),
+        (None, "mixed", "no GPU on this node is MIG-capable"),
+        ("mixed-cuts", "single", "is not cut into MIG devices"),
+        ("two-profiles", "single", "several profiles (1g.10gb, 2g.20gb)"),
+    ],
+)
+def test_a_strategy_the_node_cannot_serve_exits_2_naming_the_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], cuts: str | None, strategy: str, says: str
+) -> None:
+    layouts = {
+        None: hgx_node(),
+        "mixed-cuts": hgx_h100_mig(),
+        "two-profiles": hgx_h100_mig((("1g.10gb",), ("2g.20gb",)) * 4),
+    }
+    node = build_node(layouts[cuts], tmp_path / "node")
+    config = tmp_path / "config.yaml"
+    settings = node.run_config(tmp_path / "sock", tmp_path / "checkpoint.json")
+    settings["resources"] = {"gpu": {"mig": {"strategy": strategy}}}
+    config.write_text(yaml.safe_dump(settings))
+    assert main(["run", "--config", str(config)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"devplugin: config error: resources.gpu.mig.strategy: {strategy}: ")
+    assert says in err
+    assert "\n" not in err
