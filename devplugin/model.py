@@ -194,6 +194,8 @@ class MigSlice:
     parent_uuid: str
     parent_index: int
     device: MigDevice
+    # The whole GPU's memory (the entry's own is the MIG device's).
+    parent_memory_mib: int = 0
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -26,7 +27,7 @@ from lightkube.types import PatchType
 from devplugin.cluster.objects import RawNode, as_dict
 from devplugin.loops import Backoff, ThreadLoop
 from devplugin.model import Inventory
-from devplugin.policy.labels import GpuModel, label_patch, node_labels
+from devplugin.policy.labels import PREFIX, GpuModel, label_patch, node_labels, sanitise
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +38,31 @@ ATTEMPTS = 3
 
 def inventory_labels(inventory: Inventory, mig_strategy: str | None = None) -> dict[str, str]:
     """The labels these devices call for (pure): every GPU and HCA found,
-    healthy or not, as GPU Feature Discovery counts them."""
-    gpus = [
-        GpuModel(gpu.name, gpu.memory_total_mib, gpu.compute_capability) for gpu in inventory.gpus
-    ]
+    healthy or not, as GPU Feature Discovery counts them. Under the single
+    MIG strategy the GPU labels describe the MIG devices served as GPUs
+    (product `<model>-MIG-<profile>`); under mixed they describe the
+    physical GPUs, with a count per profile (`mig-<profile>.count`)."""
+    gpus: list[GpuModel] = []
+    physical: dict[str, GpuModel] = {}
+    profiles: Counter[str] = Counter()
+    for gpu in inventory.gpus:
+        whole = GpuModel(gpu.name, gpu.memory_total_mib, gpu.compute_capability)
+        if gpu.slice is None:
+            gpus.append(whole)
+            physical[gpu.uuid] = whole
+            continue
+        device = gpu.slice.device
+        profiles[device.profile] += 1
+        parent = GpuModel(gpu.name, gpu.slice.parent_memory_mib, gpu.compute_capability)
+        physical.setdefault(gpu.slice.parent_uuid, parent)
+        gpus.append(
+            GpuModel(f"{gpu.name}-MIG-{device.profile}", device.memory_mib, gpu.compute_capability)
+        )
+    if mig_strategy == "mixed":
+        labels = node_labels(list(physical.values()), len(inventory.hcas), mig_strategy)
+        for profile, count in sorted(profiles.items()):
+            labels[f"{PREFIX}mig-{sanitise(profile)}.count"] = str(count)
+        return labels
     return node_labels(gpus, len(inventory.hcas), mig_strategy)
 
 

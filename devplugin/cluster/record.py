@@ -147,6 +147,11 @@ def _describe_gpu(gpu: GpuInfo) -> dict[str, Any]:
         major, minor = gpu.compute_capability
         found["computeCapability"] = f"{major}.{minor}"
         found["family"] = family(major, minor)
+    if gpu.slice is not None:
+        found["mig"] = {
+            "parentUUID": gpu.slice.parent_uuid[:MAX_TEXT],
+            "profile": gpu.slice.device.profile[:MAX_TEXT],
+        }
     return found
 
 

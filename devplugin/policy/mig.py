@@ -56,7 +56,7 @@ def served_gpus(gpus: Sequence[GpuInfo], strategy: str) -> tuple[GpuInfo, ...]:
                     memory_total_mib=device.memory_mib,
                     nvlink_peers=(),
                     mig_devices=(),
-                    slice=MigSlice(gpu.uuid, gpu.index, device),
+                    slice=MigSlice(gpu.uuid, gpu.index, device, gpu.memory_total_mib),
                 )
             )
     return tuple(served)

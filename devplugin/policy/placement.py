@@ -218,9 +218,11 @@ MAX_NUMA = 1023
 
 def _check_unique(devices: list[Any]) -> None:
     """One entry per device id and per PCI function: a record naming a
-    device twice, or two devices at one address, describes no real node."""
+    device twice, or two devices at one address, describes no real node.
+    The MIG devices of one GPU share its address (and nothing else may)."""
     ids: set[str] = set()
     addresses: dict[str, str] = {}
+    parents: dict[str, object] = {}
     for i, entry in enumerate(devices):
         if not isinstance(entry, dict):
             raise ValueError(f"status.devices[{i}] must be an object")
@@ -231,6 +233,11 @@ def _check_unique(devices: list[Any]) -> None:
             ids.add(device_id)
         if isinstance(address, str):
             key = address.lower()
+            mig = entry.get("mig")
+            parent = mig.get("parentUUID") if isinstance(mig, dict) else None
+            if key in addresses and parent is not None and parents.get(key) == parent:
+                continue
+            parents.setdefault(key, parent)
             if key in addresses:
                 raise ValueError(
                     f"devices {addresses[key][:80]!r} and {str(device_id)[:80]!r} share "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -178,3 +179,87 @@ def test_a_strategy_the_node_cannot_serve_exits_2_naming_the_field(
     assert err.startswith(f"devplugin: config error: resources.gpu.mig.strategy: {strategy}: ")
     assert says in err
     assert "\n" not in err
+
+
+def _mixed_inventory(tmp_path: Path) -> Any:
+    from devplugin.node.deadline import Deadlines
+    from devplugin.node.discovery import Discoverer, NvmlGpuSource, Roots
+    from devplugin.testing.fake_nvml import FakeNvml
+
+    node = build_node(hgx_h100_mig(), tmp_path / "mig")
+    deadlines = Deadlines(5)
+    source = NvmlGpuSource(FakeNvml.from_file(node.fixture), deadlines)
+    discoverer = Discoverer(
+        Roots(node.sysfs_root, node.dev_root), source, deadlines, mig_strategy="mixed"
+    )
+    try:
+        return discoverer.scan(full=True)
+    finally:
+        discoverer.close()
+
+
+def test_the_record_describes_slices_and_the_extender_pairs_one_with_its_hca(
+    tmp_path: Path,
+) -> None:
+    import jsonschema
+
+    from devplugin.policy.allocator import Allocator
+    from devplugin.policy.placement import Shape, node_from_record, place
+    from tests.cluster.test_node_devices import schema
+    from tests.extender_support import record
+
+    found = record(_mixed_inventory(tmp_path))
+    devices = found["status"]["devices"]
+    jsonschema.validate(devices, schema()["properties"]["status"]["properties"]["devices"])
+    slices = [d for d in devices if "mig" in d]
+    assert len(slices) == 16
+    assert {d["mig"]["profile"] for d in slices} == {"3g.40gb", "2g.20gb", "1g.10gb"}
+    assert {d["product"] for d in slices} == {"NVIDIA H100 80GB HBM3"}
+    # Slices of one GPU share its address and path; the extender reads them.
+    state = node_from_record(found)
+    outcome = place(state, Shape(((1, 1),), 1, 1), Allocator(state.topology))
+    assert outcome.fits
+    assert outcome.worst is Level.PIX
+
+
+def test_dra_publishes_slices_as_mig_devices_at_their_parents_place(tmp_path: Path) -> None:
+    from devplugin.frontends.dra.slices import node_devices
+
+    inventory = _mixed_inventory(tmp_path)
+    published = node_devices(inventory, [DeviceKind.GPU, DeviceKind.HCA])
+    names = [device.name for device in published]
+    assert len(names) == len(set(names))
+    migs = [d for d in published if d.body["attributes"]["type"]["string"] == "mig"]
+    assert len(migs) == 16
+    parents = {g.uuid: g for g in inventory.gpus if g.slice is None}
+    for device in migs:
+        attributes = device.body["attributes"]
+        gpu = next(g for g in inventory.gpus if g.uuid == device.id)
+        assert gpu.slice is not None
+        assert attributes["parentUUID"]["string"] == gpu.slice.parent_uuid
+        assert attributes["profile"]["string"] == gpu.slice.device.profile
+        assert device.body["capacity"]["multiprocessors"]["value"].isdigit()
+        assert gpu.slice.parent_uuid not in parents  # the parent itself is not published
+    hca_switch = {
+        d.body["attributes"]["pcieSwitch"]["string"]
+        for d in published
+        if d.body["attributes"]["type"]["string"] == "hca"
+    }
+    assert {d.body["attributes"]["pcieSwitch"]["string"] for d in migs} <= hca_switch
+
+
+def test_labels_describe_mig_as_each_strategy_serves_it(tmp_path: Path) -> None:
+    from devplugin.cluster.node_labels import inventory_labels
+
+    labels = inventory_labels(_mixed_inventory(tmp_path), "mixed")
+    assert labels == {
+        "devplugin.io/gpu.product": "NVIDIA-H100-80GB-HBM3",
+        "devplugin.io/gpu.count": "8",
+        "devplugin.io/gpu.memory": "81559",
+        "devplugin.io/gpu.family": "hopper",
+        "devplugin.io/hca.count": "8",
+        "devplugin.io/mig.strategy": "mixed",
+        "devplugin.io/mig-1g.10gb.count": "8",
+        "devplugin.io/mig-2g.20gb.count": "4",
+        "devplugin.io/mig-3g.40gb.count": "4",
+    }

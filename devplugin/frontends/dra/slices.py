@@ -154,18 +154,32 @@ def _placement(function: PciFunction | None, address: PciAddress) -> dict[str, A
 
 
 def gpu_device(gpu: GpuInfo, nvlink: str | None) -> SliceDevice:
+    """A whole GPU, or a MIG device (NVIDIA's DRA driver's attributes: type
+    mig, parentUUID, profile) with its parent's PCIe attributes, so the
+    claim templates' ladders pair a slice with an HCA as they pair a GPU."""
     attributes: dict[str, Any] = {
-        "type": _string("gpu"),
+        "type": _string("gpu" if gpu.slice is None else "mig"),
         "uuid": _string(gpu.uuid),
         "productName": _string(gpu.name),
         **_placement(gpu.pci, gpu.pci_address),
     }
+    name = device_name(DeviceKind.GPU, gpu.pci_address)
+    body: dict[str, Any] = {"attributes": attributes}
+    capacity: dict[str, Any] = {}
+    if gpu.memory_total_mib > 0:
+        capacity["memory"] = {"value": mebibytes(gpu.memory_total_mib)}
+    if gpu.slice is not None:
+        device = gpu.slice.device
+        attributes["parentUUID"] = _string(gpu.slice.parent_uuid)
+        attributes["profile"] = _string(device.profile)
+        capacity["multiprocessors"] = {"value": str(device.multiprocessors)}
+        # Unique on the node: one name per GPU and compute instance.
+        name = f"{name}-mig-{device.gpu_instance}-{device.compute_instance}"
     if nvlink is not None:
         attributes["nvlinkDomain"] = _string(nvlink)
-    body: dict[str, Any] = {"attributes": attributes}
-    if gpu.memory_total_mib > 0:
-        body["capacity"] = {"memory": {"value": mebibytes(gpu.memory_total_mib)}}
-    return SliceDevice(DeviceKind.GPU, gpu.uuid, device_name(DeviceKind.GPU, gpu.pci_address), body)
+    if capacity:
+        body["capacity"] = capacity
+    return SliceDevice(DeviceKind.GPU, gpu.uuid, name, body)
 
 
 def _port_state(text: str) -> str:
