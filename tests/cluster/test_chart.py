@@ -100,8 +100,11 @@ CASES: dict[str, dict[str, Any]] = {
         "extender": {"enabled": True, "scheduler": {"enabled": True, "image": {
             "repository": "mirror.example.com/kube-scheduler", "tag": "v1.33.5"}}},
     },
-    "no-node-restriction": {"rbac": {"nodeRestriction": False}},
-    "no-node-labels": {"config": {"kubernetes": {"node_labels": False}}},
+    # Without the policy an operator may also keep the daemon off its Node.
+    "no-node-restriction": {
+        "rbac": {"nodeRestriction": False},
+        "config": {"kubernetes": {"node_labels": False}},
+    },
     "dra": {
         "config": {"resources": {"gpu": {"api": "dra"}, "hca": {"api": "dra"}},
                    "dra": {"driver": "dra.example.com"}},
@@ -613,7 +616,7 @@ def test_the_daemon_gets_api_access_with_the_least_rights_that_work(
 def test_without_node_labels_the_daemon_may_only_read_its_node(
     installs: dict[str, dict[str, Any]],
 ) -> None:
-    objs = objects(installs, "no-node-labels")
+    objs = objects(installs, "no-node-restriction")
     (nodes,) = [rule for rule in objs["ClusterRole"]["rules"] if rule["resources"] == ["nodes"]]
     assert nodes["verbs"] == ["get"]
     config = yaml.safe_load(objs["ConfigMap"]["data"]["config.yaml"])

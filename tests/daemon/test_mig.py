@@ -205,12 +205,16 @@ def test_the_record_describes_slices_and_the_extender_pairs_one_with_its_hca(
 
     from devplugin.policy.allocator import Allocator
     from devplugin.policy.placement import Shape, node_from_record, place
-    from tests.cluster.test_node_devices import schema
     from tests.extender_support import record
 
     found = record(_mixed_inventory(tmp_path))
     devices = found["status"]["devices"]
-    jsonschema.validate(devices, schema()["properties"]["status"]["properties"]["devices"])
+    crd = yaml.safe_load(
+        (Path(__file__).parents[2] / "charts/devplugin/crds/nodedevices.yaml").read_text()
+    )
+    (version,) = crd["spec"]["versions"]
+    status = version["schema"]["openAPIV3Schema"]["properties"]["status"]
+    jsonschema.validate(devices, status["properties"]["devices"])
     slices = [d for d in devices if "mig" in d]
     assert len(slices) == 16
     assert {d["mig"]["profile"] for d in slices} == {"3g.40gb", "2g.20gb", "1g.10gb"}
