@@ -80,6 +80,9 @@ class PodAwareness:
         self._cache = cache
         self._ledger = ledger
         self._names = dict(names)
+        # Every resource of each kind (mixed MIG serves the GPU kind as
+        # several); `add_resource` adds the others.
+        self._all: dict[DeviceKind, list[str]] = {k: [n] for k, n in names.items()}
         self._wait = wait
         self._metrics = metrics
         self._claim_seconds = claim_seconds
@@ -98,10 +101,29 @@ class PodAwareness:
         # The last Allocate no container could be named for: (kind, ids, when).
         self._unclaimed: tuple[DeviceKind, frozenset[str], float] | None = None
 
-    def identify(self, kind: DeviceKind, size: int) -> Known | None:
-        resource, other = self._names.get(kind), self._names.get(kind.other)
-        if resource is None or other is None:
+    def add_resource(self, kind: DeviceKind, name: str) -> None:
+        """Another resource serving `kind` (before serving starts)."""
+        names = self._all.setdefault(kind, [])
+        if name not in names:
+            names.append(name)
+
+    def _resources(
+        self, kind: DeviceKind, resource: str | None
+    ) -> tuple[str, tuple[str, ...]] | None:
+        """(the asking resource, every resource of the other kind)."""
+        asking = resource if resource is not None else self._names.get(kind)
+        others = tuple(self._all.get(kind.other, ()))
+        if asking is None or not others:
             return None
+        return asking, others
+
+    def identify(self, kind: DeviceKind, size: int, resource: str | None = None) -> Known | None:
+        """`resource`: the asking resource's name, where its kind is served
+        as several (None: the kind's one)."""
+        names = self._resources(kind, resource)
+        if names is None:
+            return None
+        resource, other = names
         if not self._cache.current:
             with self._lock:
                 self._expected = None
@@ -153,6 +175,7 @@ class PodAwareness:
         first = answer.candidates[0]
         key = (first.pod.namespace, first.pod.name, first.container.name)
         partners = first.partners
+        partner = first.partner_resource
         owner = (first.pod.namespace, first.pod.name, first.pod.uid)
         now = self._clock()
         with self._lock:
@@ -172,7 +195,11 @@ class PodAwareness:
             if partners > 0:
                 self._expected = _Expected(kind.other, partners, size, now, owner, key)
             forced = self._reused_locked(first.pod, first.container.name, kind.other)
-        return Known(partners, forced=forced if partners > 0 else frozenset())
+        return Known(
+            partners,
+            forced=forced if partners > 0 else frozenset(),
+            partner_resource=partner if partners > 0 else None,
+        )
 
     def _unclaimed_allocate(self, kind: DeviceKind, ids: Sequence[str], now: float) -> None:
         with self._lock:
@@ -246,7 +273,9 @@ class PodAwareness:
     def init_claimant(self, resource: str) -> bool | None:
         return self._cache.init_claimant(resource)
 
-    def holder_of(self, kind: DeviceKind, ids: Sequence[str]) -> tuple[ContainerKey, str] | None:
+    def holder_of(
+        self, kind: DeviceKind, ids: Sequence[str], resource: str | None = None
+    ) -> tuple[ContainerKey, str] | None:
         """The container (and its pod's uid) an Allocate is for: the container
         its preference was asked for, or (no preference asked) the one
         admission candidate of that size."""
@@ -275,14 +304,14 @@ class PodAwareness:
                 self._expected = None
                 self._record_locked(expected.key, str(expected.owner[2]), kind, ids)
                 return expected.key, str(expected.owner[2])
-        resource, other = self._names.get(kind), self._names.get(kind.other)
-        if resource is None or other is None or not self._cache.current:
+        names = self._resources(kind, resource)
+        if names is None or not self._cache.current:
             self._unclaimed_allocate(kind, ids, now)
             return None
         answer = admitting(
             self._cache.waiting(),
-            resource=resource,
-            other=other,
+            resource=names[0],
+            other=names[1],
             size=len(ids),
             held=self._held(kind),
             waiting=True,

@@ -18,7 +18,7 @@ passes the pods (its cache) and who holds what (the ledger).
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Set
+from collections.abc import Collection, Iterable, Set
 from dataclasses import dataclass
 
 from devplugin.policy.podinfo import ContainerInfo, PodInfo
@@ -42,6 +42,10 @@ class Candidate:
     init: bool
     # How many devices of the other resource the same container asks for.
     partners: int
+    # Which resource of the other kind it asks them of, where the other kind
+    # is served as several (mixed MIG: whole GPUs and one per profile);
+    # None when it asks for none, or for several.
+    partner_resource: str | None = None
 
 
 @dataclass(frozen=True)
@@ -84,14 +88,16 @@ def admitting(
     pods: Iterable[PodInfo],
     *,
     resource: str,
-    other: str,
+    other: str | Collection[str],
     size: int,
     held: Set[ContainerKey],
     waiting: bool = False,
 ) -> Admission:
     """Who is being admitted for `size` devices of `resource`; see the module doc.
 
-    `held`: the containers that already hold devices of `resource`.
+    `other`: the other kind's resource, or all of them where that kind is
+    served as several. `held`: the containers that already hold devices of
+    `resource`.
     `waiting`: `pods` are already only those not past admission, oldest
     first (as the pod cache keeps them)."""
     ordered = (
@@ -102,15 +108,19 @@ def admitting(
             key=lambda p: (p.created, p.namespace, p.name),
         )
     )
+    others = (other,) if isinstance(other, str) else tuple(other)
     candidates: list[Candidate] = []
     for pod in ordered:
         container = next_for(pod, resource, held)
         if container is None or container.requests.get(resource, 0) != size:
             continue
         init = any(c is container for c in pod.init_containers)
-        candidates.append(Candidate(pod, container, init, container.requests.get(other, 0)))
+        asked = {name: container.requests.get(name, 0) for name in others}
+        named = [name for name, count in asked.items() if count > 0]
+        partner = named[0] if len(named) == 1 and len(others) > 1 else None
+        candidates.append(Candidate(pod, container, init, sum(asked.values()), partner))
     if not candidates:
         return Admission(Outcome.NO_POD, ())
-    if len({c.partners for c in candidates}) > 1:
+    if len({(c.partners, c.partner_resource) for c in candidates}) > 1:
         return Admission(Outcome.AMBIGUOUS, tuple(candidates))
     return Admission(Outcome.EXACT, tuple(candidates))

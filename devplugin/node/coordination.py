@@ -65,6 +65,11 @@ class Known:
     # Devices of the other resource the kubelet will give the container
     # whatever is preferred: its pod's finished init containers' (reused).
     forced: frozenset[str] = frozenset()
+    # Where the other kind is served as several resources (mixed MIG): the
+    # one the container asks for, and (filled in by its servicer) that
+    # resource's devices: its partner is planned among these only.
+    partner_resource: str | None = None
+    partner_ids: frozenset[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -156,13 +161,21 @@ class Coordinator:
             self._pending = given
 
     def observe_available(
-        self, kind: DeviceKind, available: Iterable[str], must_include: Iterable[str]
+        self,
+        kind: DeviceKind,
+        available: Iterable[str],
+        must_include: Iterable[str],
+        scope: frozenset[str] | None = None,
     ) -> bool:
         """A GetPreferredAllocation's lists for `kind` (exclusive devices only):
-        correct the holdings before planning. Whether they changed."""
+        correct the holdings before planning. Whether they changed. `scope`:
+        the devices the asking resource serves, where its kind is served as
+        several (mixed MIG): the kubelet's list says nothing of the others."""
         with self._lock:
             known = self._topology.id_set(kind)
             served = self._healthy[kind] & known
+            if scope is not None:
+                served &= scope
         listed = frozenset(available) & known
         must = frozenset(must_include) & known
         return self._ledger.available(kind, listed, must, served)
@@ -205,6 +218,8 @@ class Coordinator:
             candidates = frozenset(available) & healthy
             other = kind.other
             other_free = self._free_locked(other)
+            if known is not None and known.partner_ids is not None:
+                other_free = other_free & known.partner_ids
             pending = self._pending
             expected: int | None = None
             paired = (

@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 KILL_GRACE = 5.0
 
 # Which container (and its pod's uid) an Allocate was for, when the pod cache can tell.
-Identify = Callable[[DeviceKind, Sequence[str]], tuple[ContainerKey, str] | None]
+# (kind, devices, the resource's name) -> the container an Allocate is for.
+Identify = Callable[[DeviceKind, Sequence[str], str], tuple[ContainerKey, str] | None]
 
 
 class ResourceHooks:
@@ -126,7 +127,10 @@ class ResourceHooks:
         return message
 
     def allocated(self, physical: Sequence[str]) -> None:
-        found = self._identify(self._kind, physical) if self._identify is not None else None
+        identify = self._identify
+        found = (
+            identify(self._kind, physical, self._resource.name) if identify is not None else None
+        )
         holder, uid = found if found is not None else (None, None)
         self._ledger.allocated(self._kind, physical, holder=holder, uid=uid)
         self._coordinator.allocated(self._kind, physical)

@@ -267,3 +267,31 @@ def test_labels_describe_mig_as_each_strategy_serves_it(tmp_path: Path) -> None:
         "devplugin.io/mig-2g.20gb.count": "4",
         "devplugin.io/mig-3g.40gb.count": "4",
     }
+
+
+def test_with_the_pod_watch_an_hca_allocated_first_is_planned_for_the_profile_asked(
+    start_cluster: Start,
+) -> None:
+    from devplugin.testing.apiserver import ApiServerImitation
+
+    api = ApiServerImitation()
+    api.start()
+    try:
+        cluster = start_cluster(hgx_h100_mig(), api=api, wait=False, **MIXED)
+        for resource, count in ((ONE_G, 8), (GPU, 4), (HCA, 8)):
+            assert cluster.kubelet.wait_for_devices(resource, count, timeout=10)
+        pods = cluster.daemon.pods
+        assert pods is not None
+        assert wait_until(lambda: pods.current, timeout=10)
+        topology = cluster.daemon.core.coordinator.topology
+        shapes = [(ONE_G, f"slice-{n}") for n in range(3)] + [(GPU, f"whole-{n}") for n in range(3)]
+        for resource, name in shapes:
+            pod = cluster.kubelet.admit(
+                name, [ContainerRequest("main", {resource: 1, HCA: 1})], order=[HCA, resource]
+            )
+            got = pod.container("main")
+            (device,) = got.devices[resource]
+            (hca,) = got.devices[HCA]
+            assert topology.level(device, hca) is Level.PIX, (name, device, hca)
+    finally:
+        api.stop()

@@ -75,6 +75,12 @@ class DevicePluginFrontend:
             else:
                 served.append((resource, None))
         fans: dict[DeviceKind, _FanOut] = {}
+        by_name: dict[str, DevicePluginServicer] = {}
+
+        def served_ids(name: str) -> frozenset[str] | None:
+            found = by_name.get(name)
+            return frozenset(d.id for d in found.state.devices) if found is not None else None
+
         for resource, profile in served:
             attach = config.allocation.attach_hcas and resource.kind is DeviceKind.GPU
             hooks = ResourceHooks(
@@ -95,8 +101,12 @@ class DevicePluginFrontend:
                 coordinator=core.coordinator,
                 hooks=hooks,
                 partners=partners,
+                partner_ids=served_ids,
                 metrics=core.metrics,
             )
+            by_name[resource.name] = servicer
+            if profile is not None and partners is not None:
+                partners.add_resource(resource.kind, resource.name)
             if config.resources.gpu.mig.strategy == "mixed" and resource.kind is DeviceKind.GPU:
                 fan = fans.setdefault(resource.kind, _FanOut(core))
                 fan.add(servicer, profile)

@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn, Protocol
@@ -113,7 +113,13 @@ class PartnerOracle(Protocol):
     other resource's count, and whether it already got it) from the pod
     cache, else None."""
 
-    def identify(self, kind: DeviceKind, size: int) -> Known | None: ...
+    def identify(
+        self, kind: DeviceKind, size: int, resource: str | None = None
+    ) -> Known | None: ...
+
+    def add_resource(self, kind: DeviceKind, name: str) -> None:
+        """Another resource serving `kind` (mixed MIG), before serving starts."""
+        ...
 
 
 class NoHooks:
@@ -168,11 +174,16 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         coordinator: Coordinator | None = None,
         hooks: AllocationHooks = NO_HOOKS,
         partners: PartnerOracle | None = None,
+        partner_ids: Callable[[str], frozenset[str] | None] = lambda name: None,
         metrics: Metrics | None = None,
         max_extra_streams: int = MAX_EXTRA_STREAMS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`partner_ids`: the devices a resource of the other kind serves now,
+        by its name (None: not one of this daemon's), where that kind is
+        served as several resources (mixed MIG)."""
         self.resource = resource
+        self._partner_ids = partner_ids
         self._metrics = metrics
         self._coordinator = coordinator
         self._hooks = hooks
@@ -182,6 +193,8 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         self._clock = clock
         self._cond = threading.Condition()
         self._state = initial
+        # The ids it serves (what a GetPreferredAllocation's lists cover).
+        self._ids = frozenset(d.id for d in initial.devices)
         self._version = 0
         self._closed = False
         self._streams: list[_Stream] = []
@@ -198,6 +211,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
             changed = state.devices != self._state.devices
             self._state = state
             if changed:
+                self._ids = frozenset(d.id for d in state.devices)
                 self._version += 1
                 self._cond.notify_all()
             return changed
@@ -447,15 +461,19 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
                 # Sets once, for the holdings and the choice (shared resources
                 # keep the kubelet's order for their replicas).
                 listed, must = frozenset(listed), frozenset(must)
-                if coordinator.observe_available(kind, listed, must):
+                with self._cond:
+                    scope = self._ids
+                if coordinator.observe_available(kind, listed, must, scope):
                     self._corrected()
             # Who is being admitted (the oracle reads a cache; it may wait
             # briefly for a pod to arrive).
             known = (
-                self._oracle.identify(kind, container.allocation_size)
+                self._oracle.identify(kind, container.allocation_size, self.resource.name)
                 if self._oracle is not None
                 else None
             )
+            if known is not None and known.partner_resource is not None:
+                known = replace(known, partner_ids=self._partner_ids(known.partner_resource))
             roles: list[Role] = []
             pick = _Picker(coordinator, kind, known, roles)
             try:
