@@ -140,6 +140,10 @@ class Pipeline:
                 present.append(device.id)
                 self._health.observe(device.id, device.health is Health.HEALTHY, device.reason)
         self._health.forget(present)
+        for changed in recut(self._current.inventory, inventory):
+            # A GPU cut anew (or made whole again) served someone through its
+            # old devices: its new ones are cleaned before anyone gets them.
+            self._cleanup.request_cleanup(DeviceKind.GPU, changed)
         hcas = self._hca_view.state(inventory) if self._hca_view is not None else None
         with self._lock:
             current = self._current
@@ -196,6 +200,24 @@ class Pipeline:
             listener()
         for kind, device in judgement.cleanups:
             self._cleanup.request_cleanup(kind, device)
+
+
+def recut(before: Inventory, after: Inventory) -> list[str]:
+    """The served GPU ids that stand for a GPU which was served before as
+    other ids: its MIG layout changed (devices cut anew, or the GPU whole
+    again). Empty for a plain hotplug or an unchanged node."""
+    old: dict[str, set[str]] = {}
+    for gpu in before.gpus:
+        old.setdefault(gpu.physical_uuid, set()).add(gpu.uuid)
+    new: dict[str, set[str]] = {}
+    for gpu in after.gpus:
+        new.setdefault(gpu.physical_uuid, set()).add(gpu.uuid)
+    return sorted(
+        device
+        for physical, ids in new.items()
+        if physical in old and old[physical] != ids
+        for device in ids - old[physical]
+    )
 
 
 def _out(state: ResourceState, reasons: Mapping[str, str]) -> ResourceState:

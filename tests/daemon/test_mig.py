@@ -295,3 +295,39 @@ def test_with_the_pod_watch_an_hca_allocated_first_is_planned_for_the_profile_as
             assert topology.level(device, hca) is Level.PIX, (name, device, hca)
     finally:
         api.stop()
+
+
+def test_a_recut_gpus_new_devices_are_cleaned_before_anyone_gets_them(
+    start_cluster: Start, tmp_path: Path
+) -> None:
+    from tests.support import hook, runs
+
+    log = tmp_path / "cleanup.log"
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    cluster = start_cluster(
+        hgx_h100_mig(),
+        wait=False,
+        **MIXED,
+        **{"resources.gpu.hooks.cleanup": hook(log, f"gate:{gate}")},
+    )
+    for resource, count in ((ONE_G, 8), (GPU, 4)):
+        assert cluster.kubelet.wait_for_devices(resource, count, timeout=10)
+    fresh = tuple(FixtureMigDevice(f"MIG-recut-{i}", 9 + i, 0, 1, 1, 9856, 16) for i in range(2))
+    cluster.nvml.set_mig(0, FixtureMig(True, fresh))
+    cluster.daemon.rescan()
+
+    def health() -> dict[str, str]:
+        listed = cluster.kubelet.devices(ONE_G)
+        return {d: listed[d].health for d in ("MIG-recut-0", "MIG-recut-1") if d in listed}
+
+    # Listed, but not offered while their cleanups wait at the gate.
+    assert wait_until(lambda: len(health()) == 2, timeout=5)
+    assert set(health().values()) == {"Unhealthy"}
+    for device in ("MIG-recut-0", "MIG-recut-1"):
+        (gate / device).touch()
+    assert wait_until(lambda: set(health().values()) == {"Healthy"}, timeout=10)
+    cleaned = {r["env"]["DEVPLUGIN_DEVICE_IDS"] for r in runs(log) if "env" in r}
+    assert cleaned == {"MIG-recut-0", "MIG-recut-1"}
+    # Untouched GPUs' devices were never cleaned.
+    assert not any(d.startswith(mig_uuid(cluster.node.gpus[1].uuid, 0)[:-5]) for d in cleaned)
