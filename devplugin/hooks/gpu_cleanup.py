@@ -2,8 +2,9 @@
 
 For each GPU: refuse (exit 1) while compute processes still run on it, so a
 GPU is never reset under a live job; otherwise restore the default compute
-mode and the default application clocks. Running it twice changes nothing
-the second time.
+mode and the default application clocks. A MIG device (its UUID starts
+MIG-) is only checked for processes: the rest belongs to its whole GPU.
+Running it twice changes nothing the second time.
 
     resources:
       gpu:
@@ -38,6 +39,11 @@ def clean(lib: Any, uuids: Sequence[str]) -> list[str]:
                     pids = ", ".join(str(process.pid) for process in running)
                     problems.append(f"{uuid}: still running processes {pids}")
                     continue
+                if _is_mig(lib, handle):
+                    # Compute mode and clocks belong to the whole GPU, which
+                    # other MIG devices' containers share: a MIG device is
+                    # clean once nothing runs on it.
+                    continue
                 if lib.nvmlDeviceGetComputeMode(handle) != default:
                     lib.nvmlDeviceSetComputeMode(handle, default)
                 try:
@@ -50,6 +56,11 @@ def clean(lib: Any, uuids: Sequence[str]) -> list[str]:
     finally:
         lib.nvmlShutdown()
     return problems
+
+
+def _is_mig(lib: Any, handle: Any) -> bool:
+    check = getattr(lib, "nvmlDeviceIsMigDeviceHandle", None)
+    return bool(check(handle)) if check is not None else False
 
 
 def _library() -> Any:

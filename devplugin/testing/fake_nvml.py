@@ -409,6 +409,8 @@ class FakeNvml:
         self.lost: set[int] = set()
         # Test controls and observations beyond the fixture.
         self.processes: dict[int, list[int]] = {}
+        # MIG device UUID -> pids running on it.
+        self.mig_processes: dict[str, list[int]] = {}
         self.compute_mode: dict[int, int] = {}
         self.clock_resets: list[int] = []
         self.events_unsupported: set[int] = set()
@@ -642,6 +644,9 @@ class FakeNvml:
         )
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[_Process]:
+        if isinstance(handle, _MigHandle):
+            uuid = self._mig_device(handle).uuid
+            return [_Process(pid, 1 << 30) for pid in self.mig_processes.get(uuid, [])]
         index, _ = self._gpu(handle)
         return [_Process(pid, 1 << 30) for pid in self.processes.get(index, [])]
 

@@ -259,6 +259,25 @@ def test_gpu_cleanup_restores_defaults_and_refuses_busy_gpus(tmp_path: Path) -> 
     assert not lib.initialised
 
 
+def test_gpu_cleanup_of_a_mig_device_checks_its_processes_and_leaves_the_gpu_alone(
+    tmp_path: Path,
+) -> None:
+    from devplugin.testing.layouts import hgx_h100_mig
+    from devplugin.testing.node import mig_uuid
+
+    node = build_node(hgx_h100_mig(), tmp_path)
+    lib = FakeNvml(load_fixture(node.fixture))
+    parent = node.gpus[0].uuid
+    slices = [mig_uuid(parent, 0), mig_uuid(parent, 1)]
+    lib.compute_mode[0] = lib.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS
+    assert clean(lib, slices) == []
+    # The parent's settings are its other MIG devices' too: untouched.
+    assert lib.compute_mode[0] == lib.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS
+    assert lib.clock_resets == []
+    lib.mig_processes[slices[1]] = [77]
+    assert clean(lib, slices) == [f"{slices[1]}: still running processes 77"]
+
+
 def test_gpu_cleanup_runs_as_a_hook(tmp_path: Path) -> None:
     node = build_node(hgx_node(), tmp_path)
     payload = {"devices": [{"id": node.gpus[0].uuid, "gpu_uuid": node.gpus[0].uuid}]}
