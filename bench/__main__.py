@@ -68,6 +68,13 @@ extender's verb, against every subset of each node's lower pods. Goal:
 through the extender, every preemptor at the best level eviction gives
 anywhere, with the fewest victims for it.
 
+MIG (`bench/mig.py`): two MIG layouts of the HGX-H100 node under the mixed
+strategy, a real daemon behind the kubelet simulator with the pod watch, a
+seeded stream of MIG and whole-GPU pods (resources taken in random order)
+with deletions; each container against every choice of the free devices.
+Goal: 100% at the best level any free choice gives (the same streams from
+the kubelet alone are printed beside it).
+
 Quality: the answer is compared with an exhaustive search of the same
 objective wherever that is affordable (every size on 8 GPUs, sizes 1-3 on
 64 GPUs). `--quick` runs fewer iterations (used by the tests).
@@ -100,6 +107,7 @@ from bench.dra_live import dra_live_bench
 from bench.extender_scale import extender_scale_bench
 from bench.fleet import fleet_bench
 from bench.idle import idle_bench
+from bench.mig import mig_bench
 from bench.preemption import preemption_bench
 from devplugin.api import deviceplugin_v1beta1_pb2 as pb
 from devplugin.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
@@ -777,6 +785,12 @@ def _parser() -> argparse.ArgumentParser:
         "a full run includes it, --quick leaves it out)",
     )
     parser.add_argument(
+        "--mig",
+        action="store_true",
+        help="MIG devices paired with HCAs by a real daemon against the exhaustive optimum "
+        "(alone unless others are named; a full run includes it)",
+    )
+    parser.add_argument(
         "--preemption",
         action="store_true",
         help="victims for priority pods, count-only against the extender's (alone unless "
@@ -796,54 +810,47 @@ def _run(args: argparse.Namespace) -> int:
         or args.idle
         or args.dra
         or args.preemption
+        or args.mig
     )
     nodes = [n for n in GOALS_MS if n in (args.node or ([] if selected else GOALS_MS))]
     layouts = args.nvlink or ([] if selected else list(NVLINK_LAYOUTS))
-    live = args.cluster or not (selected or args.quick)
-    fleet = args.fleet or not (selected or args.quick)
-    scale = args.extender or not (selected or args.quick)
-    idle = args.idle or not (selected or args.quick)
-    dra = args.dra or not selected
-    preemption = args.preemption or not selected
+    quick = args.quick
+    full = not (selected or quick)
+
+    def nvlink() -> bool:
+        # 200 calls per size: a p99 is then the third slowest, not one hiccup's.
+        calls = iterations if quick else max(200, iterations // 2)
+        return nvlink_section(layouts, calls, min(warmup, 10), base) or quick
+
+    def live() -> bool:
+        met = live_cluster_bench(quick=quick)
+        print()
+        return dra_live_bench(quick=quick) and met
+
+    # In order: (runs, the section; False when its goal is not met).
+    sections: list[tuple[bool, Callable[[], bool]]] = [
+        (bool(nodes), lambda: not node_sections(nodes, quick, iterations, warmup, base)),
+        (bool(layouts), nvlink),
+        (args.cluster or full, live),
+        (args.fleet or full, lambda: fleet_bench(quick=quick)),
+        (args.extender or full, lambda: extender_scale_bench(quick=quick)),
+        (args.idle or full, lambda: idle_bench(quick=quick)),
+        (args.dra or not selected, lambda: dra_bench(quick=quick)),
+        (args.preemption or not selected, lambda: preemption_bench(quick=quick)),
+        (args.mig or not selected, lambda: mig_bench(quick=quick)),
+    ]
     setup_logging("text", "error")
     base = Path(tempfile.mkdtemp(prefix="dpb-", dir="/tmp"))
     failed = False
+    ran = False
     try:
-        if nodes:
-            failed |= node_sections(nodes, args.quick, iterations, warmup, base)
-        if layouts:
-            if nodes:
+        for runs, section in sections:
+            if not runs:
+                continue
+            if ran:
                 print()
-            # 200 calls per size: a p99 is then the third slowest, not one hiccup's.
-            nvlink_iterations = iterations if args.quick else max(200, iterations // 2)
-            met = nvlink_section(layouts, nvlink_iterations, min(warmup, 10), base)
-            failed |= not met and not args.quick
-        if live:
-            if nodes or layouts:
-                print()
-            failed |= not live_cluster_bench(quick=args.quick)
-            print()
-            failed |= not dra_live_bench(quick=args.quick)
-        if fleet:
-            if nodes or layouts or live:
-                print()
-            failed |= not fleet_bench(quick=args.quick)
-        if scale:
-            if nodes or layouts or live or fleet:
-                print()
-            failed |= not extender_scale_bench(quick=args.quick)
-        if idle:
-            if nodes or layouts or live or fleet or scale:
-                print()
-            failed |= not idle_bench(quick=args.quick)
-        if dra:
-            if nodes or layouts or live or fleet or scale or idle:
-                print()
-            failed |= not dra_bench(quick=args.quick)
-        if preemption:
-            if nodes or layouts or live or fleet or scale or idle or dra:
-                print()
-            failed |= not preemption_bench(quick=args.quick)
+            ran = True
+            failed |= not section()
     finally:
         shutil.rmtree(base, ignore_errors=True)
     return 1 if failed else 0

@@ -112,3 +112,17 @@ def test_bench_preemption_quick_run_frees_the_best_level_with_the_fewest_victims
     assert extender[3:5] == ["100.0%", "100.0%"]
     assert "== preemption: through the extender 100.0%" in result.stdout
     assert result.stdout.rstrip().endswith("met")
+
+
+@pytest.mark.slow
+def test_bench_mig_quick_run_pairs_every_mig_device_at_the_best_level() -> None:
+    result = run_bench("bench", "--quick", "--mig")
+    lines = result.stdout.splitlines()
+    rows = [line.split() for line in lines if "pod watch" in line and not line.startswith("==")]
+    assert len(rows) == 2  # two layouts, one seed each
+    for row in rows:
+        assert int(row[-3]) > 0  # containers admitted
+        assert row[-1] == "100.0%"
+    assert "kubelet only" in result.stdout
+    assert "== MIG: with the pod watch 100.0%" in result.stdout
+    assert result.stdout.rstrip().endswith("met")
