@@ -15,6 +15,11 @@ ResourceSlices it publishes, a claim from the chart's 2-pair template
 allocated by the scheduler's allocator imitation, prepared over the
 kubelet's DRA API, its CDI device ids and what a CDI runtime resolves them
 to, and its unprepare.
+
+Last, a cluster of mixed GPU models (`demo_models.py`): an A100 node and an
+H100 node cut by MIG join, the daemons label their Nodes, the extender keeps
+a pod that chose A100s to the A100 node, and a pod gets a MIG device with
+the HCA on its parent's switch.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from devplugin.policy.topology import Topology
 from devplugin.runtime import build
 from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.cdi import CdiRuntime, nvidia_like_spec, write_spec
+from devplugin.testing.demo_models import models_demo
 from devplugin.testing.fake_nvml import FakeNvml
 from devplugin.testing.kubelet import AdmissionError, ContainerRequest, KubeletSimulator, PodResult
 from devplugin.testing.node import BuiltNode, build_node, hgx_node
@@ -179,7 +185,11 @@ def run_demo(out: Callable[[str], None] = print, workdir: Path | None = None) ->
                 f"re-registered {elapsed:.2f}s later"
             )
             out("")
-            return _dra_demo(base / "dra", api, out)
+            failed = _dra_demo(base / "dra", api, out)
+            if failed:
+                return failed
+            out("")
+            return models_demo(base / "models", api, out)
         finally:
             daemon.stop()
             kubelet.stop()

@@ -259,6 +259,17 @@ def test_demo_runs_the_main_job_and_cleans_up(sock_dir: Path) -> None:
     assert "env NCCL_IB_HCA==mlx5_" in one
     assert "NVIDIA_VISIBLE_DEVICES" not in one.split("NodeUnprepareResources", 1)[0]
     assert "NodeUnprepareResources: done; the claim's CDI spec removed: True" in dra
+    # The mixed cluster: labels by model, a pod kept to the model it chose,
+    # and a MIG device paired with the HCA on its parent's switch.
+    models = text.split("A cluster of mixed GPU models", 1)[1]
+    assert "a100-node  NVIDIA-A100-SXM4-80GB  8  ampere" in models
+    assert "mig-node   NVIDIA-H100-80GB-HBM3  8  hopper  mixed  8" in models
+    assert "extender filter passes: a100-node\n" in models
+    assert "mig-node: devplugin.io/gpu-product: the node's GPUs are NVIDIA-H100" in models
+    assert "admitted on a100-node: 2 A100s, worst GPU-to-HCA PIX" in models
+    assert "nvidia.com/mig-1g.10gb x8" in models
+    assert "on the same switch: PIX" in models
+    assert "env NVIDIA_VISIBLE_DEVICES=MIG-" in models
     assert list(sock_dir.iterdir()) == []
 
 
