@@ -96,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the best level each pair asks for first (NONE: no alignment)",
     )
     template.add_argument("--nvlink", action="store_true", help="every GPU in one NVLink domain")
+    template.add_argument(
+        "--mig",
+        default="",
+        metavar="PROFILE",
+        help="MIG devices of this profile (1g.10gb) instead of whole GPUs, paired the same way",
+    )
     template.add_argument("--driver", default="devplugin.io", help="the DRA driver name")
     template.add_argument("--name", default="", help="the template's name")
     template.add_argument("--namespace", default="", help="the template's namespace")
@@ -302,7 +308,7 @@ def cmd_claim_template(args: argparse.Namespace) -> int:
 
     from devplugin.policy.claim_templates import Shape, TemplateError, claim_template
 
-    shape = Shape(args.gpus, args.hcas, prefer=args.prefer, nvlink=args.nvlink)
+    shape = Shape(args.gpus, args.hcas, prefer=args.prefer, nvlink=args.nvlink, mig=args.mig)
     try:
         document = claim_template(shape, args.driver, name=args.name, namespace=args.namespace)
     except TemplateError as exc:

@@ -40,6 +40,7 @@ Where the NVLink constraint would make it 33, the `node` rung is left out
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +53,8 @@ RUNGS = {
     "NODE": "resource.kubernetes.io/numaNode",
 }
 MAX_PAIRS = 8
+# NVIDIA's profile names: 1g.10gb, 1c.3g.40gb, 1g.10gb+me.
+_PROFILE = re.compile(r"^([0-9]+c\.)?[0-9]+g\.[0-9]+gb(\+[a-z]+)?$")
 MAX_REQUESTS = 32
 MAX_CONSTRAINTS = 32
 
@@ -66,6 +69,9 @@ class Shape:
     hcas: int
     prefer: str = "PIX"  # the best level asked for: PIX, PXB, PHB, or NONE (no ladder)
     nvlink: bool = False  # every GPU in one NVLink domain
+    # A MIG profile ("1g.10gb"): the GPU requests ask for MIG devices of it
+    # (published in their parent's place, so the ladder pairs them the same).
+    mig: str = ""
 
     @property
     def pairs(self) -> int:
@@ -73,12 +79,12 @@ class Shape:
 
 
 def classes(driver: str) -> dict[str, str]:
-    """DeviceClass name per kind."""
-    return {"gpu": f"gpu.{driver}", "hca": f"hca.{driver}"}
+    """DeviceClass name per device type (whole GPUs, HCAs, MIG devices)."""
+    return {"gpu": f"gpu.{driver}", "hca": f"hca.{driver}", "mig": f"mig.{driver}"}
 
 
 def device_classes(driver: str) -> list[dict[str, Any]]:
-    """The two DeviceClasses: each selects this driver's devices of one type."""
+    """The DeviceClasses: each selects this driver's devices of one type."""
     return [
         {
             "apiVersion": "resource.k8s.io/v1",
@@ -130,18 +136,27 @@ def _ladder(prefer: str, driver: str, *, node: bool) -> list[tuple[str, str]]:
     ]
 
 
-def claim_spec(shape: Shape, driver: str) -> dict[str, Any]:
-    """The `spec` of a ResourceClaim for this shape."""
+def _check(shape: Shape) -> None:
+    """TemplateError for a shape no claim can express."""
     if shape.gpus < 0 or shape.hcas < 0 or shape.gpus + shape.hcas == 0:
         raise TemplateError("ask for at least one GPU or HCA")
     if shape.prefer not in (*LEVELS, "NONE"):
         raise TemplateError(f"prefer must be one of {', '.join(LEVELS)} or NONE")
+    if shape.mig and shape.nvlink:
+        raise TemplateError("MIG devices have no NVLink: nvlink and mig do not go together")
+    if shape.mig and not _PROFILE.match(shape.mig):
+        raise TemplateError(f"mig: {shape.mig[:40]!r} is not a MIG profile like 1g.10gb")
     if shape.pairs > MAX_PAIRS:
         raise TemplateError(
             f"{shape.pairs} GPU+HCA pairs: a claim holds at most {MAX_PAIRS} "
             "(32 constraints, four per pair)"
         )
-    gpu_class, hca_class = classes(driver)["gpu"], classes(driver)["hca"]
+
+
+def claim_spec(shape: Shape, driver: str) -> dict[str, Any]:
+    """The `spec` of a ResourceClaim for this shape."""
+    _check(shape)
+    gpu_class, hca_class = classes(driver)["mig" if shape.mig else "gpu"], classes(driver)["hca"]
     rungs = len(_ladder(shape.prefer, driver, node=True))
     nvlink = 1 if shape.nvlink and shape.gpus > 1 else 0
     ladder = _ladder(shape.prefer, driver, node=shape.pairs * rungs + nvlink <= MAX_CONSTRAINTS)
@@ -178,6 +193,11 @@ def claim_spec(shape: Shape, driver: str) -> dict[str, Any]:
         constraints.append({"requests": gpu_requests, "matchAttribute": f"{driver}/nvlinkDomain"})
     if len(requests) > MAX_REQUESTS or len(constraints) > MAX_CONSTRAINTS:
         raise TemplateError("the shape needs more requests or constraints than a claim holds")
+    if shape.mig:
+        profile = f'device.attributes["{driver}"].profile == "{shape.mig}"'
+        for request in requests:
+            if request["name"].startswith("gpu"):
+                _gated(request, profile)
     _gated(requests[0], gate(shape, driver))
     devices: dict[str, Any] = {"requests": requests}
     if constraints:
@@ -206,7 +226,8 @@ def template_name(shape: Shape) -> str:
     else:
         base = f"{shape.gpus}-gpu-{shape.hcas}-hca"
     suffix = "" if shape.prefer == "PIX" or not shape.pairs else f"-{shape.prefer.lower()}"
-    return f"{base}{suffix}{'-nvlink' if shape.nvlink and shape.gpus > 1 else ''}"
+    mig = f"-mig-{shape.mig}" if shape.mig else ""
+    return f"{base}{mig}{suffix}{'-nvlink' if shape.nvlink and shape.gpus > 1 else ''}"
 
 
 def claim_template(

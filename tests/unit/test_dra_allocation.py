@@ -191,6 +191,12 @@ def test_claim_template_command_prints_a_template(capsys: pytest.CaptureFixture[
     assert [s["name"] for s in requests[0]["firstAvailable"]] == ["pxb", "phb", "node", "any"]
     assert main(["claim-template", "--gpus", "9", "--hcas", "9"]) == 2
     assert "at most 8" in capsys.readouterr().err
+    assert main(["claim-template", "--gpus", "1", "--hcas", "1", "--mig", "1g.10gb"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed == claim_template(Shape(1, 1, mig="1g.10gb"), DRIVER)
+    assert printed["metadata"]["name"] == "1-pair-mig-1g.10gb"
+    assert main(["claim-template", "--gpus", "1", "--hcas", "1", "--mig", "big"]) == 2
+    assert "not a MIG profile" in capsys.readouterr().err
 
 
 def test_memory_is_published_as_the_api_server_stores_it() -> None:
