@@ -88,6 +88,7 @@ def _config(base: Path, node_dir: Path, kubeconfig: Path, fixture: Path, watch: 
         **{
             "paths.sysfs_root": str(node_dir / "sys"),
             "paths.dev_root": str(node_dir / "dev"),
+            "paths.nvidia_caps_root": str(node_dir / "nvidia-capabilities"),
             "paths.device_plugin_dir": str(base / "dp"),
             "paths.pod_resources_socket": str(base / "pr" / "kubelet.sock"),
             "nvml.fixture": str(fixture),

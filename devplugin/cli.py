@@ -242,6 +242,7 @@ def _scan(config: Config) -> Any:
         Roots(Path(config.paths.sysfs_root), Path(config.paths.dev_root)),
         NvmlGpuSource(lib) if lib is not None else None,
         mig_strategy=config.resources.gpu.mig.strategy,
+        caps_root=Path(config.paths.nvidia_caps_root),
     )
     try:
         return discoverer.scan()

@@ -236,6 +236,8 @@ class PathsConfig:
     # watcher). Both paths must be the same inside the container and on the host.
     kubelet_plugins_dir: str = _checked("/var/lib/kubelet/plugins", _absolute)
     kubelet_registry_dir: str = _checked("/var/lib/kubelet/plugins_registry", _absolute)
+    # Where the driver says which nvidia-caps nodes each MIG device needs.
+    nvidia_caps_root: str = _checked("/proc/driver/nvidia/capabilities", _absolute)
     # The kernel's boot id (the host's, also inside a container): a DRA claim
     # prepared in another boot is prepared again.
     boot_id: str = _checked("/proc/sys/kernel/random/boot_id", _absolute)

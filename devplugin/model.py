@@ -196,6 +196,8 @@ class MigSlice:
     device: MigDevice
     # The whole GPU's memory (the entry's own is the MIG device's).
     parent_memory_mib: int = 0
+    # Its nvidia-caps minors (GPU instance, compute instance); () unread.
+    caps: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

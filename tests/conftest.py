@@ -95,6 +95,7 @@ def fast_config(node: BuiltNode, plugin_dir: Path, pod_resources: Path, **extra:
     settings: dict[str, Any] = {
         "paths.sysfs_root": str(node.sysfs_root),
         "paths.dev_root": str(node.dev_root),
+        "paths.nvidia_caps_root": str(node.caps_root),
         "paths.device_plugin_dir": str(plugin_dir),
         "paths.pod_resources_socket": str(pod_resources),
         "nvml.fixture": str(node.fixture),

@@ -188,6 +188,7 @@ def _discoverer(config: Config, gpu_lib: object | None) -> Discoverer:
         deadlines,
         cdi=CdiReader(config.cdi.spec_dirs) if reads_cdi else None,
         mig_strategy=gpu.mig.strategy,
+        caps_root=Path(paths.nvidia_caps_root),
     )
 
 

@@ -41,6 +41,16 @@ from devplugin.model import (
 from devplugin.policy.cdi import SpecError, annotation_key, qualified, sanitize_device_name
 
 GPU_VISIBLE_ENV = "NVIDIA_VISIBLE_DEVICES"
+# A MIG device is opened through two of these (its GPU and compute instance).
+CAPS_DIR = "/dev/nvidia-caps"
+
+
+def cap_node(minor: int) -> str:
+    return f"{CAPS_DIR}/nvidia-cap{minor}"
+
+
+# Why a MIG device is not offered when its capability nodes are unknown.
+MIG_CAPS_UNREAD = "its nvidia-caps access files are not readable (paths.nvidia_caps_root)"
 # How the reason of a GPU no CDI spec names begins.
 CDI_UNDECLARED = "no CDI spec declares"
 
@@ -98,6 +108,12 @@ class Delivery:
     @property
     def cdi(self) -> bool:
         return bool(self.strategy & {CDI_CRI, CDI_ANNOTATIONS})
+
+    @property
+    def nodes_only(self) -> bool:
+        """Device specs are all a container gets: no variable for NVIDIA's
+        runtime to act on, no CDI name."""
+        return DEVICE_NODES in self.strategy and not self.cdi and ENVVAR not in self.strategy
 
     def answer(
         self,
@@ -337,6 +353,10 @@ class GpuResource(Exclusive):
     def _problem(self, gpu: GpuInfo, catalog: CdiCatalog | None) -> str:
         if gpu.error:
             return f"NVML: {gpu.error}"
+        if gpu.slice is not None and not gpu.slice.caps and self.delivery.nodes_only:
+            # Fail closed: device nodes alone cannot reach a MIG device
+            # without its capability nodes (nothing else would add them).
+            return f"{MIG_CAPS_UNREAD} (MIG device {gpu.uuid}, GPU minor {gpu.minor_number})"
         if self.delivery.cdi:
             # Fail closed: a name no spec declares would fail the container.
             name, kind = self.cdi_name(gpu), self.delivery.cdi_kind
@@ -348,10 +368,12 @@ class GpuResource(Exclusive):
     def _allocation(self, gpu: GpuInfo) -> ContainerAllocation:
         path = f"/dev/nvidia{gpu.minor_number}"
         node = DeviceNode(path, path, number=(NVIDIA_MAJOR, gpu.minor_number))
+        caps = gpu.slice.caps if gpu.slice is not None else ()
+        nodes = (node, *(DeviceNode(cap_node(m), cap_node(m)) for m in caps))
         names = (
             (qualified(self.delivery.cdi_kind, self.cdi_name(gpu)),) if self.delivery.cdi else ()
         )
-        return ContainerAllocation(devices=(node,), cdi_devices=names)
+        return ContainerAllocation(devices=nodes, cdi_devices=names)
 
 
 def hca_health(hca: HcaInfo, *, numbered: bool = False) -> tuple[Health, str]:

@@ -41,6 +41,7 @@ def _node_config(base: Path, spec_dir: Path, kubeconfig: Path, name: str, mig: s
         **{
             "paths.sysfs_root": str(spec_dir / "sys"),
             "paths.dev_root": str(spec_dir / "dev"),
+            "paths.nvidia_caps_root": str(spec_dir / "nvidia-capabilities"),
             "paths.device_plugin_dir": str(base / "dp"),
             "paths.pod_resources_socket": str(base / "pr" / "kubelet.sock"),
             "nvml.fixture": str(spec_dir / "nvml.json"),

@@ -127,6 +127,8 @@ class BuiltNode:
     gpus: tuple[BuiltGpu, ...]
     hcas: tuple[BuiltHca, ...]
     bridges: dict[PciAddress, Path]
+    # /proc/driver/nvidia/capabilities as the driver writes it for MIG.
+    caps_root: Path | None = None
 
     def gpu_uuid(self, index: int) -> str:
         return self.gpus[index].uuid
@@ -155,6 +157,7 @@ class BuiltNode:
                 "dev_root": str(self.dev_root),
                 "device_plugin_dir": str(sock_dir / "dp"),
                 "pod_resources_socket": str(sock_dir / "pr" / "kubelet.sock"),
+                **({"nvidia_caps_root": str(self.caps_root)} if self.caps_root else {}),
             },
             "nvml": {"fixture": str(self.fixture)},
             "lifecycle": {"checkpoint_file": str(checkpoint)},
@@ -211,7 +214,10 @@ class _Builder:
             self.sysfs.rdma_cm()
         fixture = self.base / "nvml.json"
         fixture.write_text(json.dumps(self.fixture(), indent=2) + "\n", encoding="utf-8")
+        caps_root = self.base / "nvidia-capabilities"
+        self.mig_caps(caps_root)
         return BuiltNode(
+            caps_root=caps_root,
             sysfs_root=self.sysfs.sysfs,
             dev_root=self.sysfs.dev,
             fixture=fixture,
@@ -219,6 +225,28 @@ class _Builder:
             hcas=tuple(self.hcas),
             bridges=self.bridges,
         )
+
+    def mig_caps(self, root: Path) -> None:
+        """The driver's capability files and nvidia-caps nodes for every MIG
+        device: gpu<minor>/mig/gi<gi>/access and .../ci<ci>/access, each
+        naming the minor of its /dev/nvidia-caps node."""
+        root.mkdir(parents=True, exist_ok=True)
+        for gpu in self.fixture_gpus:
+            mig = gpu.get("mig")
+            if not isinstance(mig, dict):
+                continue
+            minor = gpu["minor_number"]
+            assert isinstance(minor, int)
+            for device in mig["devices"]:
+                instance = root / f"gpu{minor}" / "mig" / f"gi{device['gpu_instance']}"
+                compute = instance / f"ci{device['compute_instance']}"
+                compute.mkdir(parents=True, exist_ok=True)
+                first = CAPS_BASE + 100 * minor + 2 * device["gpu_instance"]
+                for path, number in ((instance, first), (compute, first + 1)):
+                    (path / "access").write_text(
+                        f"DeviceFileMinor: {number}\nDeviceFileMode: 292\nDeviceFileModify: 1\n"
+                    )
+                    self.sysfs.dev_node(f"nvidia-caps/nvidia-cap{number}", (CAPS_MAJOR, number))
 
     def child(self, parent: PciNode, child: Child) -> None:
         address = PciAddress(self.domain, self.bus(), 0, 0)
@@ -346,6 +374,9 @@ class _Builder:
         }
 
 
+# nvidia-caps: its major is the kernel's choice; minors from 3 up (1 and 2
+# are the driver's config and monitor capabilities).
+CAPS_MAJOR, CAPS_BASE = 237, 3
 # An H100 80GB's MIG profiles: (GPU slices, compute slices, MiB, SMs).
 MIG_PROFILES: dict[str, tuple[int, int, int, int]] = {
     "1g.10gb": (1, 1, 9856, 16),

@@ -331,3 +331,44 @@ def test_a_recut_gpus_new_devices_are_cleaned_before_anyone_gets_them(
     assert cleaned == {"MIG-recut-0", "MIG-recut-1"}
     # Untouched GPUs' devices were never cleaned.
     assert not any(d.startswith(mig_uuid(cluster.node.gpus[1].uuid, 0)[:-5]) for d in cleaned)
+
+
+def test_a_mig_device_comes_with_its_two_nvidia_caps_nodes(start_cluster: Start) -> None:
+    cluster = mixed(start_cluster)
+    pod = cluster.kubelet.admit(
+        "caps", [ContainerRequest("main", {ONE_G: 1, HCA: 1})], order=[ONE_G, HCA]
+    )
+    got = pod.container("main")
+    (device,) = got.devices[ONE_G]
+    gpu = next(g for g in cluster.daemon.inventory.gpus if g.uuid == device)
+    assert gpu.slice is not None
+    gi, ci = gpu.slice.caps
+    paths = [d.host_path for d in got.responses[ONE_G].devices]
+    assert f"/dev/nvidia-caps/nvidia-cap{gi}" in paths
+    assert f"/dev/nvidia-caps/nvidia-cap{ci}" in paths
+    assert ci == gi + 1
+    # What the driver's files say, for that GPU and its instances.
+    instance = cluster.node.caps_root / f"gpu{gpu.minor_number}" / "mig"
+    access = instance / f"gi{gpu.slice.device.gpu_instance}" / "access"
+    assert f"DeviceFileMinor: {gi}" in access.read_text()
+
+
+def test_device_nodes_alone_never_offer_a_mig_device_whose_caps_cannot_be_read(
+    start_cluster: Start, tmp_path: Path
+) -> None:
+    cluster = start_cluster(
+        hgx_h100_mig(),
+        wait=False,
+        **MIXED,
+        **{
+            "paths.nvidia_caps_root": str(tmp_path / "missing"),
+            "resources.gpu.device_list_strategy": ["device-nodes"],
+        },
+    )
+    assert cluster.kubelet.wait_for_devices(ONE_G, 8, timeout=10)
+    listed = cluster.kubelet.devices(ONE_G)
+    assert {d.health for d in listed.values()} == {"Unhealthy"}
+    served = cluster.daemon.servicer(ONE_G).state.devices
+    assert all("nvidia-caps access files are not readable" in d.reason for d in served)
+    # Whole GPUs are unaffected.
+    assert {d.health for d in cluster.kubelet.devices(GPU).values()} == {"Healthy"}

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from devplugin.model import (
     CdiCatalog,
+    GpuInfo,
     HcaInfo,
     Inventory,
     NvmlStatus,
@@ -19,6 +20,7 @@ from devplugin.model import (
 )
 from devplugin.node.deadline import Deadlines, Stuck
 from devplugin.node.discovery.cdi import CdiReader
+from devplugin.node.discovery.mig_caps import mig_caps
 from devplugin.node.discovery.nvml import READ_TIMEOUT, NvmlGpuSource
 from devplugin.node.discovery.sysfs import (
     DescriptorsExhausted,
@@ -43,6 +45,10 @@ class Roots:
     dev: Path
 
 
+def _read_caps(root: Path, gpus: tuple[GpuInfo, ...]) -> list[tuple[int, ...]]:
+    return [mig_caps(root, gpu) for gpu in gpus]
+
+
 class Discoverer:
     """Produces immutable `Inventory` snapshots; callers diff consecutive ones.
 
@@ -61,11 +67,13 @@ class Discoverer:
         *,
         cdi: CdiReader | None = None,
         mig_strategy: str = "none",
+        caps_root: Path | None = None,
     ) -> None:
         self._roots = roots
         # How MIG-enabled GPUs are served (policy/mig.py): under single and
         # mixed, a GPU's MIG devices stand in its place in every snapshot.
         self._mig_strategy = mig_strategy
+        self._caps_root = caps_root
         self._gpus = gpus
         self._cdi = cdi
         self._deadlines = deadlines if deadlines is not None else Deadlines(READ_TIMEOUT)
@@ -118,7 +126,7 @@ class Discoverer:
         pci = self._pci
         if self._gpus is not None:
             gpus, status = self._gpus.scan(pci)
-            gpus = served_gpus(gpus, self._mig_strategy)
+            gpus = self._with_caps(served_gpus(gpus, self._mig_strategy))
         else:
             gpus, status = (), NvmlStatus(error="GPU discovery disabled")
         for gpu in gpus:
@@ -142,6 +150,23 @@ class Discoverer:
             cdi=self._read_cdi(),
         )
         return self._last
+
+    def _with_caps(self, gpus: tuple[GpuInfo, ...]) -> tuple[GpuInfo, ...]:
+        """Each MIG device with its nvidia-caps minors, where they can be read."""
+        root = self._caps_root
+        if root is None or not any(gpu.slice is not None for gpu in gpus):
+            return gpus
+        try:
+            found = self._deadlines.call("caps", partial(_read_caps, root, gpus))
+        except (Stuck, DescriptorsExhausted) as exc:
+            self._note(exc, "the MIG capability files")
+            return gpus
+        return tuple(
+            dataclasses.replace(gpu, slice=dataclasses.replace(gpu.slice, caps=found[i]))
+            if gpu.slice is not None and found[i]
+            else gpu
+            for i, gpu in enumerate(gpus)
+        )
 
     def _read_cdi(self) -> CdiCatalog | None:
         if self._cdi is None or self._cdi_deadlines is None:
