@@ -54,6 +54,23 @@ def _gpu(gpu: GpuInfo) -> dict[str, Any]:
         "numa_node": gpu.numa_node,
         "nvlink_peers": {str(peer): count for peer, count in gpu.nvlink_peers},
         "pci": _pci(gpu.pci),
+        "mig": _mig(gpu),
+    }
+
+
+def _mig(gpu: GpuInfo) -> dict[str, Any]:
+    """A whole GPU's MIG mode, or a MIG device's parent and instances."""
+    if gpu.slice is None:
+        return {"capable": gpu.mig_capable, "enabled": gpu.mig_enabled}
+    device = gpu.slice.device
+    return {
+        "parent_uuid": gpu.slice.parent_uuid,
+        "parent_index": gpu.slice.parent_index,
+        "profile": device.profile,
+        "gpu_instance": device.gpu_instance,
+        "compute_instance": device.compute_instance,
+        "multiprocessors": device.multiprocessors,
+        "caps_minors": list(gpu.slice.caps),
     }
 
 
@@ -112,6 +129,15 @@ def inventory_text(inventory: Inventory) -> str:
     else:
         lines.append(f"NVML: unavailable ({nvml.error})")
     for gpu in inventory.gpus:
+        if gpu.slice is not None:
+            device = gpu.slice.device
+            lines.append(
+                f"  MIG {gpu.uuid} {device.profile} of GPU{gpu.slice.parent_index} "
+                f"(GPU instance {device.gpu_instance}, compute instance "
+                f"{device.compute_instance}) {gpu.memory_total_mib} MiB "
+                f"NUMA {_numa_text(gpu.numa_node)}"
+            )
+            continue
         nv = ", ".join(f"GPU{peer}:NV{count}" for peer, count in gpu.nvlink_peers) or "none"
         lines.append(
             f"  GPU{gpu.index} {gpu.uuid} {gpu.name} bus {gpu.pci_address} "
@@ -141,10 +167,16 @@ def inventory_text(inventory: Inventory) -> str:
     return "\n".join(lines)
 
 
+def _gpu_label(gpu: GpuInfo) -> str:
+    if gpu.slice is not None:
+        return f"MIG{gpu.slice.parent_index}:{gpu.slice.device.index}"
+    return f"GPU{gpu.index}"
+
+
 def topo_matrix(inventory: Inventory) -> list[list[str]]:
     """Header row then one row per device: the cells `devplugin topo` prints."""
     topology = Topology.from_inventory(inventory)
-    labels = [f"GPU{gpu.index}" for gpu in inventory.gpus] + [hca.name for hca in inventory.hcas]
+    labels = [_gpu_label(gpu) for gpu in inventory.gpus] + [hca.name for hca in inventory.hcas]
     ids = [gpu.uuid for gpu in inventory.gpus] + [hca.device_id for hca in inventory.hcas]
     functions = [gpu.pci for gpu in inventory.gpus] + [hca.pci for hca in inventory.hcas]
     rows = [["", *labels, "CPU Affinity", "NUMA Affinity"]]

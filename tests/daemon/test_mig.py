@@ -372,3 +372,28 @@ def test_device_nodes_alone_never_offer_a_mig_device_whose_caps_cannot_be_read(
     assert all("nvidia-caps access files are not readable" in d.reason for d in served)
     # Whole GPUs are unaffected.
     assert {d.health for d in cluster.kubelet.devices(GPU).values()} == {"Healthy"}
+
+
+def test_discover_and_topo_show_mig_devices_under_their_strategy(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    node = build_node(hgx_h100_mig(), tmp_path / "node")
+    config = tmp_path / "config.yaml"
+    settings = node.run_config(tmp_path / "sock", tmp_path / "checkpoint.json")
+    settings["resources"] = {"gpu": {"mig": {"strategy": "mixed"}}}
+    config.write_text(yaml.safe_dump(settings))
+    assert main(["discover", "--json", "--config", str(config)]) == 0
+    found = json.loads(capsys.readouterr().out)
+    migs = [g for g in found["gpus"] if "profile" in g["mig"]]
+    assert len(migs) == 16
+    first = migs[0]["mig"]
+    assert (first["parent_index"], first["profile"], first["gpu_instance"]) == (0, "3g.40gb", 1)
+    assert len(first["caps_minors"]) == 2
+    whole = [g for g in found["gpus"] if "profile" not in g["mig"]]
+    assert {(g["mig"]["capable"], g["mig"]["enabled"]) for g in whole} == {(True, False)}
+    assert main(["topo", "--config", str(config)]) == 0
+    matrix = capsys.readouterr().out
+    assert "MIG0:0" in matrix
+    assert "MIG3:3" in matrix
