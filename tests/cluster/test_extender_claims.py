@@ -105,7 +105,11 @@ def settled(running: Running, api: ApiServerImitation) -> None:
     _, caches = running[0].dra  # type: ignore[misc]
     want = len(api.items("resourceslices"))
     assert wait_until(
-        lambda: len(caches.slices) == want and len(caches.claims) == 2 and len(caches.classes) == 2,
+        lambda: (
+            len(caches.slices) == want
+            and len(caches.claims) == 2
+            and len(caches.classes) == len(device_classes(DRIVER))
+        ),
         timeout=10,
     )
     assert wait_until(lambda: running[0].ready()[0], timeout=10)
