@@ -371,6 +371,7 @@ def test_device_nodes_alone_never_offer_a_mig_device_whose_caps_cannot_be_read(
     served = cluster.daemon.servicer(ONE_G).state.devices
     assert all("nvidia-caps access files are not readable" in d.reason for d in served)
     # Whole GPUs are unaffected.
+    assert cluster.kubelet.wait_for_devices(GPU, 4, timeout=10)
     assert {d.health for d in cluster.kubelet.devices(GPU).values()} == {"Healthy"}
 
 
