@@ -38,7 +38,7 @@ from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.fake_nvml import FakeNvml
 from devplugin.testing.kubelet import AdmissionError, ContainerRequest, KubeletSimulator
 from devplugin.testing.layouts import MIXED_CUTS, hgx_h100_mig
-from devplugin.testing.node import build_node
+from devplugin.testing.node import BuiltNode, build_node
 
 GPU, HCA = "nvidia.com/gpu", "rdma/hca"
 ONE_G, TWO_G, THREE_G = (
@@ -82,17 +82,11 @@ def best_level(
     return best
 
 
-def _config(base: Path, node_dir: Path, kubeconfig: Path, fixture: Path, watch: bool) -> Config:
+def _config(node: BuiltNode, base: Path, kubeconfig: Path, watch: bool) -> Config:
     return override(
         Config(),
         **{
-            "paths.sysfs_root": str(node_dir / "sys"),
-            "paths.dev_root": str(node_dir / "dev"),
-            "paths.nvidia_caps_root": str(node_dir / "nvidia-capabilities"),
-            "paths.device_plugin_dir": str(base / "dp"),
-            "paths.pod_resources_socket": str(base / "pr" / "kubelet.sock"),
-            "nvml.fixture": str(fixture),
-            "lifecycle.checkpoint_file": str(base / "checkpoint.json"),
+            **node.settings(base),
             "metrics.enabled": False,
             "kubernetes.enabled": watch,
             "kubernetes.kubeconfig": str(kubeconfig),
@@ -120,7 +114,7 @@ def run(
     kubeconfig = base / "kubeconfig"
     kubeconfig.write_text(json.dumps(api.kubeconfig()))
     Checkpoint(base / "checkpoint.json").save(LifecycleState())
-    config = _config(base, node.sysfs_root.parent, kubeconfig, node.fixture, watch)
+    config = _config(node, base, kubeconfig, watch)
     daemon = build(config, FakeNvml.from_file(node.fixture))
     tally = Tally()
     try:

@@ -27,17 +27,25 @@ from devplugin.node.resources import ResourceState
 from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.fake_nvml import FakeNvml
 from devplugin.testing.layouts import LAYOUTS
-from devplugin.testing.node import build_node
+from devplugin.testing.node import NodeSpec, build_node
 from tests.waiting import wait_until
 
 GPU, HCA = "nvidia.com/gpu", "rdma/hca"
 
 
-def inventory(layout: str, base: Path) -> Inventory:
-    node = build_node(LAYOUTS[layout](), base)
+def inventory(layout: str | NodeSpec, base: Path, mig_strategy: str = "none") -> Inventory:
+    """What the daemon's discovery finds on a simulated node (a layout's
+    name, or a spec), its MIG devices served under `mig_strategy`."""
+    node = build_node(LAYOUTS[layout]() if isinstance(layout, str) else layout, base)
     deadlines = Deadlines(5)
     source = NvmlGpuSource(FakeNvml.from_file(node.fixture), deadlines)
-    discoverer = Discoverer(Roots(node.sysfs_root, node.dev_root), source, deadlines)
+    discoverer = Discoverer(
+        Roots(node.sysfs_root, node.dev_root),
+        source,
+        deadlines,
+        mig_strategy=mig_strategy,
+        caps_root=node.caps_root,
+    )
     try:
         return discoverer.scan(full=True)
     finally:

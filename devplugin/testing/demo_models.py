@@ -27,7 +27,7 @@ from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.fake_nvml import FakeNvml
 from devplugin.testing.kubelet import ContainerRequest, KubeletSimulator
 from devplugin.testing.layouts import dgx_a100, hgx_h100_mig
-from devplugin.testing.node import NodeSpec, build_node
+from devplugin.testing.node import BuiltNode, NodeSpec, build_node
 from devplugin.testing.scheduler import call_extender, pending_pod, selector_fits
 
 GPU, HCA = "nvidia.com/gpu", "rdma/hca"
@@ -35,17 +35,11 @@ ONE_G = "nvidia.com/mig-1g.10gb"
 SHOWN = ("gpu.product", "gpu.count", "gpu.family", "mig.strategy", "mig-1g.10gb.count")
 
 
-def _node_config(base: Path, spec_dir: Path, kubeconfig: Path, name: str, mig: str) -> Config:
+def _node_config(node: BuiltNode, base: Path, kubeconfig: Path, name: str, mig: str) -> Config:
     return override(
         Config(),
         **{
-            "paths.sysfs_root": str(spec_dir / "sys"),
-            "paths.dev_root": str(spec_dir / "dev"),
-            "paths.nvidia_caps_root": str(spec_dir / "nvidia-capabilities"),
-            "paths.device_plugin_dir": str(base / "dp"),
-            "paths.pod_resources_socket": str(base / "pr" / "kubelet.sock"),
-            "nvml.fixture": str(spec_dir / "nvml.json"),
-            "lifecycle.checkpoint_file": str(base / "checkpoint.json"),
+            **node.settings(base),
             "metrics.enabled": False,
             "kubernetes.enabled": True,
             "kubernetes.kubeconfig": str(kubeconfig),
@@ -72,7 +66,7 @@ class _Node:
             base / "dp", base / "pr" / "kubelet.sock", seed=3, api=api, node_name=name
         )
         self.kubelet.start()
-        config = _node_config(base, built.sysfs_root.parent, kubeconfig, name, mig)
+        config = _node_config(built, base, kubeconfig, name, mig)
         self.daemon: Daemon = build(config, FakeNvml.from_file(built.fixture))
         self.daemon.start()
 

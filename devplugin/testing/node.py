@@ -145,6 +145,19 @@ class BuiltNode:
                 return hca
         raise KeyError(device_id)
 
+    def settings(self, base: Path) -> dict[str, object]:
+        """Dotted config overrides that point a daemon at this node, with its
+        kubelet sockets (dp/, pr/kubelet.sock) and checkpoint under `base`."""
+        return {
+            "paths.sysfs_root": str(self.sysfs_root),
+            "paths.dev_root": str(self.dev_root),
+            **({"paths.nvidia_caps_root": str(self.caps_root)} if self.caps_root else {}),
+            "paths.device_plugin_dir": str(base / "dp"),
+            "paths.pod_resources_socket": str(base / "pr" / "kubelet.sock"),
+            "nvml.fixture": str(self.fixture),
+            "lifecycle.checkpoint_file": str(base / "checkpoint.json"),
+        }
+
     def run_config(self, sock_dir: Path, checkpoint: Path) -> dict[str, object]:
         """The v1 config file content for `devplugin run` on this node: its
         sysfs, dev and NVML fixture, the kubelet sockets under `sock_dir`

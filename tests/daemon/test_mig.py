@@ -26,6 +26,13 @@ MIXED = {"resources.gpu.mig.strategy": "mixed"}
 ONE_G, TWO_G, THREE_G = "nvidia.com/mig-1g.10gb", "nvidia.com/mig-2g.20gb", "nvidia.com/mig-3g.40gb"
 
 
+def recut_into_two() -> FixtureMig:
+    """GPU 0 cut anew: two 1g.10gb devices with new instances and UUIDs."""
+    return FixtureMig(
+        True, tuple(FixtureMigDevice(f"MIG-recut-{i}", 9 + i, 0, 1, 1, 9856, 16) for i in range(2))
+    )
+
+
 def mixed(start_cluster: Start) -> Cluster:
     cluster = start_cluster(hgx_h100_mig(), wait=False, **MIXED)
     kubelet = cluster.kubelet
@@ -119,8 +126,7 @@ def test_a_reconfigured_gpu_is_seen_by_the_next_rescan_and_its_old_slices_leave(
     parent = cluster.node.gpus[0]
     old = [mig_uuid(parent.uuid, i) for i in range(4)]
     # An operator recuts GPU 0 into two 1g devices with new instances.
-    fresh = tuple(FixtureMigDevice(f"MIG-recut-{i}", 9 + i, 0, 1, 1, 9856, 16) for i in range(2))
-    cluster.nvml.set_mig(0, FixtureMig(True, fresh))
+    cluster.nvml.set_mig(0, recut_into_two())
     cluster.daemon.rescan()
     listed = cluster.kubelet.devices
 
@@ -182,20 +188,9 @@ def test_a_strategy_the_node_cannot_serve_exits_2_naming_the_field(
 
 
 def _mixed_inventory(tmp_path: Path) -> Any:
-    from devplugin.node.deadline import Deadlines
-    from devplugin.node.discovery import Discoverer, NvmlGpuSource, Roots
-    from devplugin.testing.fake_nvml import FakeNvml
+    from tests.extender_support import inventory
 
-    node = build_node(hgx_h100_mig(), tmp_path / "mig")
-    deadlines = Deadlines(5)
-    source = NvmlGpuSource(FakeNvml.from_file(node.fixture), deadlines)
-    discoverer = Discoverer(
-        Roots(node.sysfs_root, node.dev_root), source, deadlines, mig_strategy="mixed"
-    )
-    try:
-        return discoverer.scan(full=True)
-    finally:
-        discoverer.close()
+    return inventory(hgx_h100_mig(), tmp_path / "mig", mig_strategy="mixed")
 
 
 def test_the_record_describes_slices_and_the_extender_pairs_one_with_its_hca(
@@ -313,8 +308,7 @@ def test_a_recut_gpus_new_devices_are_cleaned_before_anyone_gets_them(
     )
     for resource, count in ((ONE_G, 8), (GPU, 4)):
         assert cluster.kubelet.wait_for_devices(resource, count, timeout=10)
-    fresh = tuple(FixtureMigDevice(f"MIG-recut-{i}", 9 + i, 0, 1, 1, 9856, 16) for i in range(2))
-    cluster.nvml.set_mig(0, FixtureMig(True, fresh))
+    cluster.nvml.set_mig(0, recut_into_two())
     cluster.daemon.rescan()
 
     def health() -> dict[str, str]:
