@@ -392,3 +392,20 @@ def test_discover_and_topo_show_mig_devices_under_their_strategy(
     matrix = capsys.readouterr().out
     assert "MIG0:0" in matrix
     assert "MIG3:3" in matrix
+
+
+def test_init_hooks_get_the_mig_devices_ids(start_cluster: Start, tmp_path: Path) -> None:
+    from tests.support import hook, runs
+
+    log = tmp_path / "init.log"
+    cluster = start_cluster(
+        hgx_h100_mig(), wait=False, **MIXED, **{"resources.gpu.hooks.init": hook(log, "ok")}
+    )
+    for resource, count in ((TWO_G, 4), (HCA, 8)):
+        assert cluster.kubelet.wait_for_devices(resource, count, timeout=10)
+    pod = cluster.kubelet.admit("hooked", [ContainerRequest("main", {TWO_G: 1, HCA: 1})])
+    (device,) = pod.container("main").devices[TWO_G]
+    assert device.startswith("MIG-")
+    (run,) = [r for r in runs(log) if "env" in r]
+    assert run["env"]["DEVPLUGIN_RESOURCE"] == TWO_G
+    assert run["env"]["DEVPLUGIN_DEVICE_IDS"] == device
