@@ -4,7 +4,6 @@ records of an H100 node and an A100 node in the API server imitation."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -17,17 +16,21 @@ H100 = "NVIDIA H100 80GB HBM3"
 A100 = "NVIDIA A100-SXM4-80GB"
 
 
-@pytest.fixture
-def extender(api: ApiServerImitation, tmp_path: Path) -> Iterator[Running]:
-    yield from running_extender(api, tmp_path)
-
-
-@pytest.fixture
-def two_models(api: ApiServerImitation, tmp_path: Path, extender: Running) -> Running:
-    put_record(api, "h100-node", "hgx-h100", tmp_path)
-    put_record(api, "a100-node", "dgx-a100", tmp_path)
-    records_synced(extender, {"h100-node", "a100-node"})
-    return extender
+@pytest.fixture(scope="module")
+def two_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
+    """One extender for the module's tests, which only read: an H100 node's
+    record and an A100 node's (written fresh, never changed)."""
+    base = tmp_path_factory.mktemp("models")
+    api = ApiServerImitation()
+    api.start()
+    try:
+        put_record(api, "h100-node", "hgx-h100", base)
+        put_record(api, "a100-node", "dgx-a100", base)
+        for running in running_extender(api, base):
+            records_synced(running, {"h100-node", "a100-node"})
+            yield running
+    finally:
+        api.stop()
 
 
 NODES = ["h100-node", "a100-node", "no-record"]
