@@ -73,6 +73,7 @@ def test_bench_extender_quick_run_measures_every_line() -> None:
     assert "== extender:" in result.stdout
 
 
+@pytest.mark.slow
 def test_bench_dra_quick_run_meets_the_alignment_goals() -> None:
     result = run_bench("bench", "--quick", "--dra")
     # The alignment table, then the device-tries table (issue 30).

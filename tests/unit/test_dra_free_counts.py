@@ -129,7 +129,17 @@ def test_nvlink_domains_too_small_for_the_claim_are_refused_at_once() -> None:
     assert blind.tries > TARGET
 
 
-@pytest.mark.parametrize("layout", ["hgx-h100", "pcie-server", "dgx-1", "asymmetric"])
+# Two layouts in the quick suite; the NVLink mesh and the asymmetric node
+# (7 s and 4.5 s of walks) with the slow simulations, which CI runs too.
+@pytest.mark.parametrize(
+    "layout",
+    [
+        "hgx-h100",
+        "pcie-server",
+        pytest.param("dgx-1", marks=pytest.mark.slow),
+        pytest.param("asymmetric", marks=pytest.mark.slow),
+    ],
+)
 def test_the_gate_changes_nothing_where_the_claim_fits_even_with_counts_behind(
     layout: str,
 ) -> None:
