@@ -79,9 +79,8 @@ class PodAwareness:
     ) -> None:
         self._cache = cache
         self._ledger = ledger
-        self._names = dict(names)
-        # Every resource of each kind (mixed MIG serves the GPU kind as
-        # several); `add_resource` adds the others.
+        # Every resource of each kind, the kind's own first (mixed MIG serves
+        # the GPU kind as several; `add_resource` adds the others).
         self._all: dict[DeviceKind, list[str]] = {k: [n] for k, n in names.items()}
         self._wait = wait
         self._metrics = metrics
@@ -111,7 +110,8 @@ class PodAwareness:
         self, kind: DeviceKind, resource: str | None
     ) -> tuple[str, tuple[str, ...]] | None:
         """(the asking resource, every resource of the other kind)."""
-        asking = resource if resource is not None else self._names.get(kind)
+        own = self._all.get(kind)
+        asking = resource if resource is not None else (own[0] if own else None)
         others = tuple(self._all.get(kind.other, ()))
         if asking is None or not others:
             return None

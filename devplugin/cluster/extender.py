@@ -269,9 +269,7 @@ class Extender:
         pod, names, nodes = self._args(args)
         shape, requirement = self._pod(pod)
         # A GPU model no eviction changes: those nodes are unresolvable.
-        unresolvable = self._model_refusals(pod, names)
-        if unresolvable:
-            names = [name for name in names if name not in unresolvable]
+        names, unresolvable = self._chosen_models(pod, names)
         if not shape.wants_devices:
             return _filter_result(list(names), {}, unresolvable, nodes)
         found = self._resource_answers(pod, shape, requirement, names)
@@ -295,9 +293,7 @@ class Extender:
         """Filter for pods with ResourceClaims: a node passes unless the
         allocator's walk there finds nothing for the pod's claims."""
         pod, names, nodes = self._args(args)
-        unresolvable = self._model_refusals(pod, names)
-        if unresolvable:
-            names = [name for name in names if name not in unresolvable]
+        names, unresolvable = self._chosen_models(pod, names)
         found = self._claim_answers(args, names)
         failed = {name: CLAIMS_REFUSED for name in names if found.get(name, UNTOLD)[0] == FAILED}
         passing = [name for name in names if name not in failed]
@@ -490,6 +486,14 @@ class Extender:
         except ValueError as exc:
             raise BadRequest(f"Pod annotations: {exc}") from exc
         return shape, requirement
+
+    def _chosen_models(self, pod: PodInfo, names: list[str]) -> tuple[list[str], dict[str, str]]:
+        """The nodes left once the pod's choice of GPU model is applied, and
+        those it rules out with why (a filter's unresolvable nodes)."""
+        refused = self._model_refusals(pod, names)
+        if not refused:
+            return names, refused
+        return [name for name in names if name not in refused], refused
 
     def _model_refusals(self, pod: PodInfo, names: Sequence[str]) -> dict[str, str]:
         """The nodes whose GPU models the pod's devplugin.io/gpu-product(-exclude)

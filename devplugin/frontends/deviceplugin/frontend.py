@@ -61,25 +61,25 @@ class DevicePluginFrontend:
         own resource under the mixed strategy."""
         plugin_dir = Path(config.paths.device_plugin_dir)
         records: list[ResourceRecord] = []
+        mixed = config.resources.gpu.mig.strategy == "mixed"
         served: list[tuple[Resource, str | None]] = []
         for resource in core.resources:
             if resource.kind in core.dra_kinds:
                 continue
-            if resource.kind is DeviceKind.GPU and config.resources.gpu.mig.strategy == "mixed":
+            served.append((resource, None))
+            if mixed and resource.kind is DeviceKind.GPU:
                 # One resource per MIG profile found at start, beside whole GPUs.
-                served.append((resource, None))
                 served += [
                     (replace(resource, name=profile_resource(resource.name, p)), p)  # type: ignore[type-var]
                     for p in profiles
                 ]
-            else:
-                served.append((resource, None))
-        fans: dict[DeviceKind, _FanOut] = {}
+        # Under mixed, the GPU kind's judged state is split among its resources.
+        fan = _FanOut(core) if mixed else None
         by_name: dict[str, DevicePluginServicer] = {}
 
         def served_ids(name: str) -> frozenset[str] | None:
             found = by_name.get(name)
-            return frozenset(d.id for d in found.state.devices) if found is not None else None
+            return found.ids if found is not None else None
 
         for resource, profile in served:
             attach = config.allocation.attach_hcas and resource.kind is DeviceKind.GPU
@@ -107,8 +107,7 @@ class DevicePluginFrontend:
             by_name[resource.name] = servicer
             if profile is not None and partners is not None:
                 partners.add_resource(resource.kind, resource.name)
-            if config.resources.gpu.mig.strategy == "mixed" and resource.kind is DeviceKind.GPU:
-                fan = fans.setdefault(resource.kind, _FanOut(core))
+            if fan is not None and resource.kind is DeviceKind.GPU:
                 fan.add(servicer, profile)
                 core.pipeline.connect(resource.kind, fan)
             else:

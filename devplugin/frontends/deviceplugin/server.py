@@ -193,7 +193,6 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         self._clock = clock
         self._cond = threading.Condition()
         self._state = initial
-        # The ids it serves (what a GetPreferredAllocation's lists cover).
         self._ids = frozenset(d.id for d in initial.devices)
         self._version = 0
         self._closed = False
@@ -204,6 +203,12 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
     def state(self) -> ResourceState:
         with self._cond:
             return self._state
+
+    @property
+    def ids(self) -> frozenset[str]:
+        """The ids it serves now (what a GetPreferredAllocation's lists cover)."""
+        with self._cond:
+            return self._ids
 
     def update(self, state: ResourceState) -> bool:
         """Install a new state; returns whether the device list changed."""
@@ -461,9 +466,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
                 # Sets once, for the holdings and the choice (shared resources
                 # keep the kubelet's order for their replicas).
                 listed, must = frozenset(listed), frozenset(must)
-                with self._cond:
-                    scope = self._ids
-                if coordinator.observe_available(kind, listed, must, scope):
+                if coordinator.observe_available(kind, listed, must, self.ids):
                     self._corrected()
             # Who is being admitted (the oracle reads a cache; it may wait
             # briefly for a pod to arrive).
