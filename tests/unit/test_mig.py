@@ -23,6 +23,8 @@ from devplugin.testing.fake_nvml import (
     NVML_ERROR_UNKNOWN,
     FakeNvml,
     FixtureError,
+    FixtureMig,
+    FixtureMigDevice,
     NVMLError,
     load_fixture,
     parse_fixture,
@@ -204,3 +206,49 @@ def test_a_valid_mig_fixture_parses() -> None:
     assert mig is not None
     assert mig.enabled
     assert mig.devices[0].uuid == "MIG-a"
+
+
+def test_caps_are_read_once_per_mig_device_and_a_failed_read_is_tried_again(
+    tmp_path: Path,
+) -> None:
+    import shutil
+
+    from devplugin.node.deadline import Deadlines
+    from devplugin.node.discovery import Discoverer, Roots
+
+    node = build_node(hgx_h100_mig(), tmp_path)
+    assert node.caps_root is not None
+    lib = FakeNvml(load_fixture(node.fixture))
+    deadlines = Deadlines(5)
+    discoverer = Discoverer(
+        Roots(node.sysfs_root, node.dev_root),
+        NvmlGpuSource(lib, deadlines),
+        deadlines,
+        mig_strategy="mixed",
+        caps_root=node.caps_root,
+    )
+
+    def caps() -> dict[str, tuple[int, ...]]:
+        found = discoverer.scan(full=False).gpus
+        return {g.uuid: g.slice.caps for g in found if g.slice is not None}
+
+    try:
+        first = caps()
+        assert len(first) == 16
+        assert all(len(c) == 2 for c in first.values())
+        # Read once: the files going away changes nothing for known devices.
+        moved = tmp_path / "moved"
+        shutil.move(str(node.caps_root), moved)
+        assert caps() == first
+        # A device cut anew is read afresh: unreadable now, so no caps ...
+        lib.set_mig(0, FixtureMig(True, (FixtureMigDevice("MIG-new", 9, 0, 1, 1, 9856, 16),)))
+        assert caps()["MIG-new"] == ()
+        # ... and tried again at the next scan, once the driver's files are there.
+        shutil.move(str(moved), node.caps_root)
+        access = node.caps_root / "gpu0" / "mig" / "gi9"
+        (access / "ci0").mkdir(parents=True)
+        (access / "access").write_text("DeviceFileMinor: 40\n")
+        (access / "ci0" / "access").write_text("DeviceFileMinor: 41\n")
+        assert caps()["MIG-new"] == (40, 41)
+    finally:
+        discoverer.close()

@@ -74,6 +74,9 @@ class Discoverer:
         # mixed, a GPU's MIG devices stand in its place in every snapshot.
         self._mig_strategy = mig_strategy
         self._caps_root = caps_root
+        # A MIG device's nvidia-caps minors never change while its UUID
+        # lives: read once per UUID (a failed read is tried again).
+        self._caps: dict[str, tuple[int, ...]] = {}
         self._gpus = gpus
         self._cdi = cdi
         self._deadlines = deadlines if deadlines is not None else Deadlines(READ_TIMEOUT)
@@ -154,18 +157,25 @@ class Discoverer:
     def _with_caps(self, gpus: tuple[GpuInfo, ...]) -> tuple[GpuInfo, ...]:
         """Each MIG device with its nvidia-caps minors, where they can be read."""
         root = self._caps_root
-        if root is None or not any(gpu.slice is not None for gpu in gpus):
+        slices = {gpu.uuid: gpu for gpu in gpus if gpu.slice is not None}
+        if root is None or not slices:
+            self._caps.clear()
             return gpus
-        try:
-            found = self._deadlines.call("caps", partial(_read_caps, root, gpus))
-        except (Stuck, DescriptorsExhausted) as exc:
-            self._note(exc, "the MIG capability files")
-            return gpus
+        known = {uuid: self._caps[uuid] for uuid in slices if uuid in self._caps}
+        unread = [gpu for uuid, gpu in slices.items() if uuid not in known]
+        if unread:
+            try:
+                found = self._deadlines.call("caps", partial(_read_caps, root, tuple(unread)))
+            except (Stuck, DescriptorsExhausted) as exc:
+                self._note(exc, "the MIG capability files")
+                found = [()] * len(unread)
+            known.update((gpu.uuid, caps) for gpu, caps in zip(unread, found, strict=True) if caps)
+        self._caps = known
         return tuple(
-            dataclasses.replace(gpu, slice=dataclasses.replace(gpu.slice, caps=found[i]))
-            if gpu.slice is not None and found[i]
+            dataclasses.replace(gpu, slice=dataclasses.replace(gpu.slice, caps=known[gpu.uuid]))
+            if gpu.slice is not None and gpu.uuid in known
             else gpu
-            for i, gpu in enumerate(gpus)
+            for gpu in gpus
         )
 
     def _read_cdi(self) -> CdiCatalog | None:
