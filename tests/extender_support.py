@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from devplugin.cluster.extender import Extender, serve
@@ -106,6 +107,12 @@ def pod(name: str, containers: list[dict[str, int]], **annotations: str) -> dict
         ]},
         "status": {"phase": "Pending"},
     }  # fmt: skip
+
+
+@pytest.fixture
+def extender(api: ApiServerImitation, tmp_path: Path) -> Iterator[Running]:
+    """The extender over the test's API imitation (modules import this fixture)."""
+    yield from running_extender(api, tmp_path)
 
 
 def running_extender(api: ApiServerImitation, tmp_path: Path) -> Iterator[Running]:

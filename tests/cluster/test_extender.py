@@ -8,7 +8,6 @@ import http.client
 import json
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,19 +23,16 @@ from tests.extender_support import (
     HCA,
     Running,
     call,
+    extender,
     inventory,
     lease,
     pod,
     put_record,
-    running_extender,
     synced,
 )
 from tests.waiting import wait_until
 
-
-@pytest.fixture
-def extender(api: ApiServerImitation, tmp_path: Path) -> Iterator[Running]:
-    yield from running_extender(api, tmp_path)
+__all__ = ["extender"]
 
 
 def test_node_names_form_filters_by_count_and_ranks_by_alignment(

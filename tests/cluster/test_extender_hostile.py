@@ -28,20 +28,17 @@ from tests.extender_support import (
     HCA,
     Running,
     call,
+    extender,
     lease,
     pod,
     put_record,
-    running_extender,
     stamp,
     synced,
 )
 from tests.support import probe
 from tests.waiting import wait_until
 
-
-@pytest.fixture
-def extender(api: ApiServerImitation, tmp_path: Path) -> Iterator[Running]:
-    yield from running_extender(api, tmp_path)
+__all__ = ["extender"]
 
 
 @pytest.fixture

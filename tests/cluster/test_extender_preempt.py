@@ -4,7 +4,6 @@ PodDisruptionBudgets in the API server imitation."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -23,19 +22,16 @@ from tests.extender_support import (
     HCA,
     Running,
     call,
+    extender,
     inventory,
     pod,
     put_record,
     record,
-    running_extender,
     synced,
 )
 from tests.waiting import wait_until
 
-
-@pytest.fixture
-def extender(api: ApiServerImitation, tmp_path: Path) -> Iterator[Running]:
-    yield from running_extender(api, tmp_path)
+__all__ = ["extender"]
 
 
 def fill(

@@ -11,8 +11,6 @@ import logging
 import random
 import socket
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -21,13 +19,10 @@ from devplugin.cluster.pods import PodCache
 from devplugin.cluster.views import INLINE_DEVICES, MAX_DEVICES, Layouts, parse_record
 from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.records import gpu_id, hca_id, hgx_record
-from tests.extender_support import GPU, HCA, Running, call, pod, running_extender, stamp
+from tests.extender_support import GPU, HCA, Running, call, extender, pod, stamp
 from tests.waiting import wait_until
 
-
-@pytest.fixture
-def extender(api: ApiServerImitation, tmp_path: Path) -> Iterator[Running]:
-    yield from running_extender(api, tmp_path)
+__all__ = ["extender"]
 
 
 def put(api: ApiServerImitation, record: dict[str, object]) -> None:
