@@ -83,6 +83,10 @@ class LeaseKeeper(ThreadLoop):
         self._duration = duration
         self._clock = clock
         self._version: str | None = None
+        # The Lease's metadata as last read or written: a PUT replaces the
+        # whole of it, so a renewal that left out the owner would drop it
+        # and the Lease would outlive its Node.
+        self._meta: dict[str, Any] = {}
         self.renewals = 0
 
     def starting(self) -> None:
@@ -117,18 +121,27 @@ class LeaseKeeper(ThreadLoop):
                     self._version = None
                     continue
                 raise
-            self._version = _version_of(written)
+            self._keep(written)
             self.renewals += 1
             return
 
+    def _keep(self, obj: Any) -> None:
+        meta = dict(as_dict(obj).get("metadata") or {})
+        meta.pop("managedFields", None)  # the server's to keep
+        self._meta = meta
+        self._version = _version_of(obj)
+
     def _body(self) -> Any:
+        labels = dict(self._meta.get("labels") or {})
+        labels[NODE_LABEL] = self._node
         return _LEASE(
             apiVersion="coordination.k8s.io/v1",
             kind="Lease",
             metadata={
+                **self._meta,
                 "name": lease_name(self._node),
                 "namespace": self._namespace,
-                "labels": {NODE_LABEL: self._node},
+                "labels": labels,
                 "resourceVersion": self._version,
             },
             spec={
@@ -145,7 +158,7 @@ class LeaseKeeper(ThreadLoop):
             if exc.status.code != 404:
                 raise
             found = self._create()
-        self._version = _version_of(found)
+        self._keep(found)
 
     def _create(self) -> Any:
         metadata: dict[str, Any] = {

@@ -529,7 +529,7 @@ class ApiServerImitation:
                 replaced["status"] = obj.get("status")
             else:
                 replaced = obj
-                replaced["metadata"] = {**existing["metadata"], **meta}
+                replaced["metadata"] = _updated_meta(existing["metadata"], meta)
                 if kind.status:
                     replaced["status"] = existing.get("status")
             return 200, self._store_locked(kind, key, replaced, "MODIFIED")
@@ -669,6 +669,26 @@ def _check_labels(obj: Obj) -> None:
         problem = _label_problem(str(key), value)
         if problem is not None:
             raise ApiError(422, "Invalid", problem)
+
+
+# What an update keeps of the stored metadata whatever the body says
+# (apiserver pkg/registry/rest/update.go, BeforeUpdate): everything else in
+# metadata (labels, annotations, owners, finalizers) is the body's, so a PUT
+# that leaves out ownerReferences drops them.
+_KEPT_ON_UPDATE = ("generation", "creationTimestamp", "deletionTimestamp")
+
+
+def _updated_meta(stored: Obj, sent: Obj) -> Obj:
+    meta = dict(sent)
+    for field in _KEPT_ON_UPDATE:
+        if field in stored:
+            meta[field] = stored[field]
+        else:
+            meta.pop(field, None)
+    meta.setdefault("uid", stored.get("uid"))
+    if "deletionGracePeriodSeconds" in stored and "deletionGracePeriodSeconds" not in meta:
+        meta["deletionGracePeriodSeconds"] = stored["deletionGracePeriodSeconds"]
+    return meta
 
 
 def _merge_patch(target: Any, patch: Any) -> Any:

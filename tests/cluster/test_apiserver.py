@@ -105,6 +105,28 @@ def test_writes_with_a_stale_version_conflict_and_status_is_a_subresource(
     assert exists.value.status.code == 409
 
 
+def test_a_put_replaces_the_metadata_but_what_the_system_keeps(
+    api: ApiServerImitation, client: Client
+) -> None:
+    """As apiserver registry/rest/update.go: labels, annotations and owners
+    are the body's; uid, creationTimestamp and generation stay."""
+    owner = {"apiVersion": "v1", "kind": "Node", "name": "node-1", "uid": "u-1"}
+    meta = {"name": "node-1", "labels": {"a": "1"}, "ownerReferences": [owner]}
+    created = client.create(NodeDevices(metadata=meta, spec={"x": 1})).to_dict()
+    body = {
+        "apiVersion": "devplugin.io/v1alpha1", "kind": "NodeDevices", "spec": {"x": 2},
+        "metadata": {"name": "node-1", "labels": {"b": "2"}, "uid": None,
+                     "creationTimestamp": "2001-01-01T00:00:00Z",
+                     "resourceVersion": created["metadata"]["resourceVersion"]},
+    }  # fmt: skip
+    body["metadata"].pop("uid")
+    replaced = client.replace(NodeDevices.from_dict(body)).to_dict()["metadata"]
+    assert replaced["labels"] == {"b": "2"}
+    assert "ownerReferences" not in replaced  # dropped: the body left it out
+    assert replaced["uid"] == created["metadata"]["uid"]
+    assert replaced["creationTimestamp"] == created["metadata"]["creationTimestamp"]
+
+
 def test_injected_failures_cuts_and_delays(api: ApiServerImitation, client: Client) -> None:
     api.fail_next(1, 500)
     with pytest.raises(ApiError) as failure:

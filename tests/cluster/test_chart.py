@@ -903,6 +903,20 @@ def test_the_policy_lets_a_daemon_change_only_devplugin_labels_on_its_own_node(
     annotated = _node("node-a", base, podCIDR="10.0.0.0/24")
     annotated["metadata"]["annotations"]["x"] = "y"
     assert not verdict(annotated).allowed
+    # A finalizer holds the Node's deletion; an owner that does not exist
+    # lets the garbage collector delete the Node (issue 39, difference 8).
+    finalized = _node("node-a", base, podCIDR="10.0.0.0/24")
+    finalized["metadata"]["finalizers"] = ["devplugin.io/hold"]
+    owned = _node("node-a", base, podCIDR="10.0.0.0/24")
+    owned["metadata"]["ownerReferences"] = [
+        {"apiVersion": "v1", "kind": "ConfigMap", "name": "gone", "uid": "0000"}
+    ]
+    for new in (finalized, owned):
+        found = verdict(new)
+        assert not found.allowed
+        assert "finalizers, owners" in found.message
+        # Nor may it take away what someone else set.
+        assert not verdict(old, new).allowed
     # The kubelet and everyone else are not this policy's business.
     kubelet = {"username": "system:node:node-a", "extra": {}}
     tainted = _node("node-a", {}, taints=[{"key": "x", "effect": "NoSchedule"}])
