@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 PROTOS := $(addprefix proto/devplugin/api/,deviceplugin_v1beta1.proto podresources_v1.proto \
 	dra_v1.proto dra_v1beta1.proto dra_health_v1alpha1.proto pluginregistration_v1.proto)
 
-.PHONY: install test test-slow test-quick demo bench proto lint chart-schema image clean
+.PHONY: install test test-slow test-quick test-cluster upstream demo bench proto lint chart-schema image clean
 
 # setup.py and the C source too: the editable install compiles the allocator's fold.
 $(STAMP): pyproject.toml setup.py devplugin/policy/_foldc.c
@@ -38,6 +38,19 @@ test-slow: $(STAMP) $(HELM_STAMP)
 # Everything but the real-runtime tier and the slow simulations: the edit-run loop.
 test-quick: $(STAMP) $(HELM_STAMP)
 	$(BIN)/python -m pytest -q -n 4 -m "not slow and not real_runtime"
+
+# The real control planes the cluster tier runs (etcd, kube-apiserver,
+# kube-controller-manager, kube-scheduler, kubectl), built from the Go
+# modules pinned under upstream/ and cached by pin (~/.cache/devplugin-upstream).
+UPSTREAM_MINORS ?= v1.35 v1.37
+upstream:
+	@for minor in $(UPSTREAM_MINORS); do upstream/build.sh $$minor || exit $$?; done
+
+# The real-cluster tier: the chart, the daemons, the extender and DRA
+# judged by those control planes; it builds them first where Go is here.
+test-cluster: $(STAMP) $(HELM_STAMP)
+	@if command -v go >/dev/null 2>&1; then $(MAKE) --no-print-directory upstream; fi
+	$(BIN)/python -m pytest -q -p no:randomly -m cluster tests/real_cluster
 
 demo: $(STAMP)
 	$(BIN)/devplugin demo

@@ -9,7 +9,7 @@ the HCA by a `matchAttribute` constraint on the attribute that level shares:
     [gpu-i/pix,  hca-i]  devplugin.io/pcieSwitch            (PIX)
     [gpu-i/pxb,  hca-i]  devplugin.io/pcieTopSwitch         (PXB)
     [gpu-i/phb,  hca-i]  resource.kubernetes.io/pcieRoot    (PHB)
-    [gpu-i/node, hca-i]  resource.kubernetes.io/numaNode    (NODE)
+    [gpu-i/node, hca-i]  devplugin.io/numaNode               (NODE)
 
 The ladder sits on the GPU, the first request of the pair, because the
 allocator tries each subrequest with every candidate device (and every
@@ -50,7 +50,7 @@ RUNGS = {
     "PIX": "pcieSwitch",
     "PXB": "pcieTopSwitch",
     "PHB": "resource.kubernetes.io/pcieRoot",
-    "NODE": "resource.kubernetes.io/numaNode",
+    "NODE": "numaNode",
 }
 MAX_PAIRS = 8
 # NVIDIA's profile names: 1g.10gb, 1c.3g.40gb, 1g.10gb+me.

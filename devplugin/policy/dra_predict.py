@@ -35,7 +35,7 @@ LEVEL_ATTRIBUTES = (
     (Level.PIX, "pcieSwitch"),
     (Level.PXB, "pcieTopSwitch"),
     (Level.PHB, f"{STANDARD}/pcieRoot"),
-    (Level.NODE, f"{STANDARD}/numaNode"),
+    (Level.NODE, "numaNode"),
 )
 # A walk past this many device tries is not predicted: the chart's
 # templates decide within it wherever the slices' free counts are current

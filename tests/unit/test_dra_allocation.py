@@ -317,7 +317,7 @@ def test_a_device_of_unknown_position_is_paired_only_by_the_any_rung() -> None:
     allocator = Allocator(slices, CLASSES, NODE)
     (lost_name,) = [n for n, i in names.items() if i == lost.device_id]
     attributes = next(d.attributes for d in allocator.devices if d.name == lost_name)
-    assert attributes[NUMA_NODE] < UNKNOWN_NUMA
+    assert attributes[f"{DRIVER}/{NUMA_NODE}"] < UNKNOWN_NUMA
     # Only it and one GPU are free: the pair is made, by the `any` rung.
     keep = {lost_name, next(n for n in names if n.startswith("gpu-"))}
     taken = {(DRIVER, NODE, d.name) for d in allocator.devices if d.name not in keep}

@@ -31,7 +31,10 @@ from devplugin.node.resources import ResourceState
 STANDARD = "resource.kubernetes.io"
 PCIE_ROOT = f"{STANDARD}/pcieRoot"
 PCI_BUS_ID = f"{STANDARD}/pciBusID"
-NUMA_NODE = f"{STANDARD}/numaNode"
+# The NUMA node is the driver's own attribute: Kubernetes reserves its
+# domain and defines only pcieRoot and pciBusID there
+# (dynamic-resource-allocation deviceattribute/attribute.go).
+NUMA_NODE = "numaNode"
 
 MAX_DEVICES = 128
 MAX_DEVICES_TAINTED = 64
