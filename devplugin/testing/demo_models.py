@@ -150,7 +150,7 @@ def _choose_a_model(
     level = measured[0].name if measured is not None else "-"
     out(f"  admitted on {a100.name}: {len(got.devices[GPU])} A100s, worst GPU-to-HCA {level}")
     hopper = {"spec": {"nodeSelector": {"devplugin.io/gpu.family": "hopper"}}}
-    fits = [n for n in names if selector_fits(hopper, _labels(api, n))]
+    fits = [n for n in names if selector_fits(hopper, _labels(api, n), n)]
     out(f"a pod with nodeSelector devplugin.io/gpu.family=hopper fits: {', '.join(fits)}")
     return 0
 

@@ -45,12 +45,14 @@ def choose_node(url: str, pod: Mapping[str, Any], fits: Sequence[str]) -> str | 
     return str(next(entry["Host"] for entry in ranked if entry["Score"] == top))
 
 
-def selector_fits(pod: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
-    """Whether a node with these labels passes the pod's spec.nodeSelector and
-    required node affinity, as the NodeAffinity filter judges them
-    (k8s.io/component-helpers/scheduling/corev1/nodeaffinity/nodeaffinity.go:
-    every nodeSelector pair must hold; the affinity's terms are ORed, the
-    expressions of a term ANDed, a term with no expressions matches nothing)."""
+def selector_fits(pod: Mapping[str, Any], labels: Mapping[str, str], name: str = "") -> bool:
+    """Whether a node with these labels and this name passes the pod's
+    spec.nodeSelector and required node affinity, as the NodeAffinity filter
+    judges them (k8s.io/component-helpers/scheduling/corev1/nodeaffinity/
+    nodeaffinity.go: every nodeSelector pair must hold; the affinity's terms
+    are ORed; within a term the label expressions and the field expressions
+    (`matchFields`, on metadata.name) must all hold; a term with neither
+    matches nothing, and so does a term that does not parse)."""
     spec = pod.get("spec") or {}
     for key, value in (spec.get("nodeSelector") or {}).items():
         if labels.get(key) != value:
@@ -61,12 +63,37 @@ def selector_fits(pod: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
     terms = required.get("nodeSelectorTerms")
     if terms is None:
         return True
-    return any(_term_fits(term, labels) for term in terms)
+    fields = {"metadata.name": name} if name else {}
+    return any(_term_fits(term, labels, fields) for term in terms)
 
 
-def _term_fits(term: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
+def _term_fits(
+    term: Mapping[str, Any], labels: Mapping[str, str], fields: Mapping[str, str]
+) -> bool:
     expressions = term.get("matchExpressions") or []
-    return bool(expressions) and all(_expression_fits(e, labels) for e in expressions)
+    field_terms = term.get("matchFields") or []
+    if not expressions and not field_terms:
+        return False
+    checks = [_field_check(f) for f in field_terms]
+    if any(check is None for check in checks):
+        return False  # does not parse: the term matches nothing
+    if expressions and not all(_expression_fits(e, labels) for e in expressions):
+        return False
+    # Fields are judged only where the node has them (a node without a name).
+    return not fields or all(
+        (fields.get(key, "") == value) == equal
+        for key, equal, value in (c for c in checks if c is not None)
+    )
+
+
+def _field_check(requirement: Mapping[str, Any]) -> tuple[str, bool, str] | None:
+    """(key, equal?, value) of a field requirement: In and NotIn with exactly
+    one value are the only ones a field selector takes."""
+    values = list(requirement.get("values") or [])
+    operator = requirement.get("operator")
+    if operator not in ("In", "NotIn") or len(values) != 1:
+        return None
+    return str(requirement["key"]), operator == "In", str(values[0])
 
 
 def _expression_fits(expression: Mapping[str, Any], labels: Mapping[str, str]) -> bool:

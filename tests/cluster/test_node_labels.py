@@ -170,3 +170,26 @@ def test_a_node_selector_on_the_labels_picks_the_model_the_daemons_labelled(
         for name in ("h100-node", "a100-node")
     }
     assert fits == {"h100-node": (False, True), "a100-node": (True, False)}
+    # A term on the node's name (matchFields: metadata.name, as a DaemonSet's
+    # pods are pinned), alone or with label expressions (issue 39, difference 6).
+    by_name = {"spec": {"affinity": {"nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["a100-node"]}]},
+        ]},
+    }}}}  # fmt: skip
+    terms = by_name["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]["nodeSelectorTerms"]
+    assert [selector_fits(by_name, labels(api, n), n) for n in ("h100-node", "a100-node")] == [
+        False,
+        True,
+    ]
+    terms[0]["matchExpressions"] = [{"key": "devplugin.io/gpu.count", "operator": "Exists"}]
+    terms[0]["matchFields"][0]["operator"] = "NotIn"
+    assert [selector_fits(by_name, labels(api, n), n) for n in ("h100-node", "a100-node")] == [
+        True,
+        False,
+    ]
+    # Two values, or a label operator, on a field: the term matches nothing.
+    terms[0]["matchFields"] = [{"key": "metadata.name", "operator": "In", "values": ["a", "b"]}]
+    assert not selector_fits(by_name, labels(api, "a100-node"), "a100-node")
