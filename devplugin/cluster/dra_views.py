@@ -61,9 +61,12 @@ def parse_claim(data: Mapping[str, Any]) -> tuple[str, Claim]:
     if len(key) > MAX_SPEC:
         raise ValueError(f"spec larger than {MAX_SPEC} bytes")
     allocation = (data.get("status") or {}).get("allocation")
+    # A result with admin access holds nothing: the scheduler does not count
+    # it as allocated (dynamicresources/allocateddevices.go).
     held = tuple(
         (str(r["driver"]), str(r["pool"]), str(r["device"]))
         for r in ((allocation or {}).get("devices") or {}).get("results") or []
+        if not r.get("adminAccess")
     )
     return f"{namespace}/{name}", Claim(namespace, name, key, spec, held, allocation is not None)
 

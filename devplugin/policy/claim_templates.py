@@ -57,6 +57,8 @@ MAX_PAIRS = 8
 _PROFILE = re.compile(r"^([0-9]+c\.)?[0-9]+g\.[0-9]+gb(\+[a-z]+)?$")
 MAX_REQUESTS = 32
 MAX_CONSTRAINTS = 32
+# Results in one claim's allocation (resource/v1 AllocationResultsMaxSize).
+MAX_RESULTS = 32
 
 
 class TemplateError(ValueError):
@@ -146,6 +148,11 @@ def _check(shape: Shape) -> None:
         raise TemplateError("MIG devices have no NVLink: nvlink and mig do not go together")
     if shape.mig and not _PROFILE.match(shape.mig):
         raise TemplateError(f"mig: {shape.mig[:40]!r} is not a MIG profile like 1g.10gb")
+    if shape.gpus + shape.hcas > MAX_RESULTS:
+        raise TemplateError(
+            f"{shape.gpus + shape.hcas} devices: a claim's allocation holds at most "
+            f"{MAX_RESULTS} (the scheduler refuses more)"
+        )
     if shape.pairs > MAX_PAIRS:
         raise TemplateError(
             f"{shape.pairs} GPU+HCA pairs: a claim holds at most {MAX_PAIRS} "

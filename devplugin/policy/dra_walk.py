@@ -166,6 +166,8 @@ class Alternative:
     mode: str
     count: int
     tolerations: tuple[Mapping[str, Any], ...]
+    # adminAccess: may take a device in use, and is not counted as holding it.
+    admin: bool = False
 
 
 def tolerated(taint: Mapping[str, Any], tolerations: Sequence[Mapping[str, Any]]) -> bool:
@@ -220,9 +222,31 @@ def alternatives(
                 body.get("allocationMode", "ExactCount"),
                 int(body.get("count", 1)),
                 tuple(body.get("tolerations") or ()),
+                bool(body.get("adminAccess")),
             )
         )
     return found
+
+
+# A claim's allocation holds at most this many results
+# (k8s.io/api resource/v1 AllocationResultsMaxSize).
+MAX_RESULTS = 32
+
+
+def least_devices(
+    requests: Sequence[Sequence[Alternative]], devices: Sequence[Device],
+    selectable: Callable[[Alternative, Device], bool],
+) -> int:
+    """The fewest devices one claim's requests can be given: each request's
+    smallest alternative (an `All` counts the devices it selects), as
+    allocator_stable.go's Allocate sums minDevicesPerClaim before it walks."""
+    total = 0
+    for options in requests:
+        total += min(
+            sum(1 for d in devices if selectable(a, d)) if a.mode == "All" else a.count
+            for a in options
+        )
+    return total
 
 
 def constraints_of(spec: Mapping[str, Any]) -> list[tuple[tuple[str, ...], str]]:
@@ -253,7 +277,9 @@ class Walk:
         self.devices = devices
         self.requests = requests
         self.constraints = constraints
-        self.used = set(used)
+        self.used = set(used)  # allocated before this walk
+        # The claims of this walk that took each device (allocatingDevices).
+        self.taking: dict[tuple[str, str, str], list[int]] = {}
         self.selectable = selectable
         self.allowed = allowed
         self.budget = budget
@@ -265,8 +291,40 @@ class Walk:
         return self.tries > self.budget
 
     def run(self) -> list[Choice] | None:
-        """The first complete choice, or None (no fit, or past the budget)."""
+        """The first complete choice, or None (no fit, or past the budget);
+        WalkError for a claim that needs more devices than a claim holds."""
+        for claim in range(len(self.constraints)):
+            mine = [r for r in self.requests if r and r[0].claim == claim]
+            least = least_devices(mine, self.devices, self.selectable)
+            if least > MAX_RESULTS:
+                raise WalkError(
+                    f"claim {claim}: number of requested devices {least} exceeds the claim "
+                    f"limit of {MAX_RESULTS}"
+                )
         return list(self.chosen) if self.request(0) else None
+
+    def taken(self, alternative: Alternative, device: Device) -> bool:
+        """In use for this alternative (allocateDevice): an admin request
+        only skips what its own claim took; any other skips what is
+        allocated or taken by any claim of the walk, admin ones included."""
+        takers = self.taking.get(device.key, ())
+        if alternative.admin:
+            return alternative.claim in takers
+        return device.key in self.used or bool(takers)
+
+    def held(self, claim: int) -> int:
+        return sum(1 for a, _ in self.chosen if a.claim == claim)
+
+    def take(self, alternative: Alternative, device: Device) -> None:
+        self.chosen.append((alternative, device))
+        self.taking.setdefault(device.key, []).append(alternative.claim)
+
+    def untake(self) -> None:
+        alternative, device = self.chosen.pop()
+        takers = self.taking[device.key]
+        takers.remove(alternative.claim)
+        if not takers:
+            del self.taking[device.key]
 
     def fits(self, alternative: Alternative, device: Device) -> bool:
         """Every constraint of the claim naming the request holds with this
@@ -306,53 +364,56 @@ class Walk:
         wanted = [d for d in self.devices if self.selectable(alternative, d)]
         if not wanted:
             return False
+        if self.held(alternative.claim) + len(wanted) > MAX_RESULTS:
+            return False
         added = 0
         for device in wanted:
             self.tries += 1
-            if device.key in self.used or not self.allowed(alternative, device):
+            if self.taken(alternative, device) or not self.allowed(alternative, device):
                 break
             if not self.fits(alternative, device):
                 raise WalkError(
                     f"request {alternative.request}: cannot add device {device.name} because "
                     "a claim constraint would not be satisfied"
                 )
-            self.chosen.append((alternative, device))
-            self.used.add(device.key)
+            self.take(alternative, device)
             added += 1
         else:
             if self.request(index + 1):
                 return True
         for _ in range(added):
-            _, device = self.chosen.pop()
-            self.used.discard(device.key)
+            self.untake()
         return False
 
     def pick(self, alternative: Alternative, left: int, index: int) -> bool:
         if left == 0:
             return self.request(index + 1)
+        # Past the claim's limit this branch cannot succeed; the walk goes
+        # on with others (allocateOne's numDevicesAfterAlloc check).
+        if self.held(alternative.claim) + left > MAX_RESULTS:
+            return False
         for device in self.devices:
             self.tries += 1
             if self.tries > self.budget:
                 return False
-            if device.key in self.used or not self.selectable(alternative, device):
+            if self.taken(alternative, device) or not self.selectable(alternative, device):
                 continue
             if not self.allowed(alternative, device) or not self.fits(alternative, device):
                 continue
-            self.chosen.append((alternative, device))
-            self.used.add(device.key)
+            self.take(alternative, device)
             if self.pick(alternative, left - 1, index):
                 return True
-            self.chosen.pop()
-            self.used.discard(device.key)
+            self.untake()
         return False
 
 
-def results(chosen: Sequence[Choice], claims: int) -> list[list[dict[str, str]]]:
+def results(chosen: Sequence[Choice], claims: int) -> list[list[dict[str, Any]]]:
     """Each claim's allocation results, as the scheduler writes them."""
-    by_claim: list[list[dict[str, str]]] = [[] for _ in range(claims)]
+    by_claim: list[list[dict[str, Any]]] = [[] for _ in range(claims)]
     for alternative, device in chosen:
-        by_claim[alternative.claim].append(
-            {"request": alternative.request, "driver": device.driver, "pool": device.pool,
-             "device": device.name}
-        )  # fmt: skip
+        result: dict[str, Any] = {"request": alternative.request, "driver": device.driver, "pool": device.pool,
+                  "device": device.name}  # fmt: skip
+        if alternative.admin:
+            result["adminAccess"] = True
+        by_claim[alternative.claim].append(result)
     return by_claim

@@ -255,11 +255,14 @@ def pair_levels(
 
 
 def taken_devices(claims: Iterable[Mapping[str, Any]]) -> set[tuple[str, str, str]]:
-    """Every device an allocated claim holds."""
+    """Every device an allocated claim holds; a result with admin access
+    holds nothing (scheduler dynamicresources/allocateddevices.go)."""
     found = set()
     for claim in claims:
         allocation = (claim.get("status") or {}).get("allocation") or {}
         for result in (allocation.get("devices") or {}).get("results") or []:
+            if result.get("adminAccess"):
+                continue
             found.add((result["driver"], result["pool"], result["device"]))
     return found
 

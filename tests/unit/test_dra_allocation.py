@@ -155,6 +155,82 @@ def test_templates_respect_the_claim_limits() -> None:
         claim_spec(Shape(9, 9), DRIVER)
     with pytest.raises(TemplateError, match="at least one"):
         claim_spec(Shape(0, 0), DRIVER)
+    # A claim's allocation holds at most 32 results (AllocationResultsMaxSize):
+    # the scheduler refuses a claim asking for more (issue 39, difference 2).
+    claim_spec(Shape(32, 0), DRIVER)
+    for shape in (Shape(40, 0), Shape(17, 16), Shape(0, 33)):
+        with pytest.raises(TemplateError, match="at most 32"):
+            claim_spec(shape, DRIVER)
+
+
+def test_the_claim_template_command_refuses_more_than_32_devices(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["claim-template", "--gpus", "40", "--hcas", "0"]) != 0
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "at most 32" in captured.err
+
+
+def _exactly(name: str, count: int, klass: str = "gpu", **extra: Any) -> dict[str, Any]:
+    return {"name": name, "exactly": {"deviceClassName": f"{klass}.{DRIVER}", "count": count,
+                                      **extra}}  # fmt: skip
+
+
+def test_the_allocator_refuses_a_claim_of_more_than_32_devices() -> None:
+    """allocator_stable.go: the least devices a claim can get, summed over
+    its requests, above 32 is an error before the walk; within the walk a
+    branch that would pass 32 fails and the walk goes on (a prioritized
+    list then falls back)."""
+    slices, _ = node_slices(LAYOUTS["64-gpu"]())
+    allocator = Allocator(slices, CLASSES, NODE)
+    for requests in ([_exactly("g", 33)], [_exactly("a", 20), _exactly("b", 13)]):
+        with pytest.raises(AllocationError, match="exceeds the claim limit of 32"):
+            allocator.allocate({"devices": {"requests": requests}})
+    whole = allocator.allocate({"devices": {"requests": [_exactly("g", 32)]}})
+    assert whole is not None and len(whole) == 32
+    ladder = {"name": "g", "firstAvailable": [
+        {"name": "many", "deviceClassName": f"gpu.{DRIVER}", "count": 40},
+        {"name": "few", "deviceClassName": f"gpu.{DRIVER}", "count": 2},
+    ]}  # fmt: skip
+    fallen = allocator.allocate({"devices": {"requests": [ladder]}})
+    assert fallen is not None
+    assert {r["request"] for r in fallen} == {"g/few"}
+
+
+def test_admin_access_takes_devices_in_use_and_holds_none() -> None:
+    """allocator_stable.go allocateDevice: an adminAccess request may take a
+    device another claim holds (only its own claim's are off limits); the
+    scheduler does not count its results as allocated
+    (dynamicresources/allocateddevices.go)."""
+    from devplugin.testing.dra_scheduler import taken_devices
+
+    slices, _ = node_slices(hgx_node())
+    allocator = Allocator(slices, CLASSES, NODE)
+    gpus = [d.name for d in allocator.devices if d.name.startswith("gpu-")]
+    taken = {(DRIVER, NODE, name) for name in gpus}  # every GPU held by other claims
+    assert allocator.allocate({"devices": {"requests": [_exactly("g", 1)]}}, taken) is None
+    admin = {"devices": {"requests": [_exactly("g", 2, adminAccess=True)]}}
+    results = allocator.allocate(admin, taken)
+    assert results is not None
+    assert [r["device"] for r in results] == gpus[:2]  # two different devices, both in use
+    assert all(r["adminAccess"] is True for r in results)
+    # Its results hold nothing: an ordinary claim still gets those devices.
+    claims = [{"status": {"allocation": {"devices": {"results": results}}}}]
+    assert taken_devices(claims) == set()
+    ordinary = allocator.allocate({"devices": {"requests": [_exactly("g", 8)]}}, set())
+    assert ordinary is not None and {r["device"] for r in ordinary} >= set(gpus[:2])
+    # Within one pod, a device an admin request took is in use for the
+    # others: with only two GPUs free, the walk backtracks until the admin
+    # request leaves both to the ordinary claim.
+    both = allocator.allocate_all(
+        [admin, {"devices": {"requests": [_exactly("g", 2)]}}],
+        {(DRIVER, NODE, name) for name in gpus[2:]},
+    )
+    assert both is not None
+    watching, working = ({r["device"] for r in claim} for claim in both)
+    assert working == set(gpus[:2])
+    assert not watching & working
 
 
 def test_claim_template_command_prints_a_template(capsys: pytest.CaptureFixture[str]) -> None:
@@ -437,3 +513,17 @@ def test_slices_are_walked_in_the_order_given() -> None:
     assert forward[0]["device"] == first_gpu(slices)
     assert backward[0]["device"] == first_gpu(list(reversed(slices)))
     assert forward[0]["device"] != backward[0]["device"]
+
+
+def test_the_extenders_claim_view_does_not_count_admin_access_results() -> None:
+    from devplugin.cluster.dra_views import parse_claim
+
+    results = [
+        {"request": "g", "driver": DRIVER, "pool": NODE, "device": "gpu-a", "adminAccess": True},
+        {"request": "h", "driver": DRIVER, "pool": NODE, "device": "hca-a"},
+    ]
+    claim = {"metadata": {"namespace": "ops", "name": "watch"},
+             "status": {"allocation": {"devices": {"results": results}}}}  # fmt: skip
+    _, parsed = parse_claim(claim)
+    assert parsed.allocated
+    assert parsed.held == ((DRIVER, NODE, "hca-a"),)
