@@ -29,15 +29,15 @@ $(HELM_STAMP): scripts/helm-env.sh
 # on daemons, so four fit two cores). The real-runtime tier (podman, runc)
 # is in it and skips, saying why, where those are missing.
 test: $(STAMP) $(HELM_STAMP)
-	$(BIN)/python -m pytest -q -n 4 -m "not slow"
+	$(BIN)/python -m pytest -q -n 4 -m "not slow and not cluster"
 
 # The slow simulations (storms, kill loops, churn), CPU-bound: two workers.
 test-slow: $(STAMP) $(HELM_STAMP)
-	$(BIN)/python -m pytest -q -n 2 -m slow
+	$(BIN)/python -m pytest -q -n 2 -m "slow and not cluster"
 
 # Everything but the real-runtime tier and the slow simulations: the edit-run loop.
 test-quick: $(STAMP) $(HELM_STAMP)
-	$(BIN)/python -m pytest -q -n 4 -m "not slow and not real_runtime"
+	$(BIN)/python -m pytest -q -n 4 -m "not slow and not real_runtime and not cluster"
 
 # The real control planes the cluster tier runs (etcd, kube-apiserver,
 # kube-controller-manager, kube-scheduler, kubectl), built from the Go

@@ -234,7 +234,8 @@ MAX_RESULTS = 32
 
 
 def least_devices(
-    requests: Sequence[Sequence[Alternative]], devices: Sequence[Device],
+    requests: Sequence[Sequence[Alternative]],
+    devices: Sequence[Device],
     selectable: Callable[[Alternative, Device], bool],
 ) -> int:
     """The fewest devices one claim's requests can be given: each request's
@@ -411,8 +412,10 @@ def results(chosen: Sequence[Choice], claims: int) -> list[list[dict[str, Any]]]
     """Each claim's allocation results, as the scheduler writes them."""
     by_claim: list[list[dict[str, Any]]] = [[] for _ in range(claims)]
     for alternative, device in chosen:
-        result: dict[str, Any] = {"request": alternative.request, "driver": device.driver, "pool": device.pool,
-                  "device": device.name}  # fmt: skip
+        result: dict[str, Any] = {
+            "request": alternative.request, "driver": device.driver, "pool": device.pool,
+            "device": device.name,
+        }  # fmt: skip
         if alternative.admin:
             result["adminAccess"] = True
         by_claim[alternative.claim].append(result)

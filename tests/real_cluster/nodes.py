@@ -1,0 +1,106 @@
+"""Nodes of the cluster tier: Node objects whose status the tier writes as a
+kubelet would, and each node's daemon identity (a service-account token
+bound to a pod on that node, which is how the API server learns the
+node a daemon runs on)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+from tests.real_cluster.controlplane import ApiFailure, ControlPlane
+
+GPU = "nvidia.com/gpu"
+HCA = "rdma/hca"
+
+
+def now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def add_node(
+    plane: ControlPlane,
+    name: str,
+    extended: Mapping[str, int],
+    labels: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """A Ready Node with these extended resources, as its kubelet would
+    report it (capacity and allocatable, the Ready condition)."""
+    every = {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux", **(labels or {})}
+    node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": every}}
+    plane.request("POST", "/api/v1/nodes", node)
+    set_node_resources(plane, name, extended)
+    result: dict[str, Any] = plane.request("GET", f"/api/v1/nodes/{name}")
+    return result
+
+
+def set_node_resources(plane: ControlPlane, name: str, extended: Mapping[str, int]) -> None:
+    resources = {"cpu": "64", "memory": "512Gi", "pods": "110",
+                 **{k: str(v) for k, v in extended.items()}}  # fmt: skip
+    status = {"status": {
+        "capacity": resources, "allocatable": resources,
+        "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
+                        "message": "tier", "lastHeartbeatTime": now(),
+                        "lastTransitionTime": now()}],
+        "nodeInfo": {"kubeletVersion": plane.bins.version, "architecture": "amd64",
+                     "operatingSystem": "linux", "containerRuntimeVersion": "containerd://2",
+                     "kernelVersion": "6", "osImage": "tier", "kubeProxyVersion": "",
+                     "machineID": name, "systemUUID": name, "bootID": name},
+    }}  # fmt: skip
+    plane.request(
+        "PATCH",
+        f"/api/v1/nodes/{name}/status",
+        status,
+        content_type="application/merge-patch+json",
+    )
+
+
+def daemon_pod(plane: ControlPlane, namespace: str, account: str, node: str) -> dict[str, Any]:
+    """A pod of the daemon bound to `node` (no kubelet runs it: it stands
+    for the DaemonSet's pod there, to bind the node's token to)."""
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": f"daemon-{node}", "namespace": namespace},
+           "spec": {"nodeName": node, "serviceAccountName": account,
+                    "containers": [{"name": "daemon", "image": "devplugin:tier"}]}}  # fmt: skip
+    created: dict[str, Any] = plane.request("POST", f"/api/v1/namespaces/{namespace}/pods", pod)
+    return created
+
+
+def node_token(plane: ControlPlane, namespace: str, account: str, node: str) -> str:
+    """A token of the daemon's account bound to its pod on `node`: the API
+    server puts the node's name into the token's user info."""
+    pod = daemon_pod(plane, namespace, account, node)
+    request = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+               "spec": {"audiences": ["https://kubernetes.default.svc"],
+                        "expirationSeconds": 7200,
+                        "boundObjectRef": {"apiVersion": "v1", "kind": "Pod",
+                                           "name": pod["metadata"]["name"],
+                                           "uid": pod["metadata"]["uid"]}}}  # fmt: skip
+    answer = plane.request(
+        "POST", f"/api/v1/namespaces/{namespace}/serviceaccounts/{account}/token", request
+    )
+    return str(answer["status"]["token"])
+
+
+def who_am_i(plane: ControlPlane, token: str) -> dict[str, Any]:
+    review = {"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"}
+    answer = plane.request(
+        "POST", "/apis/authentication.k8s.io/v1/selfsubjectreviews", review, token=token
+    )
+    info: dict[str, Any] = answer["status"]["userInfo"]
+    return info
+
+
+def eventually(check: Callable[[], bool], timeout: float = 30.0, every: float = 0.2) -> bool:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if check():
+                return True
+        except ApiFailure:
+            pass
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(every)
