@@ -279,7 +279,7 @@ class ControlPlane:
             "--service-account-signing-key-file", str(self.pki.folder / "sa.key"),
             "--api-audiences", "https://kubernetes.default.svc",
             "--service-cluster-ip-range", "10.96.0.0/16",
-            "--authorization-mode", "RBAC",
+            "--authorization-mode", "RBAC", "--allow-privileged=true",
             "--enable-priority-and-fairness=false", "--profiling=false",
             "--endpoint-reconciler-type", "none",
             "--runtime-config", "resource.k8s.io/v1=true",
