@@ -60,9 +60,12 @@ class SimCluster(RunningNode):
         workdir: Path | None = None,
         api: ApiServerImitation | None = None,
         node_name: str = "node-1",
+        kubeconfig: dict[str, Any] | None = None,
     ) -> None:
         self.spec = spec
         self.api = api
+        # A real API server's kubeconfig, where `api` is None.
+        self.kubeconfig = kubeconfig
         self.node_name = node_name
         self.settings = settings or {}
         self.seed = seed
@@ -83,9 +86,10 @@ class SimCluster(RunningNode):
             )
             self.kubelet.start()
             cluster_settings: dict[str, Any] = {}
-            if self.api is not None:
+            config_of = self.api.kubeconfig() if self.api is not None else self.kubeconfig
+            if config_of is not None:
                 kubeconfig = self.base / "kubeconfig"
-                kubeconfig.write_text(yaml.safe_dump(self.api.kubeconfig()))
+                kubeconfig.write_text(yaml.safe_dump(config_of))
                 cluster_settings = {
                     "kubernetes.enabled": True,
                     "kubernetes.kubeconfig": str(kubeconfig),

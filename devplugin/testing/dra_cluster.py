@@ -28,8 +28,9 @@ class DraSimNode(RunningNode):
     def __init__(
         self,
         spec: NodeSpec,
-        api: ApiServerImitation,
+        api: ApiServerImitation | None,
         *,
+        kubeconfig: dict[str, Any] | None = None,
         node_name: str,
         driver: str = "devplugin.io",
         settings: dict[str, Any] | None = None,
@@ -37,6 +38,9 @@ class DraSimNode(RunningNode):
     ) -> None:
         self.spec = spec
         self.api = api
+        # A real API server's kubeconfig, where `api` is None: the Node is
+        # then the caller's to make, and slices are read back through it.
+        self.kubeconfig = kubeconfig
         self.node_name = node_name
         self.driver = driver
         self.settings = settings or {}
@@ -50,11 +54,12 @@ class DraSimNode(RunningNode):
         self.base = Path(tempfile.mkdtemp(prefix="dpdra-", dir=self.workdir or "/tmp"))
         try:
             self.node = build_node(self.spec, self.base / "node")
-            self.api.put(
-                "nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": self.node_name}}
-            )
+            if self.api is not None:
+                node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": self.node_name}}
+                self.api.put("nodes", node)
             kubeconfig = self.base / "kubeconfig"
-            kubeconfig.write_text(yaml.safe_dump(self.api.kubeconfig()))
+            config_of = self.api.kubeconfig() if self.api is not None else self.kubeconfig
+            kubeconfig.write_text(yaml.safe_dump(config_of))
             checkpoint = self.base / "state" / "checkpoint.json"
             # A node known to be clean: no cleanup owed before its devices are offered.
             Checkpoint(checkpoint).save(LifecycleState())
@@ -88,9 +93,11 @@ class DraSimNode(RunningNode):
             self.daemon = build(config, FakeNvml.from_file(self.node.fixture))
             self.daemon.start()
             every = len(self.node.gpus) + len(self.node.hcas)
-            ready = self.kubelet.wait_for(
-                lambda: self.kubelet.registered(self.driver), timeout=10
-            ) and self.kubelet.wait_for(lambda: len(self.devices()) == every, timeout=20)
+            ready = self.kubelet.wait_for(lambda: self.kubelet.registered(self.driver), timeout=10)
+            if self.api is not None:
+                ready = ready and self.kubelet.wait_for(
+                    lambda: len(self.devices()) == every, timeout=20
+                )
             if not ready:
                 raise RuntimeError("the DRA driver did not register and publish in time")
         except BaseException:
@@ -99,6 +106,8 @@ class DraSimNode(RunningNode):
         return self
 
     def slices(self) -> list[dict[str, Any]]:
+        if self.api is None:
+            raise RuntimeError("read a real API server's slices through it")
         return [
             item
             for item in self.api.items("resourceslices")
