@@ -25,12 +25,13 @@ def test_every_case_the_chart_renders_is_accepted(control_plane: ControlPlane) -
         ns = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
         control_plane.request("POST", "/api/v1/namespaces", ns)
     cases = []
-    for name, values in sorted(CASES.items()):
-        values = copy.deepcopy(values)
+    for name, given in sorted(CASES.items()):
+        values = copy.deepcopy(given)
         if name in NOT_SERVED:
             section, key = NOT_SERVED[name]
             values[section][key]["enabled"] = False
-        cases.append({"name": name, "namespace": "case-" + name.replace(".", "-"), "values": values})
+        namespace = "case-" + name.replace(".", "-")
+        cases.append({"name": name, "namespace": namespace, "values": values})
     found = helm_install(control_plane, cases)
     failed = {name: entry.get("error") for name, entry in found.items() if not entry["ok"]}
     assert failed == {}

@@ -58,8 +58,10 @@ def test_a_daemon_writes_its_record_lease_and_labels_and_they_go_with_its_node(
         first = _get(plane, lease_path) if eventually(lambda: _get(plane, lease_path)) else None
         assert first is not None
         assert eventually(
-            lambda: int(_get(plane, lease_path)["metadata"]["resourceVersion"])
-            > int(first["metadata"]["resourceVersion"]) + 2,
+            lambda: (
+                int(_get(plane, lease_path)["metadata"]["resourceVersion"])
+                > int(first["metadata"]["resourceVersion"]) + 2
+            ),
             timeout=20,
         )
         renewed = _get(plane, lease_path)
@@ -88,6 +90,7 @@ def test_a_dra_daemon_publishes_slices_the_real_api_accepts(dra_installed: Contr
         hgx_node(), None, node_name=node,
         kubeconfig=kubeconfig(plane.server, plane.pki.ca, token=token), settings=settings,
     ):  # fmt: skip
+
         def devices() -> list[dict[str, Any]]:
             found = plane.request(
                 "GET", f"/apis/resource.k8s.io/v1/resourceslices?fieldSelector=spec.nodeName={node}"

@@ -188,7 +188,8 @@ def test_the_allocator_refuses_a_claim_of_more_than_32_devices() -> None:
         with pytest.raises(AllocationError, match="exceeds the claim limit of 32"):
             allocator.allocate({"devices": {"requests": requests}})
     whole = allocator.allocate({"devices": {"requests": [_exactly("g", 32)]}})
-    assert whole is not None and len(whole) == 32
+    assert whole is not None
+    assert len(whole) == 32
     ladder = {"name": "g", "firstAvailable": [
         {"name": "many", "deviceClassName": f"gpu.{DRIVER}", "count": 40},
         {"name": "few", "deviceClassName": f"gpu.{DRIVER}", "count": 2},
@@ -219,7 +220,8 @@ def test_admin_access_takes_devices_in_use_and_holds_none() -> None:
     claims = [{"status": {"allocation": {"devices": {"results": results}}}}]
     assert taken_devices(claims) == set()
     ordinary = allocator.allocate({"devices": {"requests": [_exactly("g", 8)]}}, set())
-    assert ordinary is not None and {r["device"] for r in ordinary} >= set(gpus[:2])
+    assert ordinary is not None
+    assert {r["device"] for r in ordinary} >= set(gpus[:2])
     # Within one pod, a device an admin request took is in use for the
     # others: with only two GPUs free, the walk backtracks until the admin
     # request leaves both to the ordinary claim.
