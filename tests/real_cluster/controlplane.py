@@ -7,7 +7,7 @@ for the run (the controller manager and scheduler as the bootstrap RBAC
 users the API server knows them by), RBAC and the default admission chain
 (ValidatingAdmissionPolicy included) on. There is no kubelet: Nodes are
 objects whose status the tier writes as a kubelet would, and the node
-lifecycle controller, which would taint them for never heartbeating, is off.
+lifecycle controller waits two hours for a heartbeat before it calls one unreachable.
 
 Everything lives under one folder the tier owns; `stop()` ends every
 process it started, whatever part of the start failed.
@@ -203,6 +203,7 @@ class ControlPlane:
             self._etcd()
             self._apiserver(within)
             self._controller_manager()
+            self._controllers_working(within)
             if self.scheduler_config is not None:
                 self.start_scheduler(self.scheduler_config)
         except BaseException:
@@ -302,11 +303,27 @@ class ControlPlane:
             "--leader-elect=false", "--use-service-account-credentials=true",
             "--service-account-private-key-file", str(self.pki.folder / "sa.key"),
             "--root-ca-file", str(self.pki.ca),
-            # No kubelet heartbeats: the lifecycle controller would taint
-            # every Node unreachable.
-            "--controllers", "*,-node-lifecycle-controller,-node-ipam-controller",
+            # The lifecycle controller lifts the not-ready taint admission puts
+            # on a new Node once it says Ready; no kubelet renews a heartbeat
+            # here, so the grace before it calls a Node unreachable is long.
+            "--controllers", "*,-node-ipam-controller", "--node-monitor-grace-period=2h",
             *self._gates(),
         ])  # fmt: skip
+
+    def _controllers_working(self, within: float) -> None:
+        """The service-account controller has made `default` its account: the
+        controller manager runs (pods can be created from here on)."""
+        deadline = time.monotonic() + within
+        process = self.processes["kube-controller-manager"]
+        while True:
+            try:
+                self.request("GET", "/api/v1/namespaces/default/serviceaccounts/default")
+                return
+            except (ApiFailure, OSError):
+                pass
+            if process.popen.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"kube-controller-manager is not working:\n{process.tail()}")
+            time.sleep(0.2)
 
     def start_scheduler(self, config: Mapping[str, Any]) -> None:
         """(Re)start kube-scheduler with a KubeSchedulerConfiguration; its

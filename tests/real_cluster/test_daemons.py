@@ -102,3 +102,6 @@ def test_a_dra_daemon_publishes_slices_the_real_api_accepts(dra_installed: Contr
         assert gpu["attributes"]["numaNode"] == {"int": 0}  # the driver's own domain
         standard = {k for d in devices() for k in d["attributes"] if "kubernetes.io" in k}
         assert standard == {"resource.kubernetes.io/pcieRoot", "resource.kubernetes.io/pciBusID"}
+    # The Node gone, the garbage collector takes its slices (they name it owner).
+    plane.request("DELETE", f"/api/v1/nodes/{node}")
+    assert eventually(lambda: devices() == [], timeout=60)

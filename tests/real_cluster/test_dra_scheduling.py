@@ -1,0 +1,168 @@
+"""DRA on the real components: pods asking for the chart's claim templates
+get their claims made by the real resourceclaim controller and allocated
+by the real kube-scheduler, on both pinned versions, on a node whose NUMA
+nodes are known and on one whose are not. Each allocation is held against
+the allocator imitation given the same slices, classes and claims in use:
+the same devices for every request, and every pair at the best level free."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from devplugin.policy.topology import Topology
+from devplugin.testing.dra_cluster import DraSimNode
+from devplugin.testing.dra_scheduler import Allocator, node_ids, pair_levels, taken_devices
+from devplugin.testing.node import NodeSpec, devices_from_spec, hgx_node
+from devplugin.model import Inventory
+from tests.real_cluster.conftest import DRA_NAMESPACE, DRA_RELEASE
+from tests.real_cluster.controlplane import ApiFailure, ControlPlane, kubeconfig
+from tests.real_cluster.nodes import add_node, eventually, node_token
+
+pytestmark = pytest.mark.cluster
+
+DRIVER = "devplugin.io"
+SCHEDULER = {
+    "apiVersion": "kubescheduler.config.k8s.io/v1",
+    "kind": "KubeSchedulerConfiguration",
+    "profiles": [{"schedulerName": "default-scheduler"}],
+}
+_names = itertools.count()
+
+
+def numa_unknown(spec: NodeSpec) -> NodeSpec:
+    """The same node with no NUMA node known for any root complex."""
+    return dataclasses.replace(
+        spec, roots=[dataclasses.replace(r, numa_node=None) for r in spec.roots]
+    )
+
+
+@pytest.fixture
+def scheduler(dra_installed: ControlPlane) -> Iterator[ControlPlane]:
+    dra_installed.start_scheduler(SCHEDULER)
+    yield dra_installed
+
+
+def _pod(template: str, node: str) -> dict[str, Any]:
+    name = f"dra-pod-{next(_names)}"
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {"nodeSelector": {"kubernetes.io/hostname": node},
+                     "containers": [{"name": "main", "image": "tier/none",
+                                     "resources": {"claims": [{"name": "devices"}]}}],
+                     "resourceClaims": [{"name": "devices",
+                                         "resourceClaimTemplateName": template}]}}  # fmt: skip
+
+
+def _outcome(plane: ControlPlane, name: str) -> tuple[str, dict[str, Any]] | None:
+    """('bound', pod) or ('unschedulable', pod), None while undecided."""
+    pod = plane.request("GET", f"/api/v1/namespaces/default/pods/{name}")
+    if pod["spec"].get("nodeName"):
+        return "bound", pod
+    for condition in (pod.get("status") or {}).get("conditions") or []:
+        if condition["type"] == "PodScheduled" and condition.get("reason") == "Unschedulable":
+            return "unschedulable", pod
+    return None
+
+
+def _claim_of(plane: ControlPlane, pod: dict[str, Any]) -> dict[str, Any]:
+    (status,) = pod["status"]["resourceClaimStatuses"]
+    claim: dict[str, Any] = plane.request(
+        "GET", f"/apis/resource.k8s.io/v1/namespaces/default/resourceclaims/"
+        f"{status['resourceClaimName']}",
+    )  # fmt: skip
+    return claim
+
+
+def _items(plane: ControlPlane, path: str) -> list[dict[str, Any]]:
+    found: list[dict[str, Any]] = plane.request("GET", path)["items"]
+    return found
+
+
+def _wait_for(plane: ControlPlane, name: str) -> tuple[str, dict[str, Any]]:
+    found: list[tuple[str, dict[str, Any]]] = []
+
+    def decided() -> bool:
+        outcome = _outcome(plane, name)
+        if outcome is not None:
+            found.append(outcome)
+        return outcome is not None
+
+    assert eventually(decided, timeout=60), f"pod {name} neither bound nor unschedulable"
+    if found[-1][0] == "bound":
+        pod = found[-1][1]
+        # The binding comes after the claim's allocation is written.
+        assert eventually(lambda: bool(_claim_of(plane, pod).get("status", {}).get("allocation")))
+        found[-1] = ("bound", plane.request("GET", f"/api/v1/namespaces/default/pods/{name}"))
+    return found[-1]
+
+
+@pytest.mark.parametrize("layout", ["numa-known", "numa-unknown"])
+def test_claims_from_the_chart_templates_land_at_the_best_free_level(
+    scheduler: ControlPlane, layout: str
+) -> None:
+    plane = scheduler
+    spec = hgx_node() if layout == "numa-known" else numa_unknown(hgx_node())
+    node = f"dra-{layout}-{plane.bins.minor[1]}"
+    add_node(plane, node, {})
+    token = node_token(plane, DRA_NAMESPACE, f"{DRA_RELEASE}-devplugin", node)
+    gpus, hcas = devices_from_spec(spec)
+    topology = Topology.from_inventory(Inventory(gpus=gpus, hcas=hcas))
+    pods: list[str] = []
+    with DraSimNode(
+        spec, None, node_name=node, settings={"kubernetes.lease_namespace": DRA_NAMESPACE},
+        kubeconfig=kubeconfig(plane.server, plane.pki.ca, token=token),
+    ):  # fmt: skip
+        mine = f"/apis/resource.k8s.io/v1/resourceslices?fieldSelector=spec.nodeName={node}"
+        assert eventually(
+            lambda: sum(len(s["spec"]["devices"]) for s in _items(plane, mine)) == 16, timeout=30
+        )
+        slices = _items(plane, mine)
+        names = node_ids(slices)
+        classes = {
+            c["metadata"]["name"]: c
+            for c in _items(plane, "/apis/resource.k8s.io/v1/deviceclasses")
+        }
+        templates = {
+            t["metadata"]["name"]: t["spec"]["spec"]
+            for t in _items(plane, "/apis/resource.k8s.io/v1/namespaces/default/resourceclaimtemplates")
+        }
+        try:
+            for template in ("1-pair", "2-pairs", "4-pairs", "1-pair", "1-pair"):
+                claims = _items(plane, "/apis/resource.k8s.io/v1/resourceclaims")
+                taken = taken_devices(claims)
+                imitation = Allocator(
+                    slices, classes, node, version=plane.bins.minor
+                ).allocate(templates[template], taken)
+                pod = _pod(template, node)
+                pods.append(pod["metadata"]["name"])
+                plane.request("POST", "/api/v1/namespaces/default/pods", pod)
+                outcome, found = _wait_for(plane, pod["metadata"]["name"])
+                if imitation is None:
+                    assert outcome == "unschedulable", (template, found["spec"].get("nodeName"))
+                    continue
+                assert outcome == "bound", (template, [c.get("message") for c in found["status"]["conditions"]])
+                assert found["spec"]["nodeName"] == node
+                results = _claim_of(plane, found)["status"]["allocation"]["devices"]["results"]
+                real = sorted((r["request"], r["device"]) for r in results)
+                assert real == sorted((r["request"], r["device"]) for r in imitation), template
+                # Each pair at the best level free when it was placed.
+                free_gpus = [n for n in names if n.startswith("gpu-") and (DRIVER, node, n) not in taken]
+                free_hcas = [n for n in names if n.startswith("hca-") and (DRIVER, node, n) not in taken]
+                best = min(
+                    topology.level(names[g], names[h]) for g in free_gpus for h in free_hcas
+                )
+                assert pair_levels(results, names, topology)[0] == best, template
+            # The last pod found the node full: it never bound.
+            assert outcome == "unschedulable"
+        finally:
+            for name in pods:
+                try:
+                    plane.request("DELETE", f"/api/v1/namespaces/default/pods/{name}")
+                except ApiFailure:
+                    pass
+    plane.request("DELETE", f"/api/v1/nodes/{node}")
