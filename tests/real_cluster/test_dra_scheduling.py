@@ -7,18 +7,18 @@ the same devices for every request, and every pair at the best level free."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from devplugin.model import Inventory
 from devplugin.policy.topology import Topology
 from devplugin.testing.dra_cluster import DraSimNode
 from devplugin.testing.dra_scheduler import Allocator, node_ids, pair_levels, taken_devices
 from devplugin.testing.node import NodeSpec, devices_from_spec, hgx_node
-from devplugin.model import Inventory
 from tests.real_cluster.conftest import DRA_NAMESPACE, DRA_RELEASE
 from tests.real_cluster.controlplane import ApiFailure, ControlPlane, kubeconfig
 from tests.real_cluster.nodes import add_node, eventually, node_token
@@ -31,6 +31,7 @@ SCHEDULER = {
     "kind": "KubeSchedulerConfiguration",
     "profiles": [{"schedulerName": "default-scheduler"}],
 }
+NAMESPACED = "/apis/resource.k8s.io/v1/namespaces"
 _names = itertools.count()
 
 
@@ -42,9 +43,9 @@ def numa_unknown(spec: NodeSpec) -> NodeSpec:
 
 
 @pytest.fixture
-def scheduler(dra_installed: ControlPlane) -> Iterator[ControlPlane]:
+def scheduler(dra_installed: ControlPlane) -> ControlPlane:
     dra_installed.start_scheduler(SCHEDULER)
-    yield dra_installed
+    return dra_installed
 
 
 def _pod(template: str, node: str) -> dict[str, Any]:
@@ -129,15 +130,15 @@ def test_claims_from_the_chart_templates_land_at_the_best_free_level(
         }
         templates = {
             t["metadata"]["name"]: t["spec"]["spec"]
-            for t in _items(plane, "/apis/resource.k8s.io/v1/namespaces/default/resourceclaimtemplates")
+            for t in _items(plane, f"{NAMESPACED}/default/resourceclaimtemplates")
         }
         try:
             for template in ("1-pair", "2-pairs", "4-pairs", "1-pair", "1-pair"):
                 claims = _items(plane, "/apis/resource.k8s.io/v1/resourceclaims")
                 taken = taken_devices(claims)
-                imitation = Allocator(
-                    slices, classes, node, version=plane.bins.minor
-                ).allocate(templates[template], taken)
+                imitation = Allocator(slices, classes, node, version=plane.bins.minor).allocate(
+                    templates[template], taken
+                )
                 pod = _pod(template, node)
                 pods.append(pod["metadata"]["name"])
                 plane.request("POST", "/api/v1/namespaces/default/pods", pod)
@@ -145,24 +146,23 @@ def test_claims_from_the_chart_templates_land_at_the_best_free_level(
                 if imitation is None:
                     assert outcome == "unschedulable", (template, found["spec"].get("nodeName"))
                     continue
-                assert outcome == "bound", (template, [c.get("message") for c in found["status"]["conditions"]])
+                why = [c.get("message") for c in found["status"]["conditions"]]
+                assert outcome == "bound", (template, why)
                 assert found["spec"]["nodeName"] == node
                 results = _claim_of(plane, found)["status"]["allocation"]["devices"]["results"]
                 real = sorted((r["request"], r["device"]) for r in results)
                 assert real == sorted((r["request"], r["device"]) for r in imitation), template
                 # Each pair at the best level free when it was placed.
-                free_gpus = [n for n in names if n.startswith("gpu-") and (DRIVER, node, n) not in taken]
-                free_hcas = [n for n in names if n.startswith("hca-") and (DRIVER, node, n) not in taken]
+                free = [n for n in names if (DRIVER, node, n) not in taken]
                 best = min(
-                    topology.level(names[g], names[h]) for g in free_gpus for h in free_hcas
-                )
+                    topology.level(names[g], names[h])
+                    for g in free if g.startswith("gpu-") for h in free if h.startswith("hca-")
+                )  # fmt: skip
                 assert pair_levels(results, names, topology)[0] == best, template
             # The last pod found the node full: it never bound.
             assert outcome == "unschedulable"
         finally:
             for name in pods:
-                try:
+                with contextlib.suppress(ApiFailure):
                     plane.request("DELETE", f"/api/v1/namespaces/default/pods/{name}")
-                except ApiFailure:
-                    pass
     plane.request("DELETE", f"/api/v1/nodes/{node}")
