@@ -50,7 +50,7 @@ upstream:
 # judged by those control planes; it builds them first where Go is here.
 test-cluster: $(STAMP) $(HELM_STAMP)
 	@if command -v go >/dev/null 2>&1; then $(MAKE) --no-print-directory upstream; fi
-	$(BIN)/python -m pytest -q -p no:randomly -m cluster tests/real_cluster
+	$(BIN)/python -m pytest -q -rP -p no:randomly -m cluster tests/real_cluster
 
 demo: $(STAMP)
 	$(BIN)/devplugin demo

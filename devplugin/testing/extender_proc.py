@@ -1,5 +1,6 @@
-"""`devplugin extender` as its own process against the API server imitation:
-what the end-to-end tests and the benches start."""
+"""`devplugin extender` as its own process against the API server imitation
+(or a real API server, given its kubeconfig): what the end-to-end tests,
+the cluster tier and the benches start."""
 
 from __future__ import annotations
 
@@ -25,11 +26,18 @@ def free_port() -> int:
 
 
 def extender_command(
-    api: ApiServerImitation, base: Path, port: int, *, stale_after: float, dra: bool = False
+    api: ApiServerImitation | dict[str, Any],
+    base: Path,
+    port: int,
+    *,
+    stale_after: float,
+    dra: bool = False,
 ) -> list[str]:
-    """The command line, with a kubeconfig for the imitation written under `base`."""
+    """The command line, with a kubeconfig for the imitation (or the given
+    kubeconfig of a real API server) written under `base`."""
     kubeconfig = base / f"extender-kubeconfig-{port}"
-    kubeconfig.write_text(yaml.safe_dump(api.kubeconfig()))
+    config = api.kubeconfig() if isinstance(api, ApiServerImitation) else api
+    kubeconfig.write_text(yaml.safe_dump(config))
     return [
         sys.executable,
         "-m",
@@ -55,7 +63,7 @@ def ready(url: str) -> bool:
 
 @contextmanager
 def extender_process(
-    api: ApiServerImitation,
+    api: ApiServerImitation | dict[str, Any],
     base: Path,
     *,
     stale_after: float = 120.0,

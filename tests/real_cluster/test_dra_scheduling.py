@@ -164,5 +164,5 @@ def test_claims_from_the_chart_templates_land_at_the_best_free_level(
         finally:
             for name in pods:
                 with contextlib.suppress(ApiFailure):
-                    plane.request("DELETE", f"/api/v1/namespaces/default/pods/{name}")
+                    plane.request("DELETE", f"/api/v1/namespaces/default/pods/{name}?gracePeriodSeconds=0")
     plane.request("DELETE", f"/api/v1/nodes/{node}")
