@@ -104,3 +104,10 @@ def eventually(check: Callable[[], bool], timeout: float = 30.0, every: float = 
         if time.monotonic() > deadline:
             return False
         time.sleep(every)
+
+
+def delete_pod(plane: ControlPlane, name: str, namespace: str = "default") -> None:
+    """Delete a pod at once, as its kubelet confirms a pod it stopped: with
+    no kubelet here a graceful deletion would leave it terminating, its
+    resources counted, for good."""
+    plane.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/{name}?gracePeriodSeconds=0")

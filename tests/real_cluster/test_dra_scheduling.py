@@ -21,7 +21,7 @@ from devplugin.testing.dra_scheduler import Allocator, node_ids, pair_levels, ta
 from devplugin.testing.node import NodeSpec, devices_from_spec, hgx_node
 from tests.real_cluster.conftest import DRA_NAMESPACE, DRA_RELEASE
 from tests.real_cluster.controlplane import ApiFailure, ControlPlane, kubeconfig
-from tests.real_cluster.nodes import add_node, eventually, node_token
+from tests.real_cluster.nodes import add_node, delete_pod, eventually, node_token
 
 pytestmark = pytest.mark.cluster
 
@@ -164,5 +164,5 @@ def test_claims_from_the_chart_templates_land_at_the_best_free_level(
         finally:
             for name in pods:
                 with contextlib.suppress(ApiFailure):
-                    plane.request("DELETE", f"/api/v1/namespaces/default/pods/{name}?gracePeriodSeconds=0")
+                    delete_pod(plane, name)
     plane.request("DELETE", f"/api/v1/nodes/{node}")

@@ -33,7 +33,7 @@ from devplugin.testing.kubelet import ContainerRequest
 from devplugin.testing.layouts import LAYOUTS
 from tests.real_cluster.conftest import NAMESPACE, RELEASE
 from tests.real_cluster.controlplane import ApiFailure, ControlPlane, kubeconfig
-from tests.real_cluster.nodes import GPU, HCA, add_node, eventually, node_token
+from tests.real_cluster.nodes import GPU, HCA, add_node, delete_pod, eventually, node_token
 
 pytestmark = pytest.mark.cluster
 
@@ -193,7 +193,7 @@ def test_pods_land_at_the_best_level_free_anywhere_through_the_real_scheduler(
             gpus, hcas = rng.choices(SHAPES, WEIGHTS)[0]
             if live and (rng.random() < 0.4 or not cluster.fits(gpus, hcas)):
                 node, gone = live.pop(rng.randrange(len(live)))
-                plane.request("DELETE", f"/api/v1/namespaces/default/pods/{gone}?gracePeriodSeconds=0")
+                delete_pod(plane, gone)
                 cluster.nodes[node].kubelet.remove(gone)
             fits = cluster.fits(gpus, hcas)
             if not fits:
@@ -224,11 +224,12 @@ def test_pods_land_at_the_best_level_free_anywhere_through_the_real_scheduler(
                     best += 1
                 else:
                     levels = ", ".join(f"{n} {lv.name}" for n, lv in best_now.items())
-                    misses.append(f"{pod} ({gpus},{hcas}) on {target}: {achieved[0].name}; {levels}")
+                    got_level = achieved[0].name
+                    misses.append(f"{pod} ({gpus},{hcas}) on {target}: {got_level}; {levels}")
     finally:
         for node, pod in live:
             with contextlib.suppress(ApiFailure):
-                plane.request("DELETE", f"/api/v1/namespaces/default/pods/{pod}?gracePeriodSeconds=0")
+                delete_pod(plane, pod)
             cluster.nodes[node].kubelet.remove(pod)
     # The figure, for the log (make test-cluster shows it with -rP).
     print(f"{plane.bins.version}: {best}/{judged} GPU+HCA pods at the best level free anywhere")
