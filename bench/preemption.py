@@ -14,15 +14,18 @@ cluster as its choices leave it:
   others given back highest priority first while it still fits; the node
   chosen by preemption.go pickOneNodeForPreemption: lowest highest-victim
   priority, lowest sum, fewest victims, then the first node);
-* extender: the same scheduler with the extender's verb: on every node the
-  victims policy/preemption.py chooses, only nodes at the best level with
-  the fewest victims kept (cluster/preempt.py), then the scheduler's same
-  pick among them.
+* extender: the same scheduler with the extender's verb, which it asks
+  only about its candidates, the nodes where its count-only dry run found
+  victims (a node where the pod fits by counts has every victim reprieved
+  and is never sent, as the cluster tier shows with the real scheduler):
+  on each the victims policy/preemption.py chooses, only nodes at the best
+  level with the fewest victims kept (cluster/preempt.py), then the
+  scheduler's same pick among them.
 
 The victims end, and the preemptor's daemon places it on what is free.
-For each preemptor, the reference tries every subset of every node's
-lower-priority pods: the best level eviction can give anywhere, and the
-fewest victims that reach it. Goal: through the extender, 100% of
+For each preemptor, the reference tries every subset of the lower-priority
+pods of every node in the scheduler's candidate set: the best level
+eviction can give there, and the fewest victims that reach it. Goal: through the extender, 100% of
 preemptors at that level with that many victims.
 """
 
@@ -154,8 +157,11 @@ def pick(candidates: dict[str, tuple[Candidate, ...]]) -> str:
 
 
 def extender_victims(nodes: dict[str, Node], shape: Shape) -> dict[str, tuple[Candidate, ...]]:
+    """The verb's answer over the nodes the scheduler sends it: its
+    count-only candidates only."""
     found: dict[str, Eviction] = {}
-    for name, node in nodes.items():
+    for name in candidates(nodes, shape):
+        node = nodes[name]
         eviction = choose_victims(node.state, shape, node.allocator, _lower(node))
         if eviction is not None and eviction.victims:
             found[name] = eviction
@@ -177,9 +183,10 @@ def run(
     for index in range(ROUNDS * len(PREEMPTORS)):
         gpus, hcas = PREEMPTORS[index % len(PREEMPTORS)]
         shape = _shape(gpus, hcas)
+        # The scheduler preempts only on its count-only candidates.
         reference = {
-            name: exhaustive(node.state, shape, node.allocator, _lower(node))
-            for name, node in nodes.items()
+            name: exhaustive(nodes[name].state, shape, nodes[name].allocator, _lower(nodes[name]))
+            for name in candidates(nodes, shape)
         }
         reachable = [r for r in reference.values() if r is not None]
         if not reachable or any(r[1] == 0 for r in reachable):
@@ -204,6 +211,13 @@ def run(
             tally.best_level += 1
             tally.fewest += len(proposed[chosen]) == fewest
     return tally
+
+
+def candidates(nodes: dict[str, Node], shape: Shape) -> list[str]:
+    """The nodes kube-scheduler's dry run keeps (preemption.go
+    DryRunPreemption): those where the pod does not fit as the node is and
+    the count-only selection leaves at least one victim."""
+    return sorted(_count_only_all(nodes, shape))
 
 
 def _count_only_all(nodes: dict[str, Node], shape: Shape) -> dict[str, tuple[Candidate, ...]]:
