@@ -130,29 +130,37 @@ def pool_slice(item: Mapping[str, Any]) -> PoolSlice:
     )
 
 
-def gather(slices: Iterable[PoolSlice]) -> list[Device]:
+def gather(slices: Iterable[PoolSlice], *, sort: bool = False) -> list[Device]:
     """Devices in the order the allocator visits them (GatherPools): pools
     as their slices first come, slices in the order given, devices in slice
     order; a pool counts only its newest generation's slices, and not at
     all while it has fewer than it says (the scheduler waits for the rest).
-    The allocator walks what the lister hands it; it sorts nothing."""
+    The stable allocator walks what the lister hands it; it sorts nothing.
+    `sort`: the incubating allocator's order (incubating/pools_incubating.go
+    GatherPools): pools by (driver, pool), each pool's slices by name."""
     pools: dict[tuple[str, str], list[PoolSlice]] = {}
     for item in slices:
         pools.setdefault((item.driver, item.pool), []).append(item)
     found: list[Device] = []
-    for items in pools.values():
+    order = sorted(pools) if sort else list(pools)
+    for key in order:
+        items = pools[key]
         newest = max(i.generation for i in items)
         current = [i for i in items if i.generation == newest]
         if len(current) != current[0].count:
             continue
+        if sort:
+            current.sort(key=lambda i: i.name)
         for item in current:
             found.extend(item.devices)
     return found
 
 
-def candidates(slices: Iterable[Mapping[str, Any]], node: str) -> list[Device]:
+def candidates(
+    slices: Iterable[Mapping[str, Any]], node: str, *, sort: bool = False
+) -> list[Device]:
     """The node's devices in the order the allocator visits them."""
-    return gather(s for s in map(pool_slice, slices) if s.node == node)
+    return gather((s for s in map(pool_slice, slices) if s.node == node), sort=sort)
 
 
 @dataclass(frozen=True)
@@ -274,6 +282,7 @@ class Walk:
         selectable: Callable[[Alternative, Device], bool],
         allowed: Callable[[Alternative, Device], bool] = lambda a, d: True,
         budget: int,
+        combinations: bool = False,
     ) -> None:
         self.devices = devices
         self.requests = requests
@@ -284,6 +293,10 @@ class Walk:
         self.selectable = selectable
         self.allowed = allowed
         self.budget = budget
+        # The incubating allocator tries each set of devices for one request
+        # once (allocateOne's startLocation: later devices only); the stable
+        # one tries every order of them.
+        self.combinations = combinations
         self.chosen: list[Choice] = []
         self.tries = 0
 
@@ -386,14 +399,15 @@ class Walk:
             self.untake()
         return False
 
-    def pick(self, alternative: Alternative, left: int, index: int) -> bool:
+    def pick(self, alternative: Alternative, left: int, index: int, start: int = 0) -> bool:
         if left == 0:
             return self.request(index + 1)
         # Past the claim's limit this branch cannot succeed; the walk goes
         # on with others (allocateOne's numDevicesAfterAlloc check).
         if self.held(alternative.claim) + left > MAX_RESULTS:
             return False
-        for device in self.devices:
+        for position in range(start, len(self.devices)):
+            device = self.devices[position]
             self.tries += 1
             if self.tries > self.budget:
                 return False
@@ -402,7 +416,8 @@ class Walk:
             if not self.allowed(alternative, device) or not self.fits(alternative, device):
                 continue
             self.take(alternative, device)
-            if self.pick(alternative, left - 1, index):
+            after = position + 1 if self.combinations else 0
+            if self.pick(alternative, left - 1, index, after):
                 return True
             self.untake()
         return False

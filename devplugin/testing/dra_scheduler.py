@@ -80,6 +80,15 @@ class Selectors:
 DEFAULT_VERSION = (1, 36)
 
 
+def incubating_on(version: tuple[int, int]) -> bool:
+    """Whether the scheduler runs the incubating allocator at this version:
+    dynamic-resource-allocation structured/allocator.go picks the most
+    stable implementation supporting every enabled feature, and the
+    DRADeviceBindingConditions and DRAConsumableCapacity gates, which only
+    the incubating one supports, are beta and on by default from 1.36."""
+    return version >= (1, 36)
+
+
 def device_taints_on(version: tuple[int, int]) -> bool:
     """Whether the scheduler honours device taints by default at this
     version: the DRADeviceTaints gate (pkg/features/kube_features.go) is
@@ -100,9 +109,14 @@ class Allocator:
         selectors: Selectors | None = None,
         version: tuple[int, int] = DEFAULT_VERSION,
         device_taints: bool | None = None,
+        incubating: bool | None = None,
         budget: int = TRY_BUDGET,
     ) -> None:
-        self.devices = candidates(slices, node)
+        # Which implementation walks: the stable one (allocator_stable.go)
+        # or, from 1.36 by default, the incubating one (allocator_incubating.go:
+        # pools and slices sorted, each request's device sets tried once).
+        self.incubating = incubating_on(version) if incubating is None else incubating
+        self.devices = candidates(slices, node, sort=self.incubating)
         self.budget = budget
         self._classes = classes
         self._selectors = selectors or Selectors()
@@ -152,6 +166,7 @@ class Allocator:
             selectable=self.selectable,
             allowed=self.allowed,
             budget=self.budget,
+            combinations=self.incubating,
         )
         try:
             chosen = walk.run()

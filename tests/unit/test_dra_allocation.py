@@ -109,7 +109,7 @@ def test_tainted_devices_are_used_only_when_tolerated() -> None:
 
 def test_prioritized_list_falls_back_in_order_and_names_the_subrequest() -> None:
     slices, _ = node_slices(hgx_node())
-    allocator = Allocator(slices, CLASSES, NODE)
+    allocator = Allocator(slices, CLASSES, NODE, version=(1, 35))
     spec = {"devices": {"requests": [{"name": "g", "firstAvailable": [
         {"name": "many", "deviceClassName": f"gpu.{DRIVER}", "count": 12},
         {"name": "few", "deviceClassName": f"gpu.{DRIVER}", "count": 2},
@@ -117,9 +117,15 @@ def test_prioritized_list_falls_back_in_order_and_names_the_subrequest() -> None
     results = allocator.allocate(spec)
     assert results is not None
     assert [r["request"] for r in results] == ["g/few", "g/few"]
-    # As the real allocator walks it: every order of the 8 GPUs is tried
+    # As the stable allocator walks it: every order of the 8 GPUs is tried
     # for `many` before `few` is (it checks no counts first).
     assert allocator.tries > 1_000_000
+    # From 1.36 the incubating allocator tries each set of GPUs once: the
+    # same answer in a few hundred tries (issue 39, difference 4).
+    incubating = Allocator(slices, CLASSES, NODE, version=(1, 37))
+    assert incubating.incubating
+    assert incubating.allocate(spec) == results
+    assert incubating.tries < 1_000
 
 
 @pytest.mark.parametrize("layout", ["hgx-h100", "dgx-a100", "pcie-server", "asymmetric", "16-gpu"])
@@ -508,13 +514,30 @@ def test_slices_are_walked_in_the_order_given() -> None:
         names = [d["name"] for item in order for d in item["spec"]["devices"]]
         return next(name for name in names if name.startswith("gpu-"))
 
-    forward = Allocator(slices, CLASSES, NODE).allocate(one)
-    backward = Allocator(list(reversed(slices)), CLASSES, NODE).allocate(one)
+    stable = (1, 35)
+    forward = Allocator(slices, CLASSES, NODE, version=stable).allocate(one)
+    backward = Allocator(list(reversed(slices)), CLASSES, NODE, version=stable).allocate(one)
     assert forward is not None
     assert backward is not None
     assert forward[0]["device"] == first_gpu(slices)
     assert backward[0]["device"] == first_gpu(list(reversed(slices)))
     assert forward[0]["device"] != backward[0]["device"]
+
+
+def test_from_1_36_slices_are_walked_sorted_by_name_whatever_the_order_given() -> None:
+    """incubating/pools_incubating.go: a pool's slices sorted by name (and
+    pools by driver and name) before the walk (issue 39, difference 4)."""
+    slices, _ = node_slices(LAYOUTS["64-gpu"]())
+    one = {
+        "devices": {"requests": [{"name": "g", "exactly": {"deviceClassName": f"gpu.{DRIVER}"}}]}
+    }
+    by_name = sorted(slices, key=lambda item: item["metadata"]["name"])
+    names = [d["name"] for item in by_name for d in item["spec"]["devices"]]
+    first = next(name for name in names if name.startswith("gpu-"))
+    for order in (slices, list(reversed(slices))):
+        found = Allocator(order, CLASSES, NODE, version=(1, 37)).allocate(one)
+        assert found is not None
+        assert found[0]["device"] == first
 
 
 def test_the_extenders_claim_view_does_not_count_admin_access_results() -> None:
