@@ -178,6 +178,54 @@ def test_a_device_prepared_for_another_claim_is_refused(start_dra: Start) -> Non
     assert cluster.prepare(third)[third.uid]["error"] == ""
 
 
+def test_admin_access_sees_a_device_another_claim_holds_and_owes_no_cleanup(
+    start_dra: Start, tmp_path: Path
+) -> None:
+    """The scheduler allocates adminAccess requests devices in use and counts
+    them as held by no one (issue 39, difference 3): prepare gives the
+    container the device, takes no custody, runs no hook and owes no
+    cleanup; the holder's claim is untouched."""
+    from devplugin.testing.dra_scheduler import put_claim
+
+    log = tmp_path / "hooks.log"
+    cluster = start_dra(
+        hgx_node(),
+        **{
+            "resources.gpu.hooks.cleanup": hook(log, "ok"),
+            "resources.gpu.hooks.init": hook(log, "ok"),
+        },
+    )
+    assert wait_until(lambda: published(cluster, 16), timeout=10)
+    gpu, _ = pix_pair(cluster)
+    first = cluster.claim("first", [("gpu", gpu)])
+    assert cluster.prepare(first)[first.uid]["error"] == ""
+    assert [r["env"]["DEVPLUGIN_HOOK"] for r in runs(log)] == ["init"]
+    result = {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": gpu, "adminAccess": True}
+    spec = {"devices": {"requests": [
+        {"name": "gpu", "exactly": {"deviceClassName": "x", "adminAccess": True}}]}}  # fmt: skip
+    created = put_claim(cluster.api, "watch", spec, results=[result])
+    watch = type(first)("default", created["metadata"]["uid"], "watch")
+    answer = cluster.prepare(watch)[watch.uid]
+    assert answer["error"] == ""
+    (device,) = answer["devices"]
+    assert device["device"] == gpu
+    assert device["cdi"]
+    spec_file = cluster.cdi_dir / f"k8s.{DRIVER}-claim_{watch.uid}.json"
+    assert spec_file.exists()
+    assert len(runs(log)) == 1  # no init on a device someone else uses
+    # Unprepared: no cleanup owed, the holder keeps the device.
+    assert cluster.unprepare(watch) == {watch.uid: ""}
+    third = cluster.claim("third", [("gpu", gpu)])
+    refused = cluster.prepare(third)[third.uid]["error"]
+    assert refused == f"device {gpu} is prepared for claim {first.uid}"
+    assert len(runs(log)) == 1
+    assert "taints" not in cluster.devices()[gpu]
+    # The holder's release is the one that owes the cleanup.
+    assert cluster.unprepare(first) == {first.uid: ""}
+    assert wait_until(lambda: len(runs(log)) == 2, timeout=10)
+    assert runs(log)[-1]["env"]["DEVPLUGIN_HOOK"] == "cleanup"
+
+
 def test_bad_claims_are_that_claims_error(start_dra: Start) -> None:
     cluster = start_dra(hgx_node())
     assert wait_until(lambda: published(cluster, 16), timeout=10)

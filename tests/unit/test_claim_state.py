@@ -158,3 +158,12 @@ def test_a_damaged_claim_entry_makes_the_checkpoint_untrusted(
     assert not state.trusted
     assert state.claims == {}
     assert not path.exists()  # moved aside for an operator
+
+
+def test_an_admin_access_device_keeps_its_mark_through_the_checkpoint() -> None:
+    device = ClaimDevice(DeviceKind.GPU, "GPU-1", "node-1", "gpu-0", ("g",), ("k/c=x",), admin=True)
+    assert ClaimDevice.from_json(device.to_json()) == device
+    plain = ClaimDevice(DeviceKind.GPU, "GPU-1", "node-1", "gpu-0")
+    assert "admin" not in plain.to_json()  # records written before stay as they were
+    with pytest.raises(ValueError, match="admin"):
+        ClaimDevice.from_json({**device.to_json(), "admin": "yes"})

@@ -145,7 +145,7 @@ class Preparer:
             device.device
             for claim in self._cleanup.claims()
             for device in claim.devices
-            if device.pool == self.pool
+            if device.pool == self.pool and not device.admin
         )
 
     @property
@@ -377,16 +377,15 @@ class Preparer:
             ) from exc
         names = self._names()
         by_device: dict[str, list[str]] = {}
+        # A device all of whose results have admin access (upstream never
+        # gives one claim a device twice, so this is one result).
+        admin: dict[str, bool] = {}
         for result in results:
             if result.pool != self.pool:
                 raise Refused(
                     f"device {result.device} is in pool {result.pool}, "
                     f"not this node's ({self.pool})",
                     invalid_argument=False,
-                )
-            if result.admin:
-                raise Refused(
-                    f"device {result.device}: admin access is not offered", invalid_argument=False
                 )
             found = names.get(result.device)
             if found is None or found[0] not in self._resources:
@@ -396,10 +395,14 @@ class Preparer:
             requests = by_device.setdefault(result.device, [])
             if result.request not in requests:
                 requests.append(result.request)
+            admin[result.device] = admin.get(result.device, True) and result.admin
         return tuple(
-            ClaimDevice(names[device][0], names[device][1], self.pool, device, tuple(requests))
+            ClaimDevice(
+                names[device][0], names[device][1], self.pool, device, tuple(requests),
+                admin=admin[device],
+            )
             for device, requests in by_device.items()
-        )
+        )  # fmt: skip
 
     def _check_healthy(self, ref: ClaimRef, devices: Sequence[ClaimDevice]) -> None:
         """After the take: refuse a device unhealthy for another reason than
@@ -426,9 +429,11 @@ class Preparer:
         }
         for kind, chosen in per_kind.items():
             spec = self._init.get(kind)
-            if spec is None or not chosen:
+            # No init on a device given with admin access: another pod may
+            # be using it, and this claim takes no custody of it.
+            ids = [device.id for device in chosen if not device.admin]
+            if spec is None or not ids:
                 continue
-            ids = [device.id for device in chosen]
             described = describe(inventory, kind, ids)
             if described is None:
                 raise Refused("a device left the node during prepare", invalid_argument=False)

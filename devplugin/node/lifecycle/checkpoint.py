@@ -44,6 +44,10 @@ class ClaimDevice:
     # variables, when one request's would not do); answered as a second
     # entry for this device under a request name no container can name.
     whole: tuple[str, ...] = ()
+    # Admin access (a request's adminAccess): the container sees the device
+    # whoever holds it; the claim takes no custody of it, runs no hook on it
+    # and owes it no cleanup (the scheduler counts it as allocated to no one).
+    admin: bool = False
 
     def to_json(self) -> dict[str, object]:
         data: dict[str, object] = {
@@ -52,6 +56,8 @@ class ClaimDevice:
         }  # fmt: skip
         if self.whole:
             data["whole_claim_cdi_ids"] = list(self.whole)
+        if self.admin:
+            data["admin"] = True
         return data
 
     @classmethod
@@ -66,6 +72,9 @@ class ClaimDevice:
         if not all(isinstance(text, str) and text for text in texts):
             raise ValueError("claim device without id, pool or device")
         lists = [data.get(key, []) for key in ("requests", "cdi_ids", "whole_claim_cdi_ids")]
+        admin = data.get("admin", False)
+        if not isinstance(admin, bool):
+            raise ValueError("claim device admin must be a boolean")
         for values in lists:
             if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
                 raise ValueError("claim device requests and cdi_ids must be lists of strings")
@@ -77,6 +86,7 @@ class ClaimDevice:
             requests=tuple(lists[0]),
             cdi_ids=tuple(lists[1]),
             whole=tuple(lists[2]),
+            admin=admin,
         )
 
 

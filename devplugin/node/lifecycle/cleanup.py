@@ -846,4 +846,6 @@ def _unique(keys: Iterable[Key]) -> list[Key]:
 
 
 def _keys(claim: ClaimRecord) -> list[Key]:
-    return _unique((device.kind, device.id) for device in claim.devices)
+    """The devices the claim holds: those given with admin access are only
+    looked at, and stay in their holder's custody."""
+    return _unique((device.kind, device.id) for device in claim.devices if not device.admin)
