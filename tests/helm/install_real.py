@@ -27,10 +27,14 @@ def install(chart: str, kubeconfig: str, case: dict[str, Any]) -> dict[str, Any]
     try:
         release = asyncio.run(
             helm.Install(config).run(
-                name, chart, values=case["values"], create_namespace=True, wait=False,
+                name,
+                chart,
+                values=case["values"],
+                create_namespace=True,
+                wait=False,
                 timeout=120,
             )
-        )  # fmt: skip
+        )
     except helm.HelmError as exc:
         return {"name": name, "ok": False, "error": str(exc)}
     result = {"name": name, "ok": True, "manifest": str(release.get("manifest", ""))}

@@ -73,8 +73,12 @@ def helm_install(plane: ControlPlane, cases: list[dict[str, Any]]) -> dict[str, 
     request = {"kubeconfig": yaml.safe_dump(plane.admin), "cases": cases}
     done = subprocess.run(
         [str(HELM_PYTHON), str(REPO / "tests" / "helm" / "install_real.py"), str(CHART)],
-        input=json.dumps(request), capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
+        input=json.dumps(request),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return {entry["name"]: entry for entry in json.loads(done.stdout)}
 

@@ -95,15 +95,34 @@ class Pki:
         self.folder = folder
         folder.mkdir(parents=True, exist_ok=True)
         _openssl(
-            "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-            "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
-            "-subj", "/CN=devplugin-cluster-tier-ca", cwd=folder,
-        )  # fmt: skip
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.crt",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=devplugin-cluster-tier-ca",
+            cwd=folder,
+        )
         # The service-account token signer.
         _openssl(
-            "genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-            "-out", "sa.key", cwd=folder,
-        )  # fmt: skip
+            "genpkey",
+            "-algorithm",
+            "EC",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-out",
+            "sa.key",
+            cwd=folder,
+        )
         _openssl("pkey", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=folder)
 
     @property
@@ -117,19 +136,43 @@ class Pki:
         `server`, for 127.0.0.1 and localhost."""
         subject = f"/CN={common}" + "".join(f"/O={g}" for g in groups)
         _openssl(
-            "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-            "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", subject, cwd=self.folder,
-        )  # fmt: skip
+            "req",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            "-subj",
+            subject,
+            cwd=self.folder,
+        )
         usage = "serverAuth" if server else "clientAuth"
         extensions = f"extendedKeyUsage={usage}\nkeyUsage=digitalSignature\n"
         if server:
             extensions += "subjectAltName=IP:127.0.0.1,DNS:localhost\n"
         (self.folder / f"{name}.ext").write_text(extensions)
         _openssl(
-            "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-            "-CAcreateserial", "-days", "2", "-out", f"{name}.crt", "-extfile", f"{name}.ext",
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-out",
+            f"{name}.crt",
+            "-extfile",
+            f"{name}.ext",
             cwd=self.folder,
-        )  # fmt: skip
+        )
         return self.folder / f"{name}.crt", self.folder / f"{name}.key"
 
 
@@ -231,9 +274,12 @@ class ControlPlane:
         log = self.folder / f"{name}.log"
         handle = log.open("ab")
         popen = subprocess.Popen(
-            list(command), stdout=handle, stderr=subprocess.STDOUT, cwd=self.folder,
+            list(command),
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            cwd=self.folder,
             start_new_session=True,
-        )  # fmt: skip
+        )
         process = Process(name, popen, log, handle)
         self.processes[name] = process
         return process
@@ -246,14 +292,29 @@ class ControlPlane:
     def _etcd(self) -> None:
         client, peer = free_port(), free_port()
         self.etcd_url = f"http://127.0.0.1:{client}"
-        process = self._spawn("etcd", [
-            self.bins.path("etcd"), "--data-dir", str(self.folder / "etcd"),
-            "--listen-client-urls", self.etcd_url, "--advertise-client-urls", self.etcd_url,
-            "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-            "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-            "--initial-cluster", f"default=http://127.0.0.1:{peer}",
-            "--unsafe-no-fsync", "--quota-backend-bytes", str(2 << 30), "--log-level", "warn",
-        ])  # fmt: skip
+        process = self._spawn(
+            "etcd",
+            [
+                self.bins.path("etcd"),
+                "--data-dir",
+                str(self.folder / "etcd"),
+                "--listen-client-urls",
+                self.etcd_url,
+                "--advertise-client-urls",
+                self.etcd_url,
+                "--listen-peer-urls",
+                f"http://127.0.0.1:{peer}",
+                "--initial-advertise-peer-urls",
+                f"http://127.0.0.1:{peer}",
+                "--initial-cluster",
+                f"default=http://127.0.0.1:{peer}",
+                "--unsafe-no-fsync",
+                "--quota-backend-bytes",
+                str(2 << 30),
+                "--log-level",
+                "warn",
+            ],
+        )
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -268,24 +329,46 @@ class ControlPlane:
 
     def _apiserver(self, within: float) -> None:
         serving = self.pki.issue("apiserver", "kube-apiserver", server=True)
-        process = self._spawn("kube-apiserver", [
-            self.bins.path("kube-apiserver"),
-            "--etcd-servers", self.etcd_url,
-            "--bind-address", "127.0.0.1", "--advertise-address", "127.0.0.1",
-            "--secure-port", str(self.port),
-            "--tls-cert-file", str(serving[0]), "--tls-private-key-file", str(serving[1]),
-            "--client-ca-file", str(self.pki.ca),
-            "--service-account-issuer", "https://kubernetes.default.svc",
-            "--service-account-key-file", str(self.pki.folder / "sa.pub"),
-            "--service-account-signing-key-file", str(self.pki.folder / "sa.key"),
-            "--api-audiences", "https://kubernetes.default.svc",
-            "--service-cluster-ip-range", "10.96.0.0/16",
-            "--authorization-mode", "RBAC", "--allow-privileged=true",
-            "--enable-priority-and-fairness=false", "--profiling=false",
-            "--endpoint-reconciler-type", "none",
-            "--runtime-config", "resource.k8s.io/v1=true",
-            *self._gates(),
-        ])  # fmt: skip
+        process = self._spawn(
+            "kube-apiserver",
+            [
+                self.bins.path("kube-apiserver"),
+                "--etcd-servers",
+                self.etcd_url,
+                "--bind-address",
+                "127.0.0.1",
+                "--advertise-address",
+                "127.0.0.1",
+                "--secure-port",
+                str(self.port),
+                "--tls-cert-file",
+                str(serving[0]),
+                "--tls-private-key-file",
+                str(serving[1]),
+                "--client-ca-file",
+                str(self.pki.ca),
+                "--service-account-issuer",
+                "https://kubernetes.default.svc",
+                "--service-account-key-file",
+                str(self.pki.folder / "sa.pub"),
+                "--service-account-signing-key-file",
+                str(self.pki.folder / "sa.key"),
+                "--api-audiences",
+                "https://kubernetes.default.svc",
+                "--service-cluster-ip-range",
+                "10.96.0.0/16",
+                "--authorization-mode",
+                "RBAC",
+                "--allow-privileged=true",
+                "--enable-priority-and-fairness=false",
+                "--profiling=false",
+                "--endpoint-reconciler-type",
+                "none",
+                "--runtime-config",
+                "resource.k8s.io/v1=true",
+                *self._gates(),
+            ],
+        )
         deadline = time.monotonic() + within
         while not self.ready():
             if process.popen.poll() is not None or time.monotonic() > deadline:
@@ -374,9 +457,11 @@ class ControlPlane:
         """One request as the administrator (or with a bearer token)."""
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(
-            f"{self.server}{path}", data=data, method=method,
+            f"{self.server}{path}",
+            data=data,
+            method=method,
             headers={"Content-Type": content_type, "Accept": "application/json"},
-        )  # fmt: skip
+        )
         context = ssl.create_default_context(cafile=str(self.pki.ca))
         if token is None:
             context = self._context()
@@ -400,8 +485,12 @@ class ControlPlane:
     def kubectl(self, *args: str, stdin: str | None = None) -> str:
         done = subprocess.run(
             [self.bins.path("kubectl"), "--kubeconfig", str(self.admin_file), *args],
-            input=stdin, capture_output=True, text=True, timeout=120, check=False,
-        )  # fmt: skip
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
         if done.returncode != 0:
             raise ApiFailure(done.returncode, done.stderr.strip())
         return done.stdout

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 
-from tests.cluster.test_chart import CASES
+from tests.chart_support import CASES
 from tests.real_cluster.conftest import helm_install
 from tests.real_cluster.controlplane import ControlPlane
 

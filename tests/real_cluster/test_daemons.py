@@ -42,15 +42,21 @@ def test_a_daemon_writes_its_record_lease_and_labels_and_they_go_with_its_node(
     record_path = f"/apis/devplugin.io/v1alpha1/nodedevices/{node}"
     lease_path = f"/apis/coordination.k8s.io/v1/namespaces/{NAMESPACE}/leases/devplugin-{node}"
     with SimCluster(
-        hgx_node(), settings=settings, node_name=node,
+        hgx_node(),
+        settings=settings,
+        node_name=node,
         kubeconfig=kubeconfig(plane.server, plane.pki.ca, token=token),
-    ):  # fmt: skip
+    ):
         # The record: its status accepted by the CRD's schema.
         assert eventually(
-            lambda: ((_get(plane, record_path) or {}).get("status") or {})
-            .get("summary", {}).get("gpusTotal") == 8,
+            lambda: (
+                ((_get(plane, record_path) or {}).get("status") or {})
+                .get("summary", {})
+                .get("gpusTotal")
+                == 8
+            ),
             timeout=30,
-        )  # fmt: skip
+        )
         record = _get(plane, record_path)
         assert [o["kind"] for o in record["metadata"]["ownerReferences"]] == ["Node"]
         assert len(record["status"]["devices"]) == 16
@@ -69,10 +75,14 @@ def test_a_daemon_writes_its_record_lease_and_labels_and_they_go_with_its_node(
         assert renewed["metadata"]["ownerReferences"] == first["metadata"]["ownerReferences"]
         # Its labels on its Node.
         assert eventually(
-            lambda: (_get(plane, f"/api/v1/nodes/{node}")["metadata"]["labels"])
-            .get("devplugin.io/gpu.count") == "8",
+            lambda: (
+                (_get(plane, f"/api/v1/nodes/{node}")["metadata"]["labels"]).get(
+                    "devplugin.io/gpu.count"
+                )
+                == "8"
+            ),
             timeout=20,
-        )  # fmt: skip
+        )
     # The daemon gone, its Node deleted: the garbage collector removes the
     # record and the Lease the Node owns.
     plane.request("DELETE", f"/api/v1/nodes/{node}")
@@ -87,9 +97,12 @@ def test_a_dra_daemon_publishes_slices_the_real_api_accepts(dra_installed: Contr
     token = node_token(plane, DRA_NAMESPACE, f"{DRA_RELEASE}-devplugin", node)
     settings = {"kubernetes.lease_namespace": DRA_NAMESPACE}
     with DraSimNode(
-        hgx_node(), None, node_name=node,
-        kubeconfig=kubeconfig(plane.server, plane.pki.ca, token=token), settings=settings,
-    ):  # fmt: skip
+        hgx_node(),
+        None,
+        node_name=node,
+        kubeconfig=kubeconfig(plane.server, plane.pki.ca, token=token),
+        settings=settings,
+    ):
 
         def devices() -> list[dict[str, Any]]:
             found = plane.request(

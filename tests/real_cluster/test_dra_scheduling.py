@@ -73,9 +73,9 @@ def _outcome(plane: ControlPlane, name: str) -> tuple[str, dict[str, Any]] | Non
 def _claim_of(plane: ControlPlane, pod: dict[str, Any]) -> dict[str, Any]:
     (status,) = pod["status"]["resourceClaimStatuses"]
     claim: dict[str, Any] = plane.request(
-        "GET", f"/apis/resource.k8s.io/v1/namespaces/default/resourceclaims/"
-        f"{status['resourceClaimName']}",
-    )  # fmt: skip
+        "GET",
+        f"/apis/resource.k8s.io/v1/namespaces/default/resourceclaims/{status['resourceClaimName']}",
+    )
     return claim
 
 
@@ -115,9 +115,12 @@ def test_claims_from_the_chart_templates_land_at_the_best_free_level(
     topology = Topology.from_inventory(Inventory(gpus=gpus, hcas=hcas))
     pods: list[str] = []
     with DraSimNode(
-        spec, None, node_name=node, settings={"kubernetes.lease_namespace": DRA_NAMESPACE},
+        spec,
+        None,
+        node_name=node,
+        settings={"kubernetes.lease_namespace": DRA_NAMESPACE},
         kubeconfig=kubeconfig(plane.server, plane.pki.ca, token=token),
-    ):  # fmt: skip
+    ):
         mine = f"/apis/resource.k8s.io/v1/resourceslices?fieldSelector=spec.nodeName={node}"
         assert eventually(
             lambda: sum(len(s["spec"]["devices"]) for s in _items(plane, mine)) == 16, timeout=30
@@ -156,8 +159,11 @@ def test_claims_from_the_chart_templates_land_at_the_best_free_level(
                 free = [n for n in names if (DRIVER, node, n) not in taken]
                 best = min(
                     topology.level(names[g], names[h])
-                    for g in free if g.startswith("gpu-") for h in free if h.startswith("hca-")
-                )  # fmt: skip
+                    for g in free
+                    if g.startswith("gpu-")
+                    for h in free
+                    if h.startswith("hca-")
+                )
                 assert pair_levels(results, names, topology)[0] == best, template
             # The last pod found the node full: it never bound.
             assert outcome == "unschedulable"

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import random
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -22,15 +20,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from bench.cluster import SHAPES, WEIGHTS
 from devplugin.node.alignment import alignment, best_worst_level
 from devplugin.testing.churn import free_now
 from devplugin.testing.cluster import SimCluster
-from devplugin.testing.extender_proc import free_port, ready
 from devplugin.testing.kubelet import ContainerRequest
 from devplugin.testing.layouts import LAYOUTS
+from tests.real_cluster.cluster_support import (
+    SCHEDULER_NAME,
+    chart_extender,
+    chart_scheduler_config,
+)
 from tests.real_cluster.conftest import NAMESPACE, RELEASE
 from tests.real_cluster.controlplane import ApiFailure, ControlPlane, kubeconfig
 from tests.real_cluster.nodes import GPU, HCA, add_node, delete_pod, eventually, node_token
@@ -42,62 +43,9 @@ SETTINGS = {
     "kubernetes.record_min_interval_seconds": 1.0,
     "discovery.rescan_interval_seconds": 30.0,
 }
-SCHEDULER_NAME = "devplugin-scheduler"
 GOAL = 0.98
 # Arrivals per version: the live cluster bench's longest stream.
 ARRIVALS = 120
-
-
-def account_token(plane: ControlPlane, namespace: str, account: str) -> str:
-    request = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
-               "spec": {"audiences": ["https://kubernetes.default.svc"],
-                        "expirationSeconds": 7200}}  # fmt: skip
-    answer = plane.request(
-        "POST", f"/api/v1/namespaces/{namespace}/serviceaccounts/{account}/token", request
-    )
-    return str(answer["status"]["token"])
-
-
-@contextlib.contextmanager
-def chart_extender(plane: ControlPlane, base: Path) -> Iterator[str]:
-    """The extender as the chart's Deployment runs it (its arguments), on a
-    local port, with its service account's token; its URL once ready."""
-    deployment = plane.request(
-        "GET", f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/{RELEASE}-devplugin-extender"
-    )
-    (container,) = deployment["spec"]["template"]["spec"]["containers"]
-    port = free_port()
-    args = [a for a in container["args"] if not a.startswith("--listen=")]
-    token = account_token(plane, NAMESPACE, f"{RELEASE}-devplugin-extender")
-    config = base / "extender.kubeconfig"
-    config.write_text(yaml.safe_dump(kubeconfig(plane.server, plane.pki.ca, token=token)))
-    command = [sys.executable, "-m", "devplugin", *args, f"--listen=127.0.0.1:{port}",
-               "--kubeconfig", str(config)]  # fmt: skip
-    with (base / "extender.log").open("w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            if not eventually(lambda: ready(url) or process.poll() is not None, timeout=30):
-                raise RuntimeError("the extender did not become ready")
-            if process.poll() is not None:
-                raise RuntimeError((base / "extender.log").read_text()[-2000:])
-            yield url
-        finally:
-            process.terminate()
-            process.wait(10)
-
-
-def chart_scheduler_config(plane: ControlPlane, extender_url: str) -> dict[str, Any]:
-    """The second scheduler's configuration as the chart installed it, its
-    extender entries pointed at the extender process here."""
-    found = plane.request(
-        "GET", f"/api/v1/namespaces/{NAMESPACE}/configmaps/{RELEASE}-devplugin-scheduler"
-    )
-    config: dict[str, Any] = yaml.safe_load(found["data"]["scheduler-config.yaml"])
-    for entry in config["extenders"]:
-        suffix = entry["urlPrefix"].split("/scheduler", 1)[1]
-        entry["urlPrefix"] = f"{extender_url}/scheduler{suffix}"
-    return config
 
 
 class Cluster:
@@ -111,11 +59,15 @@ class Cluster:
             name = f"{prefix}-{short}"
             spec = LAYOUTS[layout]()
             sim = SimCluster(
-                spec, settings={**SETTINGS, "kubernetes.lease_namespace": NAMESPACE},
-                node_name=name, kubeconfig=kubeconfig(
-                    plane.server, plane.pki.ca,
-                    token=node_token(plane, NAMESPACE, f"{RELEASE}-devplugin", name)),
-            )  # fmt: skip
+                spec,
+                settings={**SETTINGS, "kubernetes.lease_namespace": NAMESPACE},
+                node_name=name,
+                kubeconfig=kubeconfig(
+                    plane.server,
+                    plane.pki.ca,
+                    token=node_token(plane, NAMESPACE, f"{RELEASE}-devplugin", name),
+                ),
+            )
             # The Node as its kubelet registers it: the plugin's devices as
             # capacity (the simulated node's counts).
             from devplugin.testing.node import devices_from_spec
@@ -204,8 +156,11 @@ def test_pods_land_at_the_best_level_free_anywhere_through_the_real_scheduler(
                     sim = cluster.nodes[name]
                     best_now[name] = best_worst_level(
                         sim.daemon.core.coordinator.topology,
-                        free_now(sim.kubelet, GPU), free_now(sim.kubelet, HCA), gpus, hcas,
-                    )  # fmt: skip
+                        free_now(sim.kubelet, GPU),
+                        free_now(sim.kubelet, HCA),
+                        gpus,
+                        hcas,
+                    )
             pod = f"p{plane.bins.minor[1]}-{index}"
             plane.request("POST", "/api/v1/namespaces/default/pods", _pod(pod, gpus, hcas))
             target, why = _bound(plane, pod)

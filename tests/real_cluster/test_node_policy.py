@@ -77,27 +77,38 @@ def test_a_node_identity_writes_only_its_own_nodes_objects(installed: ControlPla
     as_a("POST", leases, _lease("pol-a"))
     merge = {"content_type": "application/merge-patch+json"}
     labelled = as_a(
-        "PATCH", "/api/v1/nodes/pol-a", {"metadata": {"labels": {"devplugin.io/gpu.count": "8"}}},
+        "PATCH",
+        "/api/v1/nodes/pol-a",
+        {"metadata": {"labels": {"devplugin.io/gpu.count": "8"}}},
         **merge,
-    )  # fmt: skip
+    )
     assert labelled["metadata"]["labels"]["devplugin.io/gpu.count"] == "8"
 
     # Another node's: refused, with the policy's reason.
     _refused(lambda: as_a("POST", records, _record("pol-b")), "may write only its own NodeDevices")
     _refused(lambda: as_a("POST", leases, _lease("pol-b")), "only the Lease devplugin-pol-a")
     _refused(
-        lambda: as_a("PATCH", "/api/v1/nodes/pol-b",
-                     {"metadata": {"labels": {"devplugin.io/gpu.count": "8"}}}, **merge),
+        lambda: as_a(
+            "PATCH",
+            "/api/v1/nodes/pol-b",
+            {"metadata": {"labels": {"devplugin.io/gpu.count": "8"}}},
+            **merge,
+        ),
         "may write only its own Node",
-    )  # fmt: skip
+    )
     # On its own Node: no foreign label, no taint, no finalizer, no owner.
     for patch in (
         {"metadata": {"labels": {"team": "y"}}},
         {"spec": {"taints": [{"key": "x", "effect": "NoSchedule"}]}},
         {"metadata": {"finalizers": ["devplugin.io/hold"]}},
-        {"metadata": {"ownerReferences": [{"apiVersion": "v1", "kind": "ConfigMap",
-                                           "name": "gone", "uid": "0"}]}},
-    ):  # fmt: skip
+        {
+            "metadata": {
+                "ownerReferences": [
+                    {"apiVersion": "v1", "kind": "ConfigMap", "name": "gone", "uid": "0"}
+                ]
+            }
+        },
+    ):
         _refused(
             lambda p=patch: as_a("PATCH", "/api/v1/nodes/pol-a", p, **merge),  # type: ignore[misc]
             "may change only labels under devplugin.io/",

@@ -31,14 +31,14 @@ from devplugin.testing.kubelet import ContainerRequest
 from devplugin.testing.layouts import LAYOUTS
 from devplugin.testing.node import devices_from_spec
 from devplugin.testing.scheduler import call_extender, pending_pod
-from tests.real_cluster.conftest import NAMESPACE, RELEASE
-from tests.real_cluster.controlplane import ApiFailure, ControlPlane, kubeconfig
-from tests.real_cluster.nodes import GPU, HCA, add_node, delete_pod, eventually, node_token
-from tests.real_cluster.test_extender_scheduling import (
+from tests.real_cluster.cluster_support import (
     SCHEDULER_NAME,
     chart_extender,
     chart_scheduler_config,
 )
+from tests.real_cluster.conftest import NAMESPACE, RELEASE
+from tests.real_cluster.controlplane import ApiFailure, ControlPlane, kubeconfig
+from tests.real_cluster.nodes import GPU, HCA, add_node, delete_pod, eventually, node_token
 
 pytestmark = pytest.mark.cluster
 
@@ -66,9 +66,14 @@ class Node:
         gpus, hcas = devices_from_spec(spec)
         add_node(plane, name, {GPU: len(gpus), HCA: len(hcas)})
         token = node_token(plane, NAMESPACE, f"{RELEASE}-devplugin", name)
-        self.sim = stack.enter_context(SimCluster(
-            spec, node_name=name, settings={"kubernetes.lease_namespace": NAMESPACE},
-            kubeconfig=kubeconfig(plane.server, plane.pki.ca, token=token)))  # fmt: skip
+        self.sim = stack.enter_context(
+            SimCluster(
+                spec,
+                node_name=name,
+                settings={"kubernetes.lease_namespace": NAMESPACE},
+                kubeconfig=kubeconfig(plane.server, plane.pki.ca, token=token),
+            )
+        )
         base = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=plane.folder))
         self.url = stack.enter_context(chart_extender(plane, base))
         plane.start_scheduler(chart_scheduler_config(plane, self.url))

@@ -398,11 +398,15 @@ class Preparer:
             admin[result.device] = admin.get(result.device, True) and result.admin
         return tuple(
             ClaimDevice(
-                names[device][0], names[device][1], self.pool, device, tuple(requests),
+                names[device][0],
+                names[device][1],
+                self.pool,
+                device,
+                tuple(requests),
                 admin=admin[device],
             )
             for device, requests in by_device.items()
-        )  # fmt: skip
+        )
 
     def _check_healthy(self, ref: ClaimRef, devices: Sequence[ClaimDevice]) -> None:
         """After the take: refuse a device unhealthy for another reason than

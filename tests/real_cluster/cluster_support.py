@@ -1,0 +1,73 @@
+"""What the cluster tier's extender tests share: the extender run as the
+chart's Deployment runs it, and the chart's second-scheduler configuration
+pointed at it."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from devplugin.testing.extender_proc import free_port, ready
+from tests.real_cluster.conftest import NAMESPACE, RELEASE
+from tests.real_cluster.controlplane import ControlPlane, kubeconfig
+from tests.real_cluster.nodes import eventually
+
+SCHEDULER_NAME = "devplugin-scheduler"
+
+
+def account_token(plane: ControlPlane, namespace: str, account: str) -> str:
+    request = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+               "spec": {"audiences": ["https://kubernetes.default.svc"],
+                        "expirationSeconds": 7200}}  # fmt: skip
+    answer = plane.request(
+        "POST", f"/api/v1/namespaces/{namespace}/serviceaccounts/{account}/token", request
+    )
+    return str(answer["status"]["token"])
+
+
+@contextlib.contextmanager
+def chart_extender(plane: ControlPlane, base: Path) -> Iterator[str]:
+    """The extender as the chart's Deployment runs it (its arguments), on a
+    local port, with its service account's token; its URL once ready."""
+    deployment = plane.request(
+        "GET", f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/{RELEASE}-devplugin-extender"
+    )
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    port = free_port()
+    args = [a for a in container["args"] if not a.startswith("--listen=")]
+    token = account_token(plane, NAMESPACE, f"{RELEASE}-devplugin-extender")
+    config = base / "extender.kubeconfig"
+    config.write_text(yaml.safe_dump(kubeconfig(plane.server, plane.pki.ca, token=token)))
+    command = [sys.executable, "-m", "devplugin", *args, f"--listen=127.0.0.1:{port}",
+               "--kubeconfig", str(config)]  # fmt: skip
+    with (base / "extender.log").open("w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            if not eventually(lambda: ready(url) or process.poll() is not None, timeout=30):
+                raise RuntimeError("the extender did not become ready")
+            if process.poll() is not None:
+                raise RuntimeError((base / "extender.log").read_text()[-2000:])
+            yield url
+        finally:
+            process.terminate()
+            process.wait(10)
+
+
+def chart_scheduler_config(plane: ControlPlane, extender_url: str) -> dict[str, Any]:
+    """The second scheduler's configuration as the chart installed it, its
+    extender entries pointed at the extender process here."""
+    found = plane.request(
+        "GET", f"/api/v1/namespaces/{NAMESPACE}/configmaps/{RELEASE}-devplugin-scheduler"
+    )
+    config: dict[str, Any] = yaml.safe_load(found["data"]["scheduler-config.yaml"])
+    for entry in config["extenders"]:
+        suffix = entry["urlPrefix"].split("/scheduler", 1)[1]
+        entry["urlPrefix"] = f"{extender_url}/scheduler{suffix}"
+    return config
