@@ -90,15 +90,20 @@ MAIN_VALUES: dict[str, Any] = {
 }
 
 
+def keep_installed(
+    plane: ControlPlane, release: str, namespace: str, values: dict[str, Any]
+) -> ControlPlane:
+    """The chart installed for good as `release` in `namespace`."""
+    case = {"name": release, "namespace": namespace, "values": values, "keep": True}
+    found = helm_install(plane, [case])[release]
+    assert found["ok"], found.get("error")
+    return plane
+
+
 @pytest.fixture(scope="session")
 def installed(control_plane: ControlPlane) -> ControlPlane:
     """The chart installed for good (release `tier` in devplugin-system)."""
-    found = helm_install(
-        control_plane,
-        [{"name": RELEASE, "namespace": NAMESPACE, "values": MAIN_VALUES, "keep": True}],
-    )[RELEASE]
-    assert found["ok"], found.get("error")
-    return control_plane
+    return keep_installed(control_plane, RELEASE, NAMESPACE, MAIN_VALUES)
 
 
 DRA_NAMESPACE = "devplugin-dra"
@@ -114,9 +119,4 @@ DRA_VALUES: dict[str, Any] = {
 @pytest.fixture(scope="session")
 def dra_installed(control_plane: ControlPlane) -> ControlPlane:
     """The chart installed for good with DRA (release `tierdra`)."""
-    found = helm_install(
-        control_plane,
-        [{"name": DRA_RELEASE, "namespace": DRA_NAMESPACE, "values": DRA_VALUES, "keep": True}],
-    )[DRA_RELEASE]
-    assert found["ok"], found.get("error")
-    return control_plane
+    return keep_installed(control_plane, DRA_RELEASE, DRA_NAMESPACE, DRA_VALUES)
