@@ -68,6 +68,7 @@ from devplugin.cluster.pods import PodCache
 from devplugin.cluster.preempt import (
     answer,
     candidates,
+    counts_fit,
     evictable,
     proposed_victims,
     unchanged,
@@ -392,24 +393,31 @@ class Extender:
                 entries[name] = ((FAILED, reason, rank), until.get(name, math.inf))
         answers = self.views.failures(failing, records, shape, requirement, uid)
         for name, (message, empty_fails) in answers.items():
-            never = empty_fails or not self._resolvable(
-                records[name], shape, requirement, pod.priority
-            )
+            never = empty_fails or not self._resolvable(records[name], shape, requirement, pod)
             rank = entries[name][0][2]
             entries[name] = ((NEVER if never else FAILED, message, rank), entries[name][1])
         return entries
 
     def _resolvable(
-        self, record: Record | None, shape: Shape, requirement: Requirement, priority: int
+        self,
+        record: Record | None,
+        shape: Shape,
+        requirement: Requirement,
+        pod: PodInfo,
     ) -> bool:
-        """Whether evicting every pod of lower priority bound to the node
-        would let the pod pass there: the scheduler tries preemption only
-        on nodes whose failure is not marked unresolvable."""
+        """Whether the scheduler's preemption could make the pod pass: the
+        pod does not fit the node by counts (where it does, no victim is
+        ever proposed there), and evicting every pod of lower priority
+        bound to the node would let it pass. The scheduler tries
+        preemption only on nodes whose failure is not marked unresolvable."""
+        priority, uid = pod.priority, pod.uid
         state = self.views.state(record.parsed, record) if record is not None else None
         if state is None:
             return True
         node, allocator, pending = state
         bound = self.pods.on_node(node.name)
+        if node.healthy is not None and counts_fit(node, bound, shape, uid, (self.gpu, self.hca)):
+            return False  # the scheduler's dry run would reprieve every victim
         if any(pod.uid in pending and pod.priority < priority for pod in bound):
             return True  # its devices are not known yet: unsure, let it try
         back = evictable(node, bound, priority)

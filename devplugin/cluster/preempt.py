@@ -20,7 +20,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from devplugin.cluster.budgets import DisruptionBudget
-from devplugin.policy.placement import NodeState
+from devplugin.model import DeviceKind
+from devplugin.policy.placement import NodeState, Shape, shape_of
 from devplugin.policy.podinfo import PodInfo
 from devplugin.policy.preemption import Candidate, Eviction
 
@@ -112,6 +113,36 @@ def evictable(node: NodeState, bound: Iterable[PodInfo], priority: int) -> froze
         for holding in node.holdings
         if holding.uid not in staying and (holding.namespace, holding.pod) not in names
         for device in holding.devices
+    )
+
+
+def counts_fit(
+    node: NodeState, bound: Iterable[PodInfo], shape: Shape, uid: str, names: tuple[str, str]
+) -> bool:
+    """Whether the pod fits the node by counts as kube-scheduler's
+    NodeResourcesFit judges them: allocatable (the healthy devices the
+    kubelet reports) less the requests of every pod bound there. Where
+    they fit, the scheduler's preemption dry run (default_preemption.go
+    SelectVictimsOnNode, which re-runs only the in-tree filters) reprieves
+    every victim, so no eviction there is ever proposed to the extender."""
+    gpu, hca = names
+    healthy = node.healthy or {}
+    wanted = {DeviceKind.GPU: shape.gpus, DeviceKind.HCA: shape.hcas}
+    used = dict.fromkeys(wanted, 0)
+    for pod in bound:
+        if pod.uid == uid:
+            continue  # the pod itself, bound already (a retry): not a rival
+        theirs = shape_of(pod, gpu, hca)
+        used[DeviceKind.GPU] += theirs.gpus
+        used[DeviceKind.HCA] += theirs.hcas
+    # Devices the record shows held by holders the pod watch has not seen
+    # bound yet count too: unsure, the node stays one preemption may help.
+    return all(
+        len(healthy.get(kind, frozenset()))
+        - max(used[kind], len(healthy.get(kind, frozenset()) - node.free[kind]))
+        >= need
+        for kind, need in wanted.items()
+        if need
     )
 
 

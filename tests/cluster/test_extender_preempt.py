@@ -240,6 +240,31 @@ def test_the_filter_marks_failures_preemption_can_resolve_and_those_it_cannot(
     assert failed(1, 9, 1000) == ([], ["hgx"])
 
 
+def test_a_node_where_the_pod_fits_by_counts_is_one_preemption_cannot_help(
+    api: ApiServerImitation, tmp_path: Path, extender: Running
+) -> None:
+    # One GPU and one HCA stay free, on different sockets (SYS apart).
+    fill(api, "hgx", "hgx-h100", tmp_path, [("a", 3, 4, 0, {}), ("b", 4, 3, 0, {})])
+    synced(extender, {"hgx"})
+    assert wait_until(lambda: len(extender[0].pods.pods()) == 2, timeout=10)
+
+    def failed(gpus: int, hcas: int) -> tuple[list[str], list[str]]:
+        asking = preemptor(gpus, hcas)
+        asking["metadata"]["annotations"] = {
+            "devplugin.io/alignment": "PIX",
+            "devplugin.io/alignment-policy": "required",
+        }
+        _, result = call(extender, "filter", {"Pod": asking, "NodeNames": ["hgx"]})
+        return list(result["FailedNodes"]), list(result["FailedAndUnresolvableNodes"])
+
+    # 1 + 1 fits by counts: kube-scheduler's dry run re-runs only its own
+    # filters, which pass with nobody evicted, so it reprieves every victim
+    # and never proposes this node, though evicting "a" would give PIX.
+    assert failed(1, 1) == ([], ["hgx"])
+    # 2 + 2 does not fit by counts: there its dry run finds victims.
+    assert failed(2, 2) == (["hgx"], [])
+
+
 def test_a_holder_is_matched_by_uid_and_a_namesake_is_not_a_victim(tmp_path: Path) -> None:
     # The record's holder "a" (uid-old) ended; a namesake "a" of low priority
     # is bound now and holds nothing. Only the pod the record names may go.

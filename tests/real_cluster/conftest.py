@@ -8,6 +8,7 @@ DEVPLUGIN_REQUIRE_CLUSTER=1 (CI) that is a failure instead.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
@@ -21,6 +22,7 @@ import yaml
 
 from tests.real_cluster.controlplane import (
     REPO,
+    ApiFailure,
     ControlPlane,
     Unavailable,
     binaries,
@@ -62,6 +64,30 @@ def control_plane(request: pytest.FixtureRequest) -> Iterator[ControlPlane]:
         plane.stop()
         if not env_flag("DEVPLUGIN_KEEP_CLUSTER"):
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def _names(plane: ControlPlane, path: str) -> set[str]:
+    return {item["metadata"]["name"] for item in plane.request("GET", path)["items"]}
+
+
+@pytest.fixture(autouse=True)
+def leaves_no_nodes(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The tier's tests share one control plane per version: what a test
+    adds there (Nodes, and pods in `default`, which a later test's
+    scheduler would otherwise place) goes when it ends, so no test's
+    verdicts depend on the ones before it."""
+    if "control_plane" not in request.fixturenames:
+        yield
+        return
+    plane: ControlPlane = request.getfixturevalue("control_plane")
+    nodes, pods = _names(plane, "/api/v1/nodes"), _names(plane, "/api/v1/namespaces/default/pods")
+    yield
+    for pod in _names(plane, "/api/v1/namespaces/default/pods") - pods:
+        with contextlib.suppress(ApiFailure):
+            plane.request("DELETE", f"/api/v1/namespaces/default/pods/{pod}?gracePeriodSeconds=0")
+    for node in _names(plane, "/api/v1/nodes") - nodes:
+        with contextlib.suppress(ApiFailure):
+            plane.request("DELETE", f"/api/v1/nodes/{node}")
 
 
 def helm_install(plane: ControlPlane, cases: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

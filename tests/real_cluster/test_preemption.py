@@ -166,19 +166,22 @@ def test_a_pod_whose_counts_fit_but_alignment_does_not_waits_and_evicts_nobody(
     name = f"{node.name}-aligned"
     required = {"devplugin.io/alignment": "PIX", "devplugin.io/alignment-policy": "required"}
     pod = _pod(name, node.name, 1, 1, "tier-high", **required)
-    # The extender calls the node resolvable (evictions would free a PIX
-    # pair) once the node's record shows the last admission.
+    # Once the node's record shows the last admission, the extender fails
+    # the node and calls it unresolvable: the pod fits there by counts, so
+    # the scheduler's dry run would reprieve every victim (the imitation's
+    # verdict, checked below against what the real scheduler does).
     pending = pending_pod(name, {GPU: 1, HCA: 1}, uid="probe")
     pending["metadata"]["annotations"] = pod["metadata"]["annotations"]
     pending["spec"]["priority"] = 1000  # as admission sets it from the class
     verdicts: list[Any] = []
 
-    def resolvable() -> bool:
+    def unresolvable() -> bool:
         body = {"Pod": pending, "NodeNames": [node.name]}
         verdicts.append(call_extender(node.url, "filter", body))
-        return node.name in verdicts[-1]["FailedNodes"]
+        return node.name in verdicts[-1]["FailedAndUnresolvableNodes"]
 
-    assert eventually(resolvable, timeout=20), verdicts[-1]
+    assert eventually(unresolvable, timeout=20), verdicts[-1]
+    assert verdicts[-1]["FailedNodes"] == {}
     plane.request("POST", "/api/v1/namespaces/default/pods", pod)
     assert eventually(lambda: "Unschedulable" in str(node.pod(name)["status"]), timeout=30)
     # A while on, it is still pending and every low-priority pod still runs:
