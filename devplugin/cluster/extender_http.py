@@ -262,7 +262,8 @@ class ExtenderHandler(BoundedHandler):
         if verb is None:
             self._send(404, {"Error": f"no such verb: {path[:100]}"})
             return
-        self._serve(path.rsplit("/", 1)[1], verb)
+        # The claims verbs counted apart: claims_filter, claims_prioritize.
+        self._serve(path.removeprefix("/scheduler/").replace("/", "_"), verb)
 
     def _serve(self, name: str, verb: Callable[[Mapping[str, Any]], Any]) -> None:
         started = time.perf_counter()

@@ -52,13 +52,25 @@ def hgx_record(
         })  # fmt: skip
     allocations = [
         {"namespace": "default", "pod": pod, "podUID": uid, "container": "main",
-         "devices": list(ids)}
+         "devices": list(ids), "worstLevel": ""}
         for pod, uid, ids in held
     ]  # fmt: skip
+    taken = {d for _, _, ids in held for d in ids}
+    summary = {"unhealthy": sum(1 for d in devices if d["health"] != "Healthy")}
+    for kind in ("gpu", "hca"):
+        mine = [d for d in devices if d["kind"] == kind]
+        summary[f"{kind}sTotal"] = len(mine)
+        summary[f"{kind}sFree"] = sum(
+            1 for d in mine if d["health"] == "Healthy" and d["id"] not in taken
+        )
+    # What the CRD requires of a status, so a real API server takes it too.
+    registered = {"type": "Registered", "status": "True", "reason": "KubeletRegistration",
+                  "message": "", "lastTransitionTime": "2026-01-01T00:00:00Z"}  # fmt: skip
     return {
         "apiVersion": "devplugin.io/v1alpha1", "kind": "NodeDevices",
         "metadata": {"name": name, "resourceVersion": version},
-        "status": {"devices": devices, "allocations": allocations, "updated": ""},
+        "status": {"devices": devices, "allocations": allocations, "updated": "",
+                   "summary": summary, "conditions": [registered]},
     }  # fmt: skip
 
 

@@ -7,15 +7,16 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from devplugin.testing.controlplane import ControlPlane, kubeconfig
 from devplugin.testing.extender_proc import free_port, ready
 from tests.real_cluster.conftest import NAMESPACE, RELEASE
-from tests.real_cluster.controlplane import ControlPlane, kubeconfig
 from tests.real_cluster.nodes import eventually
 
 SCHEDULER_NAME = "devplugin-scheduler"
@@ -32,16 +33,18 @@ def account_token(plane: ControlPlane, namespace: str, account: str) -> str:
 
 
 @contextlib.contextmanager
-def chart_extender(plane: ControlPlane, base: Path) -> Iterator[str]:
+def chart_extender(
+    plane: ControlPlane, base: Path, namespace: str = NAMESPACE, release: str = RELEASE
+) -> Iterator[str]:
     """The extender as the chart's Deployment runs it (its arguments), on a
     local port, with its service account's token; its URL once ready."""
     deployment = plane.request(
-        "GET", f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/{RELEASE}-devplugin-extender"
+        "GET", f"/apis/apps/v1/namespaces/{namespace}/deployments/{release}-devplugin-extender"
     )
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     port = free_port()
     args = [a for a in container["args"] if not a.startswith("--listen=")]
-    token = account_token(plane, NAMESPACE, f"{RELEASE}-devplugin-extender")
+    token = account_token(plane, namespace, f"{release}-devplugin-extender")
     config = base / "extender.kubeconfig"
     config.write_text(yaml.safe_dump(kubeconfig(plane.server, plane.pki.ca, token=token)))
     command = [sys.executable, "-m", "devplugin", *args, f"--listen=127.0.0.1:{port}",
@@ -60,14 +63,21 @@ def chart_extender(plane: ControlPlane, base: Path) -> Iterator[str]:
             process.wait(10)
 
 
-def chart_scheduler_config(plane: ControlPlane, extender_url: str) -> dict[str, Any]:
+def chart_scheduler_config(
+    plane: ControlPlane, extender_url: str, namespace: str = NAMESPACE, release: str = RELEASE
+) -> dict[str, Any]:
     """The second scheduler's configuration as the chart installed it, its
     extender entries pointed at the extender process here."""
     found = plane.request(
-        "GET", f"/api/v1/namespaces/{NAMESPACE}/configmaps/{RELEASE}-devplugin-scheduler"
+        "GET", f"/api/v1/namespaces/{namespace}/configmaps/{release}-devplugin-scheduler"
     )
     config: dict[str, Any] = yaml.safe_load(found["data"]["scheduler-config.yaml"])
     for entry in config["extenders"]:
         suffix = entry["urlPrefix"].split("/scheduler", 1)[1]
         entry["urlPrefix"] = f"{extender_url}/scheduler{suffix}"
     return config
+
+
+def extender_metrics(url: str) -> str:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as answer:
+        return str(answer.read().decode())

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.real_cluster.controlplane import (
+from devplugin.testing.controlplane import (
     REPO,
     ApiFailure,
     ControlPlane,
@@ -135,10 +135,12 @@ def installed(control_plane: ControlPlane) -> ControlPlane:
 DRA_NAMESPACE = "devplugin-dra"
 DRA_RELEASE = "tierdra"
 # The daemon serving both kinds through DRA, with the chart's claim
-# templates in `default`.
+# templates in `default`, and the extender with its second scheduler (whose
+# configuration then asks the extender about claim-only pods too).
 DRA_VALUES: dict[str, Any] = {
     "config": {"resources": {"gpu": {"api": "dra"}, "hca": {"api": "dra"}}},
     "dra": {"claimTemplates": {"namespaces": ["default"]}},
+    "extender": {"enabled": True, "scheduler": {"enabled": True}},
 }
 
 

@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from tests.real_cluster.controlplane import ApiFailure, ControlPlane
+from devplugin.testing.controlplane import ApiFailure, ControlPlane
 
 GPU = "nvidia.com/gpu"
 HCA = "rdma/hca"

@@ -8,9 +8,9 @@ import copy
 
 import pytest
 
+from devplugin.testing.controlplane import ControlPlane
 from tests.chart_support import CASES
 from tests.real_cluster.conftest import helm_install
-from tests.real_cluster.controlplane import ControlPlane
 
 pytestmark = pytest.mark.cluster
 

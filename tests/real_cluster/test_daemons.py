@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from devplugin.testing.cluster import SimCluster
+from devplugin.testing.controlplane import ApiFailure, ControlPlane, kubeconfig
 from devplugin.testing.dra_cluster import DraSimNode
 from devplugin.testing.node import hgx_node
 from tests.real_cluster.conftest import DRA_NAMESPACE, DRA_RELEASE, NAMESPACE, RELEASE
-from tests.real_cluster.controlplane import ApiFailure, ControlPlane, kubeconfig
 from tests.real_cluster.nodes import GPU, HCA, add_node, eventually, node_token
 
 pytestmark = pytest.mark.cluster

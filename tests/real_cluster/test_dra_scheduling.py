@@ -16,11 +16,11 @@ import pytest
 
 from devplugin.model import Inventory
 from devplugin.policy.topology import Topology
+from devplugin.testing.controlplane import ApiFailure, ControlPlane, kubeconfig
 from devplugin.testing.dra_cluster import DraSimNode
 from devplugin.testing.dra_scheduler import Allocator, node_ids, pair_levels, taken_devices
 from devplugin.testing.node import NodeSpec, devices_from_spec, hgx_node
 from tests.real_cluster.conftest import DRA_NAMESPACE, DRA_RELEASE
-from tests.real_cluster.controlplane import ApiFailure, ControlPlane, kubeconfig
 from tests.real_cluster.nodes import add_node, delete_pod, eventually, node_token
 
 pytestmark = pytest.mark.cluster

@@ -25,6 +25,7 @@ from bench.cluster import SHAPES, WEIGHTS
 from devplugin.node.alignment import alignment, best_worst_level
 from devplugin.testing.churn import free_now
 from devplugin.testing.cluster import SimCluster
+from devplugin.testing.controlplane import ApiFailure, ControlPlane, kubeconfig
 from devplugin.testing.kubelet import ContainerRequest
 from devplugin.testing.layouts import LAYOUTS
 from tests.real_cluster.cluster_support import (
@@ -33,7 +34,6 @@ from tests.real_cluster.cluster_support import (
     chart_scheduler_config,
 )
 from tests.real_cluster.conftest import NAMESPACE, RELEASE
-from tests.real_cluster.controlplane import ApiFailure, ControlPlane, kubeconfig
 from tests.real_cluster.nodes import GPU, HCA, add_node, delete_pod, eventually, node_token
 
 pytestmark = pytest.mark.cluster

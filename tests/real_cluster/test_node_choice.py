@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from devplugin.testing.cluster import SimCluster
+from devplugin.testing.controlplane import ApiFailure, ControlPlane, kubeconfig
 from devplugin.testing.layouts import LAYOUTS
 from devplugin.testing.node import devices_from_spec
 from devplugin.testing.scheduler import call_extender, selector_fits
@@ -25,7 +26,6 @@ from tests.real_cluster.cluster_support import (
     chart_scheduler_config,
 )
 from tests.real_cluster.conftest import NAMESPACE, RELEASE
-from tests.real_cluster.controlplane import ApiFailure, ControlPlane, kubeconfig
 from tests.real_cluster.nodes import GPU, HCA, add_node, delete_pod, eventually, node_token
 
 pytestmark = pytest.mark.cluster

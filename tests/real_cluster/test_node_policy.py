@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
+from devplugin.testing.controlplane import ApiFailure, ControlPlane
 from tests.real_cluster.conftest import DRA_NAMESPACE, DRA_RELEASE, NAMESPACE, RELEASE
-from tests.real_cluster.controlplane import ApiFailure, ControlPlane
 from tests.real_cluster.nodes import add_node, eventually, node_token, who_am_i
 
 pytestmark = pytest.mark.cluster

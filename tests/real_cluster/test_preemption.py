@@ -27,6 +27,7 @@ import pytest
 from devplugin.node.alignment import alignment, best_worst_level
 from devplugin.testing.churn import free_now
 from devplugin.testing.cluster import SimCluster
+from devplugin.testing.controlplane import ApiFailure, ControlPlane, kubeconfig
 from devplugin.testing.kubelet import ContainerRequest
 from devplugin.testing.layouts import LAYOUTS
 from devplugin.testing.node import devices_from_spec
@@ -37,7 +38,6 @@ from tests.real_cluster.cluster_support import (
     chart_scheduler_config,
 )
 from tests.real_cluster.conftest import NAMESPACE, RELEASE
-from tests.real_cluster.controlplane import ApiFailure, ControlPlane, kubeconfig
 from tests.real_cluster.nodes import GPU, HCA, add_node, delete_pod, eventually, node_token
 
 pytestmark = pytest.mark.cluster

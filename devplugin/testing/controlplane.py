@@ -431,14 +431,31 @@ class ControlPlane:
             *self._gates(),
         ])  # fmt: skip
 
+    def scheduler_metrics(self) -> str:
+        """The running kube-scheduler's /metrics text (an always-allowed
+        path on its secure port, whose certificate it made itself)."""
+        url = f"https://127.0.0.1:{self.scheduler_port}/metrics"
+        with urllib.request.urlopen(url, context=_unverified(), timeout=30) as answer:
+            return str(answer.read().decode())
+
+    def scheduler_ready(self) -> bool:
+        try:
+            url = f"https://127.0.0.1:{self.scheduler_port}/readyz"
+            with urllib.request.urlopen(url, context=_unverified(), timeout=5) as answer:
+                return bool(answer.status == 200)
+        except OSError:
+            return False
+
     # -- asking the API server
     def ready(self) -> bool:
         try:
-            return self.request("GET", "/readyz", raw=True) == b"ok"
+            return bool(self.request("GET", "/readyz", raw=True) == b"ok")
         except (OSError, ApiFailure):
             return False
 
-    def _context(self) -> ssl.SSLContext:
+    def context(self) -> ssl.SSLContext:
+        """TLS as the administrator: the run's CA trusted, the admin's
+        client certificate presented."""
         context = ssl.create_default_context(cafile=str(self.pki.ca))
         folder = self.pki.folder
         context.load_cert_chain(str(folder / "admin.crt"), str(folder / "admin.key"))
@@ -464,7 +481,7 @@ class ControlPlane:
         )
         context = ssl.create_default_context(cafile=str(self.pki.ca))
         if token is None:
-            context = self._context()
+            context = self.context()
         else:
             request.add_header("Authorization", f"Bearer {token}")
         try:
@@ -494,6 +511,15 @@ class ControlPlane:
         if done.returncode != 0:
             raise ApiFailure(done.returncode, done.stderr.strip())
         return done.stdout
+
+
+def _unverified() -> ssl.SSLContext:
+    # The scheduler serves with a certificate it made itself at start; on
+    # loopback, for its metrics, there is nothing to verify it against.
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    return context
 
 
 class ApiFailure(Exception):
