@@ -253,11 +253,6 @@ def measure(api: Api, plane: ControlPlane, nodes: int, extender: str | None) -> 
     """One scheduler run: a warm-up burst, the measured burst (pods per
     second, attempts under load), then pods one at a time (attempts alone)."""
     plane.start_scheduler(scheduler_config(extender))
-    deadline = time.monotonic() + 120
-    while not plane.scheduler_ready():
-        if time.monotonic() > deadline:
-            raise RuntimeError("kube-scheduler did not become ready")
-        time.sleep(0.1)
     tag = f"{nodes}-{'ext' if extender else 'plain'}"
     bindings = Bindings(plane)
     try:

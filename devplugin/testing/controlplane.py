@@ -430,6 +430,12 @@ class ControlPlane:
             "--authorization-always-allow-paths", "/healthz,/readyz,/livez,/metrics",
             *self._gates(),
         ])  # fmt: skip
+        deadline = time.monotonic() + 60
+        while not self.scheduler_ready():
+            process = self.processes["kube-scheduler"]
+            if process.popen.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"kube-scheduler did not become ready:\n{process.tail()}")
+            time.sleep(0.1)
 
     def scheduler_metrics(self) -> str:
         """The running kube-scheduler's /metrics text (an always-allowed

@@ -86,6 +86,16 @@ def leaves_no_nodes(request: pytest.FixtureRequest) -> Iterator[None]:
         with contextlib.suppress(ApiFailure):
             plane.request("DELETE", f"/api/v1/namespaces/default/pods/{pod}?gracePeriodSeconds=0")
     for node in _names(plane, "/api/v1/nodes") - nodes:
+        # The daemons' stand-in pods there too (the next test may reuse the name).
+        bound = plane.request("GET", f"/api/v1/pods?fieldSelector=spec.nodeName={node}")
+        for pod in bound["items"]:
+            meta = pod["metadata"]
+            with contextlib.suppress(ApiFailure):
+                plane.request(
+                    "DELETE",
+                    f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"
+                    "?gracePeriodSeconds=0",
+                )
         with contextlib.suppress(ApiFailure):
             plane.request("DELETE", f"/api/v1/nodes/{node}")
 
