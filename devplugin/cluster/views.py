@@ -53,6 +53,9 @@ MAX_ALLOCATIONS = 4096
 INLINE_DEVICES = 128
 # Pod shapes answered per view at most (the oldest answers are dropped).
 SHAPES_PER_VIEW = 32
+# Outcomes shared by nodes of one layout with the same free devices (a
+# fleet's empty nodes, its full ones): one placement answers them all.
+SHARED_OUTCOMES = 4096
 # A filter's reason is cut to this many characters.
 MAX_REASON = 256
 # Distinct pod shapes numbered at most (the oldest numbers are forgotten).
@@ -210,6 +213,8 @@ class NodeViews:
         self._has_ended = has_ended
         self._gpu, self._hca = gpu, hca
         self._views: dict[str, _View] = {}
+        self._shared: dict[tuple[Any, ...], Outcome] = {}
+        self._shared_lock = threading.Lock()
         self._shape_ids: dict[Shape, int] = {}
         self._next_shape = 0
         self.builds = 0
@@ -287,9 +292,26 @@ class NodeViews:
         found = view.outcomes.get(key)
         if found is not None:
             return found, True
-        outcome = place(view.node, shape, view.layout.allocator)
-        _keep(view.outcomes, key, replace(outcome, free_after=None))
-        return outcome, False
+        outcome, hit = self._placed(view, shape, key)
+        _keep(view.outcomes, key, outcome)
+        return outcome, hit
+
+    def _placed(self, view: _View, shape: Shape, key: int) -> tuple[Outcome, bool]:
+        """The pod placed on the view's node, or the answer a node of the
+        same layout with the same free devices got (placement reads only
+        those: the levels, counts and spread it reports are the same)."""
+        free = view.node.free
+        shared = (view.layout.key, free[DeviceKind.GPU], free[DeviceKind.HCA], key)
+        with self._shared_lock:
+            found = self._shared.get(shared)
+        if found is not None:
+            return found, True
+        found = replace(place(view.node, shape, view.layout.allocator), free_after=None)
+        with self._shared_lock:
+            if len(self._shared) >= SHARED_OUTCOMES:
+                self._shared.pop(next(iter(self._shared)))
+            self._shared[shared] = found
+        return found, False
 
     def failures(
         self,
