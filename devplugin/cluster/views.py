@@ -215,6 +215,7 @@ class NodeViews:
         self._views: dict[str, _View] = {}
         self._shared: dict[tuple[Any, ...], Outcome] = {}
         self._shared_lock = threading.Lock()
+        self.placements = 0  # place() calls made for outcomes (not shared)
         self._shape_ids: dict[Shape, int] = {}
         self._next_shape = 0
         self.builds = 0
@@ -308,6 +309,7 @@ class NodeViews:
             return found, True
         found = replace(place(view.node, shape, view.layout.allocator), free_after=None)
         with self._shared_lock:
+            self.placements += 1
             if len(self._shared) >= SHARED_OUTCOMES:
                 self._shared.pop(next(iter(self._shared)))
             self._shared[shared] = found

@@ -75,6 +75,27 @@ def test_views_are_rebuilt_for_the_node_that_changed_and_no_other(
     assert all(ranked[n] > 0 for n in names if n != "n2")
 
 
+def test_nodes_alike_share_one_placement_and_a_node_that_differs_gets_its_own(
+    api: ApiServerImitation, extender: Running
+) -> None:
+    names = cluster(api, extender, 6)
+    # n5 has six GPUs held: a 4 + 4 pod no longer fits there.
+    held = [("p", "uid-p", [gpu_id(i) for i in range(6)])]
+    put(api, hgx_record("n5", held=held, version="2"))
+    assert wait_until(lambda: extender[0].records.get("n5").parsed.holdings, timeout=5)
+    views = extender[0].views
+    before = views.placements
+    args = {"Pod": pod("t", [{GPU: 4, HCA: 4}]), "NodeNames": names}
+    result = call(extender, "filter", args)[1]
+    assert result["NodeNames"] == names[:5]
+    assert set(result["FailedNodes"]) == {"n5"}
+    # Five empty HGX nodes: one placement answered them all; n5 its own.
+    assert views.placements == before + 2
+    ranked = {e["Host"]: e["Score"] for e in call(extender, "prioritize", args)[1]}
+    assert len({ranked[n] for n in names[:5]}) == 1
+    assert views.placements == before + 2
+
+
 def test_a_health_or_holder_change_reuses_the_layout_and_a_large_one_is_built_apart() -> None:
     ready: list[str] = []
     layouts = Layouts(on_ready=ready.append)
