@@ -84,6 +84,10 @@ def free_port() -> int:
 # -- a CA and the identities it signs ----------------------------------------------
 
 
+# A new P-256 key, unencrypted, for `openssl req`.
+_NEW_EC_KEY = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+
+
 def _openssl(*args: str, cwd: Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
 
@@ -97,11 +101,7 @@ class Pki:
         _openssl(
             "req",
             "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
+            *_NEW_EC_KEY,
             "-keyout",
             "ca.key",
             "-out",
@@ -137,11 +137,7 @@ class Pki:
         subject = f"/CN={common}" + "".join(f"/O={g}" for g in groups)
         _openssl(
             "req",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
+            *_NEW_EC_KEY,
             "-keyout",
             f"{name}.key",
             "-out",
