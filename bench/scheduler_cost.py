@@ -5,25 +5,31 @@ kube-apiserver, kube-controller-manager, kube-scheduler) holds N Nodes
 (8 GPUs and 8 HCAs each, as their kubelets would report them) and one
 NodeDevices record per node, HGX-like, a quarter of the nodes with 0, 1, 2
 or 3 GPU+HCA pairs held. The extender runs as its own process reading
-them. For each N, the same stream of GPU pods (1+1, 2+1, 2+2 and 4+4) is
-scheduled twice in one run: by kube-scheduler without an extender, then
-with the chart's extender entry (filter, prioritize and preempt verbs,
-nodeCacheCapable, the chart's weight and managed resources). Each run
-starts the scheduler afresh, places a warm-up batch, then the measured
-batch; the pods are deleted after each run, so both see the same nodes.
+them. Three kube-schedulers run side by side over the same nodes, each
+with its own schedulerName: one without an extender, one with the chart's
+extender entry (filter, prioritize and preempt verbs, nodeCacheCapable,
+the chart's weight and managed resources) pointed at the extender, and one
+with the same entry pointed at a null extender (bench/null_extender.py:
+every node passes, every score 0, in the plainest Python HTTP server), the
+floor any HTTP extender pays. GPU pods (1+1, 2+1, 2+2 and 4+4) go:
 
-Reported per run: pods per second (the batch's creation to its last
-binding) and the scheduler's own `scheduler_scheduling_attempt_duration_
-seconds` for scheduled attempts: p50 and p99 read from its buckets as
-Prometheus' histogram_quantile reads them (linear within a bucket; the
-buckets double from 1 ms), and the mean (its _sum over _count, exact). The
-scheduler scores only part of a large cluster (percentageOfNodesToScore,
+* as a burst per scheduler, one after the other, after a warm-up batch:
+  pods per second (the burst's creation to its last binding), the pods
+  deleted after each;
+* one at a time, taking turns among the three schedulers, so drift in the
+  machine's load lands on all three alike: the scheduler's own
+  `scheduler_scheduling_attempt_duration_seconds` for scheduled attempts,
+  p50 and p99 read from its buckets as Prometheus' histogram_quantile
+  reads them (linear within a bucket; the buckets double from 1 ms), and
+  the mean (its _sum over _count, exact).
+
+The scheduler scores only part of a large cluster (percentageOfNodesToScore,
 adaptive by default: about 420 of 1,000 nodes, 500 of 5,000), so that is
-what the extender is asked about per pod.
+what the extenders are asked about per pod.
 
-Goal: at 5,000 nodes the extender adds at most 5 ms to the p50 attempt.
-Needs Go (the binaries are built, once, when missing); skipped with one
-line where they cannot be had.
+Goal: at 5,000 nodes the extender adds at most 5 ms to the p50 attempt
+(against the scheduler without one). Needs Go (the binaries are built,
+once, when missing); skipped with one line where they cannot be had.
 """
 
 from __future__ import annotations
@@ -32,11 +38,14 @@ import http.client
 import json
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -44,8 +53,9 @@ from typing import Any
 
 import yaml
 
+from bench.proc import terminate
 from devplugin.testing.controlplane import ControlPlane, Unavailable, binaries
-from devplugin.testing.extender_proc import extender_process
+from devplugin.testing.extender_proc import extender_process, free_port, ready
 from devplugin.testing.promtext import Histogram, histogram
 from devplugin.testing.records import gpu_id, hca_id, hgx_record
 
@@ -131,24 +141,25 @@ def add_nodes(api: Api, first: int, last: int) -> None:
     api.each(partial(add, index) for index in range(first, last))
 
 
-def _pod(name: str, shape: tuple[int, int]) -> dict[str, Any]:
+def _pod(name: str, shape: tuple[int, int], scheduler: str) -> dict[str, Any]:
     limits = {GPU: str(shape[0]), HCA: str(shape[1])}
     return {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": name, "namespace": "default"},
-        "spec": {"containers": [{"name": "c", "image": "bench/none",
+        "spec": {"schedulerName": scheduler,
+                 "containers": [{"name": "c", "image": "bench/none",
                                  "resources": {"limits": limits}}]},
     }  # fmt: skip
 
 
-def scheduler_config(extender: str | None) -> dict[str, Any]:
-    """One default profile; with the chart's extender entry
+def scheduler_config(name: str, extender: str | None) -> dict[str, Any]:
+    """One default profile named `name`; with the chart's extender entry
     (charts/devplugin/templates/_helpers.tpl) pointed at `extender`."""
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     config: dict[str, Any] = {
         "apiVersion": "kubescheduler.config.k8s.io/v1",
         "kind": "KubeSchedulerConfiguration",
-        "profiles": [{"schedulerName": "default-scheduler"}],
+        "profiles": [{"schedulerName": name}],
     }
     if extender is not None:
         config["extenders"] = [{
@@ -168,10 +179,15 @@ def scheduler_config(extender: str | None) -> dict[str, Any]:
 @dataclass(frozen=True)
 class Run:
     nodes: int
-    extender: bool
+    variant: str  # one of VARIANTS
     pods_per_s: float
     burst: Histogram  # attempts while the burst was placed
     paced: Histogram  # attempts of pods sent one at a time
+
+
+# The schedulers side by side: without an extender, with the null one, with ours.
+WITHOUT, NULL, OURS = "without", "null", "extender"
+VARIANTS = (WITHOUT, NULL, OURS)
 
 
 class Bindings:
@@ -202,6 +218,9 @@ class Bindings:
                 "127.0.0.1", self.plane.port, context=self.plane.context(), timeout=None
             )
             self.connection = connection
+            if self.closed.is_set():
+                connection.close()  # `close` may have looked before this connection was set
+                return
             try:
                 connection.request("GET", path)
                 listed = json.loads(connection.getresponse().read())
@@ -234,8 +253,8 @@ class Bindings:
         self.thread.join(10)
 
 
-def _create(api: Api, names: Sequence[str]) -> None:
-    pods = [_pod(name, SHAPES[i % len(SHAPES)]) for i, name in enumerate(names)]
+def _create(api: Api, names: Sequence[str], scheduler: str) -> None:
+    pods = [_pod(name, SHAPES[i % len(SHAPES)], scheduler) for i, name in enumerate(names)]
     api.each(partial(api.call, "POST", "/api/v1/namespaces/default/pods", pod) for pod in pods)
 
 
@@ -245,37 +264,53 @@ def _clear(api: Api) -> None:
         time.sleep(0.1)
 
 
-def _attempts(plane: ControlPlane) -> Histogram:
-    return histogram(plane.scheduler_metrics(), METRIC, {"result": "scheduled"})
+def _attempts(plane: ControlPlane, scheduler: str) -> Histogram:
+    return histogram(plane.scheduler_metrics(scheduler), METRIC, {"result": "scheduled"})
 
 
-def measure(api: Api, plane: ControlPlane, nodes: int, extender: str | None) -> Run:
-    """One scheduler run: a warm-up burst, the measured burst (pods per
-    second, attempts under load), then pods one at a time (attempts alone)."""
-    plane.start_scheduler(scheduler_config(extender))
-    tag = f"{nodes}-{'ext' if extender else 'plain'}"
+def _scheduler(nodes: int, variant: str) -> str:
+    return f"bench-{variant}-{nodes}"
+
+
+def measure(api: Api, plane: ControlPlane, nodes: int, urls: dict[str, str | None]) -> list[Run]:
+    """The schedulers of `urls` (variant -> extender URL or None) started side
+    by side; each places a warm-up batch then its burst alone (pods per
+    second, attempts under load); then pods one at a time taking turns
+    (attempts alone, drift shared)."""
+    names = {variant: _scheduler(nodes, variant) for variant in urls}
+    for variant, url in urls.items():
+        plane.start_scheduler(scheduler_config(names[variant], url), names[variant])
     bindings = Bindings(plane)
+    rates: dict[str, float] = {}
+    bursts: dict[str, Histogram] = {}
     try:
-        warm = [f"warm-{tag}-{i}" for i in range(WARM)]
-        _create(api, warm)
-        bindings.wait(warm)
-        before = _attempts(plane)
-        burst = [f"burst-{tag}-{i}" for i in range(MEASURED)]
-        started = time.monotonic()
-        _create(api, burst)
-        took = bindings.wait(burst) - started
-        middle = _attempts(plane)
+        for variant, scheduler in names.items():
+            warm = [f"warm-{scheduler}-{i}" for i in range(WARM)]
+            _create(api, warm, scheduler)
+            bindings.wait(warm)
+            before = _attempts(plane, scheduler)
+            burst = [f"burst-{scheduler}-{i}" for i in range(MEASURED)]
+            started = time.monotonic()
+            _create(api, burst, scheduler)
+            rates[variant] = MEASURED / (bindings.wait(burst) - started)
+            bursts[variant] = _attempts(plane, scheduler).minus(before)
+            _clear(api)
+        before_paced = {variant: _attempts(plane, name) for variant, name in names.items()}
         for i in range(PACED):
-            name = f"paced-{tag}-{i}"
-            _create(api, [name])
-            bindings.wait([name])
-        after = _attempts(plane)
+            for scheduler in names.values():
+                pod = f"paced-{scheduler}-{i}"
+                _create(api, [pod], scheduler)
+                bindings.wait([pod])
+        paced = {
+            variant: _attempts(plane, name).minus(before_paced[variant])
+            for variant, name in names.items()
+        }
     finally:
         bindings.close()
+        for scheduler in names.values():
+            plane.stop_scheduler(scheduler)
     _clear(api)
-    return Run(
-        nodes, extender is not None, MEASURED / took, middle.minus(before), after.minus(middle)
-    )
+    return [Run(nodes, v, rates[v], bursts[v], paced[v]) for v in names]
 
 
 def _ms(value: float) -> str:
@@ -285,24 +320,30 @@ def _ms(value: float) -> str:
 def _row(run: Run) -> str:
     paced = run.paced
     return (
-        f"{run.nodes:>6} {'with' if run.extender else 'without':>9} {run.pods_per_s:>7.1f} "
+        f"{run.nodes:>6} {run.variant:>9} {run.pods_per_s:>7.1f} "
         f"{_ms(run.burst.quantile(0.5))} {_ms(paced.quantile(0.5))} "
         f"{_ms(paced.quantile(0.99))} {_ms(paced.mean)}"
     )
 
 
+def added_ms(runs: Sequence[Run], nodes: int, variant: str) -> float:
+    """What `variant` adds to the p50 of attempts one at a time at `nodes`."""
+    at = {r.variant: r.paced.quantile(0.5) for r in runs if r.nodes == nodes}
+    return (at[variant] - at[WITHOUT]) * 1e3
+
+
 def verdict(runs: Sequence[Run], largest: int) -> tuple[float, bool]:
     """The p50 the extender adds at the largest size, and whether the goal holds."""
-    at = {r.extender: r.paced.quantile(0.5) for r in runs if r.nodes == largest}
-    added = (at[True] - at[False]) * 1e3
+    added = added_ms(runs, largest, OURS)
     return added, added <= GOAL_MS
 
 
 def scheduler_cost_bench(sizes: Sequence[int] = SIZES) -> bool:
     print(
         f"Extender cost in kube-scheduler ({VERSION}): {MEASURED} GPU pods "
-        f"({', '.join(f'{g}+{h}' for g, h in SHAPES)}) after {WARM} warm-up, without and "
-        f"with the extender, at {' and '.join(f'{n:,}' for n in sizes)} nodes"
+        f"({', '.join(f'{g}+{h}' for g, h in SHAPES)}) after {WARM} warm-up per scheduler, "
+        f"then {PACED} each one at a time, without an extender, with a null one and with "
+        f"ours, at {' and '.join(f'{n:,}' for n in sizes)} nodes"
     )
     try:
         bins = binaries(VERSION)
@@ -316,10 +357,12 @@ def scheduler_cost_bench(sizes: Sequence[int] = SIZES) -> bool:
             runs = _runs(plane, folder, sizes, lambda run: print(_row(run), flush=True))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    added, met = verdict(runs, max(sizes))
+    largest = max(sizes)
+    added, met = verdict(runs, largest)
     print(
-        f"== scheduler cost: the extender adds {added:.2f} ms to the p50 attempt at "
-        f"{max(sizes):,} nodes (goal <= {GOAL_MS:.0f} ms): {'met' if met else 'NOT MET'}"
+        f"== scheduler cost: at {largest:,} nodes the extender adds {added:.2f} ms to the p50 "
+        f"attempt (goal <= {GOAL_MS:.0f} ms): {'met' if met else 'NOT MET'}; "
+        f"a null extender adds {added_ms(runs, largest, NULL):.2f} ms"
     )
     return met
 
@@ -347,9 +390,27 @@ def _runs(
     for size in sorted(sizes):
         add_nodes(api, have, size)
         have = size
-        with extender_process(plane.admin, folder, stale_after=86_400, within=120) as url:
-            for extender in (None, url):
-                run = measure(api, plane, size, extender)
+        ours = extender_process(plane.admin, folder, stale_after=86_400, within=120)
+        with ours as url, null_extender() as null:
+            for run in measure(api, plane, size, {WITHOUT: None, NULL: null, OURS: url}):
                 report(run)
                 runs.append(run)
     return runs
+
+
+@contextmanager
+def null_extender() -> Iterator[str]:
+    """bench/null_extender.py as its own process, answering; its URL."""
+    port = free_port()
+    command = [sys.executable, "-m", "bench.null_extender", str(port)]
+    process = subprocess.Popen(command, cwd=Path(__file__).resolve().parents[1])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while not ready(url):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the null extender did not start")
+            time.sleep(0.05)
+        yield url
+    finally:
+        terminate(process, 10)

@@ -227,6 +227,7 @@ class ControlPlane:
     scheduler_config: Mapping[str, Any] | None = None
     feature_gates: Mapping[str, bool] = field(default_factory=dict)
     processes: dict[str, Process] = field(default_factory=dict)
+    scheduler_ports: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.pki = Pki(self.folder / "pki")
@@ -404,10 +405,12 @@ class ControlPlane:
                 raise RuntimeError(f"kube-controller-manager is not working:\n{process.tail()}")
             time.sleep(0.2)
 
-    def start_scheduler(self, config: Mapping[str, Any]) -> None:
-        """(Re)start kube-scheduler with a KubeSchedulerConfiguration; its
-        kubeconfig and leader election are filled in here."""
-        old = self.processes.pop("kube-scheduler", None)
+    def start_scheduler(self, config: Mapping[str, Any], name: str = "kube-scheduler") -> None:
+        """(Re)start a kube-scheduler with a KubeSchedulerConfiguration; its
+        kubeconfig and leader election are filled in here. Schedulers of
+        other names keep running beside it (each profile's schedulerName
+        says which pods are whose)."""
+        old = self.processes.pop(name, None)
         if old is not None:
             old.stop()
         identity = self.pki.issue("scheduler", "system:kube-scheduler")
@@ -417,32 +420,37 @@ class ControlPlane:
         document = dict(config)
         document["clientConnection"] = {"kubeconfig": str(client), "qps": 500, "burst": 1000}
         document["leaderElection"] = {"leaderElect": False}
-        path = self._write("scheduler.yaml", document)
-        self.scheduler_port = free_port()
-        self._spawn("kube-scheduler", [
+        path = self._write(f"{name}.yaml", document)
+        port = self.scheduler_ports[name] = free_port()
+        self._spawn(name, [
             self.bins.path("kube-scheduler"), "--config", str(path),
             "--authentication-kubeconfig", str(client), "--authorization-kubeconfig", str(client),
-            "--bind-address", "127.0.0.1", "--secure-port", str(self.scheduler_port),
+            "--bind-address", "127.0.0.1", "--secure-port", str(port),
             "--authorization-always-allow-paths", "/healthz,/readyz,/livez,/metrics",
             *self._gates(),
         ])  # fmt: skip
         deadline = time.monotonic() + 60
-        while not self.scheduler_ready():
-            process = self.processes["kube-scheduler"]
+        while not self.scheduler_ready(name):
+            process = self.processes[name]
             if process.popen.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"kube-scheduler did not become ready:\n{process.tail()}")
+                raise RuntimeError(f"{name} did not become ready:\n{process.tail()}")
             time.sleep(0.1)
 
-    def scheduler_metrics(self) -> str:
-        """The running kube-scheduler's /metrics text (an always-allowed
-        path on its secure port, whose certificate it made itself)."""
-        url = f"https://127.0.0.1:{self.scheduler_port}/metrics"
+    def stop_scheduler(self, name: str = "kube-scheduler") -> None:
+        process = self.processes.pop(name, None)
+        if process is not None:
+            process.stop()
+
+    def scheduler_metrics(self, name: str = "kube-scheduler") -> str:
+        """A running kube-scheduler's /metrics text (an always-allowed path
+        on its secure port, whose certificate it made itself)."""
+        url = f"https://127.0.0.1:{self.scheduler_ports[name]}/metrics"
         with urllib.request.urlopen(url, context=_unverified(), timeout=30) as answer:
             return str(answer.read().decode())
 
-    def scheduler_ready(self) -> bool:
+    def scheduler_ready(self, name: str = "kube-scheduler") -> bool:
         try:
-            url = f"https://127.0.0.1:{self.scheduler_port}/readyz"
+            url = f"https://127.0.0.1:{self.scheduler_ports[name]}/readyz"
             with urllib.request.urlopen(url, context=_unverified(), timeout=5) as answer:
                 return bool(answer.status == 200)
         except OSError:
