@@ -345,7 +345,7 @@ def cmd_extender(args: argparse.Namespace) -> int:
     from devplugin.cluster.client import make_client
     from devplugin.cluster.extender import serve
     from devplugin.config import KubernetesConfig
-    from devplugin.runtime import refreeze_heap, settle_heap
+    from devplugin.runtime import SWITCH_INTERVAL, refreeze_heap, settle_heap
 
     setup_logging(args.log_format, "info")
     address = _listen(args.listen)
@@ -366,6 +366,10 @@ def cmd_extender(args: argparse.Namespace) -> int:
     probe.close()
     stop = _stop_on_signals()
     tls = (args.tls_cert, args.tls_key) if args.tls_cert else None
+    # The scheduler waits on every call while the watch threads decode events
+    # under the same interpreter lock: a short switch interval bounds that wait
+    # (the default slice is 5 ms).
+    sys.setswitchinterval(SWITCH_INTERVAL)
     try:
         _, server, caches = serve(
             kube,

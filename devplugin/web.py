@@ -23,6 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from devplugin.loops import ThreadLoop
+from devplugin.web_head import BadHead, header_fields, request_line
 
 # Writing an answer to a client that does not read: given up after this.
 WRITE_TIMEOUT = 10.0
@@ -111,6 +112,33 @@ class BoundedHandler(BaseHTTPRequestHandler):
         if isinstance(reader, DeadlineFile):
             reader.begin(self.server.idle_timeout, self.server.request_timeout)
         super().handle_one_request()
+
+    def parse_request(self) -> bool:
+        """The request line and header fields (web_head.py); False, with the
+        error answered, where they cannot be served."""
+        self.command = None  # type: ignore[assignment]  # what send_error reads on a bad line
+        # Errors go out with a status line (HTTP/0.9, the default, has none).
+        self.request_version = "HTTP/1.0"
+        self.close_connection = True
+        raw: bytes = getattr(self, "raw_requestline", b"")
+        line = str(raw, "iso-8859-1").rstrip("\r\n")
+        self.requestline = line
+        if not line.strip():
+            return False
+        try:
+            self.command, self.path, self.request_version, version = request_line(line)
+            self.headers = header_fields(self.rfile.readline)
+        except BadHead as bad:
+            self.send_error(bad.status, bad.reason)
+            return False
+        connection = self.headers.get("Connection", "").lower()
+        persistent = self.protocol_version >= "HTTP/1.1"  # this server keeps connections
+        keep = persistent and (version >= (1, 1) or connection == "keep-alive")
+        self.close_connection = connection == "close" or not keep
+        expect = self.headers.get("Expect", "").lower()
+        if expect == "100-continue" and persistent and version >= (1, 1):
+            return bool(self.handle_expect_100())
+        return True
 
     def reply(self, code: int, body: bytes, content_type: str) -> None:
         """A whole answer: status, type and length, then the body."""

@@ -133,7 +133,8 @@ class Answers(Generic[V]):
             if missing:
                 self._fill(table, compute(missing))
             table.mark = mark
-            found = dict(values)
+            # Only the names asked (the table may hold ten times as many).
+            found = dict(zip(names, map(values.__getitem__, names), strict=True))
         skip = [name for name in unkept if name in found]
         if skip:
             for name, (value, _) in compute(skip).items():

@@ -48,6 +48,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from functools import partial
+from itertools import compress
+from operator import itemgetter
 from typing import Any
 
 from lightkube import Client
@@ -74,6 +76,7 @@ from devplugin.cluster.preempt import (
     unchanged,
 )
 from devplugin.cluster.publisher import NodeDevices
+from devplugin.cluster.scores_json import HostScores
 from devplugin.cluster.views import Layouts, NodeViews, parse_record
 from devplugin.cluster.watch import Incomplete, WatchCache, WatchTiming
 from devplugin.config import KubernetesConfig
@@ -96,7 +99,7 @@ from devplugin.policy.placement import (
 )
 from devplugin.policy.podinfo import ContainerInfo, PodInfo, parse_pod
 from devplugin.policy.preemption import Eviction, choose_victims
-from devplugin.policy.ranking import rank_scores
+from devplugin.policy.ranking import rank_list
 
 log = logging.getLogger(__name__)
 
@@ -240,6 +243,7 @@ class Extender:
             gpu=gpu,
             hca=hca,
         )
+        self.host_scores = HostScores()
         self._hit = self.metrics.memo.labels("hit")
         self._miss = self.metrics.memo.labels("miss")
         # Per pod shape and requirement, each node's answer (answers.py):
@@ -274,21 +278,24 @@ class Extender:
         if not shape.wants_devices:
             return _filter_result(list(names), {}, unresolvable, nodes)
         found = self._resource_answers(pod, shape, requirement, names)
-        passing = [name for name in names if found[name][0] == PASS]
-        failed = {name: entry[1] for name in names if (entry := found[name])[0] == FAILED}
-        unresolvable.update(
-            (name, entry[1]) for name in names if (entry := found[name])[0] == NEVER
-        )
+        # Grouped by map() and compress() over the entries in the names' order:
+        # a comprehension per group over 500 nodes was a fifth of a call.
+        entries = list(map(found.__getitem__, names))
+        verdicts = list(map(itemgetter(0), entries))
+        passing = list(compress(names, map(PASS.__eq__, verdicts)))
+        failed = _reasons(names, entries, list(map(FAILED.__eq__, verdicts)))
+        unresolvable.update(_reasons(names, entries, list(map(NEVER.__eq__, verdicts))))
         return _filter_result(passing, failed, unresolvable, nodes)
 
-    def prioritize(self, args: Mapping[str, Any]) -> list[dict[str, Any]]:
+    def prioritize(self, args: Mapping[str, Any]) -> bytes:
+        """The HostPriorityList, encoded (scores_json.py)."""
         pod, names, _ = self._args(args)
         shape, requirement = self._pod(pod)
         if not shape.wants_devices:
-            return [{"Host": name, "Score": 0} for name in names]
+            return self.host_scores.encode(names, [0] * len(names))
         found = self._resource_answers(pod, shape, requirement, names)
-        ranked = rank_scores({name: found[name][2] for name in names})
-        return [{"Host": name, "Score": ranked[name]} for name in names]
+        keys = list(map(itemgetter(2), map(found.__getitem__, names)))
+        return self.host_scores.encode(names, rank_list(keys))
 
     def claims_filter(self, args: Mapping[str, Any]) -> dict[str, Any]:
         """Filter for pods with ResourceClaims: a node passes unless the
@@ -300,13 +307,13 @@ class Extender:
         passing = [name for name in names if name not in failed]
         return _filter_result(passing, failed, unresolvable, nodes)
 
-    def claims_prioritize(self, args: Mapping[str, Any]) -> list[dict[str, Any]]:
+    def claims_prioritize(self, args: Mapping[str, Any]) -> bytes:
         """Scores for pods with ResourceClaims: by the worst pair, then the
         sum over pairs, of what the allocator will pick on each node."""
         _, names, _ = self._args(args)
         found = self._claim_answers(args, names)
-        scored = rank_scores({name: found.get(name, UNTOLD)[1] for name in names})
-        return [{"Host": name, "Score": scored[name]} for name in names]
+        keys = [found.get(name, UNTOLD)[1] for name in names]
+        return self.host_scores.encode(names, rank_list(keys))
 
     def preempt(self, args: Mapping[str, Any]) -> dict[str, Any]:
         """ExtenderPreemptionArgs -> ExtenderPreemptionResult: per node, the
@@ -652,6 +659,14 @@ def _filter_result(
         result["NodeNames"] = passing
         result["Nodes"] = None
     return result
+
+
+def _reasons(
+    names: Sequence[str], entries: Sequence[Entry], chosen: Sequence[bool]
+) -> dict[str, str]:
+    """Name -> reason of the entries `chosen` marks."""
+    reasons = map(itemgetter(1), compress(entries, chosen))
+    return dict(zip(compress(names, chosen), reasons, strict=True))
 
 
 def _node_name(node: Mapping[str, Any]) -> str | None:

@@ -345,7 +345,9 @@ class ExtenderHandler(BoundedHandler):
             raise BadRequest(f"body is not JSON: {reason[:100]}") from exc
         del raw
         try:
-            return json.dumps(verb(body)).encode()
+            answer = verb(body)
+            # A verb may answer already encoded (scores_json.py).
+            return answer if isinstance(answer, bytes) else json.dumps(answer).encode()
         except RecursionError as exc:
             raise BadRequest("a value nested too deeply") from exc
 

@@ -1,0 +1,51 @@
+"""A prioritize answer (the extender protocol's HostPriorityList) as JSON
+bytes, joined from kept per-node pieces.
+
+`json.dumps` of 500 `{"Host": ..., "Score": ...}` objects took half a
+millisecond, as long as working the answer out; the scheduler waits for
+it on every pod. Each node's `{"Host":"<name>","Score":` piece is encoded
+once and kept (node names come back call after call), so an answer is
+one join of kept pieces and score digits.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+from operator import add
+
+# Pieces kept at most (a node name each); past it the keep starts over.
+MAX_PIECES = 1 << 17
+
+
+class HostScores:
+    """Encodes HostPriorityLists; safe to share between threads."""
+
+    def __init__(self, limit: int = MAX_PIECES) -> None:
+        self._limit = limit
+        self._pieces: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def encode(self, names: Sequence[str], scores: Sequence[int]) -> bytes:
+        """`[{"Host": names[i], "Score": scores[i]}, ...]` as JSON."""
+        if len(names) != len(scores):
+            raise ValueError(f"{len(names)} names but {len(scores)} scores")
+        if not names:
+            return b"[]"
+        pieces = self._pieces
+        try:
+            heads = list(map(pieces.__getitem__, names))
+        except KeyError:
+            heads = self._learn(names)
+        return ("[" + "},".join(map(add, heads, map(str, scores))) + "}]").encode()
+
+    def _learn(self, names: Sequence[str]) -> list[str]:
+        with self._lock:
+            pieces = self._pieces
+            if len(pieces) + len(names) > self._limit:
+                pieces = self._pieces = {}
+            for name in names:
+                if name not in pieces:
+                    pieces[name] = '{"Host":' + json.dumps(name) + ',"Score":'
+            return list(map(pieces.__getitem__, names))
