@@ -13,10 +13,13 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Sequence
-from operator import add
 
 # Pieces kept at most (a node name each); past it the keep starts over.
 MAX_PIECES = 1 << 17
+
+
+# Scores the ranking gives (0-10), with the comma after them, written once.
+_SCORES = {score: f"{score}}}," for score in range(11)}
 
 
 class HostScores:
@@ -38,7 +41,15 @@ class HostScores:
             heads = list(map(pieces.__getitem__, names))
         except KeyError:
             heads = self._learn(names)
-        return ("[" + "},".join(map(add, heads, map(str, scores))) + "}]").encode()
+        # Pieces and score texts interleaved, one join: no string per node.
+        parts: list[str] = [""] * (2 * len(heads))
+        parts[::2] = heads
+        try:
+            parts[1::2] = map(_SCORES.__getitem__, scores)
+        except KeyError:  # a score the ranking never gives
+            parts[1::2] = [f"{int(score)}}}," for score in scores]
+        parts[-1] = parts[-1][:-1] + "]"
+        return ("[" + "".join(parts)).encode()
 
     def _learn(self, names: Sequence[str]) -> list[str]:
         with self._lock:

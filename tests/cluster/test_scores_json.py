@@ -61,3 +61,8 @@ def test_ranks_over_a_sequence_match_ranks_over_a_mapping() -> None:
         by_name = rank_scores({f"n{i}": key for i, key in enumerate(keys)})
         assert rank_list(keys) == [by_name[f"n{i}"] for i in range(len(keys))]
     assert rank_list([(1, 0), None, (0, 0), (1, 0)]) == [9, 0, 10, 9]
+
+
+def test_scores_past_the_ranking_s_range_are_written_too() -> None:
+    answer = HostScores().encode(["a", "b"], [0, 100])
+    assert json.loads(answer) == [{"Host": "a", "Score": 0}, {"Host": "b", "Score": 100}]
