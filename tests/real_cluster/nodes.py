@@ -111,3 +111,32 @@ def delete_pod(plane: ControlPlane, name: str, namespace: str = "default") -> No
     no kubelet here a graceful deletion would leave it terminating, its
     resources counted, for good."""
     plane.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/{name}?gracePeriodSeconds=0")
+
+
+def outcome(plane: ControlPlane, name: str) -> tuple[str, dict[str, Any]] | None:
+    """('bound', pod) or ('unschedulable', pod) for a pod of `default` as
+    the scheduler left it; None while undecided."""
+    pod: dict[str, Any] = plane.request("GET", f"/api/v1/namespaces/default/pods/{name}")
+    if pod["spec"].get("nodeName"):
+        return "bound", pod
+    for condition in (pod.get("status") or {}).get("conditions") or []:
+        if condition["type"] == "PodScheduled" and condition.get("reason") == "Unschedulable":
+            return "unschedulable", pod
+    return None
+
+
+def decision(
+    plane: ControlPlane, name: str, timeout: float = 60.0, every: float = 0.1
+) -> tuple[str, dict[str, Any]]:
+    """The pod's outcome once the scheduler has decided it (it fails the
+    test when the scheduler has not within `timeout`)."""
+    found: list[tuple[str, dict[str, Any]]] = []
+
+    def decided() -> bool:
+        seen = outcome(plane, name)
+        if seen is not None:
+            found.append(seen)
+        return seen is not None
+
+    assert eventually(decided, timeout, every), f"pod {name}: neither bound nor unschedulable"
+    return found[-1]

@@ -34,7 +34,7 @@ from tests.real_cluster.cluster_support import (
     extender_metrics,
 )
 from tests.real_cluster.conftest import DRA_NAMESPACE, DRA_RELEASE
-from tests.real_cluster.nodes import add_node, delete_pod, eventually, node_token
+from tests.real_cluster.nodes import add_node, decision, delete_pod, eventually, node_token
 
 pytestmark = pytest.mark.cluster
 
@@ -103,20 +103,7 @@ class Nodes:
 
     def decided(self, name: str) -> dict[str, Any]:
         """The pod once bound (its claim allocated) or unschedulable."""
-        found: list[dict[str, Any]] = []
-
-        def done() -> bool:
-            pod = self.plane.request("GET", f"/api/v1/namespaces/default/pods/{name}")
-            conditions = (pod.get("status") or {}).get("conditions") or []
-            if pod["spec"].get("nodeName") or any(
-                c.get("reason") == "Unschedulable" for c in conditions
-            ):
-                found.append(pod)
-                return True
-            return False
-
-        assert eventually(done, timeout=60), f"{name}: neither bound nor unschedulable"
-        return found[-1]
+        return decision(self.plane, name)[1]
 
     def claim(self, pod: dict[str, Any]) -> dict[str, Any]:
         (status,) = pod["status"]["resourceClaimStatuses"]

@@ -21,7 +21,7 @@ from devplugin.testing.dra_cluster import DraSimNode
 from devplugin.testing.dra_scheduler import Allocator, node_ids, pair_levels, taken_devices
 from devplugin.testing.node import NodeSpec, devices_from_spec, hgx_node
 from tests.real_cluster.conftest import DRA_NAMESPACE, DRA_RELEASE
-from tests.real_cluster.nodes import add_node, delete_pod, eventually, node_token
+from tests.real_cluster.nodes import add_node, decision, delete_pod, eventually, node_token
 
 pytestmark = pytest.mark.cluster
 
@@ -59,17 +59,6 @@ def _pod(template: str, node: str) -> dict[str, Any]:
                                          "resourceClaimTemplateName": template}]}}  # fmt: skip
 
 
-def _outcome(plane: ControlPlane, name: str) -> tuple[str, dict[str, Any]] | None:
-    """('bound', pod) or ('unschedulable', pod), None while undecided."""
-    pod = plane.request("GET", f"/api/v1/namespaces/default/pods/{name}")
-    if pod["spec"].get("nodeName"):
-        return "bound", pod
-    for condition in (pod.get("status") or {}).get("conditions") or []:
-        if condition["type"] == "PodScheduled" and condition.get("reason") == "Unschedulable":
-            return "unschedulable", pod
-    return None
-
-
 def _claim_of(plane: ControlPlane, pod: dict[str, Any]) -> dict[str, Any]:
     (status,) = pod["status"]["resourceClaimStatuses"]
     claim: dict[str, Any] = plane.request(
@@ -85,21 +74,12 @@ def _items(plane: ControlPlane, path: str) -> list[dict[str, Any]]:
 
 
 def _wait_for(plane: ControlPlane, name: str) -> tuple[str, dict[str, Any]]:
-    found: list[tuple[str, dict[str, Any]]] = []
-
-    def decided() -> bool:
-        outcome = _outcome(plane, name)
-        if outcome is not None:
-            found.append(outcome)
-        return outcome is not None
-
-    assert eventually(decided, timeout=60), f"pod {name} neither bound nor unschedulable"
-    if found[-1][0] == "bound":
-        pod = found[-1][1]
+    state, pod = decision(plane, name)
+    if state == "bound":
         # The binding comes after the claim's allocation is written.
         assert eventually(lambda: bool(_claim_of(plane, pod).get("status", {}).get("allocation")))
-        found[-1] = ("bound", plane.request("GET", f"/api/v1/namespaces/default/pods/{name}"))
-    return found[-1]
+        pod = plane.request("GET", f"/api/v1/namespaces/default/pods/{name}")
+    return state, pod
 
 
 @pytest.mark.parametrize("layout", ["numa-known", "numa-unknown"])

@@ -34,7 +34,7 @@ from tests.real_cluster.cluster_support import (
     chart_scheduler_config,
 )
 from tests.real_cluster.conftest import NAMESPACE, RELEASE
-from tests.real_cluster.nodes import GPU, HCA, add_node, delete_pod, eventually, node_token
+from tests.real_cluster.nodes import GPU, HCA, add_node, delete_pod, eventually, node_token, outcome
 
 pytestmark = pytest.mark.cluster
 
@@ -112,13 +112,13 @@ def _bound(plane: ControlPlane, name: str) -> tuple[str, str]:
     why: list[str] = []
 
     def bound() -> bool:
-        pod = plane.request("GET", f"/api/v1/namespaces/default/pods/{name}")
-        if pod["spec"].get("nodeName"):
-            why.append(pod["spec"]["nodeName"])
+        seen = outcome(plane, name)
+        if seen is not None and seen[0] == "bound":
+            why.append(seen[1]["spec"]["nodeName"])
             return True
-        for condition in (pod.get("status") or {}).get("conditions") or []:
-            if condition["type"] == "PodScheduled" and condition.get("reason") == "Unschedulable":
-                why.append(f"unschedulable: {condition.get('message')}")
+        if seen is not None:
+            conditions = (seen[1].get("status") or {}).get("conditions") or []
+            why.extend(f"unschedulable: {c.get('message')}" for c in conditions)
         return False
 
     if eventually(bound, timeout=30, every=0.05):

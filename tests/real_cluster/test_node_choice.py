@@ -26,7 +26,15 @@ from tests.real_cluster.cluster_support import (
     chart_scheduler_config,
 )
 from tests.real_cluster.conftest import NAMESPACE, RELEASE
-from tests.real_cluster.nodes import GPU, HCA, add_node, delete_pod, eventually, node_token
+from tests.real_cluster.nodes import (
+    GPU,
+    HCA,
+    add_node,
+    decision,
+    delete_pod,
+    eventually,
+    node_token,
+)
 
 pytestmark = pytest.mark.cluster
 
@@ -87,27 +95,17 @@ class Models:
         unschedulable); the pod is deleted after."""
         name = pod["metadata"]["name"]
         self.plane.request("POST", "/api/v1/namespaces/default/pods", pod)
-        found: list[str] = []
-
-        def decided() -> bool:
-            live = self.plane.request("GET", f"/api/v1/namespaces/default/pods/{name}")
-            if live["spec"].get("nodeName"):
-                found.append(live["spec"]["nodeName"])
-                return True
-            conditions = (live.get("status") or {}).get("conditions") or []
-            # Nothing else changes here: a pod found unschedulable stays so.
-            if any(c.get("reason") == "Unschedulable" for c in conditions):
-                self.why = "; ".join(str(c.get("message")) for c in conditions)
-                found.append("")
-                return True
-            return False
-
         try:
-            assert eventually(decided, timeout=30, every=0.1), f"{name}: no decision"
+            state, live = decision(self.plane, name, timeout=30)
         finally:
             with contextlib.suppress(ApiFailure):
                 delete_pod(self.plane, name)
-        return found[-1]
+        if state == "unschedulable":
+            # Nothing else changes here: a pod found unschedulable stays so.
+            conditions = (live.get("status") or {}).get("conditions") or []
+            self.why = "; ".join(str(c.get("message")) for c in conditions)
+            return ""
+        return str(live["spec"]["nodeName"])
 
 
 def _pod(**spec: Any) -> dict[str, Any]:
