@@ -133,15 +133,21 @@ def test_a_reconfigured_gpu_is_seen_by_the_next_rescan_and_its_old_slices_leave(
     def served() -> set[str]:
         return {d for r in (THREE_G, TWO_G, ONE_G) for d in listed(r)}
 
-    assert wait_until(lambda: not set(old) & served(), timeout=5)
-    assert {"MIG-recut-0", "MIG-recut-1"} <= set(listed(ONE_G))
+    recut = {"MIG-recut-0", "MIG-recut-1"}
+
+    def recut_served() -> bool:
+        # Each resource has its own ListAndWatch stream, so the kubelet sees
+        # the profiles change one stream at a time: wait for all of them.
+        return not set(old) & served() and recut <= set(listed(ONE_G))
+
+    assert wait_until(recut_served, timeout=5)
     assert len(listed(ONE_G)) == 8 - 2 + 2
     assert len(listed(THREE_G)) == 3
     # Taken back whole (MIG disabled), it joins the GPU resource.
     cluster.nvml.set_mig(0, FixtureMig(False))
     cluster.daemon.rescan()
-    assert wait_until(lambda: parent.uuid in listed(GPU), timeout=5)
-    assert not {"MIG-recut-0", "MIG-recut-1"} & set(listed(ONE_G))
+    assert wait_until(lambda: parent.uuid in listed(GPU) and not recut & served(), timeout=5)
+    assert len(listed(ONE_G)) == 8 - 2
 
 
 def test_the_record_and_the_topology_place_slices_at_their_parent(start_cluster: Start) -> None:
