@@ -1,5 +1,10 @@
 # Every target bootstraps .venv when it is missing or older than pyproject.toml.
 PYTHON ?= python3
+# Some machines set PYTHONDONTWRITEBYTECODE: every test worker and every daemon
+# a test starts would then compile grpc, the Kubernetes client and the suite
+# from source (and pytest rewrite each test module's asserts) again, seconds of
+# CPU each. The caches are ignored by git.
+unexport PYTHONDONTWRITEBYTECODE
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed

@@ -94,6 +94,30 @@ def test_a_client_from_a_kubeconfig_reaches_the_cluster(
     client.close()
 
 
+@pytest.mark.parametrize(
+    ("server", "unverified"), [("http://127.0.0.1:1", True), ("https://127.0.0.1:1", False)]
+)
+def test_only_a_plain_http_server_goes_without_certificate_checks(
+    tmp_path: Path, server: str, unverified: bool
+) -> None:
+    # Over http no certificate exists to check; over https nothing is relaxed.
+    kubeconfig = tmp_path / "kubeconfig"
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "current-context": "c",
+        "clusters": [{"name": "k", "cluster": {"server": server}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}],
+    }
+    kubeconfig.write_text(yaml.safe_dump(config))
+    client = make_client(KubernetesConfig(enabled=True, kubeconfig=str(kubeconfig)))
+    assert client is not None
+    assert client.config.cluster.server == server
+    assert client.config.cluster.insecure is unverified
+    client.close()
+
+
 def test_outside_a_pod_without_a_kubeconfig_there_is_no_client_and_one_line(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -104,6 +104,9 @@ class FakeApiHandler(BaseHTTPRequestHandler):
     """What `make_handler` serves a store with."""
 
     protocol_version = "HTTP/1.1"
+    # The head and the body go out in two writes: with Nagle on, the body
+    # waits for Helm's delayed ACK, 40 ms on every call.
+    disable_nagle_algorithm = True
     store: ClassVar[Store]
 
     def log_message(self, format: str, *args: object) -> None:
@@ -270,7 +273,10 @@ def serve(
     store = Store(kube_version, without)
     server = ThreadingHTTPServer(("127.0.0.1", port), make_handler(store))
     server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    # A short poll: each case shuts its server down, and shutdown waits a poll.
+    threading.Thread(
+        target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+    ).start()
     return server, store
 
 

@@ -63,6 +63,7 @@ def test_entrypoint_and_labels() -> None:
 
 
 @pytest.mark.real_runtime
+@pytest.mark.slow  # two minutes of building: CI runs it with the slow tier
 @pytest.mark.timeout(1200)  # a build fetches and compiles: minutes
 def test_the_image_builds_with_podman_and_runs_the_demo(podman: Podman) -> None:
     """Built by a real OCI builder and run: `devplugin --version` and

@@ -27,6 +27,7 @@ from devplugin.testing.dra_scheduler import Allocator, node_ids, pair_levels, sp
 from devplugin.testing.layouts import LAYOUTS
 
 DRIVER = "devplugin.io"
+SLOW_LAYOUTS = ["dgx-a100", "asymmetric", "16-gpu", "dgx-1x2"]
 NODE = "node-1"
 CLASSES = {c["metadata"]["name"]: c for c in device_classes(DRIVER)}
 
@@ -98,7 +99,15 @@ def _used(names: list[str], rng: random.Random) -> set[tuple[str, str, str]]:
     return {(DRIVER, NODE, name) for name in names if rng.random() < busy}
 
 
-@pytest.mark.parametrize("layout", ["hgx-h100", "dgx-a100", "asymmetric", "16-gpu", "dgx-1x2"])
+# One layout in the suite, the rest (two to five seconds of walks each) with
+# the slow simulations, which CI runs too.
+@pytest.mark.parametrize(
+    "layout",
+    [
+        "hgx-h100",
+        *(pytest.param(name, marks=pytest.mark.slow) for name in SLOW_LAYOUTS),
+    ],
+)
 def test_the_prediction_is_the_allocators_choice(layout: str) -> None:
     rng = random.Random(f"predict-{layout}")
     selectors = Selectors()

@@ -16,7 +16,13 @@ from devplugin.policy.preemption import Candidate, choose_victims, exhaustive, v
 from devplugin.policy.topology import Level
 from tests.extender_support import inventory, record
 
-LAYOUTS = ["hgx-h100", "pcie-server", "asymmetric", "dgx-a100"]
+# The every-subset reference takes seconds per layout: one layout in the
+# suite, the others with the slow simulations (CI runs them).
+SLOW_LAYOUTS = ["hgx-h100", "asymmetric", "dgx-a100"]
+LAYOUTS = [
+    "pcie-server",
+    *(pytest.param(name, marks=pytest.mark.slow) for name in SLOW_LAYOUTS),
+]
 HOLDER_SHAPES = [(1, 1), (2, 1), (2, 2), (4, 2), (1, 0), (3, 1), (4, 4)]
 PREEMPTORS = [((8, 8),), ((4, 4),), ((4, 2),), ((2, 2),), ((1, 1),), ((2, 2), (2, 2)), ((2, 0),)]
 
