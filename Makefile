@@ -47,9 +47,10 @@ test-quick: $(STAMP) $(HELM_STAMP)
 # The real control planes the cluster tier runs (etcd, kube-apiserver,
 # kube-controller-manager, kube-scheduler, kubectl), built from the Go
 # modules pinned under upstream/ and cached by pin (~/.cache/devplugin-upstream).
+# The node tier's containerd v2 (with its runc shim and ctr) is pinned there too.
 UPSTREAM_MINORS ?= v1.35 v1.37
 upstream:
-	@for minor in $(UPSTREAM_MINORS); do upstream/build.sh $$minor || exit $$?; done
+	@for pin in $(UPSTREAM_MINORS) containerd; do upstream/build.sh $$pin || exit $$?; done
 
 # The real-cluster tier: the chart, the daemons, the extender and DRA
 # judged by those control planes; it builds them first where Go is here.
