@@ -13,19 +13,17 @@ from __future__ import annotations
 
 import os
 import shutil
-import stat
 import subprocess
 import tarfile
 import tempfile
 import uuid
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from devplugin.testing.cdi import host_device
 from devplugin.testing.node import BuiltNode
 
 CDI_DIRS = (Path("/etc/cdi"), Path("/var/run/cdi"))
@@ -168,20 +166,6 @@ def parse(output: str) -> Seen:
     return Seen(nodes, env)
 
 
-def realize(node: BuiltNode) -> None:
-    """Replace every marked file of the node's /dev tree with the real
-    character device it stands for."""
-    for path in sorted(node.dev_root.rglob("*")):
-        if not path.is_file():
-            continue
-        found = host_device(path)
-        if found is None:
-            continue
-        _, major, minor = found
-        path.unlink()
-        os.mknod(path, 0o600 | stat.S_IFCHR, os.makedev(major, minor))
-
-
 def skip_or_fail(why: str) -> None:
     """Skip, saying why; in CI (DEVPLUGIN_REQUIRE_REAL_RUNTIME=1) the tier
     must run, so it fails instead."""
@@ -215,3 +199,37 @@ def vendor() -> Iterator[str]:
             for path in directory.iterdir():
                 if name in path.name:
                     path.unlink(missing_ok=True)
+
+
+# -- what a container holding devices must see ----------------------------------------
+
+CONTROL = {"/dev/nvidiactl": (195, 255), "/dev/nvidia-uvm": (510, 0),
+           "/dev/nvidia-uvm-tools": (510, 1)}  # fmt: skip
+RDMA_CM = {"/dev/infiniband/rdma_cm": (10, 58)}
+
+
+def expected_nodes(
+    node: BuiltNode, gpu_uuids: Iterable[str], hca_ids: Iterable[str]
+) -> dict[str, tuple[int, int]]:
+    """The nodes a container holding these devices must have, from the
+    simulated node's own description."""
+    gpus, hcas = set(gpu_uuids), set(hca_ids)
+    found: dict[str, tuple[int, int]] = {}
+    for gpu in node.gpus:
+        if gpu.uuid in gpus:
+            found[f"/dev/nvidia{gpu.minor}"] = (195, gpu.minor)
+    if gpus:
+        found.update(CONTROL)
+    for hca in node.hcas:
+        if hca.device_id in hcas:
+            found[f"/dev/infiniband/uverbs{hca.uverbs}"] = (231, 192 + hca.uverbs)
+            found.update({f"/dev/infiniband/umad{i}": (231, i) for i in hca.umads})
+            found.update({f"/dev/infiniband/issm{i}": (231, 64 + i) for i in hca.issms})
+    if hcas:
+        found.update(RDMA_CM)
+    return found
+
+
+def ib_names(node: BuiltNode, hca_ids: Iterable[str]) -> str:
+    wanted = list(hca_ids)
+    return "=" + ",".join(node.hca_by_id(device).name for device in wanted)

@@ -70,6 +70,20 @@ class Edits:
         }
 
 
+def realize(node: BuiltNode) -> None:
+    """Replace every marked file of the node's /dev tree with the real
+    character device it stands for."""
+    for path in sorted(node.dev_root.rglob("*")):
+        if not path.is_file():
+            continue
+        found = host_device(path)
+        if found is None:
+            continue
+        _, major, minor = found
+        path.unlink()
+        os.mknod(path, 0o600 | stat.S_IFCHR, os.makedev(major, minor))
+
+
 def host_device(path: Path) -> tuple[str, int, int] | None:
     """(type, major, minor) of a device node as a runtime finds it on the
     host, or None where a runtime finds none. A real character or block

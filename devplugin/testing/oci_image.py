@@ -17,7 +17,7 @@ from pathlib import Path
 
 PAUSE_IMAGE = "localhost/devplugin/pause:1"
 WORK_IMAGE = "localhost/devplugin/work:1"
-APPLETS = ("sh", "sleep", "ls", "cat", "env", "test", "stat", "echo", "true")
+APPLETS = ("sh", "sleep", "ls", "cat", "env", "test", "stat", "echo", "true", "find")
 
 _MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 

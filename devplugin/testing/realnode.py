@@ -117,6 +117,16 @@ class RealNode:
     def pod_resources_socket(self) -> Path:
         return self.kubelet_dir / "pod-resources" / "kubelet.sock"
 
+    @property
+    def plugins_dir(self) -> Path:
+        """Where DRA drivers put their sockets (the kubelet's plugins folder)."""
+        return self.kubelet_dir / "plugins"
+
+    @property
+    def registry_dir(self) -> Path:
+        """The kubelet's plugin watcher's folder (DRA drivers register there)."""
+        return self.kubelet_dir / "plugins_registry"
+
     # -- lifecycle
     def start(self, within: float = 60.0) -> RealNode:
         try:

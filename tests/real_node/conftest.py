@@ -6,15 +6,32 @@ that a failure."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
-from devplugin.testing.controlplane import ControlPlane, Unavailable, binaries, env_flag
-from devplugin.testing.realnode import NodeBinaries, missing, node_binaries
+from devplugin.config import Config, override
+from devplugin.runtime import Daemon, build
+from devplugin.testing.cdi import nvidia_like_spec, realize, write_spec
+from devplugin.testing.controlplane import (
+    ApiFailure,
+    ControlPlane,
+    Unavailable,
+    binaries,
+    env_flag,
+    kubeconfig,
+)
+from devplugin.testing.fake_nvml import FakeNvml
+from devplugin.testing.node import BuiltNode, build_node, hgx_node
+from devplugin.testing.oci_image import WORK_IMAGE
+from devplugin.testing.realnode import NodeBinaries, RealNode, missing, node_binaries
+from tests.real_cluster.conftest import DRA_NAMESPACE, DRA_RELEASE, DRA_VALUES, keep_installed
 
 # The newest pin; the node's own behaviour under v1.35 is for a later step.
 MINOR = "v1.37"
@@ -49,3 +66,175 @@ def plane(node_bins: NodeBinaries) -> Iterator[ControlPlane]:
         control.stop()
         if not env_flag("DEVPLUGIN_KEEP_CLUSTER"):
             shutil.rmtree(folder, ignore_errors=True)
+
+
+GPU, HCA = "nvidia.com/gpu", "rdma/hca"
+NODE = "real-a"
+SCHEDULER = {
+    "apiVersion": "kubescheduler.config.k8s.io/v1",
+    "kind": "KubeSchedulerConfiguration",
+    "profiles": [{"schedulerName": "default-scheduler"}],
+}
+
+
+@pytest.fixture(scope="session")
+def charted(plane: ControlPlane) -> ControlPlane:
+    """The chart installed with DRA (its DeviceClasses, claim templates in
+    `default`, the daemon's account and node policy) and the scheduler on."""
+    # Without the extender: its Deployment's pods would land on this node.
+    values = {key: value for key, value in DRA_VALUES.items() if key != "extender"}
+    keep_installed(plane, DRA_RELEASE, DRA_NAMESPACE, values)
+    plane.start_scheduler(SCHEDULER)
+    return plane
+
+
+def daemon_identity(plane: ControlPlane, node: str) -> dict[str, Any]:
+    """A kubeconfig for the daemon on `node`, as the chart's DaemonSet pod
+    there has: its account's token bound to its pod on the node (the pod
+    runs on the real kubelet, a container that only waits)."""
+    account = f"{DRA_RELEASE}-devplugin"
+    pods = f"/api/v1/namespaces/{DRA_NAMESPACE}/pods"
+    waits = {"name": "daemon", "image": WORK_IMAGE, "imagePullPolicy": "Never",
+             "command": ["/bin/sh", "-c", "exec sleep 36000"]}  # fmt: skip
+    stand_in = {"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": f"daemon-{node}", "namespace": DRA_NAMESPACE},
+                "spec": {"nodeName": node, "serviceAccountName": account,
+                         "automountServiceAccountToken": False,
+                         "terminationGracePeriodSeconds": 0, "containers": [waits]}}  # fmt: skip
+    with contextlib.suppress(ApiFailure):
+        plane.request("DELETE", f"{pods}/daemon-{node}?gracePeriodSeconds=0")
+    created = plane.request("POST", pods, stand_in)
+    request = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+               "spec": {"audiences": ["https://kubernetes.default.svc"],
+                        "expirationSeconds": 7200,
+                        "boundObjectRef": {"apiVersion": "v1", "kind": "Pod",
+                                           "name": created["metadata"]["name"],
+                                           "uid": created["metadata"]["uid"]}}}  # fmt: skip
+    answer = plane.request(
+        "POST", f"/api/v1/namespaces/{DRA_NAMESPACE}/serviceaccounts/{account}/token", request
+    )
+    return kubeconfig(plane.server, plane.pki.ca, token=str(answer["status"]["token"]))
+
+
+def with_api(node: RealNode, base: Path, **more: Any) -> dict[str, Any]:
+    """Settings for a daemon that reads the cluster as the chart's does."""
+    path = base / "kubeconfig"
+    path.write_text(yaml.safe_dump(daemon_identity(node.plane, node.name)))
+    return {
+        "kubernetes.enabled": True,
+        "kubernetes.kubeconfig": str(path),
+        "kubernetes.node_name": node.name,
+        "kubernetes.lease_namespace": DRA_NAMESPACE,
+        **more,
+    }
+
+
+def dra(node: RealNode, base: Path) -> dict[str, Any]:
+    """Both kinds served through DRA, to the real kubelet's DRA manager."""
+    return with_api(
+        node,
+        base,
+        **{
+            "resources.gpu.api": "dra",
+            "resources.hca.api": "dra",
+            "paths.kubelet_plugins_dir": str(node.plugins_dir),
+            "paths.kubelet_registry_dir": str(node.registry_dir),
+        },
+    )
+
+
+class Running:
+    """The real node with the daemon serving it; `settings` are the
+    daemon's configuration overrides, kept for a restart."""
+
+    def __init__(
+        self, node: RealNode, hardware: BuiltNode, base: Path, settings: dict[str, Any]
+    ) -> None:
+        self.node, self.hardware, self.base, self.settings = node, hardware, base, settings
+        self.daemon: Daemon | None = None
+        self.nvml: FakeNvml | None = None
+        # The devices a container asking for nothing sees (tests/real_node/pods.py).
+        self.baseline: dict[str, tuple[int, int]] | None = None
+
+    def start_daemon(self) -> Daemon:
+        config = override(Config(), **self.settings)
+        self.nvml = FakeNvml.from_file(self.hardware.fixture)
+        self.daemon = build(config, self.nvml)
+        self.daemon.start()
+        return self.daemon
+
+    def stop_daemon(self) -> None:
+        if self.daemon is not None:
+            self.daemon.stop()
+            self.daemon = None
+
+    @property
+    def served(self) -> Daemon:
+        assert self.daemon is not None, "the daemon is not running"
+        return self.daemon
+
+    def allocatable(self) -> dict[str, Any]:
+        status = self.node.node().get("status", {})
+        return dict(status.get("allocatable", {}))
+
+    def capacity(self) -> dict[str, Any]:
+        return dict(self.node.node().get("status", {}).get("capacity", {}))
+
+
+def daemon_settings(node: RealNode, hardware: BuiltNode, base: Path) -> dict[str, Any]:
+    return {
+        "paths.sysfs_root": str(hardware.sysfs_root),
+        "paths.dev_root": str(hardware.dev_root),
+        "paths.device_plugin_dir": str(node.device_plugin_dir),
+        "paths.pod_resources_socket": str(node.pod_resources_socket),
+        "nvml.fixture": str(hardware.fixture),
+        "lifecycle.checkpoint_file": str(base / "checkpoint.json"),
+        "metrics.addresses": ["127.0.0.1:0"],
+        "cdi.spec_dirs": [str(base / "cdi")],
+        # Allocate answers name CDI devices, which containerd resolves.
+        "resources.gpu.device_list_strategy": ["cdi-cri"],
+        "resources.hca.device_list_strategy": ["cdi-cri"],
+    }
+
+
+@pytest.fixture
+def running(
+    request: pytest.FixtureRequest, plane: ControlPlane, node_bins: NodeBinaries
+) -> Iterator[Running]:
+    """The node and its daemon; a test's `indirect` parameter, a function of
+    the node and the base folder, gives settings of its own (hooks, say)."""
+    # Short: unix socket paths under it are limited to 107 bytes.
+    base = Path(tempfile.mkdtemp(prefix="rn-", dir="/tmp"))
+    node = RealNode(plane, node_bins, base / "n", NODE, cdi_dir=base / "cdi")
+    served = None
+    try:
+        node.start()
+        hardware = build_node(hgx_node(), base / "hw")
+        realize(hardware)
+        settings = daemon_settings(node, hardware, base)
+        extra = getattr(request, "param", None)
+        if extra is not None:
+            settings.update(extra(node, base))
+        # What NVIDIA's toolkit would have written for this node's GPUs.
+        spec = nvidia_like_spec(hardware, host_dev=hardware.dev_root, driver_files=False)
+        write_spec(base / "cdi", "nvidia-gpu.json", spec)
+        served = Running(node, hardware, base, settings)
+        served.start_daemon()
+        yield served
+    finally:
+        if served is not None:
+            served.stop_daemon()
+        print(node.tail("kubelet", 15))  # shown by pytest when the test fails
+        node.stop()
+        bound = plane.request("GET", f"/api/v1/pods?fieldSelector=spec.nodeName={NODE}")
+        for left in bound["items"]:
+            meta = left["metadata"]
+            with contextlib.suppress(ApiFailure):
+                plane.request(
+                    "DELETE",
+                    f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"
+                    "?gracePeriodSeconds=0",
+                )
+        with contextlib.suppress(ApiFailure):
+            plane.request("DELETE", f"/api/v1/nodes/{NODE}")
+        shutil.rmtree(base, ignore_errors=True)

@@ -13,58 +13,39 @@ from __future__ import annotations
 import json
 import os
 import stat
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from devplugin.policy.cdi import SpecError, validate_spec
-from devplugin.testing.cdi import CdiRuntime, Unresolvable, nvidia_like_spec, write_spec
+from devplugin.testing.cdi import (
+    CdiRuntime,
+    Unresolvable,
+    nvidia_like_spec,
+    realize,
+    write_spec,
+)
 from devplugin.testing.dra_kubelet import container_cdi_ids
 from devplugin.testing.kubelet import ContainerRequest
 from devplugin.testing.layouts import LAYOUTS
-from devplugin.testing.node import BuiltNode
 from tests.conftest import GPU, HCA, Cluster
 from tests.dra_support import DraCluster, start_dra
-from tests.real_runtime import CDI_DIRS, Podman, Seen, podman, realize, vendor
+from tests.real_runtime import (
+    CDI_DIRS,
+    Podman,
+    Seen,
+    expected_nodes,
+    ib_names,
+    podman,
+    vendor,
+)
 from tests.waiting import wait_until
 
 __all__ = ["podman", "start_dra", "vendor"]
 
 pytestmark = pytest.mark.real_runtime
-
-CONTROL = {"/dev/nvidiactl": (195, 255), "/dev/nvidia-uvm": (510, 0),
-           "/dev/nvidia-uvm-tools": (510, 1)}  # fmt: skip
-RDMA_CM = {"/dev/infiniband/rdma_cm": (10, 58)}
-
-
-def expected_nodes(
-    node: BuiltNode, gpu_uuids: Iterable[str], hca_ids: Iterable[str]
-) -> dict[str, tuple[int, int]]:
-    """The nodes a container holding these devices must have, from the
-    simulated node's own description."""
-    gpus, hcas = set(gpu_uuids), set(hca_ids)
-    found: dict[str, tuple[int, int]] = {}
-    for gpu in node.gpus:
-        if gpu.uuid in gpus:
-            found[f"/dev/nvidia{gpu.minor}"] = (195, gpu.minor)
-    if gpus:
-        found.update(CONTROL)
-    for hca in node.hcas:
-        if hca.device_id in hcas:
-            found[f"/dev/infiniband/uverbs{hca.uverbs}"] = (231, 192 + hca.uverbs)
-            found.update({f"/dev/infiniband/umad{i}": (231, i) for i in hca.umads})
-            found.update({f"/dev/infiniband/issm{i}": (231, 64 + i) for i in hca.issms})
-    if hcas:
-        found.update(RDMA_CM)
-    return found
-
-
-def ib_names(node: BuiltNode, hca_ids: Iterable[str]) -> str:
-    wanted = list(hca_ids)
-    return "=" + ",".join(node.hca_by_id(device).name for device in wanted)
-
 
 # -- device plugin: Allocate answers with CDI names ----------------------------------
 
