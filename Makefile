@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 PROTOS := $(addprefix proto/devplugin/api/,deviceplugin_v1beta1.proto podresources_v1.proto \
 	dra_v1.proto dra_v1beta1.proto dra_health_v1alpha1.proto pluginregistration_v1.proto)
 
-.PHONY: install test test-slow test-quick test-cluster test-node upstream demo bench proto lint chart-schema image clean
+.PHONY: install test test-slow test-quick test-cluster test-node upstream demo demo-node bench proto lint chart-schema image clean
 
 # setup.py and the C source too: the editable install compiles the allocator's fold.
 $(STAMP): pyproject.toml setup.py devplugin/policy/_foldc.c
@@ -66,6 +66,12 @@ test-node: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/devplugin demo
+
+# The daemon beside a real kubelet, containerd and control plane (root, Go):
+# builds the newest pin's binaries and containerd once, then runs a pod.
+demo-node: $(STAMP)
+	upstream/build.sh v1.37 >/dev/null && upstream/build.sh containerd >/dev/null
+	$(BIN)/devplugin demo --real-node $(if $(STAY),--stay)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench

@@ -79,7 +79,16 @@ def build_parser() -> argparse.ArgumentParser:
     discover.add_argument("--json", action="store_true", help="print JSON")
     topo = commands.add_parser("topo", help="print the GPU/HCA topology matrix")
     _add_source_flags(topo)
-    commands.add_parser("demo", help="run the daemon on an embedded simulated node")
+    demo = commands.add_parser("demo", help="run the daemon on an embedded simulated node")
+    demo.add_argument(
+        "--real-node",
+        action="store_true",
+        help="beside a real kubelet, containerd and control plane built from upstream/ "
+        "(root and Go; `make demo-node`)",
+    )
+    demo.add_argument(
+        "--stay", action="store_true", help="with --real-node: keep the node up until Ctrl-C"
+    )
     template = commands.add_parser(
         "claim-template",
         help="print a ResourceClaimTemplate for aligned GPUs and HCAs (DRA)",
@@ -328,9 +337,13 @@ def cmd_topo(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    setup_logging("text", "warning")
+    if args.real_node:
+        from devplugin.testing.realnode_demo import run_node_demo
+
+        return run_node_demo(stay=args.stay)
     from devplugin.testing.demo import run_demo
 
-    setup_logging("text", "warning")
     return run_demo()
 
 

@@ -19,18 +19,16 @@ import tempfile
 import uuid
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from devplugin.testing.node import BuiltNode
+from devplugin.testing.oci_image import SEEN_SCRIPT as SCRIPT
+from devplugin.testing.oci_image import Seen, parse
 
 CDI_DIRS = (Path("/etc/cdi"), Path("/var/run/cdi"))
 IMAGE = "localhost/devplugin-tiny:1"
-# What the container prints: every character device under /dev with its
-# numbers (hexadecimal, as stat gives them), then its environment.
-SCRIPT = 'for f in $(find /dev -type c); do stat -c "%n %t %T" "$f"; done; echo ---; env'
 APPLETS = ("sh", "find", "stat", "env", "echo", "cat", "ls", "true")
 # Without CAP_SYS_RESOURCE runc cannot raise these limits to podman's defaults.
 # Frames of the CDI library podman vendors, as a Go crash report names them.
@@ -48,14 +46,6 @@ def missing() -> str | None:
     if os.geteuid() != 0:
         return "real-runtime tier: needs root (mknod, /etc/cdi, rootful podman)"
     return None
-
-
-@dataclass(frozen=True)
-class Seen:
-    """What a container saw: its character devices and its environment."""
-
-    nodes: Mapping[str, tuple[int, int]]
-    env: Mapping[str, str]
 
 
 class Podman:
@@ -154,16 +144,6 @@ def crashed(result: subprocess.CompletedProcess[str]) -> str | None:
         if line.startswith(("panic: ", "fatal error: ")):
             return "podman crashed: " + "\n".join(lines[at : at + 12])
     return None
-
-
-def parse(output: str) -> Seen:
-    devices, _, environment = output.partition("---\n")
-    nodes = {}
-    for line in devices.splitlines():
-        path, major, minor = line.split()
-        nodes[path] = (int(major, 16), int(minor, 16))
-    env = dict(line.split("=", 1) for line in environment.splitlines() if "=" in line)
-    return Seen(nodes, env)
 
 
 def skip_or_fail(why: str) -> None:

@@ -12,12 +12,35 @@ import io
 import json
 import shutil
 import tarfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 PAUSE_IMAGE = "localhost/devplugin/pause:1"
 WORK_IMAGE = "localhost/devplugin/work:1"
+# What a container of the work image prints: every character device under
+# /dev with its numbers (hexadecimal, as stat gives them), then its environment.
+SEEN_SCRIPT = 'for f in $(find /dev -type c); do stat -c "%n %t %T" "$f"; done; echo ---; env'
 APPLETS = ("sh", "sleep", "ls", "cat", "env", "test", "stat", "echo", "true", "find")
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What a container saw: its character devices and its environment."""
+
+    nodes: Mapping[str, tuple[int, int]]
+    env: Mapping[str, str]
+
+
+def parse(output: str) -> Seen:
+    devices, _, environment = output.partition("---\n")
+    nodes = {}
+    for line in devices.splitlines():
+        path, major, minor = line.split()
+        nodes[path] = (int(major, 16), int(minor, 16))
+    env = dict(line.split("=", 1) for line in environment.splitlines() if "=" in line)
+    return Seen(nodes, env)
+
 
 _MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 

@@ -16,9 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from devplugin.config import Config, override
-from devplugin.runtime import Daemon, build
-from devplugin.testing.cdi import nvidia_like_spec, realize, write_spec
+from devplugin.runtime import Daemon
 from devplugin.testing.controlplane import (
     ApiFailure,
     ControlPlane,
@@ -28,9 +26,10 @@ from devplugin.testing.controlplane import (
     kubeconfig,
 )
 from devplugin.testing.fake_nvml import FakeNvml
-from devplugin.testing.node import BuiltNode, build_node, hgx_node
+from devplugin.testing.node import BuiltNode
 from devplugin.testing.oci_image import WORK_IMAGE
 from devplugin.testing.realnode import NodeBinaries, RealNode, missing, node_binaries
+from devplugin.testing.realnode_demo import daemon_settings, simulated_hardware, start_daemon
 from tests.real_cluster.conftest import DRA_NAMESPACE, DRA_RELEASE, DRA_VALUES, keep_installed
 
 # The newest pin; the node's own behaviour under v1.35 is for a later step.
@@ -157,10 +156,7 @@ class Running:
         self.baseline: dict[str, tuple[int, int]] | None = None
 
     def start_daemon(self) -> Daemon:
-        config = override(Config(), **self.settings)
-        self.nvml = FakeNvml.from_file(self.hardware.fixture)
-        self.daemon = build(config, self.nvml)
-        self.daemon.start()
+        self.daemon, self.nvml = start_daemon(self.settings, self.hardware)
         return self.daemon
 
     def stop_daemon(self) -> None:
@@ -181,22 +177,6 @@ class Running:
         return dict(self.node.node().get("status", {}).get("capacity", {}))
 
 
-def daemon_settings(node: RealNode, hardware: BuiltNode, base: Path) -> dict[str, Any]:
-    return {
-        "paths.sysfs_root": str(hardware.sysfs_root),
-        "paths.dev_root": str(hardware.dev_root),
-        "paths.device_plugin_dir": str(node.device_plugin_dir),
-        "paths.pod_resources_socket": str(node.pod_resources_socket),
-        "nvml.fixture": str(hardware.fixture),
-        "lifecycle.checkpoint_file": str(base / "checkpoint.json"),
-        "metrics.addresses": ["127.0.0.1:0"],
-        "cdi.spec_dirs": [str(base / "cdi")],
-        # Allocate answers name CDI devices, which containerd resolves.
-        "resources.gpu.device_list_strategy": ["cdi-cri"],
-        "resources.hca.device_list_strategy": ["cdi-cri"],
-    }
-
-
 @pytest.fixture
 def running(
     request: pytest.FixtureRequest, plane: ControlPlane, node_bins: NodeBinaries
@@ -209,15 +189,11 @@ def running(
     served = None
     try:
         node.start()
-        hardware = build_node(hgx_node(), base / "hw")
-        realize(hardware)
+        hardware = simulated_hardware(node, base)
         settings = daemon_settings(node, hardware, base)
         extra = getattr(request, "param", None)
         if extra is not None:
             settings.update(extra(node, base))
-        # What NVIDIA's toolkit would have written for this node's GPUs.
-        spec = nvidia_like_spec(hardware, host_dev=hardware.dev_root, driver_files=False)
-        write_spec(base / "cdi", "nvidia-gpu.json", spec)
         served = Running(node, hardware, base, settings)
         served.start_daemon()
         yield served

@@ -1,57 +1,20 @@
-"""Pods on the real node, as the tier's tests make and read them: a pod
-whose container prints what it saw (its character devices, its
-environment) and then stays, and what the kubelet, the container's log
-and the daemon's metrics say about it."""
+"""Pods on the real node as the tier's tests read them: what the container
+saw (devplugin/testing/realnode_pods.py starts them), what the kubelet's
+PodResources gives it, and the daemon's metrics."""
 
 from __future__ import annotations
 
-import itertools
 import urllib.request
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from devplugin.node.podresources import PodResourcesClient
-from devplugin.testing.controlplane import ApiFailure
-from devplugin.testing.oci_image import WORK_IMAGE
+from devplugin.testing import realnode_pods
+from devplugin.testing.oci_image import Seen
+from devplugin.testing.realnode_pods import PODS, container, pod
 from tests.real_node.conftest import Running
-from tests.real_runtime import SCRIPT, Seen, parse
-from tests.waiting import wait_until
 
-# The container's last line once it has printed what it saw.
-DONE = "=== seen"
-PODS = "/api/v1/namespaces/default/pods"
-_serial = itertools.count()
-
-
-def container(name: str, requests: Mapping[str, int]) -> dict[str, Any]:
-    limits = {resource: str(count) for resource, count in requests.items()}
-    return {
-        "name": name,
-        "image": WORK_IMAGE,
-        "imagePullPolicy": "Never",
-        # What it saw, then it stays: PodResources lists running pods only.
-        "command": ["/bin/sh", "-c", SCRIPT + f"; echo {DONE}; exec sleep 3600"],
-        "resources": {"limits": limits},
-    }
-
-
-def pod(
-    prefix: str, node: str | None, containers: Mapping[str, Mapping[str, int]]
-) -> dict[str, Any]:
-    """A pod of these containers (name -> resource counts); bound to `node`
-    directly, or left to the scheduler when node is None."""
-    spec: dict[str, Any] = {
-        "restartPolicy": "Never",
-        "terminationGracePeriodSeconds": 1,
-        "automountServiceAccountToken": False,
-        "containers": [container(name, asks) for name, asks in containers.items()],
-    }
-    if node is not None:
-        spec["nodeName"] = node
-    name = f"{prefix}-{next(_serial)}"
-    return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": "default"}, "spec": spec}  # fmt: skip
+__all__ = ["PODS", "container", "pod"]
 
 
 def create(running: Running, found: dict[str, Any]) -> str:
@@ -60,41 +23,26 @@ def create(running: Running, found: dict[str, Any]) -> str:
 
 
 def delete(running: Running, name: str) -> None:
-    try:
-        running.node.plane.request("DELETE", f"{PODS}/{name}")
-    except ApiFailure as exc:
-        if exc.code != 404:
-            raise
+    realnode_pods.delete(running.node.plane, name)
 
 
 def gone(running: Running, name: str) -> bool:
-    try:
-        running.node.plane.request("GET", f"{PODS}/{name}")
-    except ApiFailure as exc:
-        if exc.code == 404:
-            return True
-        raise
-    return False
+    return realnode_pods.gone(running.node.plane, name)
 
 
 def status(running: Running, name: str) -> dict[str, Any]:
-    found: dict[str, Any] = running.node.plane.request("GET", f"{PODS}/{name}")
-    return dict(found.get("status", {}))
+    return realnode_pods.status(running.node.plane, name)
 
 
 def phase(running: Running, name: str) -> str:
     return str(status(running, name).get("phase", ""))
 
 
-def log(running: Running, name: str, container_name: str = "main") -> str:
-    return running.node.container_log("default", name, container_name) + "\n"
-
-
 def seen(running: Running, name: str, container_name: str = "main", within: float = 60) -> Seen:
     """What the container printed, once it has printed all of it."""
-    done = wait_until(lambda: DONE in log(running, name, container_name), timeout=within)
-    assert done, (status(running, name), running.node.tail("kubelet", 20))
-    return parse(log(running, name, container_name).split(DONE)[0])
+    found = realnode_pods.wait_seen(running.node, name, container_name, within)
+    assert found is not None, (status(running, name), running.node.tail("kubelet", 20))
+    return found
 
 
 def added(running: Running, saw: Seen) -> dict[str, tuple[int, int]]:

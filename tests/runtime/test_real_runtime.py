@@ -30,12 +30,12 @@ from devplugin.testing.cdi import (
 from devplugin.testing.dra_kubelet import container_cdi_ids
 from devplugin.testing.kubelet import ContainerRequest
 from devplugin.testing.layouts import LAYOUTS
+from devplugin.testing.oci_image import Seen
 from tests.conftest import GPU, HCA, Cluster
 from tests.dra_support import DraCluster, start_dra
 from tests.real_runtime import (
     CDI_DIRS,
     Podman,
-    Seen,
     expected_nodes,
     ib_names,
     podman,
