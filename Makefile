@@ -60,9 +60,9 @@ test-cluster: $(STAMP) $(HELM_STAMP)
 
 # The real-node tier: a kubelet and containerd built from the pins in upstream/
 # (root, util-linux, runc and the CNI plugins needed; it says why it skips).
-test-node: $(STAMP)
+test-node: $(STAMP) $(HELM_STAMP)
 	@if command -v go >/dev/null 2>&1; then $(MAKE) --no-print-directory upstream; fi
-	$(BIN)/python -m pytest -q -rP -p no:randomly -m node tests/real_node
+	$(BIN)/python -m pytest -q -p no:randomly -m node tests/real_node
 
 demo: $(STAMP)
 	$(BIN)/devplugin demo

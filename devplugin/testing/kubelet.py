@@ -583,13 +583,25 @@ class KubeletSimulator:
         available = sorted(set(available) | set(reuse))
         if len(available) < count:
             raise AdmissionError(f"{resource}: requested {count}, only {len(available)} available")
+        # pkg/kubelet/cm/devicemanager/manager.go, devicesToAllocate (no
+        # topology hint: every device is in the no-affinity set): the reused
+        # devices first, then those of the preference that are available, then
+        # any available ones; Go's set iteration gives no order, so neither
+        # does this.
         chosen = list(reuse)
         if options.get_preferred_allocation_available:
-            chosen = self._preferred(resource, stub, available, count, reuse) or chosen
-        if len(chosen) < count:
-            chosen.extend(device for device in available if device not in chosen)
-            chosen = chosen[:count]
+            preferred = self._preferred(resource, stub, available, count, reuse)
+            self._take(chosen, [d for d in preferred if d in set(available)], count)
+        self._take(chosen, available, count)
         return tuple(chosen), self._allocate_call(resource, stub, options, chosen)
+
+    def _take(self, chosen: list[str], source: Sequence[str], count: int) -> None:
+        """allocateRemainingFrom: devices of `source` not chosen yet, in no
+        fixed order, until `count` are chosen."""
+        rest = sorted(set(source) - set(chosen))
+        with self._cond:
+            self._rng.shuffle(rest)
+        chosen.extend(rest[: max(0, count - len(chosen))])
 
     def _allocate_call(
         self,
@@ -659,12 +671,9 @@ class KubeletSimulator:
             self.preferred_calls.append(
                 PreferredCall(resource, tuple(available), tuple(must), count, tuple(answer), None)
             )
-        # The kubelet ignores a preference naming devices it cannot give.
-        if len(set(answer)) != len(answer) or not set(answer) <= set(available):
-            return []
-        if not set(must) <= set(answer):
-            return []
-        return answer[:count]
+        # The kubelet keeps what of the answer it can give (its intersection
+        # with the available set); the rest of the answer is ignored.
+        return answer
 
     def remove(self, pod: str, namespace: str = "default") -> None:
         with self._cond:

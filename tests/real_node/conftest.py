@@ -33,7 +33,9 @@ from devplugin.testing.realnode_demo import daemon_settings, simulated_hardware,
 from tests.real_cluster.conftest import DRA_NAMESPACE, DRA_RELEASE, DRA_VALUES, keep_installed
 
 # The newest pin; the node's own behaviour under v1.35 is for a later step.
-MINOR = "v1.37"
+# The kubelet and control plane of each pin: 1.35 (the stable DRA allocator,
+# the last minor before 1.36's changes) and the newest.
+VERSIONS = ("v1.35", "v1.37")
 
 
 def unavailable(why: str) -> None:
@@ -42,22 +44,27 @@ def unavailable(why: str) -> None:
     pytest.skip(why)
 
 
+@pytest.fixture(scope="session", params=VERSIONS)
+def minor(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture(scope="session")
-def node_bins() -> NodeBinaries:
+def node_bins(minor: str) -> NodeBinaries:
     why = missing()
     if why is not None:
         unavailable(why)
     try:
-        return node_binaries(MINOR)
+        return node_binaries(minor)
     except Unavailable as exc:
         unavailable(f"real-node tier: {exc}")
         raise
 
 
 @pytest.fixture(scope="session")
-def plane(node_bins: NodeBinaries) -> Iterator[ControlPlane]:
+def plane(minor: str, node_bins: NodeBinaries) -> Iterator[ControlPlane]:
     folder = Path(tempfile.mkdtemp(prefix="ntier-"))
-    control = ControlPlane(binaries(MINOR), folder)
+    control = ControlPlane(binaries(minor), folder)
     try:
         control.start()
         yield control
