@@ -578,7 +578,8 @@ class KubeletSimulator:
         reuse = sorted(reusable)
         if len(reuse) >= count:
             # All from the pod's finished init containers: no preference asked.
-            chosen = reuse[:count]
+            chosen: list[str] = []
+            self._take(chosen, reuse, count)
             return tuple(chosen), self._allocate_call(resource, stub, options, chosen)
         available = sorted(set(available) | set(reuse))
         if len(available) < count:
@@ -590,10 +591,20 @@ class KubeletSimulator:
         # does this.
         chosen = list(reuse)
         if options.get_preferred_allocation_available:
-            preferred = self._preferred(resource, stub, available, count, reuse)
+            # Both lists go as UnsortedList() of Go sets: in no fixed order.
+            offered, must = self._unsorted(available), self._unsorted(reuse)
+            preferred = self._preferred(resource, stub, offered, count, must)
             self._take(chosen, [d for d in preferred if d in set(available)], count)
         self._take(chosen, available, count)
+        # Allocate gets the chosen set's UnsortedList() too.
+        chosen = self._unsorted(chosen)
         return tuple(chosen), self._allocate_call(resource, stub, options, chosen)
+
+    def _unsorted(self, devices: Sequence[str]) -> list[str]:
+        listed = list(devices)
+        with self._cond:
+            self._rng.shuffle(listed)
+        return listed
 
     def _take(self, chosen: list[str], source: Sequence[str], count: int) -> None:
         """allocateRemainingFrom: devices of `source` not chosen yet, in no
