@@ -882,7 +882,17 @@ class Allocator:
         first = plan_request(request, candidates, expected)
         plan = self._search(first, validate(self.topology, first))
         choice = self._gpus(planned_request(request, candidates, plan.ids), candidates)
-        return Choice(choice.ids, choice.score, plan.ids)
+        best = Choice(choice.ids, choice.score, plan.ids)
+        if request.must_include:
+            # GPUs the kubelet reuses from the pod's init containers are in
+            # the answer whatever the plan: also plan the HCAs nearest to
+            # them, and keep whichever plan the GPUs end up closer to.
+            near = plan_request(request, request.must_include, expected)
+            plan = self._search(near, validate(self.topology, near))
+            choice = self._gpus(planned_request(request, candidates, plan.ids), candidates)
+            if choice.score.key() < best.score.key():
+                best = Choice(choice.ids, choice.score, plan.ids)
+        return best
 
     # -- the tree search -----------------------------------------------------
     def _search(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from devplugin.model import DeviceKind
@@ -258,8 +258,8 @@ def _judge(
         request = by_name[container.name]
         gpus, hcas = request.requests.get(GPU, 0), request.requests.get(HCA, 0)
         got_g, got_h = container.devices.get(GPU, ()), container.devices.get(HCA, ())
-        must_g = reused_first(reusable[GPU], gpus)
-        must_h = reused_first(reusable[HCA], hcas)
+        must_g = reused(reusable[GPU], got_g, gpus)
+        must_h = reused(reusable[HCA], got_h, hcas)
         if gpus and hcas:
             achieved = alignment(topology, got_g, got_h)
             best = best_alignment(
@@ -287,9 +287,14 @@ def _judge(
                 reusable[resource] -= set(got)
 
 
-def reused_first(reusable: set[str], count: int) -> set[str]:
-    """What the kubelet takes from a pod's reusable devices for `count`."""
-    return set(sorted(reusable)[:count]) if count else set()
+def reused(reusable: set[str], got: Iterable[str], count: int) -> set[str]:
+    """What the kubelet took from a pod's reusable devices for a request of
+    `count`: as many as it asks, from those, first (which ones, where there
+    are more, no one chooses: devicesToAllocate takes them from a Go set),
+    so the container's devices that were reusable."""
+    taken = reusable & set(got)
+    assert len(taken) == min(count, len(reusable)), (sorted(reusable), sorted(got), count)
+    return taken
 
 
 def _shown(found: tuple[Level, int] | None) -> str:

@@ -268,6 +268,8 @@ class KubeletSimulator:
         self.kubelet_socket = plugin_dir / "kubelet.sock"
         self.pod_resources_socket = pod_resources_socket
         self._rng = random.Random(seed)
+        # Go's set iteration order, apart from the resource order above.
+        self._unordered = random.Random(seed + 1)
         self._options_timeout = options_timeout
         self._cond = threading.Condition()
         self._endpoints: dict[str, _Endpoint] = {}
@@ -603,7 +605,7 @@ class KubeletSimulator:
     def _unsorted(self, devices: Sequence[str]) -> list[str]:
         listed = list(devices)
         with self._cond:
-            self._rng.shuffle(listed)
+            self._unordered.shuffle(listed)
         return listed
 
     def _take(self, chosen: list[str], source: Sequence[str], count: int) -> None:
@@ -611,7 +613,7 @@ class KubeletSimulator:
         fixed order, until `count` are chosen."""
         rest = sorted(set(source) - set(chosen))
         with self._cond:
-            self._rng.shuffle(rest)
+            self._unordered.shuffle(rest)
         chosen.extend(rest[: max(0, count - len(chosen))])
 
     def _allocate_call(

@@ -12,7 +12,7 @@ import pytest
 from devplugin.model import DeviceKind
 from devplugin.node.alignment import alignment, best_worst_level
 from devplugin.testing.apiserver import ApiServerImitation
-from devplugin.testing.churn import mixed_pod, reused_first
+from devplugin.testing.churn import mixed_pod, reused
 from devplugin.testing.kubelet import AdmissionError, ContainerRequest
 from devplugin.testing.layouts import LAYOUTS
 from tests.conftest import GPU, HCA, Cluster
@@ -92,8 +92,8 @@ def optimal_share(cluster: Cluster, seed: int, events: int = 60) -> Share:
             request = by_name[container.name]
             gpus, hcas = request.requests[GPU], request.requests[HCA]
             got_g, got_h = container.devices.get(GPU, ()), container.devices.get(HCA, ())
-            must_g = reused_first(reusable[GPU], gpus)
-            must_h = reused_first(reusable[HCA], hcas)
+            must_g = reused(reusable[GPU], got_g, gpus)
+            must_h = reused(reusable[HCA], got_h, hcas)
             if gpus and hcas:
                 achieved = alignment(topology, got_g, got_h)
                 assert achieved is not None

@@ -212,6 +212,64 @@ def test_two_steps_reach_the_joint_optimum_when_the_partner_count_is_known() -> 
     assert cases > 2000
 
 
+def reused_optimum(
+    topology: Topology, must: frozenset[str], free_gpus: frozenset[str],
+    free_hcas: frozenset[str], m: int, k: int,
+) -> int:  # fmt: skip
+    """Best worst level over GPU sets holding `must` and HCA sets (brute force)."""
+    best = int(Level.SYS)
+    for hcas in itertools.combinations(sorted(free_hcas), k):
+        near = {g: min(topology.level(g, h) for h in hcas) for g in free_gpus | must}
+        rest = sorted(near[g] for g in free_gpus - must)
+        worst = max([near[g] for g in must] + rest[: m - len(must)])
+        best = min(best, worst)
+    return best
+
+
+def test_gpus_first_with_a_reused_gpu_reach_the_optimum_with_fewer_hcas_to_come() -> None:
+    """GPUs asked first with some reused from the pod's init containers
+    (must-include) and fewer HCAs to follow: the HCAs are planned where
+    the GPUs, the reused ones included, can be nearest. Seeded corpus, and
+    the case the node tier's kubelet order found on HGX (GPU 1 reused, two
+    GPUs and one HCA: its own switch's HCA and a GPU of its NUMA node)."""
+    topology, allocator, gpus, hcas = layout("hgx-h100")
+    free_g = frozenset(gpus) - {gpus[2], gpus[3]}
+    free_h = frozenset(hcas) - {hcas[0]}
+    request = Request(GPU, free_g, 2, frozenset([gpus[1]]), partner=free_h, other_free=free_h,
+                      expected=1)  # fmt: skip
+    choice = allocator.choose(request)
+    assert choice.score.worst == Level.NODE
+    assert set(choice.ids) == {gpus[0], gpus[1]}
+    cases = 0
+    for seed in range(300):
+        rng = random.Random(20_000 + seed)
+        spec_gpus, spec_hcas = devices_from_spec(random_spec(rng, max_gpus=10))
+        if len(spec_gpus) < 2 or not spec_hcas:
+            continue
+        topology = Topology(spec_gpus, spec_hcas)
+        allocator = Allocator(topology)
+        free_g = frozenset(g.uuid for g in spec_gpus if rng.random() < 0.8)
+        free_h = frozenset(h.device_id for h in spec_hcas if rng.random() < 0.8)
+        if len(free_g) < 2 or not free_h:
+            continue
+        must = frozenset(rng.sample(sorted(free_g), rng.randint(1, len(free_g) - 1)))
+        m = rng.randint(len(must) + 1, len(free_g))
+        k = rng.randint(1, min(len(free_h), m - 1)) if m > 1 else 1
+        if k >= m:
+            continue
+        gpus_chosen = allocator.choose(
+            Request(GPU, free_g, m, must, partner=free_h, other_free=free_h, expected=k)
+        ).ids
+        assert must <= set(gpus_chosen)
+        hcas_chosen = allocator.choose(
+            Request(HCA, free_h, k, role=Role.SECOND, partner=frozenset(gpus_chosen))
+        ).ids
+        got = max(min(topology.level(g, h) for h in hcas_chosen) for g in gpus_chosen)
+        assert got == reused_optimum(topology, must, free_g, free_h, m, k), (seed, m, k)
+        cases += 1
+    assert cases > 100
+
+
 # -- behaviour on hand-checked cases ------------------------------------------
 
 
