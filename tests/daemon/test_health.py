@@ -67,7 +67,9 @@ def test_with_the_default_five_second_check_a_port_going_down_is_seen_by_the_por
         checks = cluster.daemon.checks
         state.write_text(new_state)
         assert becomes(cluster, HCA, hca.device_id, "Unhealthy", within=3.0)
-        assert cluster.daemon.checks == checks + 1  # one check, started by the watch
+        # One check started by the watch (the 5 s one may also have come due
+        # meanwhile on a slow machine), not a check per watch tick.
+        assert checks + 1 <= cluster.daemon.checks <= checks + 2
         state.write_text("4: ACTIVE\n")
         assert becomes(cluster, HCA, hca.device_id, "Healthy", within=3.0)
     # Nothing changed: the watch starts no check of its own.

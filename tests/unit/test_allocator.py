@@ -57,9 +57,15 @@ def check(topology: Topology, allocator: Allocator, request: Request) -> Choice:
     assert request.must_include <= set(choice.ids)
     if choice.plan:
         candidates = validate(topology, request)
-        first = plan_request(request, candidates, request.expected_partners)
-        planned = exhaustive(topology, first)
-        assert evaluate(topology, first, choice.plan).key() == planned.score.key()
+        # HCAs planned where any GPUs can be nearest, or (GPUs reused from
+        # init containers) nearest to the reused ones: the plan is optimal
+        # for one of them.
+        sources = [candidates, request.must_include] if request.must_include else [candidates]
+        plans = [plan_request(request, source, request.expected_partners) for source in sources]
+        assert any(
+            evaluate(topology, first, choice.plan).key() == exhaustive(topology, first).score.key()
+            for first in plans
+        )
         request = planned_request(request, candidates, choice.plan)
     else:
         assert not (
@@ -213,9 +219,13 @@ def test_two_steps_reach_the_joint_optimum_when_the_partner_count_is_known() -> 
 
 
 def reused_optimum(
-    topology: Topology, must: frozenset[str], free_gpus: frozenset[str],
-    free_hcas: frozenset[str], m: int, k: int,
-) -> int:  # fmt: skip
+    topology: Topology,
+    must: frozenset[str],
+    free_gpus: frozenset[str],
+    free_hcas: frozenset[str],
+    m: int,
+    k: int,
+) -> int:
     """Best worst level over GPU sets holding `must` and HCA sets (brute force)."""
     best = int(Level.SYS)
     for hcas in itertools.combinations(sorted(free_hcas), k):
@@ -235,8 +245,8 @@ def test_gpus_first_with_a_reused_gpu_reach_the_optimum_with_fewer_hcas_to_come(
     topology, allocator, gpus, hcas = layout("hgx-h100")
     free_g = frozenset(gpus) - {gpus[2], gpus[3]}
     free_h = frozenset(hcas) - {hcas[0]}
-    request = Request(GPU, free_g, 2, frozenset([gpus[1]]), partner=free_h, other_free=free_h,
-                      expected=1)  # fmt: skip
+    reused = frozenset([gpus[1]])
+    request = Request(GPU, free_g, 2, reused, partner=free_h, other_free=free_h, expected=1)
     choice = allocator.choose(request)
     assert choice.score.worst == Level.NODE
     assert set(choice.ids) == {gpus[0], gpus[1]}
