@@ -278,9 +278,23 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
             reader=cluster.claim_reader(),
             publisher=lambda desired: cluster.slice_publisher(desired, core.metrics),
         )
+        _follow_allocations(cluster, dra)
     cluster.publish_record(_status_inputs(core, plugins, dra), core)
     cluster.label_node(lambda: core.pipeline.inventory, core)
     return Daemon(core, plugins=plugins, cluster=cluster, dra=dra, hotplug_monitor=hotplug_monitor)
+
+
+def _follow_allocations(cluster: ClusterSide, dra: DraFrontend) -> None:
+    """The slices' free counts move when the scheduler allocates a claim
+    here, not only when the kubelet prepares it (cluster/allocated.py)."""
+    publisher = dra.publisher
+    if publisher is None:
+        return
+    follow = cluster.follow_allocations(
+        cluster.claim_reader(), driver=dra.preparer.driver, pool=dra.pool, changed=publisher.poke
+    )
+    if follow is not None:
+        dra.allocated = follow.devices
 
 
 def _mig_profiles(config: Config, core: NodeCore) -> list[str]:

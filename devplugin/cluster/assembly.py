@@ -14,6 +14,7 @@ from typing import Any
 
 from lightkube import Client
 
+from devplugin.cluster.allocated import AllocatedClaims
 from devplugin.cluster.awareness import PodAwareness
 from devplugin.cluster.claims import ApiClaimReader
 from devplugin.cluster.client import Heartbeat, make_client
@@ -105,6 +106,7 @@ class ClusterSide:
     publisher: RecordPublisher | None = None
     lease: LeaseKeeper | None = None
     labeller: NodeLabeller | None = None
+    allocations: AllocatedClaims | None = None
 
     @classmethod
     def connect(cls, config: Config) -> ClusterSide:
@@ -160,6 +162,19 @@ class ClusterSide:
         kube, dra = self.config.kubernetes, self.config.dra
         reads = make_client(replace(kube, request_timeout_seconds=dra.claim_timeout_seconds))
         return ApiClaimReader(reads) if reads is not None else _NoApi()
+
+    def follow_allocations(
+        self, reader: ClaimReader, *, driver: str, pool: str, changed: Callable[[], None]
+    ) -> AllocatedClaims | None:
+        """The devices the scheduler allocated here, from the claims of the
+        node's pods (None without the pod watch)."""
+        if self.pods is None:
+            return None
+        resync = self.config.kubernetes.record_resync_seconds
+        self.allocations = AllocatedClaims(
+            self.pods, reader, driver=driver, pool=pool, changed=changed, resync=resync
+        )
+        return self.allocations
 
     def slice_publisher(self, desired: Desired, metrics: Metrics) -> SlicePublisher | None:
         kube = self.config.kubernetes
@@ -222,6 +237,7 @@ class ClusterSide:
         """In start order: the pod watch first, the record's writers after."""
         found: list[Loop | None] = [
             self.pods,
+            self.allocations,
             self.events,
             self.publisher,
             self.lease,

@@ -28,6 +28,7 @@ from devplugin.cluster.slices import ResourceSlice
 from devplugin.cluster.watch import WatchCache, WatchTiming
 from devplugin.policy.dra_predict import NodeDevices, Prediction, Selectors, Unpredictable, predict
 from devplugin.policy.dra_walk import PoolSlice, gather, pool_slice
+from devplugin.policy.free_counts import recounted
 
 T = TypeVar("T")
 GROUP, VERSION = "resource.k8s.io", "v1"
@@ -156,7 +157,8 @@ class DraViews:
                     if counts[device] <= 0:
                         del counts[device]
                     for node in self._pool_nodes.get((driver, pool), ()):
-                        self._mark(node, devices=False)
+                        # Its devices too: their free counts are recounted.
+                        self._mark(node)
 
     def class_changed(
         self, key: str, before: dict[str, Any] | None, after: dict[str, Any] | None
@@ -209,7 +211,15 @@ class DraViews:
                 return node.predictions[key]
             if node.devices is None:
                 ordered = sorted(node.slices.values(), key=lambda item: item.name)
-                node.devices = NodeDevices(gather(ordered))
+                gathered = gather(ordered)
+                held = {
+                    (driver, pool, device)
+                    for driver, pool in {(d.driver, d.pool) for d in gathered}
+                    for device in self._held.get((driver, pool), {})
+                }
+                # The gate's counts as the claims seen here leave them: the
+                # driver republishes only after it sees the allocation.
+                node.devices = NodeDevices(recounted(gathered, held))
             devices = node.devices
             used = [
                 (driver, pool, device)

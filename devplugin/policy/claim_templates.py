@@ -110,6 +110,11 @@ def device_classes(driver: str) -> list[dict[str, Any]]:
 def gate(shape: Shape, driver: str) -> str:
     """The CEL selector on the free counts for this shape (see above)."""
     here = f'device.attributes["{driver}"]'
+    if shape.mig:
+        # The first request's candidates are MIG devices of the profile: each
+        # says how many of its profile are free (freeGpus counts whole GPUs).
+        checks = [f"{here}.freeOfProfile >= {shape.gpus}", f"{here}.freeHcas >= {shape.hcas}"]
+        return f"!has({here}.freeOfProfile) || ({' && '.join(checks)})"
     checks = [f"{here}.freeGpus >= {shape.gpus}", f"{here}.freeHcas >= {shape.hcas}"]
     if shape.nvlink and shape.gpus > 1:
         checks.append(

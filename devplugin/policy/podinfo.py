@@ -44,6 +44,10 @@ class PodInfo:
     priority: int = 0
     labels: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
     start: str = ""
+    # The ResourceClaims it uses (by name, in its namespace): those named in
+    # spec.resourceClaims and those made for it from templates
+    # (status.resourceClaimStatuses).
+    claims: tuple[str, ...] = ()
 
     @property
     def terminal(self) -> bool:
@@ -119,7 +123,18 @@ def parse_pod(obj: Mapping[str, Any]) -> PodInfo:
         priority=_priority(spec.get("priority")),
         labels=_annotations(meta.get("labels")),
         start=str(status.get("startTime") or ""),
+        claims=_claims(spec, status),
     )
+
+
+def _claims(spec: Mapping[str, Any], status: Mapping[str, Any]) -> tuple[str, ...]:
+    found: list[str] = []
+    for source in (spec.get("resourceClaims"), status.get("resourceClaimStatuses")):
+        for entry in source if isinstance(source, list) else ():
+            name = entry.get("resourceClaimName") if isinstance(entry, dict) else None
+            if isinstance(name, str) and name and name not in found:
+                found.append(name)
+    return tuple(found)
 
 
 def _priority(value: object) -> int:

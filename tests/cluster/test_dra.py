@@ -520,3 +520,64 @@ def test_free_counts_follow_prepare_and_cleanup_and_refuse_a_short_node_at_once(
     assert all("taints" in cluster.devices()[g] for g in gpus[:2])
     gate.touch()
     assert wait_until(lambda: counts() == {(8, 8)}, timeout=20)
+
+
+def bound_pod(cluster: DraCluster, name: str, claims: list[str]) -> None:
+    """A pod the scheduler bound to the node, naming its claims."""
+    cluster.api.put(
+        "pods",
+        {"apiVersion": "v1", "kind": "Pod",
+         "metadata": {"name": name, "namespace": "default", "uid": f"uid-{name}"},
+         "spec": {"nodeName": NODE, "containers": [{"name": "main", "image": "x"}],
+                  "resourceClaims": [{"name": c, "resourceClaimName": c} for c in claims]},
+         "status": {"phase": "Pending"}},
+    )  # fmt: skip
+
+
+def test_free_counts_follow_the_schedulers_allocation_before_any_prepare(
+    start_dra: Start,
+) -> None:
+    """Claims allocated to pods bound here leave the free counts at once
+    (the pod watch's event), before the kubelet prepares anything, so a
+    burst's next pod meets a gate that knows; when the pods go, they come
+    back. Under churn, the counts settle on what the live pods hold."""
+    cluster = start_dra(hgx_node())
+    assert wait_until(lambda: published(cluster, 16), timeout=10)
+
+    def counts() -> set[tuple[int, int]]:
+        return {
+            (d["attributes"][FREE_GPUS]["int"], d["attributes"][FREE_HCAS]["int"])
+            for d in cluster.devices().values()
+        }
+
+    gpus = sorted(n for n in cluster.devices() if n.startswith("gpu-"))
+    hcas = sorted(n for n in cluster.devices() if n.startswith("hca-"))
+    cluster.claim("a", [("gpu", gpus[0]), ("gpu", gpus[1]), ("hca", hcas[0])])
+    bound_pod(cluster, "pa", ["a"])
+    assert wait_until(lambda: counts() == {(6, 7)}, timeout=5)
+    # A walk on these slices refuses a claim the node cannot hold in its first scan.
+    classes = {c["metadata"]["name"]: c for c in device_classes(DRIVER)}
+    allocator = Allocator(cluster.slices(), classes, NODE)
+    taken = taken_devices(cluster.api.items("resourceclaims"))
+    assert allocator.allocate(claim_spec(Shape(7, 7), DRIVER), taken) is None
+    assert allocator.tries <= 10_000
+    cluster.api.remove("pods", "pa", "default")
+    assert wait_until(lambda: counts() == {(8, 8)}, timeout=5)
+    # Churn: pods and their claims come and go milliseconds apart.
+    live: dict[str, tuple[str, str]] = {}
+    for step in range(40):
+        name = f"c{step}"
+        if live and step % 3 == 2:
+            gone = sorted(live)[0]
+            del live[gone]
+            cluster.api.remove("pods", f"p{gone}", "default")
+            continue
+        free_g = [g for g in gpus if g not in {v[0] for v in live.values()}]
+        free_h = [h for h in hcas if h not in {v[1] for v in live.values()}]
+        if not free_g or not free_h:
+            continue
+        live[name] = (free_g[0], free_h[0])
+        cluster.claim(name, [("gpu", free_g[0]), ("hca", free_h[0])])
+        bound_pod(cluster, f"p{name}", [name])
+        time.sleep(0.005)
+    assert wait_until(lambda: counts() == {(8 - len(live), 8 - len(live))}, timeout=10)

@@ -13,7 +13,7 @@ from devplugin.policy.claim_templates import Shape, TemplateError, claim_spec, d
 from devplugin.testing.cdi import CdiRuntime
 from devplugin.testing.dra_kubelet import ClaimCall
 from devplugin.testing.dra_limits import slice_problems
-from devplugin.testing.dra_scheduler import put_claim, schedule_claim
+from devplugin.testing.dra_scheduler import Allocator, put_claim, schedule_claim
 from devplugin.testing.layouts import hgx_h100_mig
 from tests.dra_support import DRIVER, NODE, DraCluster, published, start_dra
 from tests.waiting import wait_until
@@ -79,3 +79,27 @@ def test_a_mig_template_names_the_profile_and_refuses_nvlink() -> None:
         claim_spec(Shape(2, 2, mig="1g.10gb", nvlink=True), DRIVER)
     with pytest.raises(TemplateError, match="not a MIG profile"):
         claim_spec(Shape(1, 1, mig='1g" || true'), DRIVER)
+
+
+def test_on_a_node_with_every_gpu_cut_the_gate_counts_mig_devices_of_the_profile(
+    start_dra: Start,
+) -> None:
+    """freeGpus counts whole GPUs; a MIG claim's gate reads how many MIG
+    devices of its profile are free, so a node cut everywhere still takes
+    MIG claims, and one without enough of the profile is refused at once."""
+    cuts = (("3g.40gb", "2g.20gb", "1g.10gb", "1g.10gb"),) * 8
+    cluster = start_dra(hgx_h100_mig(cuts), **MIXED)
+    assert wait_until(lambda: published(cluster, 32 + 8), timeout=10)
+    some = next(iter(cluster.devices()))
+    assert cluster.attribute(some, "freeGpus") == 0
+    for device_class in device_classes(DRIVER):
+        cluster.api.put("deviceclasses", device_class)
+    put_claim(cluster.api, "one", claim_spec(Shape(1, 1, mig="3g.40gb"), DRIVER))
+    assert schedule_claim(cluster.api, "one", "default", NODE) is not None
+    # Eight 1g pairs fit (sixteen 1g devices); nine 3g devices do not (eight exist).
+    classes = {c["metadata"]["name"]: c for c in device_classes(DRIVER)}
+    allocator = Allocator(cluster.slices(), classes, NODE)
+    assert allocator.allocate(claim_spec(Shape(8, 8, mig="1g.10gb"), DRIVER)) is not None
+    allocator = Allocator(cluster.slices(), classes, NODE, budget=20_000)
+    assert allocator.allocate(claim_spec(Shape(9, 0, mig="3g.40gb"), DRIVER)) is None
+    assert allocator.tries <= 10_000

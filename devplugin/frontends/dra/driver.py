@@ -77,6 +77,9 @@ class DraFrontend(ThreadLoop):
         self._unhealthy = unhealthy
         self._interval = interval
         self._adopting = False
+        # Devices the scheduler allocated to claims here, ahead of their
+        # prepare (cluster/allocated.py); the free counts leave them out.
+        self.allocated: Callable[[], Collection[str]] = frozenset
         self._states: dict[DeviceKind, ResourceState] = {}
         # The last judgement: its devices as slices name them, and the states.
         self._snapshot: tuple[list[SliceDevice], Mapping[DeviceKind, ResourceState | None]] = (
@@ -180,7 +183,7 @@ class DraFrontend(ThreadLoop):
             states,
             domain=self.preparer.driver,
             unhealthy=self._unhealthy,
-            held=self.preparer.held(),
+            held=self.preparer.held() | frozenset(self.allocated()),
         )
         return split(entries, tainting=self._unhealthy == "taint")
 

@@ -277,6 +277,9 @@ def published(
 FREE_GPUS = "freeGpus"
 FREE_HCAS = "freeHcas"
 FREE_IN_NVLINK_DOMAIN = "freeInNvlinkDomain"
+# On a MIG device: how many MIG devices of its profile are free (a MIG
+# claim's gate reads it; freeGpus counts whole GPUs only).
+FREE_OF_PROFILE = "freeOfProfile"
 
 
 def with_free_counts(
@@ -290,6 +293,7 @@ def with_free_counts(
     free = [e for e in entries if not e.get("taints") and e["name"] not in held]
     by_type: dict[str, int] = {"gpu": 0, "hca": 0}
     by_domain: dict[str, int] = {}
+    by_profile: dict[str, int] = {}
     for entry in free:
         attributes = entry["attributes"]
         kind = attributes["type"]["string"]
@@ -297,6 +301,9 @@ def with_free_counts(
         if "nvlinkDomain" in attributes:
             domain = attributes["nvlinkDomain"]["string"]
             by_domain[domain] = by_domain.get(domain, 0) + 1
+        if kind == "mig":
+            profile = attributes["profile"]["string"]
+            by_profile[profile] = by_profile.get(profile, 0) + 1
     counted = []
     for entry in entries:
         attributes = dict(entry["attributes"])
@@ -305,6 +312,9 @@ def with_free_counts(
         if "nvlinkDomain" in attributes:
             domain = attributes["nvlinkDomain"]["string"]
             attributes[FREE_IN_NVLINK_DOMAIN] = {"int": by_domain.get(domain, 0)}
+        if attributes["type"]["string"] == "mig":
+            profile = attributes["profile"]["string"]
+            attributes[FREE_OF_PROFILE] = {"int": by_profile.get(profile, 0)}
         counted.append({**entry, "attributes": attributes})
     return counted
 
