@@ -29,7 +29,6 @@ from typing import Any
 
 from devplugin.policy.claim_templates import (
     CHART_SHAPES,
-    Shape,
     claim_spec,
     device_classes,
     template_name,
@@ -42,6 +41,7 @@ from devplugin.testing.dra_scheduler import (
     pair_levels,
     spec_slices,
 )
+from devplugin.testing.dra_tries import HELD_TO_GOAL, TRIES_CAP, TRIES_TARGET, Tries, every
 from devplugin.testing.layouts import LAYOUTS
 
 DRIVER = "devplugin.io"
@@ -196,76 +196,51 @@ def dra_bench(*, quick: bool = False) -> bool:
     return tries_bench(quick=quick) and met
 
 
-# The goal for the real allocator's walk (issue 30): any chart template
-# decided (allocated, or found not to fit) within this many device tries.
-TRIES_TARGET = 10_000
-# Counting stops here: past the target, the exact count says nothing more.
-TRIES_CAP = 100_000
-
-
-def _short(devices: list[str], kind: str, keep: int) -> set[str]:
-    """Every device of `kind` after the first `keep`, held by other claims."""
-    mine = [name for name in devices if name.startswith(f"{kind}-")]
-    return set(mine[keep:])
-
-
-def _tries(layout: str, shape: Shape, held: set[str]) -> tuple[str, int]:
-    """The walk's tries for a claim of this shape on a node whose `held`
-    devices prepared claims hold (the slices' free counts say so)."""
-    slices, _ = spec_slices(LAYOUTS[layout](), DRIVER, NODE, held=held)
-    classes = {c["metadata"]["name"]: c for c in device_classes(DRIVER)}
-    allocator = Allocator(slices, classes, NODE, budget=TRIES_CAP)
-    allocator.allocate(claim_spec(shape, DRIVER), {(DRIVER, NODE, name) for name in held})
-    count = f">{TRIES_CAP:,}" if allocator.timed_out else f"{allocator.tries:,}"
-    return count, allocator.tries
-
-
-def tries_rows(layout: str) -> list[tuple[str, str, str, str, int]]:
-    """(template, tries when it fits on a free node, one HCA short, one GPU
-    short, the worst count) for each chart template the layout can hold."""
-    slices, inventory = spec_slices(LAYOUTS[layout](), DRIVER, NODE)
-    devices = [d["name"] for s in slices for d in s["spec"]["devices"]]
-    rows = []
-    for shape in CHART_SHAPES:
-        if shape.gpus > len(inventory.gpus) or shape.hcas > len(inventory.hcas):
-            continue
-        count, worst = _tries(layout, shape, set())
-        counts = [count]
-        for kind, need in (("hca", shape.hcas), ("gpu", shape.gpus)):
-            if need == 0:
-                counts.append("-")
-                continue
-            count, tries = _tries(layout, shape, _short(devices, kind, need - 1))
-            counts.append(count)
-            worst = max(worst, tries)
-        rows.append((template_name(shape), counts[0], counts[1], counts[2], worst))
-    return rows
-
-
 def tries_bench(*, quick: bool = False) -> bool:
-    """Device tries of the real allocator's walk per layout and template,
-    on a free node and on nodes one HCA or one GPU short (prepared claims
-    hold the rest, and the slices' free counts say so): against issue 30's
-    target."""
-    layouts = (
-        BENCH_LAYOUTS
-        if quick
-        else tuple(name for name, make in LAYOUTS.items() if len(make().roots) and name)
-    )
+    """Device tries of the scheduler's allocator (stable and incubating
+    rules) per layout and template: free, one HCA or GPU short, fragmented,
+    the other claims allocated and not prepared (counted from the driver's
+    pod watch), and a watch event earlier (in flight: reported, not held to
+    the goal). Fails past the goal in any held case (testing/dra_tries.py)."""
+    layouts = BENCH_LAYOUTS if quick else tuple(LAYOUTS)
     print(
         "DRA device tries, walked as the scheduler's allocator walks (one per device "
-        f"considered; counting stops past {TRIES_CAP:,})"
+        f"considered; counting stops past {TRIES_CAP:,}); stable / incubating"
     )
-    print(f"{'layout':16} {'template':22} {'free node':>9} {'HCA short':>10} {'GPU short':>10}")
+    columns = ("free", "hca-short", "gpu-short", "fragmented", "allocated", "in flight")
+    print(f"{'layout':16} {'template':22} " + " ".join(f"{c:>17}" for c in columns))
     worst: tuple[int, str] = (0, "")
-    for layout in layouts:
-        for name, fits, hca_short, gpu_short, most in tries_rows(layout):
-            print(f"{layout:16} {name:22} {fits:>9} {hca_short:>10} {gpu_short:>10}")
-            worst = max(worst, (most, f"{layout} {name}"))
-    count = f">{TRIES_CAP:,}" if worst[0] > TRIES_CAP else f"{worst[0]:,}"
+    flight: tuple[int, str] = (0, "")
+    rows: dict[tuple[str, str], dict[str, list[Tries]]] = {}
+    for found in every(layouts):
+        column = found.case
+        if column.endswith("-allocated"):
+            column = "allocated"
+        elif column.endswith("-in-flight"):
+            column = "in flight"
+        cell = rows.setdefault((found.layout, template_name(found.template)), {})
+        cell.setdefault(column, []).append(found)
+        if found.case in HELD_TO_GOAL:
+            worst = max(worst, (found.tries, f"{found.layout} {template_name(found.template)}"))
+        else:
+            flight = max(flight, (found.tries, f"{found.layout} {template_name(found.template)}"))
+    for (layout, name), cells in rows.items():
+        shown = []
+        for column in columns:
+            entries = cells.get(column, [])
+            if not entries:
+                shown.append(f"{'-':>17}")
+                continue
+            stable = max((t for t in entries if not t.incubating), key=lambda t: t.tries)
+            incubating = max((t for t in entries if t.incubating), key=lambda t: t.tries)
+            shown.append(f"{stable.shown + ' / ' + incubating.shown:>17}")
+        print(f"{layout:16} {name:22} " + " ".join(shown))
     met = worst[0] <= TRIES_TARGET
+    count = f">{TRIES_CAP:,}" if worst[0] > TRIES_CAP else f"{worst[0]:,}"
+    ahead = f">{TRIES_CAP:,}" if flight[0] > TRIES_CAP else f"{flight[0]:,}"
     print(
         f"== DRA tries: worst {count} ({worst[1]}); goal <= {TRIES_TARGET:,}: "
-        f"{'met' if met else 'MISSED'}"
+        f"{'met' if met else 'MISSED'}; a watch event behind the scheduler, worst "
+        f"{ahead} ({flight[1]}), not held to the goal"
     )
     return met
