@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
+from devplugin.frontends.dra.slices import with_free_counts
 from devplugin.policy.claim_templates import Shape, TemplateError, claim_spec, device_classes
 from devplugin.testing.cdi import CdiRuntime
 from devplugin.testing.dra_kubelet import ClaimCall
@@ -103,3 +104,34 @@ def test_on_a_node_with_every_gpu_cut_the_gate_counts_mig_devices_of_the_profile
     allocator = Allocator(cluster.slices(), classes, NODE, budget=20_000)
     assert allocator.allocate(claim_spec(Shape(9, 0, mig="3g.40gb"), DRIVER)) is None
     assert allocator.tries <= 10_000
+
+
+def test_mig_templates_are_decided_within_ten_thousand_tries_free_and_one_short(
+    start_dra: Start,
+) -> None:
+    """Each MIG shape (1, 2, 4, 8 pairs of a profile) on the mixed node: free,
+    it fits where the profile has the devices; with all but one too few of
+    its profile held by other claims (counted as the driver counts them),
+    it is refused within 10,000 tries, under both rule sets."""
+    cluster = start_dra(hgx_h100_mig(), **MIXED)
+    assert wait_until(lambda: published(cluster, 4 + 16 + 8), timeout=10)
+    classes = {c["metadata"]["name"]: c for c in device_classes(DRIVER)}
+    items = cluster.slices()
+    assert len(items) == 1  # one slice holds the pool: its counts are rewritten below
+    entries = [d for item in items for d in item["spec"]["devices"]]
+    for profile, have in (("1g.10gb", 8), ("2g.20gb", 4), ("3g.40gb", 4)):
+        mine = [e["name"] for e in entries if cluster.attribute(e["name"], "profile") == profile]
+        assert len(mine) == have
+        for pairs in (1, 2, 4, 8):
+            spec = claim_spec(Shape(pairs, pairs, mig=profile), DRIVER)
+            held = set(mine[max(0, pairs - 1) :])
+            counted = with_free_counts(entries, held)
+            short = [{**items[0], "spec": {**items[0]["spec"], "devices": counted}}]
+            for incubating in (False, True):
+                free = Allocator(items, classes, NODE, incubating=incubating, budget=20_000)
+                assert (free.allocate(spec) is not None) == (pairs <= have), (profile, pairs)
+                assert free.tries <= 10_000
+                walk = Allocator(short, classes, NODE, incubating=incubating, budget=20_000)
+                taken = {(DRIVER, NODE, name) for name in held}
+                assert walk.allocate(spec, taken) is None, (profile, pairs)
+                assert walk.tries <= 10_000, (profile, pairs, walk.tries)
