@@ -97,6 +97,8 @@ class _Node:
     def __init__(self) -> None:
         self.slices: dict[str, PoolSlice] = {}
         self.devices: NodeDevices | None = None
+        # What allocated claims hold among `devices` (built with them).
+        self.used: list[tuple[str, str, str]] = []
         self.predictions: dict[str, Prediction | None] = {}
 
 
@@ -212,20 +214,17 @@ class DraViews:
             if node.devices is None:
                 ordered = sorted(node.slices.values(), key=lambda item: item.name)
                 gathered = gather(ordered)
-                held = {
+                # A claim change marks the node's devices too, so what its
+                # claims hold is read once per rebuild.
+                node.used = [
                     (driver, pool, device)
                     for driver, pool in {(d.driver, d.pool) for d in gathered}
                     for device in self._held.get((driver, pool), {})
-                }
+                ]
                 # The gate's counts as the claims seen here leave them: the
                 # driver republishes only after it sees the allocation.
-                node.devices = NodeDevices(recounted(gathered, held))
-            devices = node.devices
-            used = [
-                (driver, pool, device)
-                for driver, pool in {(d.driver, d.pool) for d in devices.devices}
-                for device in self._held.get((driver, pool), {})
-            ]
+                node.devices = NodeDevices(recounted(gathered, frozenset(node.used)))
+            devices, used = node.devices, node.used
             classes = dict(self._classes)
             predictions = node.predictions
         try:

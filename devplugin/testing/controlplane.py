@@ -54,21 +54,27 @@ class Binaries:
         return str(self.folder / name)
 
 
-def binaries(minor: str) -> Binaries:
-    """The built control plane of a pinned minor (`v1.35`): built now when
-    Go is here and the cache lacks it; Unavailable where it cannot be."""
-    if shutil.which("go") is None:
-        raise Unavailable("Go is not installed: the real control plane cannot be built")
+def build_pin(pin: str) -> Path:
+    """The binaries folder of a pin under upstream/ (a Kubernetes minor or
+    containerd), built now where the cache lacks it."""
     done = subprocess.run(
-        [str(REPO / "upstream" / "build.sh"), minor],
+        [str(REPO / "upstream" / "build.sh"), pin],
         capture_output=True,
         text=True,
         timeout=3600,
         check=False,
     )
     if done.returncode != 0:
-        raise Unavailable(f"upstream/build.sh {minor} failed: {done.stderr.strip()[-400:]}")
-    folder = Path(done.stdout.strip().splitlines()[-1])
+        raise Unavailable(f"upstream/build.sh {pin} failed: {done.stderr.strip()[-400:]}")
+    return Path(done.stdout.strip().splitlines()[-1])
+
+
+def binaries(minor: str) -> Binaries:
+    """The built control plane of a pinned minor (`v1.35`): built now when
+    Go is here and the cache lacks it; Unavailable where it cannot be."""
+    if shutil.which("go") is None:
+        raise Unavailable("Go is not installed: the real control plane cannot be built")
+    folder = build_pin(minor)
     version = subprocess.run(
         [str(folder / "kube-apiserver"), "--version"], capture_output=True, text=True, check=True
     ).stdout.split()[-1]

@@ -33,10 +33,9 @@ from typing import Any
 import yaml
 
 from devplugin.testing.controlplane import (
-    REPO,
     ControlPlane,
     Process,
-    Unavailable,
+    build_pin,
     free_port,
     kubeconfig,
 )
@@ -51,19 +50,6 @@ CNI_BIN = Path("/usr/lib/cni")
 class NodeBinaries:
     kubelet: Path
     containerd: Path  # the folder with containerd, containerd-shim-runc-v2, ctr
-
-
-def _build(pin: str) -> Path:
-    done = subprocess.run(
-        [str(REPO / "upstream" / "build.sh"), pin],
-        capture_output=True,
-        text=True,
-        timeout=3600,
-        check=False,
-    )
-    if done.returncode != 0:
-        raise Unavailable(f"upstream/build.sh {pin} failed: {done.stderr.strip()[-400:]}")
-    return Path(done.stdout.strip().splitlines()[-1])
 
 
 def missing() -> str | None:
@@ -85,7 +71,7 @@ def missing() -> str | None:
 def node_binaries(minor: str) -> NodeBinaries:
     """The kubelet of a pinned Kubernetes minor and the pinned containerd,
     built now where the cache lacks them."""
-    return NodeBinaries(_build(minor) / "kubelet", _build("containerd"))
+    return NodeBinaries(build_pin(minor) / "kubelet", build_pin("containerd"))
 
 
 @dataclass

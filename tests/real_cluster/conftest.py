@@ -28,6 +28,7 @@ from devplugin.testing.controlplane import (
     binaries,
     env_flag,
 )
+from tests.real_cluster.nodes import remove_node
 
 # One before 1.36 (the stable allocator, device taints off) and the newest.
 VERSIONS = ("v1.35", "v1.37")
@@ -87,17 +88,7 @@ def leaves_no_nodes(request: pytest.FixtureRequest) -> Iterator[None]:
             plane.request("DELETE", f"/api/v1/namespaces/default/pods/{pod}?gracePeriodSeconds=0")
     for node in _names(plane, "/api/v1/nodes") - nodes:
         # The daemons' stand-in pods there too (the next test may reuse the name).
-        bound = plane.request("GET", f"/api/v1/pods?fieldSelector=spec.nodeName={node}")
-        for pod in bound["items"]:
-            meta = pod["metadata"]
-            with contextlib.suppress(ApiFailure):
-                plane.request(
-                    "DELETE",
-                    f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"
-                    "?gracePeriodSeconds=0",
-                )
-        with contextlib.suppress(ApiFailure):
-            plane.request("DELETE", f"/api/v1/nodes/{node}")
+        remove_node(plane, node)
 
 
 def helm_install(plane: ControlPlane, cases: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -5,6 +5,7 @@ node a daemon runs on)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
@@ -12,6 +13,12 @@ from typing import Any
 
 from devplugin.testing.controlplane import ApiFailure, ControlPlane
 
+# A scheduler of the default profile only (what pods without a schedulerName get).
+DEFAULT_SCHEDULER = {
+    "apiVersion": "kubescheduler.config.k8s.io/v1",
+    "kind": "KubeSchedulerConfiguration",
+    "profiles": [{"schedulerName": "default-scheduler"}],
+}
 GPU = "nvidia.com/gpu"
 HCA = "rdma/hca"
 
@@ -71,7 +78,11 @@ def daemon_pod(plane: ControlPlane, namespace: str, account: str, node: str) -> 
 def node_token(plane: ControlPlane, namespace: str, account: str, node: str) -> str:
     """A token of the daemon's account bound to its pod on `node`: the API
     server puts the node's name into the token's user info."""
-    pod = daemon_pod(plane, namespace, account, node)
+    return pod_token(plane, namespace, account, daemon_pod(plane, namespace, account, node))
+
+
+def pod_token(plane: ControlPlane, namespace: str, account: str, pod: dict[str, Any]) -> str:
+    """A token of `account` bound to `pod` (a created pod of that account)."""
     request = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
                "spec": {"audiences": ["https://kubernetes.default.svc"],
                         "expirationSeconds": 7200,
@@ -82,6 +93,20 @@ def node_token(plane: ControlPlane, namespace: str, account: str, node: str) -> 
         "POST", f"/api/v1/namespaces/{namespace}/serviceaccounts/{account}/token", request
     )
     return str(answer["status"]["token"])
+
+
+def remove_node(plane: ControlPlane, node: str) -> None:
+    """The Node and every pod bound to it, at once (gone ones are no error)."""
+    bound = plane.request("GET", f"/api/v1/pods?fieldSelector=spec.nodeName={node}")
+    for pod in bound["items"]:
+        meta = pod["metadata"]
+        with contextlib.suppress(ApiFailure):
+            plane.request(
+                "DELETE",
+                f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}?gracePeriodSeconds=0",
+            )
+    with contextlib.suppress(ApiFailure):
+        plane.request("DELETE", f"/api/v1/nodes/{node}")
 
 
 def who_am_i(plane: ControlPlane, token: str) -> dict[str, Any]:

@@ -25,16 +25,18 @@ from devplugin.testing.dra_scheduler import node_ids, pair_levels
 from devplugin.testing.node import devices_from_spec, hgx_node
 from devplugin.testing.promtext import histogram
 from tests.real_cluster.conftest import DRA_NAMESPACE, DRA_RELEASE
-from tests.real_cluster.nodes import add_node, decision, delete_pod, eventually, node_token
+from tests.real_cluster.nodes import (
+    DEFAULT_SCHEDULER,
+    add_node,
+    decision,
+    delete_pod,
+    eventually,
+    node_token,
+)
 
 pytestmark = pytest.mark.cluster
 
 RESOURCE = "/apis/resource.k8s.io/v1"
-SCHEDULER = {
-    "apiVersion": "kubescheduler.config.k8s.io/v1",
-    "kind": "KubeSchedulerConfiguration",
-    "profiles": [{"schedulerName": "default-scheduler"}],
-}
 # The scheduler's default for one node's DRA Filter (DRASchedulerFilterTimeout).
 FILTER_TIMEOUT_S = 10.0
 NODES = 3
@@ -71,7 +73,7 @@ def claim_pod(template: str, nodes: list[str]) -> dict[str, Any]:
 @pytest.fixture
 def burst_nodes(dra_installed: ControlPlane) -> Iterator[tuple[ControlPlane, list[str]]]:
     plane = dra_installed
-    plane.start_scheduler(SCHEDULER)
+    plane.start_scheduler(DEFAULT_SCHEDULER)
     names = [f"burst-{plane.bins.minor[1]}-{i}" for i in range(NODES)]
     with ExitStack() as stack:
         for name in names:

@@ -21,16 +21,18 @@ from devplugin.testing.dra_cluster import DraSimNode
 from devplugin.testing.dra_scheduler import Allocator, node_ids, pair_levels, taken_devices
 from devplugin.testing.node import NodeSpec, devices_from_spec, hgx_node
 from tests.real_cluster.conftest import DRA_NAMESPACE, DRA_RELEASE
-from tests.real_cluster.nodes import add_node, decision, delete_pod, eventually, node_token
+from tests.real_cluster.nodes import (
+    DEFAULT_SCHEDULER,
+    add_node,
+    decision,
+    delete_pod,
+    eventually,
+    node_token,
+)
 
 pytestmark = pytest.mark.cluster
 
 DRIVER = "devplugin.io"
-SCHEDULER = {
-    "apiVersion": "kubescheduler.config.k8s.io/v1",
-    "kind": "KubeSchedulerConfiguration",
-    "profiles": [{"schedulerName": "default-scheduler"}],
-}
 NAMESPACED = "/apis/resource.k8s.io/v1/namespaces"
 _names = itertools.count()
 
@@ -44,7 +46,7 @@ def numa_unknown(spec: NodeSpec) -> NodeSpec:
 
 @pytest.fixture
 def scheduler(dra_installed: ControlPlane) -> ControlPlane:
-    dra_installed.start_scheduler(SCHEDULER)
+    dra_installed.start_scheduler(DEFAULT_SCHEDULER)
     return dra_installed
 
 

@@ -31,6 +31,7 @@ from devplugin.testing.oci_image import WORK_IMAGE
 from devplugin.testing.realnode import NodeBinaries, RealNode, missing, node_binaries
 from devplugin.testing.realnode_demo import daemon_settings, simulated_hardware, start_daemon
 from tests.real_cluster.conftest import DRA_NAMESPACE, DRA_RELEASE, DRA_VALUES, keep_installed
+from tests.real_cluster.nodes import DEFAULT_SCHEDULER, pod_token, remove_node
 
 # The newest pin; the node's own behaviour under v1.35 is for a later step.
 # The kubelet and control plane of each pin: 1.35 (the stable DRA allocator,
@@ -76,11 +77,6 @@ def plane(minor: str, node_bins: NodeBinaries) -> Iterator[ControlPlane]:
 
 GPU, HCA = "nvidia.com/gpu", "rdma/hca"
 NODE = "real-a"
-SCHEDULER = {
-    "apiVersion": "kubescheduler.config.k8s.io/v1",
-    "kind": "KubeSchedulerConfiguration",
-    "profiles": [{"schedulerName": "default-scheduler"}],
-}
 
 
 @pytest.fixture(scope="session")
@@ -90,7 +86,7 @@ def charted(plane: ControlPlane) -> ControlPlane:
     # Without the extender: its Deployment's pods would land on this node.
     values = {key: value for key, value in DRA_VALUES.items() if key != "extender"}
     keep_installed(plane, DRA_RELEASE, DRA_NAMESPACE, values)
-    plane.start_scheduler(SCHEDULER)
+    plane.start_scheduler(DEFAULT_SCHEDULER)
     return plane
 
 
@@ -110,16 +106,8 @@ def daemon_identity(plane: ControlPlane, node: str) -> dict[str, Any]:
     with contextlib.suppress(ApiFailure):
         plane.request("DELETE", f"{pods}/daemon-{node}?gracePeriodSeconds=0")
     created = plane.request("POST", pods, stand_in)
-    request = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
-               "spec": {"audiences": ["https://kubernetes.default.svc"],
-                        "expirationSeconds": 7200,
-                        "boundObjectRef": {"apiVersion": "v1", "kind": "Pod",
-                                           "name": created["metadata"]["name"],
-                                           "uid": created["metadata"]["uid"]}}}  # fmt: skip
-    answer = plane.request(
-        "POST", f"/api/v1/namespaces/{DRA_NAMESPACE}/serviceaccounts/{account}/token", request
-    )
-    return kubeconfig(plane.server, plane.pki.ca, token=str(answer["status"]["token"]))
+    token = pod_token(plane, DRA_NAMESPACE, account, created)
+    return kubeconfig(plane.server, plane.pki.ca, token=token)
 
 
 def with_api(node: RealNode, base: Path, **more: Any) -> dict[str, Any]:
@@ -209,15 +197,5 @@ def running(
             served.stop_daemon()
         print(node.tail("kubelet", 15))  # shown by pytest when the test fails
         node.stop()
-        bound = plane.request("GET", f"/api/v1/pods?fieldSelector=spec.nodeName={NODE}")
-        for left in bound["items"]:
-            meta = left["metadata"]
-            with contextlib.suppress(ApiFailure):
-                plane.request(
-                    "DELETE",
-                    f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"
-                    "?gracePeriodSeconds=0",
-                )
-        with contextlib.suppress(ApiFailure):
-            plane.request("DELETE", f"/api/v1/nodes/{NODE}")
+        remove_node(plane, NODE)
         shutil.rmtree(base, ignore_errors=True)
