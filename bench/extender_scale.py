@@ -45,8 +45,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.proc import status_field, terminate
-from devplugin.cluster.extender_http import MAX_BODY
-from devplugin.cluster.views import parse_record
+from devplugin.extender.serving import MAX_BODY
+from devplugin.extender.views import parse_record
 from devplugin.policy.claim_templates import (
     CHART_SHAPES,
     Shape,

@@ -19,7 +19,7 @@ cluster as its choices leave it:
   victims (a node where the pod fits by counts has every victim reprieved
   and is never sent, as the cluster tier shows with the real scheduler):
   on each the victims policy/preemption.py chooses, only nodes at the best
-  level with the fewest victims kept (cluster/preempt.py), then the
+  level with the fewest victims kept (extender/victims.py), then the
   scheduler's same pick among them.
 
 The victims end, and the preemptor's daemon places it on what is free.

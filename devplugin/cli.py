@@ -356,8 +356,8 @@ def _listen(text: str) -> tuple[str, int]:
 
 def cmd_extender(args: argparse.Namespace) -> int:
     from devplugin.cluster.client import make_client
-    from devplugin.cluster.extender import serve
     from devplugin.config import KubernetesConfig
+    from devplugin.extender.app import serve
     from devplugin.runtime import SWITCH_INTERVAL, refreeze_heap, settle_heap
 
     setup_logging(args.log_format, "info")

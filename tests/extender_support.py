@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 import yaml
 
-from devplugin.cluster.extender import Extender, serve
-from devplugin.cluster.extender_http import ExtenderServer
 from devplugin.cluster.record import Registration, build_status
 from devplugin.cluster.watch import WatchCache
 from devplugin.config import KubernetesConfig
+from devplugin.extender.app import Extender, serve
+from devplugin.extender.serving import ExtenderServer
 from devplugin.model import DeviceKind, Health, Inventory, PluginDevice
 from devplugin.node.alignment import ContainerAlignment
 from devplugin.node.deadline import Deadlines

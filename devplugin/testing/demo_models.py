@@ -18,8 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from devplugin.cluster.extender import serve
 from devplugin.config import Config, KubernetesConfig, override
+from devplugin.extender.app import serve
 from devplugin.node.alignment import alignment
 from devplugin.node.lifecycle.checkpoint import Checkpoint, LifecycleState
 from devplugin.runtime import Daemon, build

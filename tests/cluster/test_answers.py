@@ -1,4 +1,4 @@
-"""Per-node answers kept across calls (cluster/answers.py): caught up by the
+"""Per-node answers kept across calls (extender/answers.py): caught up by the
 change log, expired by time, never older than the state a call began with."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from devplugin.cluster.answers import Answers, ChangeLog
+from devplugin.extender.answers import Answers, ChangeLog
 
 
 def test_the_log_names_the_nodes_changed_since_a_mark_and_says_when_it_cannot() -> None:

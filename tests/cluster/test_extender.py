@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from devplugin.cluster.extender import serve
 from devplugin.config import KubernetesConfig
+from devplugin.extender.app import serve
 from devplugin.node.alignment import ContainerAlignment
 from devplugin.policy.topology import Level
 from devplugin.testing.apiserver import ApiServerImitation

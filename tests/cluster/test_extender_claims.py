@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import yaml
 
-from devplugin.cluster.extender import serve
 from devplugin.config import KubernetesConfig
+from devplugin.extender.app import serve
 from devplugin.policy.claim_templates import Shape, claim_spec, device_classes
 from devplugin.policy.topology import Topology
 from devplugin.testing.apiserver import ApiServerImitation

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from devplugin.cluster.extender_http import CONCURRENT, MAX_CONNECTIONS, ExtenderServer
+from devplugin.extender.serving import CONCURRENT, MAX_CONNECTIONS, ExtenderServer
 from devplugin.node.status import CONNECTION_TIMEOUT
 from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.node import hgx_node

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from devplugin.cluster.preempt import candidates
+from devplugin.extender.victims import candidates
 from devplugin.model import DeviceKind
 from devplugin.node.alignment import ContainerAlignment
 from devplugin.policy.allocator import Allocator

@@ -14,9 +14,9 @@ import threading
 
 import pytest
 
-from devplugin.cluster.extender_http import Budget
 from devplugin.cluster.pods import PodCache
-from devplugin.cluster.views import INLINE_DEVICES, MAX_DEVICES, Layouts, parse_record
+from devplugin.extender.serving import Budget
+from devplugin.extender.views import INLINE_DEVICES, MAX_DEVICES, Layouts, parse_record
 from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.records import gpu_id, hca_id, hgx_record
 from tests.extender_support import GPU, HCA, Running, call, extender, pod, stamp

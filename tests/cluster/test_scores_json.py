@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from devplugin.cluster.scores_json import HostScores
+from devplugin.extender.scores_json import HostScores
 from devplugin.policy.ranking import rank_list, rank_scores
 
 

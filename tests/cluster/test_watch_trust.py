@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 import yaml
 
-from devplugin.cluster.extender import Extender, serve
-from devplugin.cluster.extender_http import ExtenderServer
 from devplugin.cluster.watch import WatchCache
 from devplugin.config import KubernetesConfig
+from devplugin.extender.app import Extender, serve
+from devplugin.extender.serving import ExtenderServer
 from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.kubelet import ContainerRequest
 from devplugin.testing.node import hgx_node

@@ -541,7 +541,7 @@ def test_from_1_36_slices_are_walked_sorted_by_name_whatever_the_order_given() -
 
 
 def test_the_extenders_claim_view_does_not_count_admin_access_results() -> None:
-    from devplugin.cluster.dra_views import parse_claim
+    from devplugin.extender.dra_views import parse_claim
 
     results = [
         {"request": "g", "driver": DRIVER, "pool": NODE, "device": "gpu-a", "adminAccess": True},

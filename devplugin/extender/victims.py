@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from devplugin.cluster.budgets import DisruptionBudget
+from devplugin.extender.budgets import DisruptionBudget
 from devplugin.model import DeviceKind
 from devplugin.policy.placement import NodeState, Shape, shape_of
 from devplugin.policy.podinfo import PodInfo

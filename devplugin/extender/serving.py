@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from devplugin.cluster.views import MAX_REASON
+from devplugin.extender.views import MAX_REASON
 from devplugin.web import BoundedHandler, BoundedServer, Listener
 
 log = logging.getLogger(__name__)
@@ -161,7 +161,7 @@ class ExtenderMetrics:
 
 
 class Served(Protocol):
-    """What the HTTP front answers from (cluster/extender.py's Extender)."""
+    """What the HTTP front answers from (extender/app.py's Extender)."""
 
     metrics: ExtenderMetrics
 

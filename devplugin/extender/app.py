@@ -55,19 +55,23 @@ from typing import Any
 from lightkube import Client
 from lightkube import operators as op
 
-from devplugin.cluster.answers import Answers, ChangeLog
-from devplugin.cluster.budgets import DisruptionBudget, budget_cache
 from devplugin.cluster.client import Heartbeat, make_client
-from devplugin.cluster.dra_views import DraCaches, DraViews, dra_caches, pod_claims
-from devplugin.cluster.extender_http import (
+from devplugin.cluster.lease import NODE_LABEL, Lease, lease_name, parse_micro_time
+from devplugin.cluster.pods import PodCache
+from devplugin.cluster.publisher import NodeDevices
+from devplugin.cluster.watch import Incomplete, WatchCache, WatchTiming
+from devplugin.config import KubernetesConfig
+from devplugin.extender.answers import Answers, ChangeLog
+from devplugin.extender.budgets import DisruptionBudget, budget_cache
+from devplugin.extender.dra_views import DraCaches, DraViews, dra_caches, pod_claims
+from devplugin.extender.scores_json import HostScores
+from devplugin.extender.serving import (
     BadRequest,
     ExtenderMetrics,
     ExtenderServer,
     Verb,
 )
-from devplugin.cluster.lease import NODE_LABEL, Lease, lease_name, parse_micro_time
-from devplugin.cluster.pods import PodCache
-from devplugin.cluster.preempt import (
+from devplugin.extender.victims import (
     answer,
     candidates,
     counts_fit,
@@ -75,11 +79,7 @@ from devplugin.cluster.preempt import (
     proposed_victims,
     unchanged,
 )
-from devplugin.cluster.publisher import NodeDevices
-from devplugin.cluster.scores_json import HostScores
-from devplugin.cluster.views import Layouts, NodeViews, parse_record
-from devplugin.cluster.watch import Incomplete, WatchCache, WatchTiming
-from devplugin.config import KubernetesConfig
+from devplugin.extender.views import Layouts, NodeViews, parse_record
 from devplugin.policy.dra_predict import Prediction
 from devplugin.policy.labels import (
     EXCLUDE_ANNOTATION,
@@ -317,7 +317,7 @@ class Extender:
 
     def preempt(self, args: Mapping[str, Any]) -> dict[str, Any]:
         """ExtenderPreemptionArgs -> ExtenderPreemptionResult: per node, the
-        victims that free the best aligned set (cluster/preempt.py)."""
+        victims that free the best aligned set (extender/victims.py)."""
         pod = self._pod_arg(args)
         try:
             proposed = proposed_victims(args)
