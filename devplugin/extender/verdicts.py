@@ -1,0 +1,163 @@
+"""One verdict per node and pod kind, computed here and read by the filter,
+prioritize and preempt verbs alike.
+
+A pod kind is what a node's answer depends on: the pod's device shape, the
+alignment it requires, and its priority (which failures preemption can
+resolve). Verdicts are kept per kind across calls (answers.py), caught up
+through the change log the watches write. What makes an answer personal,
+the node a retried pod is already bound to (placed there without itself),
+is worked out for that call only and never enters a shared table: any
+caller could otherwise plant another pod's answer in it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+from devplugin.extender.answers import Answers, ChangeLog
+from devplugin.extender.liveness import Liveness, Record
+from devplugin.extender.victims import counts_fit, evictable
+from devplugin.extender.views import NodeViews
+from devplugin.policy.placement import Holding, Requirement, Shape, check, place
+from devplugin.policy.podinfo import PodInfo
+from devplugin.policy.preemption import reachable
+
+# A node's fit for a pod: it passes, fails (preemption may help), or fails
+# for good (not even with every lower-priority pod gone).
+PASS, FAILED, NEVER = 0, 1, 2
+
+
+@dataclass(frozen=True, slots=True)
+class NodeVerdict:
+    """What a node says about one pod kind."""
+
+    fit: int  # PASS, FAILED or NEVER
+    reason: str  # the filter's message ("" when it passes)
+    # The key its score is ranked by (None: scores 0): worst level, summed
+    # levels, fragmentation.
+    rank: tuple[int, int, int] | None
+    level: int | None  # the worst GPU-HCA level it gives (None: no pair, or no fit)
+    until: float  # monotonic time it goes stale without an event (inf: only an event)
+
+
+# A node without a usable record: never block scheduling on it.
+UNTOLD = NodeVerdict(PASS, "", None, None, math.inf)
+
+
+@dataclass(frozen=True)
+class PodKind:
+    shape: Shape
+    requirement: Requirement
+    priority: int
+
+    def key(self, shape_id: int) -> tuple[int, int, bool, int]:
+        level = int(self.requirement.level) if self.requirement.level is not None else 0
+        return (shape_id, level, self.requirement.required, self.priority)
+
+
+class Verdicts:
+    """Per node and pod kind, its verdict: kept ones read, the others (new,
+    changed, gone stale) worked out."""
+
+    def __init__(
+        self,
+        views: NodeViews,
+        liveness: Liveness,
+        on_node: Callable[[str], tuple[PodInfo, ...]],
+        bound_node: Callable[[str], str | None],
+        changes: ChangeLog,
+        *,
+        names: tuple[str, str],
+        clock: Callable[[], float] = time.monotonic,
+        count: Callable[[int, int], None] = lambda hits, asked: None,
+    ) -> None:
+        self.views = views
+        self.liveness = liveness
+        self._on_node = on_node
+        self._bound_node = bound_node
+        self._names = names
+        self._count = count
+        self.answers: Answers[NodeVerdict] = Answers(changes, clock)
+
+    def of(self, pod: PodInfo, kind: PodKind, names: list[str]) -> dict[str, NodeVerdict]:
+        """Each named node's verdict for the pod."""
+        key = kind.key(self.views.shape_id(kind.shape))
+        personal = self._bound_node(pod.uid)
+        shared = names if personal is None or personal not in names else [
+            name for name in names if name != personal
+        ]
+        compute = partial(self._compute, kind, "")
+        found, kept = self.answers.read(key, shared, compute)
+        self._count(kept, kept)
+        if personal is not None and personal in names:
+            # The pod's own node, placed without it (a retry): for this call only.
+            own = self._compute(kind, pod.uid, [personal])
+            found[personal] = own[personal][0]
+        return found
+
+    def _compute(
+        self, kind: PodKind, asking: str, names: Sequence[str]
+    ) -> dict[str, tuple[NodeVerdict, float]]:
+        shape, requirement = kind.shape, kind.requirement
+        until: dict[str, float] = {}
+        fresh = self.liveness.fresh(until)
+        records: dict[str, Record | None] = {}
+        outcomes, hits = self.views.outcomes(names, fresh, shape, asking, seen=records)
+        self._count(hits, len(names))
+        relaxed = not requirement.required or requirement.level is None
+        found: dict[str, tuple[NodeVerdict, float]] = {}
+        failing: dict[str, str] = {}
+        for name in names:
+            outcome = outcomes[name]
+            expiry = until.get(name, math.inf)
+            if outcome is None:
+                found[name] = (UNTOLD, expiry)
+                continue
+            rank = outcome.rank_key if outcome.fits else None
+            level = int(outcome.worst) if outcome.fits and outcome.worst is not None else None
+            if relaxed and outcome.fits:
+                reason = None  # what check() would say, without the call
+            else:
+                reason = outcome.reason if not outcome.fits else check(outcome, requirement)
+            if reason is None:
+                found[name] = (NodeVerdict(PASS, "", rank, level, expiry), expiry)
+            else:
+                failing[name] = reason
+                found[name] = (NodeVerdict(FAILED, reason, rank, level, expiry), expiry)
+        messages = self.views.failures(failing, records, shape, requirement, asking)
+        for name, (message, empty_fails) in messages.items():
+            never = empty_fails or not self._resolvable(records[name], kind, asking)
+            before = found[name][0]
+            verdict = NodeVerdict(
+                NEVER if never else FAILED, message, before.rank, before.level, before.until
+            )
+            found[name] = (verdict, before.until)
+        return found
+
+    def _resolvable(self, record: Record | None, kind: PodKind, asking: str) -> bool:
+        """Whether the scheduler's preemption could make the pod pass: the
+        pod does not fit the node by counts (where it does, no victim is
+        ever proposed there), and some eviction of pods of lower priority
+        bound to the node lets it pass (found by search: freeing more can
+        make the daemon's container-by-container choice worse). The
+        scheduler tries preemption only on nodes not marked unresolvable;
+        unsure (the search's budget spent), it may try."""
+        state = self.views.state(record.parsed, record) if record is not None else None
+        if state is None:
+            return True
+        node, allocator, pending = state
+        bound = self._on_node(node.name)
+        shape, requirement = kind.shape, kind.requirement
+        if node.healthy is not None and counts_fit(node, bound, shape, asking, self._names):
+            return False  # the scheduler's dry run would reprieve every victim
+        if any(pod.uid in pending and pod.priority < kind.priority for pod in bound):
+            return True  # its devices are not known yet: unsure, let it try
+        back = evictable(node, bound, kind.priority)
+        everyone = place(node.without([Holding("", "", None, back)]), shape, allocator)
+        if check(everyone, requirement) is None:
+            return True
+        return reachable(node, shape, allocator, back, requirement)
