@@ -156,3 +156,23 @@ def lease(api: ApiServerImitation, node: str, age: float, namespace: str = "defa
                      "labels": {"devplugin.io/node": node}},
         "spec": {"holderIdentity": node, "leaseDurationSeconds": 40, "renewTime": renewed},
     })  # fmt: skip
+
+
+def twin(running: Running) -> Extender:
+    """A fresh computation over the same caches: an extender with nothing
+    kept (no views, verdicts or tables), reading what `running` reads."""
+    ext = running[0]
+    return Extender(
+        ext.records, ext.pods, leases=ext.leases, budgets=ext.budgets, dra=ext.dra,
+        layouts=ext.layouts, stale_after=ext.liveness.stale_after,
+    )  # fmt: skip
+
+
+def verbs_agree(running: Running, verb: str, args: dict[str, Any]) -> Any:
+    """`verb`'s answer from the long-lived extender, asserted equal to a
+    fresh computation's."""
+    path = f"/scheduler/{verb}"
+    kept = running[0].verbs()[path](args)
+    fresh = twin(running).verbs()[path](args)
+    assert kept == fresh, (verb, kept, fresh)
+    return kept

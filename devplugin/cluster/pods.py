@@ -90,6 +90,8 @@ class PodCache(WatchCache[PodInfo]):
         self._started_listeners: list[Callable[[PodInfo], None]] = []
         self._ended: OrderedDict[str, PodInfo] = OrderedDict()
         self._ended_names: dict[tuple[str, str], str] = {}
+        # (node, namespace, name) -> uid of the last pod of that name that ended there.
+        self._ended_on: dict[tuple[str, str, str], str] = {}
         # Pods not past admission, by uid; `waiting()` sorts them once per change.
         self._waiting: dict[str, PodInfo] = {}
         self._waiting_sorted: tuple[PodInfo, ...] | None = ()
@@ -154,6 +156,21 @@ class PodCache(WatchCache[PodInfo]):
         pod = self.get(uid)
         return pod is not None and pod.terminal
 
+    def ended_on(self, node: str, uid: str | None, namespace: str = "", name: str = "") -> bool:
+        """Whether a holder in `node`'s record belongs to a pod the watch saw
+        end there. Only pods bound to that node count: a namesake elsewhere
+        is another pod (and its events touch only its own node)."""
+        if uid is not None:
+            ended = self._ended.get(uid)
+            if ended is not None:
+                return ended.node == node
+            pod = self.get(uid)
+            return pod is not None and pod.terminal and pod.node == node
+        same = self._named.get((namespace, name)) or {}
+        if any(pod.node == node and not pod.terminal for pod in same.values()):
+            return False
+        return (node, namespace, name) in self._ended_on
+
     def changed(self, key: str, before: PodInfo | None, after: PodInfo | None) -> None:
         self._index(key, before, after)
         ended = None
@@ -175,10 +192,15 @@ class PodCache(WatchCache[PodInfo]):
         self._ended[pod.uid] = pod
         self._ended.move_to_end(pod.uid)
         self._ended_names[(pod.namespace, pod.name)] = pod.uid
+        if pod.node:
+            self._ended_on[(pod.node, pod.namespace, pod.name)] = pod.uid
         while len(self._ended) > ENDED_LIMIT:
             _, gone = self._ended.popitem(last=False)
             if self._ended_names.get((gone.namespace, gone.name)) == gone.uid:
                 del self._ended_names[(gone.namespace, gone.name)]
+            where = (gone.node, gone.namespace, gone.name)
+            if self._ended_on.get(where) == gone.uid:
+                del self._ended_on[where]
 
     def _index(self, uid: str, before: PodInfo | None, after: PodInfo | None) -> None:
         """Move one pod's entries in the indexes (on the cache's thread; the

@@ -18,8 +18,9 @@ from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler
 from typing import Any, ClassVar, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import generate_latest
 
+from devplugin.extender.metrics import ExtenderMetrics
 from devplugin.extender.views import MAX_REASON
 from devplugin.web import BoundedHandler, BoundedServer, Listener
 
@@ -110,54 +111,6 @@ class Slots(Budget):
         """How long every slot has been taken (0 when one is free)."""
         since = self.full_since
         return 0.0 if since is None else self._clock() - since
-
-
-class ExtenderMetrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "devplugin_extender_requests",
-            "Extender calls by verb and result",
-            ["verb", "result"],
-            registry=self.registry,
-        )
-        self.seconds = Histogram(
-            "devplugin_extender_seconds",
-            "Extender call handling time",
-            ["verb"],
-            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0),
-            registry=self.registry,
-        )
-        self.memo = Counter(
-            "devplugin_extender_memo",
-            "Placement lookups (hit / miss)",
-            ["result"],
-            registry=self.registry,
-        )
-        self.records = Gauge(
-            "devplugin_extender_records",
-            "NodeDevices records by state (fresh / stale)",
-            ["state"],
-            registry=self.registry,
-        )
-        self.watch_current = Gauge(
-            "devplugin_watch_current",
-            "1 while an API watch cache is current (listed, and heard from within its bound)",
-            ["cache"],
-            registry=self.registry,
-        )
-        self.watch_age = Gauge(
-            "devplugin_watch_age_seconds",
-            "Seconds since an API watch cache last heard from the API server",
-            ["cache"],
-            registry=self.registry,
-        )
-        self.watch_refused = Gauge(
-            "devplugin_watch_refused_objects",
-            "Objects an API watch cache refused (a malformed record, a forged Lease) since start",
-            ["cache"],
-            registry=self.registry,
-        )
 
 
 class Served(Protocol):

@@ -20,11 +20,11 @@ from functools import partial
 
 from devplugin.extender.answers import Answers, ChangeLog
 from devplugin.extender.liveness import Liveness, Record
-from devplugin.extender.victims import counts_fit, evictable
+from devplugin.extender.victims import candidates, counts_fit, evictable
 from devplugin.extender.views import NodeViews
 from devplugin.policy.placement import Holding, Requirement, Shape, check, place
 from devplugin.policy.podinfo import PodInfo
-from devplugin.policy.preemption import reachable
+from devplugin.policy.preemption import Candidate, reachable
 
 # A node's fit for a pod: it passes, fails (preemption may help), or fails
 # for good (not even with every lower-priority pod gone).
@@ -39,7 +39,7 @@ class NodeVerdict:
     reason: str  # the filter's message ("" when it passes)
     # The key its score is ranked by (None: scores 0): worst level, summed
     # levels, fragmentation.
-    rank: tuple[int, int, int] | None
+    rank: tuple[int, ...] | None
     level: int | None  # the worst GPU-HCA level it gives (None: no pair, or no fit)
     until: float  # monotonic time it goes stale without an event (inf: only an event)
 
@@ -87,9 +87,11 @@ class Verdicts:
         """Each named node's verdict for the pod."""
         key = kind.key(self.views.shape_id(kind.shape))
         personal = self._bound_node(pod.uid)
-        shared = names if personal is None or personal not in names else [
-            name for name in names if name != personal
-        ]
+        shared = (
+            names
+            if personal is None or personal not in names
+            else [name for name in names if name != personal]
+        )
         compute = partial(self._compute, kind, "")
         found, kept = self.answers.read(key, shared, compute)
         self._count(kept, kept)
@@ -160,4 +162,10 @@ class Verdicts:
         everyone = place(node.without([Holding("", "", None, back)]), shape, allocator)
         if check(everyone, requirement) is None:
             return True
-        return reachable(node, shape, allocator, back, requirement)
+        found, _ = candidates(node, bound, kind.priority, ())
+        known = frozenset().union(*(c.devices for c in found))
+        if back - known:
+            # Holders the pod watch does not know: one candidate, unsure.
+            found.append(Candidate("", 0, back - known))
+        level = requirement.level if requirement.required else None
+        return reachable(node, shape, allocator, found, level)

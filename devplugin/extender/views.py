@@ -203,7 +203,7 @@ class NodeViews:
         *,
         on_node: Callable[[str], tuple[PodInfo, ...]],
         generation: Callable[[str], int],
-        has_ended: Callable[[str | None, str, str], bool],
+        has_ended: Callable[[str, str | None, str, str], bool],
         gpu: str,
         hca: str,
     ) -> None:
@@ -413,7 +413,9 @@ class NodeViews:
         node = record.node(layout.topology)
         # The pod watch beats the record: a holder it saw end holds nothing.
         ended = tuple(
-            h for h in record.holdings if h.pod and self._has_ended(h.uid, h.namespace, h.pod)
+            h
+            for h in record.holdings
+            if h.pod and self._has_ended(record.name, h.uid, h.namespace, h.pod)
         )
         if ended:
             node = node.without(ended)

@@ -162,9 +162,7 @@ def floor_level(node: NodeState, shape: Shape) -> int:
         cover[level] = sorted((gpus_in.get(key, 0) for key in with_hca), reverse=True)
     floor = 0
     for g, h in needs:
-        fitting = [
-            level for level, counts in cover.items() if sum(counts[:h]) >= g
-        ]
+        fitting = [level for level, counts in cover.items() if sum(counts[:h]) >= g]
         floor = max(floor, min(fitting, default=int(Level.SYS)))
     return floor
 

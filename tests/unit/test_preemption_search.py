@@ -48,11 +48,14 @@ def test_the_best_level_is_searched_for_where_evicting_everyone_gives_a_worse_on
     node, allocator, pods = one_pod_per_device("asymmetric", tmp_path)
     wanted = shape(((1, 2), (2, 1)))
     everyone = place(freed(node, pods), wanted, allocator)
-    assert everyone.fits and everyone.worst is Level.NODE
+    assert everyone.fits
+    assert everyone.worst is Level.NODE
     reference = exhaustive(node, wanted, allocator, pods)
-    assert reference is not None and reference[0] < int(Level.NODE)
+    assert reference is not None
+    assert reference[0] < int(Level.NODE)
     found = search_victims(node, wanted, allocator, pods)
-    assert found.exact and found.eviction is not None
+    assert found.exact
+    assert found.eviction is not None
     level = found.eviction.level
     assert level is not None
     assert (int(level), len(found.eviction.victims)) == reference

@@ -1,0 +1,65 @@
+"""The extender's metrics (one registry, served on /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class ExtenderMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "devplugin_extender_requests",
+            "Extender calls by verb and result",
+            ["verb", "result"],
+            registry=self.registry,
+        )
+        self.seconds = Histogram(
+            "devplugin_extender_seconds",
+            "Extender call handling time",
+            ["verb"],
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0),
+            registry=self.registry,
+        )
+        self.memo = Counter(
+            "devplugin_extender_memo",
+            "Placement lookups (hit / miss)",
+            ["result"],
+            registry=self.registry,
+        )
+        self.records = Gauge(
+            "devplugin_extender_records",
+            "NodeDevices records by state (fresh / stale)",
+            ["state"],
+            registry=self.registry,
+        )
+        self.watch_current = Gauge(
+            "devplugin_watch_current",
+            "1 while an API watch cache is current (listed, and heard from within its bound)",
+            ["cache"],
+            registry=self.registry,
+        )
+        self.watch_age = Gauge(
+            "devplugin_watch_age_seconds",
+            "Seconds since an API watch cache last heard from the API server",
+            ["cache"],
+            registry=self.registry,
+        )
+        self.watch_refused = Gauge(
+            "devplugin_watch_refused_objects",
+            "Objects an API watch cache refused (a malformed record, a forged Lease) since start",
+            ["cache"],
+            registry=self.registry,
+        )
+        self.preempt_unproven = Counter(
+            "devplugin_extender_preempt_unproven",
+            "Preemption answers not proven best: a node's search ended by its budget, or "
+            "nodes left unsearched when the call's deadline came",
+            ["why"],
+            registry=self.registry,
+        )
+        self.connections = Gauge(
+            "devplugin_extender_connections",
+            "HTTP connections open",
+            registry=self.registry,
+        )
