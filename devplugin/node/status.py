@@ -8,22 +8,21 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from devplugin.config import parse_address
-from devplugin.web import BoundedHandler, BoundedServer, Listener
+from devplugin.web import Limits, Request, Response, Server
 
 log = logging.getLogger(__name__)
 
 Probe = Callable[[], tuple[bool, str]]
 
 # A scrape or probe takes milliseconds. Half-open, idle or trickling
-# connections must not pile up (one thread and one descriptor each): a
+# connections must not pile up (a descriptor each; no thread, web.py): a
 # request must arrive whole within CONNECTION_TIMEOUT seconds, and past
-# MAX_CONNECTIONS at once new ones are closed straight away.
-MAX_CONNECTIONS = 32
+# MAX_CONNECTIONS the one idle the longest is closed for a new one.
+MAX_CONNECTIONS = 256
 CONNECTION_TIMEOUT = 5.0
 
 
@@ -40,36 +39,36 @@ class StatusServer:
         self._registry = registry
         self._healthy = healthy
         self._ready = ready
-        self._listeners: list[Listener] = []
+        self._servers: list[Server] = []
 
     @property
     def bound(self) -> list[tuple[str, int]]:
-        return [listener.address for listener in self._listeners]
+        return [server.address for server in self._servers]
 
     def start(self) -> None:
-        handler = self._handler()
+        limits = Limits(
+            max_connections=MAX_CONNECTIONS,
+            request_timeout=CONNECTION_TIMEOUT,
+            idle_timeout=CONNECTION_TIMEOUT,
+            max_body=0,
+            workers=1,
+        )
         for host, port in self._addresses:
             try:
-                server = BoundedServer(
-                    (host, port),
-                    handler,
-                    max_connections=MAX_CONNECTIONS,
-                    request_timeout=CONNECTION_TIMEOUT,
-                )
+                server = Server((host, port), self._handle, limits, name=f"http-{port}")
             except OSError as exc:
                 self.stop()
                 raise OSError(
                     exc.errno, f"cannot listen on {host}:{port}: {exc.strerror or exc}"
                 ) from exc
-            listener = Listener(server, f"http-{port}")
-            listener.start()
-            self._listeners.append(listener)
-            log.info("metrics and probes on http://%s:%d", *listener.address)
+            server.start()
+            self._servers.append(server)
+            log.info("metrics and probes on http://%s:%d", *server.address)
 
     def stop(self) -> None:
-        for listener in self._listeners:
-            listener.stop()
-        self._listeners = []
+        for server in self._servers:
+            server.stop()
+        self._servers = []
 
     # A part of the daemon's loops: stopping closes the ports at once.
     @property
@@ -80,24 +79,14 @@ class StatusServer:
         self.stop()
 
     def join(self, timeout: float | None = None) -> None:
-        """Nothing to wait for: `signal_stop` joined the listeners."""
+        """Nothing to wait for: `signal_stop` joined the servers."""
 
-    def _handler(self) -> type[BaseHTTPRequestHandler]:
-        registry, healthy, ready = self._registry, self._healthy, self._ready
-
-        class Handler(BoundedHandler):
-            def do_GET(self) -> None:
-                path = self.path.split("?", 1)[0]
-                if path == "/metrics":
-                    self.reply(200, generate_latest(registry), CONTENT_TYPE_LATEST)
-                elif path in ("/healthz", "/readyz"):
-                    ok, detail = (healthy if path == "/healthz" else ready)()
-                    body = ("ok" if ok else detail or "not ok") + "\n"
-                    self.reply(200 if ok else 503, body.encode(), "text/plain; charset=utf-8")
-                else:
-                    self.reply(404, b"not found\n", "text/plain; charset=utf-8")
-
-            def log_message(self, format: str, *args: object) -> None:
-                log.debug("http: " + format, *args)
-
-        return Handler
+    def _handle(self, request: Request) -> Response:
+        if request.method not in ("GET", "HEAD"):
+            return Response.text(405, "method not allowed\n")
+        if request.path == "/metrics":
+            return Response(200, generate_latest(self._registry), CONTENT_TYPE_LATEST)
+        if request.path in ("/healthz", "/readyz"):
+            ok, detail = (self._healthy if request.path == "/healthz" else self._ready)()
+            return Response.text(200 if ok else 503, ("ok" if ok else detail or "not ok") + "\n")
+        return Response.text(404, "not found\n")

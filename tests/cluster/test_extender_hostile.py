@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from devplugin.extender.serving import CONCURRENT, MAX_CONNECTIONS, ExtenderServer
+from devplugin.extender.serving import CONCURRENT, ExtenderServer
 from devplugin.node.status import CONNECTION_TIMEOUT
 from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.node import hgx_node
@@ -109,28 +109,54 @@ def test_a_trickled_request_is_cut_off_at_its_whole_deadline(quick_server: Exten
         trickler.close()
 
 
-def test_idle_connections_by_the_hundred_are_capped_and_closed(
-    extender: Running, quick_server: ExtenderServer
+def _filter_over(address: tuple[str, int]) -> int:
+    host, port = address
+    request = urllib.request.Request(
+        f"http://{host}:{port}/scheduler/filter",
+        data=json.dumps(FILTER).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    with urllib.request.urlopen(request, timeout=5) as answer:
+        return int(answer.status)
+
+
+def test_idle_connections_by_the_thousand_hold_no_thread_and_block_no_call(
+    extender: Running,
 ) -> None:
     threads = threading.active_count()
-    idle = []
-    for _ in range(MAX_CONNECTIONS + 150):
-        try:
-            idle.append(socket.create_connection(quick_server.address, timeout=5))
-        except OSError:
-            break
+    idle = [socket.create_connection(extender[1].address, timeout=5) for _ in range(1500)]
     try:
-        assert threading.active_count() <= threads + MAX_CONNECTIONS + 5
+        assert wait_until(lambda: extender[1].connections >= 1500, timeout=10)
+        assert threading.active_count() <= threads + 2
+        assert _filter_over(extender[1].address) == 200
+        assert _filter_over(extender[1].address) == 200
+    finally:
+        for sock in idle:
+            sock.close()
+
+
+def test_past_the_cap_the_longest_idle_connection_makes_room(extender: Running) -> None:
+    server = ExtenderServer(extender[0], ("127.0.0.1", 0), max_connections=64)
+    server.start()
+    idle = [socket.create_connection(server.address, timeout=5) for _ in range(64)]
+    try:
+        assert wait_until(lambda: server.connections == 64, timeout=5)
+        assert _filter_over(server.address) == 200
+        # The first idle one was closed for it.
+        idle[0].settimeout(5)
+        assert idle[0].recv(1) == b""
+    finally:
+        for sock in idle:
+            sock.close()
+        server.stop()
+
+
+def test_idle_connections_are_closed_after_the_idle_timeout(quick_server: ExtenderServer) -> None:
+    idle = [socket.create_connection(quick_server.address, timeout=5) for _ in range(50)]
+    try:
+        assert wait_until(lambda: quick_server.connections == 50, timeout=5)
         assert wait_until(lambda: quick_server.connections == 0, timeout=5)
-        host, port = quick_server.address
-        request = urllib.request.Request(
-            f"http://{host}:{port}/scheduler/filter",
-            data=json.dumps(FILTER).encode(),
-            headers={"Content-Type": "application/json"},
-            method="POST",
-        )
-        with urllib.request.urlopen(request, timeout=5) as answer:
-            assert answer.status == 200
     finally:
         for sock in idle:
             sock.close()
