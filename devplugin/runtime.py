@@ -335,4 +335,5 @@ def _status_inputs(
         states=plugins.states,
         holders=lambda: holders_report(core.coordinator.topology, core.ledger.holders()),
         registered=registered,
+        served=plugins.served_as,
     )

@@ -76,6 +76,12 @@ class Response:
 
 
 Handler = Callable[[Request], Response]
+# How a request refused before its handler is told (status, reason).
+Refusal = Callable[[int, str], Response]
+
+
+def text_refusal(status: int, reason: str) -> Response:
+    return Response.text(status, reason + "\n")
 
 
 @dataclass(frozen=True)
@@ -92,6 +98,7 @@ class Limits:
     too_large: str = "body too large"
     # What a POST without Content-Length is told.
     no_length: str = "Content-Length required"
+    refusal: Refusal = text_refusal
 
 
 class Slots:
@@ -157,7 +164,7 @@ def _wake(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
-class _Bytes:
+class BodyBudget:
     """Bytes of request bodies held at once (on the loop's thread only; a
     body larger than the whole budget is held alone)."""
 
@@ -243,7 +250,7 @@ class Server:
 
     async def _listen(self, address: tuple[str, int]) -> asyncio.Server:
         self._stopped = asyncio.Event()
-        self._bytes = _Bytes(self.limits.in_flight)
+        self._bytes = BodyBudget(self.limits.in_flight)
         return await asyncio.start_server(
             self._serve,
             address[0] or None,
@@ -374,32 +381,33 @@ class Server:
             lines = iter(raw)
             headers = header_fields(lambda limit: next(lines, b""))
         except BadHead as bad:
-            raise _Refused(Response.text(bad.status, bad.reason + "\n", close=True)) from bad
+            raise _Refused(self.limits.refusal(bad.status, bad.reason)) from bad
         except asyncio.LimitOverrunError as exc:
             status = HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE
-            raise _Refused(Response.text(status, "Line too long\n", close=True)) from exc
+            raise _Refused(self.limits.refusal(status, "Line too long")) from exc
         connection = headers.get("Connection", "").lower()
         keep = connection != "close" and (version >= (1, 1) or connection == "keep-alive")
         path = target.split("?", 1)[0]
         length_text = headers.get("Content-Length")
         if method == "POST" and (length_text is None or not length_text.isdigit()):
-            raise _Refused(Response.text(400, self.limits.no_length + "\n"))
+            raise _Refused(self.limits.refusal(400, self.limits.no_length))
         length = int(length_text) if length_text and length_text.isdigit() else 0
         if length > self.limits.max_body:
-            raise _Refused(Response.text(400, self.limits.too_large + "\n"))
+            raise _Refused(self.limits.refusal(400, self.limits.too_large))
         if headers.get("Expect", "").lower() == "100-continue" and version >= (1, 1):
             writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             await writer.drain()
         if not await self._bytes.take(length, self.limits.body_wait):
-            message = f"too many large requests at once; retry ({length} bytes waiting)\n"
-            raise _Refused(Response.text(503, message))
+            message = f"too many large requests at once; retry ({length} bytes waiting)"
+            raise _Refused(self.limits.refusal(503, message))
         try:
             body = await reader.readexactly(length) if length else b""
             request = Request(method, path, headers, body)
             del body
             response = await self._call(request)
         except asyncio.IncompleteReadError as exc:
-            raise _Refused(Response.text(400, "body shorter than its Content-Length\n")) from exc
+            short = self.limits.refusal(400, "body shorter than its Content-Length")
+            raise _Refused(short) from exc
         finally:
             await self._bytes.give(length)
         return response, keep and not response.close
@@ -409,7 +417,7 @@ class Server:
         if request.method != "POST":
             return await loop.run_in_executor(self._probes, self._handler, request)
         if not await self.slots.take(self.limits.slot_wait):
-            return Response.text(503, "every call slot is busy; retry\n")
+            return self.limits.refusal(503, "every call slot is busy; retry")
         try:
             return await loop.run_in_executor(self._calls, self._handler, request)
         finally:

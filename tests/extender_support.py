@@ -58,6 +58,7 @@ def record(
     name: str = "n1",
     unhealthy: frozenset[str] = frozenset(),
     allocations: list[Any] | None = None,
+    served: dict[str, tuple[str, int]] | None = None,
 ) -> dict[str, Any]:
     def state(ids: list[str]) -> ResourceState:
         devices = tuple(
@@ -69,7 +70,7 @@ def record(
         DeviceKind.GPU: state([g.uuid for g in inv.gpus]),
         DeviceKind.HCA: state([h.device_id for h in inv.hcas]),
     }
-    status = build_status(inv, states, allocations or [], Registration(True, "registered"))
+    status = build_status(inv, states, allocations or [], Registration(True, "registered"), served)
     return {"metadata": {"name": name, "resourceVersion": "1"}, "status": status}
 
 
@@ -88,9 +89,10 @@ def put_record(
     *,
     held: list[ContainerAlignment] | None = None,
     age: float = 0.0,
+    served: dict[str, tuple[str, int]] | None = None,
 ) -> dict[str, Any]:
     inv = inventory(layout, base / name)
-    found = record(inv, name, allocations=held)
+    found = record(inv, name, allocations=held, served=served)
     found["status"]["updated"] = stamp(age)
     found["metadata"] = {"name": name}
     api.put("nodedevices", found)
@@ -163,9 +165,14 @@ def twin(running: Running) -> Extender:
     kept (no views, verdicts or tables), reading what `running` reads."""
     ext = running[0]
     return Extender(
-        ext.records, ext.pods, leases=ext.leases, budgets=ext.budgets, dra=ext.dra,
-        layouts=ext.layouts, stale_after=ext.liveness.stale_after,
-    )  # fmt: skip
+        ext.records,
+        ext.pods,
+        leases=ext.leases,
+        budgets=ext.budgets,
+        dra=ext.dra,
+        layouts=ext.layouts,
+        stale_after=ext.liveness.stale_after,
+    )
 
 
 def verbs_agree(running: Running, verb: str, args: dict[str, Any]) -> Any:

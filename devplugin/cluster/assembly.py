@@ -60,6 +60,8 @@ class StatusInputs:
     states: Callable[[], Mapping[DeviceKind, ResourceState]]
     holders: Callable[[], list[ContainerAlignment]]
     registered: Callable[[], dict[str, bool]]
+    # Device id -> (resource name, replicas), as the kubelet is served them.
+    served: Callable[[], Mapping[str, tuple[str, int]]] = dict
 
 
 def node_status(
@@ -84,7 +86,9 @@ def node_status(
             replace(c, uid=uid_of(c.namespace, c.pod)) if c.uid is None and c.pod else c
             for c in containers
         ]
-    return build_status(inputs.inventory(), inputs.states(), containers, registration)
+    return build_status(
+        inputs.inventory(), inputs.states(), containers, registration, inputs.served()
+    )
 
 
 def _pod_ended(ledger: Ledger, pods: PodCache, pod: PodInfo) -> None:

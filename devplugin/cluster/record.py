@@ -70,8 +70,12 @@ def build_status(
     states: Mapping[DeviceKind, ResourceState],
     containers: Iterable[ContainerAlignment],
     registration: Registration,
+    served: Mapping[str, tuple[str, int]] | None = None,
 ) -> dict[str, Any]:
-    """The record's status (without `updated`); equal inputs give equal output."""
+    """The record's status (without `updated`); equal inputs give equal output.
+    `served`: device id -> the resource the kubelet serves it under and its
+    replicas (time-slicing, shared HCAs), written on each device."""
+    served = served or {}
     devices: list[dict[str, Any]] = []
     by_index = {gpu.index: gpu for gpu in inventory.gpus}
     if DeviceKind.GPU in states:
@@ -89,7 +93,7 @@ def build_status(
                 **_health(states, DeviceKind.GPU, gpu.uuid),
                 "pciAddress": str(gpu.pci_address), "numaNode": _numa(gpu.numa_node),
                 "topologyPath": tree_path(gpu.pci), "nvlinkPeers": peers,
-                **_describe_gpu(gpu),
+                **_describe_gpu(gpu), **_served(served, gpu.uuid),
             })  # fmt: skip
     if DeviceKind.HCA in states:
         for hca in sorted(inventory.hcas, key=lambda h: h.device_id):
@@ -98,7 +102,7 @@ def build_status(
                 **_health(states, DeviceKind.HCA, hca.device_id),
                 "pciAddress": str(hca.pci_address), "numaNode": _numa(hca.numa_node),
                 "topologyPath": tree_path(hca.pci), "name": hca.name[:MAX_TEXT],
-                **_describe_hca(hca),
+                **_describe_hca(hca), **_served(served, hca.device_id),
             })  # fmt: skip
     allocations: list[dict[str, Any]] = []
     held: set[str] = set()
@@ -133,6 +137,14 @@ def build_status(
             "message": registration.message[:MAX_TEXT],
         }],
     }  # fmt: skip
+
+
+def _served(served: Mapping[str, tuple[str, int]], device: str) -> dict[str, Any]:
+    found = served.get(device)
+    if found is None:
+        return {}
+    name, replicas = found
+    return {"resource": name, "replicas": replicas} if replicas > 1 else {"resource": name}
 
 
 def _numa(node: int | None) -> int:

@@ -116,9 +116,15 @@ class Extender:
                 miss.inc(asked - hits)
 
         self.verdicts = Verdicts(
-            self.views, self.liveness, pods.on_node, _bound_node(pods), changes,
-            names=names, clock=clock, count=count,
-        )  # fmt: skip
+            self.views,
+            self.liveness,
+            pods.on_node,
+            _bound_node(pods),
+            changes,
+            names=names,
+            clock=clock,
+            count=count,
+        )
         self.resources = ResourceVerbs(self.verdicts, self.liveness, names)
         self.preemption = PreemptVerb(
             self.views, self.liveness, pods.on_node, budgets, self.metrics, names=names, clock=clock

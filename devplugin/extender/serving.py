@@ -101,6 +101,7 @@ class ExtenderServer:
                 f"body larger than {MAX_BODY} bytes (a scheduler sending whole Nodes "
                 "should be nodeCacheCapable)"
             ),
+            refusal=lambda status, reason: _json(status, {"Error": reason[: MAX_REASON * 4]}),
         )
         self._server = Server(
             address, self.handle, limits, name="extender-http", context=context, slots=self.slots

@@ -127,23 +127,36 @@ def counts_fit(
     every victim, so no eviction there is ever proposed to the extender."""
     gpu, hca = names
     healthy = node.healthy or {}
-    wanted = {DeviceKind.GPU: shape.gpus, DeviceKind.HCA: shape.hcas}
-    used = dict.fromkeys(wanted, 0)
+    asked = _per_resource(shape)
+    requested: dict[tuple[DeviceKind, str], int] = {}
     for pod in bound:
         if pod.uid == uid:
             continue  # the pod itself, bound already (a retry): not a rival
-        theirs = shape_of(pod, gpu, hca)
-        used[DeviceKind.GPU] += theirs.gpus
-        used[DeviceKind.HCA] += theirs.hcas
-    # Devices the record shows held by holders the pod watch has not seen
-    # bound yet count too: unsure, the node stays one preemption may help.
-    return all(
-        len(healthy.get(kind, frozenset()))
-        - max(used[kind], len(healthy.get(kind, frozenset()) - node.free[kind]))
-        >= need
-        for kind, need in wanted.items()
-        if need
-    )
+        for key, count in _per_resource(shape_of(pod, gpu, hca)).items():
+            requested[key] = requested.get(key, 0) + count
+    for (kind, resource), need in asked.items():
+        pool = node.pool(kind, resource) & healthy.get(kind, frozenset())
+        allocatable = sum(node.replicas.get(d, 1) for d in pool)
+        left = sum(
+            node.replicas[d] - node.used.get(d, 0) if d in node.replicas else 1
+            for d in pool & node.free[kind]
+        )
+        # Devices the record shows held by holders the pod watch has not
+        # seen bound yet count too: unsure, the node stays one preemption may help.
+        taken = max(requested.get((kind, resource), 0), allocatable - left)
+        if allocatable - taken < need:
+            return False
+    return True
+
+
+def _per_resource(shape: Shape) -> dict[tuple[DeviceKind, str], int]:
+    found: dict[tuple[DeviceKind, str], int] = {}
+    for index, (g, h) in enumerate(shape.containers):
+        g_res, h_res = shape.resources_of(index)
+        for key, count in (((DeviceKind.GPU, g_res), g), ((DeviceKind.HCA, h_res), h)):
+            if count:
+                found[key] = found.get(key, 0) + count
+    return found
 
 
 def answer(

@@ -301,8 +301,11 @@ class NodeViews:
         """The pod placed on the view's node, or the answer a node of the
         same layout with the same free devices got (placement reads only
         those: the levels, counts and spread it reports are the same)."""
-        free = view.node.free
-        shared = (view.layout.key, free[DeviceKind.GPU], free[DeviceKind.HCA], key)
+        node = view.node
+        free = node.free
+        # Placement reads the free devices, and for shared ones their replicas held.
+        used = tuple(sorted(node.used.items())) if node.replicas else ()
+        shared = (view.layout.key, free[DeviceKind.GPU], free[DeviceKind.HCA], used, key)
         with self._shared_lock:
             found = self._shared.get(shared)
         if found is not None:
@@ -432,8 +435,8 @@ class NodeViews:
             # Bound here, not in the record yet: placed first, as its daemon will.
             ahead = place(node, shape, layout.allocator)
             placed.append(other.uid)
-            if ahead.fits and ahead.free_after is not None:
-                node = replace(node, free=ahead.free_after)
+            if ahead.fits:
+                node = node.after(ahead)
         return node, frozenset(placed)
 
     def _compute(self, record: ParsedRecord, layout: Layout, shape: Shape, exclude: str) -> Outcome:

@@ -15,7 +15,7 @@ No I/O: records and pods come in as data.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
@@ -63,17 +63,56 @@ class NodeState:
     holdings: tuple[Holding, ...] = ()
     # Healthy devices, held or not.
     healthy: Mapping[DeviceKind, frozenset[str]] | None = None
+    # The resource each device is served under (pool key -> ids; see
+    # `pool`); empty: every device of a kind in one pool, as older records say.
+    pools: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    mig: frozenset[str] = frozenset()  # MIG devices (their parent's place)
+    # Shared devices: how many replicas each is served as, and how many are held.
+    replicas: Mapping[str, int] = field(default_factory=dict)
+    used: Mapping[str, int] = field(default_factory=dict)
 
     def without(self, ended: Iterable[Holding]) -> NodeState:
-        """The node once these holders' devices are back (their pods ended)."""
-        back = frozenset(d for holding in ended for d in holding.devices)
+        """The node once these holders' devices are back (their pods ended):
+        an exclusive device is free again, a shared one has a replica back."""
+        used = dict(self.used)
+        back: set[str] = set()
+        for holding in ended:
+            for device in holding.devices:
+                if device in self.replicas:
+                    used[device] = max(0, used.get(device, 0) - 1)
+                back.add(device)
         healthy = self.healthy or {}
         free = {
-            kind: self.free[kind] | (back & healthy.get(kind, frozenset())) for kind in DeviceKind
+            kind: self.free[kind]
+            | frozenset(
+                d
+                for d in back & healthy.get(kind, frozenset())
+                if used.get(d, 0) < self.replicas.get(d, 1)
+            )
+            for kind in DeviceKind
         }
-        return NodeState(
-            self.name, self.topology, free, self.total, self.holders, self.holdings, self.healthy
-        )
+        return replace(self, free=free, used=used)
+
+    def after(self, outcome: Outcome) -> NodeState:
+        """The node once a placement's devices are taken (unchanged when it
+        does not fit)."""
+        if outcome.free_after is None:
+            return self
+        used = outcome.used_after if outcome.used_after is not None else self.used
+        return replace(self, free=outcome.free_after, used=used)
+
+    def pool(self, kind: DeviceKind, resource: str) -> frozenset[str]:
+        """The devices served under `resource` ("": the kind's whole devices,
+        MIG devices apart). A record that does not say (an older daemon)
+        serves whole devices under the kind's name and MIG devices under
+        `<domain>/mig-<profile>`."""
+        ids = self.topology.id_set(kind)
+        if not self.pools or not resource:
+            return ids - self.mig
+        found = self.pools.get(resource)
+        if found is None:
+            found = self.pools.get(_fallback(resource), frozenset())
+        return found & ids
 
 
 @dataclass(frozen=True)
@@ -85,6 +124,12 @@ class Shape:
     containers: tuple[tuple[int, int], ...]
     gpus: int
     hcas: int
+    # Per container, the GPU and HCA resources it asks them as ("": the
+    # kind's whole devices); empty: "" for every container.
+    resources: tuple[tuple[str, str], ...] = ()
+
+    def resources_of(self, index: int) -> tuple[str, str]:
+        return self.resources[index] if index < len(self.resources) else ("", "")
 
     @property
     def wants_devices(self) -> bool:
@@ -110,6 +155,8 @@ class Outcome:
     # whole switches, NUMA nodes and nodes free for large requests).
     fragmentation: int = 0
     free_after: Mapping[DeviceKind, frozenset[str]] | None = None
+    # Shared devices' held replicas after it (None: none shared).
+    used_after: Mapping[str, int] | None = None
 
     def taken(self, free: Mapping[DeviceKind, frozenset[str]]) -> frozenset[str]:
         """The devices this placement takes from `free` (the node's free
@@ -192,6 +239,10 @@ class ParsedRecord:
     # Each GPU's product as the record names it ("" where it does not): what
     # a pod's choice of model is judged against.
     products: tuple[str, ...] = ()
+    pools: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    mig: frozenset[str] = frozenset()
+    replicas: Mapping[str, int] = field(default_factory=dict)
+    used: Mapping[str, int] = field(default_factory=dict)
 
     def node(self, topology: Topology) -> NodeState:
         return NodeState(
@@ -202,6 +253,10 @@ class ParsedRecord:
             holders=frozenset((h.namespace, h.pod) for h in self.holdings),
             holdings=self.holdings,
             healthy=self.healthy,
+            pools=self.pools,
+            mig=self.mig,
+            replicas=self.replicas,
+            used=self.used,
         )
 
 
@@ -345,6 +400,9 @@ def parse_record(record: Mapping[str, Any], *, canonical: bool = False) -> Parse
     products: list[str] = []
     layout: list[tuple[Any, ...]] = []
     healthy: dict[DeviceKind, set[str]] = {kind: set() for kind in DeviceKind}
+    pools: dict[str, set[str]] = {}
+    mig: set[str] = set()
+    replicas: dict[str, int] = {}
     # (GPU id, peer id) -> links, as the record says them (before renaming).
     wired: dict[tuple[str, str], int] = {}
     for i, entry in enumerate(devices):
@@ -383,6 +441,7 @@ def parse_record(record: Mapping[str, Any], *, canonical: bool = False) -> Parse
             raise ValueError(f"device {device_id!r}: unknown kind {kind!r}")
         if health == "Healthy":
             healthy[kind_value].add(device_id)
+        _serving(entry, where, device_id, pools, mig, replicas)
     for (one, other), links in wired.items():
         if wired.get((other, one)) != links:
             raise ValueError(
@@ -390,7 +449,7 @@ def parse_record(record: Mapping[str, Any], *, canonical: bool = False) -> Parse
                 "list as many back"
             )
     holdings = _holdings(allocations, named)
-    held = {device for holding in holdings for device in holding.devices}
+    used, held = _held(holdings, replicas)
     return ParsedRecord(
         name=meta["name"],
         layout_key=tuple(layout),
@@ -401,29 +460,128 @@ def parse_record(record: Mapping[str, Any], *, canonical: bool = False) -> Parse
         holdings=tuple(holdings),
         total={DeviceKind.GPU: len(gpus), DeviceKind.HCA: len(hcas)},
         products=tuple(products),
+        pools={key: frozenset(ids) for key, ids in pools.items()},
+        mig=frozenset(mig),
+        replicas=replicas,
+        used=used,
     )
+
+
+# Replicas a shared device may be served as (the CRD's limit).
+MAX_REPLICAS = 1024
+MAX_RESOURCE = 253
+
+
+def _held(
+    holdings: Iterable[Holding], replicas: Mapping[str, int]
+) -> tuple[dict[str, int], set[str]]:
+    """Each shared device's replicas held (one per holding listing it), and
+    the devices with nothing left: exclusive ones held, shared ones full."""
+    used: dict[str, int] = {}
+    held: set[str] = set()
+    for holding in holdings:
+        for device in holding.devices:
+            if device not in replicas:
+                held.add(device)
+                continue
+            used[device] = used.get(device, 0) + 1
+            if used[device] >= replicas[device]:
+                held.add(device)
+    return used, held
+
+
+def _fallback(resource: str) -> str:
+    """The pool key an older record (no `resource` on its devices) gives a
+    resource: a MIG profile's `mig-<profile>`, else the kind's whole devices."""
+    _, slash, name = resource.rpartition("/")
+    return name if slash and name.startswith("mig-") else ""
+
+
+def _serving(
+    entry: Mapping[str, Any],
+    where: str,
+    device_id: str,
+    pools: dict[str, set[str]],
+    mig: set[str],
+    replicas: dict[str, int],
+) -> None:
+    """The resource a device entry is served under, whether it is a MIG
+    device, and its replicas when shared."""
+    slice_ = entry.get("mig")
+    if slice_ is not None and not isinstance(slice_, dict):
+        raise ValueError(f"{where}.mig must be an object")
+    profile = slice_.get("profile") if isinstance(slice_, dict) else None
+    if slice_ is not None:
+        if not isinstance(profile, str) or not profile:
+            raise ValueError(f"{where}.mig.profile must be a profile name")
+        mig.add(device_id)
+    resource = _field(entry, "resource", str, where, "")
+    if len(resource) > MAX_RESOURCE:
+        raise ValueError(f"{where}.resource is longer than {MAX_RESOURCE} characters")
+    if not resource:
+        resource = f"mig-{profile}" if profile else ""
+    pools.setdefault(resource, set()).add(device_id)
+    count = _field(entry, "replicas", int, where, 1)
+    if not 1 <= count <= MAX_REPLICAS:
+        raise ValueError(f"{where}.replicas {count} is not between 1 and {MAX_REPLICAS}")
+    if count > 1:
+        replicas[device_id] = count
 
 
 # -- pods --------------------------------------------------------------------------
 
 
+def resource_kind(resource: str, gpu: str, hca: str) -> DeviceKind | None:
+    """Which kind of device a requested resource is: the GPU resource, a
+    name it is renamed to for time-slicing (`<gpu>.<suffix>`, NVIDIA's
+    convention: nvidia.com/gpu.shared) or a MIG profile of its domain
+    (`<domain>/mig-<profile>`); the HCA resource or `<hca>.<suffix>`."""
+    if resource == gpu or resource.startswith(gpu + "."):
+        return DeviceKind.GPU
+    if resource == hca or resource.startswith(hca + "."):
+        return DeviceKind.HCA
+    if resource.startswith(gpu.split("/", 1)[0] + "/mig-"):
+        return DeviceKind.GPU
+    return None
+
+
+def _asks(container: ContainerInfo, gpu: str, hca: str) -> list[tuple[int, int, str, str]]:
+    """A container's requests as (GPUs, HCAs, GPU resource, HCA resource);
+    one entry per distinct resource of a kind (the first of each paired)."""
+    by_kind: dict[DeviceKind, list[tuple[str, int]]] = {kind: [] for kind in DeviceKind}
+    for resource, count in container.requests.items():
+        kind = resource_kind(resource, gpu, hca)
+        if kind is not None and count:
+            by_kind[kind].append((resource, count))
+    gpus, hcas = by_kind[DeviceKind.GPU], by_kind[DeviceKind.HCA]
+    found = []
+    for index in range(max(len(gpus), len(hcas))):
+        g_res, g = gpus[index] if index < len(gpus) else ("", 0)
+        h_res, h = hcas[index] if index < len(hcas) else ("", 0)
+        found.append((g, h, g_res, h_res))
+    return found
+
+
 def shape_of(pod: PodInfo, gpu: str, hca: str) -> Shape:
-    """The pod's containers in admission order, as (GPUs, HCAs)."""
-
-    def counts(container: ContainerInfo) -> tuple[int, int]:
-        return container.requests.get(gpu, 0), container.requests.get(hca, 0)
-
-    init = [counts(c) for c in pod.init_containers if not c.sidecar]
-    held = [counts(c) for c in pod.init_containers if c.sidecar] + [
-        counts(c) for c in pod.containers
+    """The pod's containers in admission order, as (GPUs, HCAs) with the
+    resources they ask them as."""
+    init = [a for c in pod.init_containers if not c.sidecar for a in _asks(c, gpu, hca)]
+    held = [
+        a
+        for c in (*[c for c in pod.init_containers if c.sidecar], *pod.containers)
+        for a in _asks(c, gpu, hca)
     ]
-    containers = tuple(s for s in held if s != (0, 0))
-    gpus = sum(g for g, _ in held)
-    hcas = sum(h for _, h in held)
+    gpus = sum(a[0] for a in held)
+    hcas = sum(a[1] for a in held)
     # A larger init container decides the count the node must have free.
-    for g, h in init:
+    for g, h, _, _ in init:
         gpus, hcas = max(gpus, g), max(hcas, h)
-    return Shape(containers, gpus, hcas)
+    return Shape(
+        tuple((g, h) for g, h, _, _ in held),
+        gpus,
+        hcas,
+        tuple((g_res, h_res) for _, _, g_res, h_res in held),
+    )
 
 
 def requirement_of(annotations: Mapping[str, str]) -> Requirement:
@@ -455,41 +613,93 @@ def _spread(topology: Topology, free: Iterable[str]) -> int:
     return number * number + sum(c * c for c in counts.values())
 
 
-def place(node: NodeState, shape: Shape, allocator: Allocator | None = None) -> Outcome:
-    """Simulate the node daemon's choices for the pod's containers in order."""
-    free = {kind: set(node.free[kind]) for kind in DeviceKind}
-    if shape.gpus > len(free[DeviceKind.GPU]) or shape.hcas > len(free[DeviceKind.HCA]):
-        return Outcome(
-            False,
-            f"{len(free[DeviceKind.GPU])} GPUs and {len(free[DeviceKind.HCA])} HCAs free; "
-            f"the pod needs {shape.gpus} and {shape.hcas}",
+def _capacity(
+    node: NodeState, pool: frozenset[str], free: set[str], used: Mapping[str, int]
+) -> int:
+    """Units free in a pool: a free exclusive device is one, a shared one
+    its replicas not held."""
+    replicas = node.replicas
+    return sum(replicas[d] - used.get(d, 0) if d in replicas else 1 for d in pool & free)
+
+
+def _short(node: NodeState, shape: Shape, free: Mapping[DeviceKind, set[str]]) -> str | None:
+    """Why the pod cannot fit by counts (None: it may)."""
+    needs: dict[tuple[DeviceKind, str], int] = {}
+    for index, (g, h) in enumerate(shape.containers):
+        g_res, h_res = shape.resources_of(index)
+        needs[(DeviceKind.GPU, g_res)] = needs.get((DeviceKind.GPU, g_res), 0) + g
+        needs[(DeviceKind.HCA, h_res)] = needs.get((DeviceKind.HCA, h_res), 0) + h
+    # An init container larger than the rest: its count, in the first pool.
+    for kind, total in ((DeviceKind.GPU, shape.gpus), (DeviceKind.HCA, shape.hcas)):
+        asked = [key for key in needs if key[0] is kind and needs[key]]
+        mine = sum(needs[key] for key in asked)
+        if total > mine:
+            key = asked[0] if asked else (kind, "")
+            needs[key] = needs.get(key, 0) + total - mine
+    pools = {key: node.pool(*key) for key, need in needs.items() if need}
+    have = {key: _capacity(node, pool, free[key[0]], node.used) for key, pool in pools.items()}
+    short = [key for key in have if have[key] < needs[key]]
+    if not short:
+        return None
+    if all(pool == node.pool(key[0], "") for key, pool in pools.items()):
+        counts = {kind: sum(n for key, n in have.items() if key[0] is kind) for kind in DeviceKind}
+        if not any(key[0] is DeviceKind.GPU for key in have):
+            counts[DeviceKind.GPU] = len(free[DeviceKind.GPU] & node.pool(DeviceKind.GPU, ""))
+        if not any(key[0] is DeviceKind.HCA for key in have):
+            counts[DeviceKind.HCA] = len(free[DeviceKind.HCA] & node.pool(DeviceKind.HCA, ""))
+        return (
+            f"{counts[DeviceKind.GPU]} GPUs and {counts[DeviceKind.HCA]} HCAs free; "
+            f"the pod needs {shape.gpus} and {shape.hcas}"
         )
+    kind, resource = short[0]
+    if not pools[(kind, resource)]:
+        return f"the node serves no {resource[:100]}"
+    count, need = have[(kind, resource)], needs[(kind, resource)]
+    return f"{count} {resource[:100]} free; the pod needs {need}"
+
+
+def place(node: NodeState, shape: Shape, allocator: Allocator | None = None) -> Outcome:
+    """Simulate the node daemon's choices for the pod's containers in order:
+    each from the devices of the resource it asks (whole GPUs, a MIG
+    profile, replicas of shared ones: one replica per GPU as long as it
+    can, as the `distributed` policy does)."""
+    free = {kind: set(node.free[kind]) for kind in DeviceKind}
+    reason = _short(node, shape, free)
+    if reason is not None:
+        return Outcome(False, reason)
     topology = node.topology
     search = allocator or Allocator(topology)
+    used = dict(node.used)
     worst: Level | None = None
     total = 0
     before = _spread(topology, free[DeviceKind.GPU] | free[DeviceKind.HCA])
     try:
-        for gpus, hcas in shape.containers:
-            chosen_g = _choose(search, DeviceKind.GPU, gpus, free, hcas)
-            free[DeviceKind.GPU] -= set(chosen_g)
-            partner = frozenset(chosen_g)
+        for index, (gpus, hcas) in enumerate(shape.containers):
+            g_res, h_res = shape.resources_of(index)
+            view = {
+                DeviceKind.GPU: free[DeviceKind.GPU] & node.pool(DeviceKind.GPU, g_res),
+                DeviceKind.HCA: free[DeviceKind.HCA] & node.pool(DeviceKind.HCA, h_res),
+            }
+            count = min(gpus, len(view[DeviceKind.GPU]))
+            chosen_g = _choose(search, DeviceKind.GPU, count, view, hcas)
+            _take(node, DeviceKind.GPU, chosen_g, gpus, view, free, used)
             chosen_h: list[str] = []
             if hcas:
+                count = min(hcas, len(view[DeviceKind.HCA]))
                 if chosen_g:
                     request = Request(
                         DeviceKind.HCA,
-                        frozenset(free[DeviceKind.HCA]),
-                        hcas,
+                        frozenset(view[DeviceKind.HCA]),
+                        count,
                         frozenset(),
                         Role.SECOND,
-                        partner,
+                        frozenset(chosen_g),
                         frozenset(free[DeviceKind.GPU]),
                     )
                     chosen_h = list(search.choose(request).ids)
                 else:
-                    chosen_h = _choose(search, DeviceKind.HCA, hcas, free, 0)
-                free[DeviceKind.HCA] -= set(chosen_h)
+                    chosen_h = _choose(search, DeviceKind.HCA, count, view, 0)
+                _take(node, DeviceKind.HCA, chosen_h, hcas, view, free, used)
             if chosen_g and chosen_h:
                 levels = [min(topology.level(g, h) for h in chosen_h) for g in chosen_g]
                 level = Level(max(levels))
@@ -505,7 +715,40 @@ def place(node: NodeState, shape: Shape, allocator: Allocator | None = None) -> 
         total,
         before - after,
         {kind: frozenset(ids) for kind, ids in free.items()},
+        used if node.replicas else None,
     )
+
+
+def _take(
+    node: NodeState,
+    kind: DeviceKind,
+    chosen: list[str],
+    count: int,
+    view: Mapping[DeviceKind, set[str]],
+    free: Mapping[DeviceKind, set[str]],
+    used: dict[str, int],
+) -> None:
+    """Take `count` units for a container: one on each chosen device, the
+    rest (replicas past one per device) on those with replicas left, the
+    chosen first."""
+    replicas = node.replicas
+    units = list(chosen)
+    if count > len(units):
+        spare = [d for d in chosen if d in replicas] + sorted(
+            d for d in view[kind] if d in replicas and d not in chosen
+        )
+        for device in spare:
+            room = replicas[device] - used.get(device, 0) - (1 if device in chosen else 0)
+            units.extend([device] * max(0, min(room, count - len(units))))
+            if len(units) >= count:
+                break
+    for device in units:
+        if device in replicas:
+            used[device] = used.get(device, 0) + 1
+            if used[device] < replicas[device]:
+                continue
+        free[kind].discard(device)
+        view[kind].discard(device)
 
 
 def _choose(

@@ -86,13 +86,17 @@ def _level(outcome: Outcome) -> int:
 
 
 def freed(node: NodeState, victims: Sequence[Candidate]) -> NodeState:
-    """The node once the victims' devices are back."""
-    devices = frozenset(d for victim in victims for d in victim.devices)
-    return node.without([Holding("", "", None, devices)])
+    """The node once the victims' devices are back (a replica each of a
+    shared device)."""
+    return node.without([Holding("", "", None, victim.devices) for victim in victims])
 
 
 def _covers(node: NodeState, shape: Shape, victims: Sequence[Candidate]) -> bool:
-    """Whether the devices back would be enough by count (no placement tried)."""
+    """Whether the devices back would be enough by count (no placement
+    tried); always, on a node with shared devices (replicas are not counted
+    here: a set is never skipped wrongly)."""
+    if node.replicas:
+        return True
     freed = {d for victim in victims for d in victim.devices}
     gpus = node.free[DeviceKind.GPU] | (freed & node.topology.id_set(DeviceKind.GPU))
     hcas = node.free[DeviceKind.HCA] | (freed & node.topology.id_set(DeviceKind.HCA))
@@ -168,7 +172,10 @@ def floor_level(node: NodeState, shape: Shape) -> int:
 
 
 def _smallest_size(node: NodeState, shape: Shape, useful: Sequence[Candidate]) -> int:
-    """The fewest candidates whose devices could cover the pod's counts."""
+    """The fewest candidates whose devices could cover the pod's counts
+    (0 on a node with shared devices: not counted here)."""
+    if node.replicas:
+        return 0
     gpu_ids, hca_ids = node.topology.id_set(DeviceKind.GPU), node.topology.id_set(DeviceKind.HCA)
     short_g = shape.gpus - len(node.free[DeviceKind.GPU])
     short_h = shape.hcas - len(node.free[DeviceKind.HCA])

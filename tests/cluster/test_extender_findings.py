@@ -6,8 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from devplugin.node.alignment import ContainerAlignment
+from devplugin.policy.mig import profile_resource
 from devplugin.policy.topology import Level
 from devplugin.testing.apiserver import ApiServerImitation
+from devplugin.testing.layouts import hgx_h100_mig
 from tests.extender_support import (
     GPU,
     HCA,
@@ -16,6 +18,8 @@ from tests.extender_support import (
     inventory,
     pod,
     put_record,
+    record,
+    stamp,
     synced,
     twin,
     verbs_agree,
@@ -79,3 +83,118 @@ def test_a_holder_known_by_name_is_matched_only_with_pods_on_its_own_node(
         timeout=10,
     )
     assert verbs_agree(extender, "filter", args)["NodeNames"] == ["a"]
+
+
+def _holder(name: str, gpus: tuple[str, ...], hcas: tuple[str, ...] = ()) -> ContainerAlignment:
+    return ContainerAlignment("default", name, "c0", gpus, hcas, None, None, f"uid-{name}")
+
+
+def _bound(api: ApiServerImitation, name: str, node: str, requests: dict[str, int]) -> None:
+    body = pod(name, [requests])
+    body["spec"]["nodeName"] = node
+    body["status"]["phase"] = "Running"
+    api.put("pods", body)
+
+
+def test_a_time_sliced_node_is_judged_by_its_free_replicas(
+    api: ApiServerImitation, tmp_path: Path, extender: Running
+) -> None:
+    # 8 GPUs served as 4 replicas each: 8 pods hold one replica of each GPU,
+    # so 24 of 32 replicas are free, and every GPU has a holder.
+    inv = inventory("hgx-h100", tmp_path / "inv")
+    served = {g.uuid: (GPU, 4) for g in inv.gpus} | {h.device_id: (HCA, 1) for h in inv.hcas}
+    held = [_holder(f"s{i}", (g.uuid,)) for i, g in enumerate(inv.gpus)]
+    for i in range(len(inv.gpus)):
+        _bound(api, f"s{i}", "n", {GPU: 1})
+    put_record(api, "n", "hgx-h100", tmp_path, held=held, served=served)
+    synced(extender, {"n"})
+    assert wait_until(lambda: len(extender[0].pods.on_node("n")) == 8, timeout=10)
+    args = {"Pod": pod("next", [{GPU: 4, HCA: 1}]), "NodeNames": ["n"]}
+    assert verbs_agree(extender, "filter", args)["NodeNames"] == ["n"]
+    # One replica per GPU as long as it can: 24 fit, 25 do not.
+    assert verbs_agree(extender, "filter", {**args, "Pod": pod("all", [{GPU: 24}])})[
+        "NodeNames"
+    ] == ["n"]
+    too_many = verbs_agree(extender, "filter", {**args, "Pod": pod("more", [{GPU: 25}])})
+    assert "24 " in too_many["FailedAndUnresolvableNodes"]["n"]
+    # The kubelet admits it with no eviction: preemption proposes none.
+    urgent = pod("urgent", [{GPU: 4}])
+    urgent["spec"]["priority"] = 1000
+    proposed = {"n": {"Pods": [{"UID": "uid-s0"}], "NumPDBViolations": 0}}
+    answer = extender[0].verbs()["/scheduler/preempt"](
+        {"Pod": urgent, "NodeNameToMetaVictims": proposed}
+    )
+    assert answer == {"NodeNameToMetaVictims": {}}
+
+
+def _mig_record(
+    api: ApiServerImitation, tmp_path: Path, name: str, holders: list[ContainerAlignment]
+) -> tuple[list[str], list[str], list[str], dict[str, int]]:
+    """The mixed-MIG HGX node's record: its whole GPUs, its MIG devices, its
+    HCAs, and each HCA's NUMA node."""
+    inv = inventory(hgx_h100_mig(), tmp_path / "inv", mig_strategy="mixed")
+    served = {h.device_id: (HCA, 1) for h in inv.hcas}
+    for g in inv.gpus:
+        profile = g.slice.device.profile if g.slice is not None else None
+        served[g.uuid] = (profile_resource(GPU, profile) if profile else GPU, 1)
+    found = record(inv, name, allocations=holders, served=served)
+    found["status"]["updated"] = stamp()
+    found["metadata"] = {"name": name}
+    api.put("nodedevices", found)
+    whole = [g.uuid for g in inv.gpus if g.slice is None]
+    migs = [g.uuid for g in inv.gpus if g.slice is not None]
+    numa = {h.device_id: h.numa_node if h.numa_node is not None else -1 for h in inv.hcas}
+    return whole, migs, [h.device_id for h in inv.hcas], numa
+
+
+def test_mig_devices_are_not_whole_gpus(
+    api: ApiServerImitation, tmp_path: Path, extender: Running
+) -> None:
+    whole, migs, hcas, _ = _mig_record(api, tmp_path / "probe", "probe", [])
+    assert len(whole) == 4
+    assert len(migs) == 16
+    # Every whole GPU held: a whole-GPU pod has nothing, MIG devices or not.
+    held = [_holder(f"w{i}", (g,)) for i, g in enumerate(whole)]
+    _mig_record(api, tmp_path, "m", held)
+    synced(extender, {"m"})
+    args = {"Pod": pod("whole", [{GPU: 1, HCA: 1}]), "NodeNames": ["m"]}
+    result = verbs_agree(extender, "filter", args)
+    assert result["NodeNames"] == []
+    assert b'"Score":0' in verbs_agree(extender, "prioritize", args)
+    # A pod asking a MIG profile is placed on one, next to an HCA.
+    slice_pod = pod("slice", [{"nvidia.com/mig-1g.10gb": 1, HCA: 1}])
+    sliced = {"Pod": slice_pod, "NodeNames": ["m"]}
+    assert verbs_agree(extender, "filter", sliced)["NodeNames"] == ["m"]
+    assert b'"Score":10' in verbs_agree(extender, "prioritize", sliced)
+    five = {"Pod": pod("five", [{"nvidia.com/mig-3g.40gb": 5}]), "NodeNames": ["m"]}
+    assert (
+        "4 nvidia.com/mig-3g.40gb free"
+        in verbs_agree(extender, "filter", five)["FailedAndUnresolvableNodes"]["m"]
+    )
+
+
+def test_a_pix_required_whole_gpu_pod_is_not_paired_through_a_mig_device(
+    api: ApiServerImitation, tmp_path: Path, extender: Running
+) -> None:
+    _, _, hcas, numa = _mig_record(api, tmp_path / "probe", "probe", [])
+    # The HCAs beside the whole GPUs (socket 1) are held: whole GPUs pair at SYS.
+    beside = tuple(h for h in hcas if numa[h] == 1)
+    assert beside
+    _mig_record(api, tmp_path, "m", [_holder("nics", (), beside)])
+    synced(extender, {"m"})
+    required = pod(
+        "pix",
+        [{GPU: 1, HCA: 1}],
+        **{"devplugin.io/alignment": "PIX", "devplugin.io/alignment-policy": "required"},
+    )
+    result = verbs_agree(extender, "filter", {"Pod": required, "NodeNames": ["m"]})
+    assert result["NodeNames"] == []
+    assert "requires PIX" in str(result)
+
+
+def test_the_pod_watch_keeps_mig_only_pods(
+    api: ApiServerImitation, tmp_path: Path, extender: Running
+) -> None:
+    _bound(api, "sliced", "m", {"nvidia.com/mig-2g.20gb": 1})
+    synced(extender, set())
+    assert wait_until(lambda: extender[0].pods.get("uid-sliced") is not None, timeout=10)

@@ -5,20 +5,20 @@ HTTP against the API server imitation where a cluster is involved."""
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import logging
 import random
 import socket
-import threading
 
 import pytest
 
 from devplugin.cluster.pods import PodCache
-from devplugin.extender.serving import Budget
 from devplugin.extender.views import INLINE_DEVICES, MAX_DEVICES, Layouts, parse_record
 from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.records import gpu_id, hca_id, hgx_record
+from devplugin.web import BodyBudget
 from tests.extender_support import GPU, HCA, Running, call, extender, pod, stamp
 from tests.waiting import wait_until
 
@@ -252,16 +252,21 @@ def test_two_hundred_connections_at_once_all_get_answers(extender: Running) -> N
 
 
 def test_the_body_budget_lets_small_bodies_share_and_makes_a_large_one_wait() -> None:
-    budget = Budget(100)
-    assert budget.take(40, 0.1)
-    assert budget.take(40, 0.1)
-    assert not budget.take(40, 0.05)  # 120 > 100: waits, then gives up
-    released = threading.Timer(0.05, budget.give, (40,))
-    released.start()
-    assert budget.take(40, 5.0)  # in once the first is given back
-    budget.give(40)
-    budget.give(40)
-    assert budget.take(500, 0.1)  # larger than the whole budget: runs alone
-    assert not budget.take(1, 0.05)
-    budget.give(500)
-    assert budget.take(100, 0.1)
+    async def scenario() -> None:
+        budget = BodyBudget(100)
+        assert await budget.take(40, 0.1)
+        assert await budget.take(40, 0.1)
+        assert not await budget.take(40, 0.05)  # 120 > 100: waits, then gives up
+        later = asyncio.get_running_loop().call_later(
+            0.05, lambda: asyncio.ensure_future(budget.give(40))
+        )
+        assert await budget.take(40, 5.0)  # in once the first is given back
+        later.cancel()
+        await budget.give(40)
+        await budget.give(40)
+        assert await budget.take(500, 0.1)  # larger than the whole budget: runs alone
+        assert not await budget.take(1, 0.05)
+        await budget.give(500)
+        assert await budget.take(100, 0.1)
+
+    asyncio.run(scenario())

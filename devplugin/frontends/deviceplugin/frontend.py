@@ -158,6 +158,19 @@ class DevicePluginFrontend:
             found[kind] = state
         return found
 
+    def served_as(self) -> dict[str, tuple[str, int]]:
+        """Each physical device's resource name as the kubelet sees it, and
+        how many replicas it is served as (1: exclusive): what the record
+        tells the extender so it judges a pod as the kubelet will."""
+        found: dict[str, tuple[str, int]] = {}
+        for record in self.records:
+            state = record.servicer.state
+            physical = state.backing.devices if state.backing is not None else state.devices
+            replicas = int(getattr(record.resource, "replicas", 1))
+            for device in physical:
+                found[device.id] = (record.resource.name, replicas)
+        return found
+
     def healthy(self) -> tuple[bool, str]:
         down = [r.resource.name for r in self.records if not r.server.running]
         if down:
