@@ -150,7 +150,7 @@ def _mig_record(
 def test_mig_devices_are_not_whole_gpus(
     api: ApiServerImitation, tmp_path: Path, extender: Running
 ) -> None:
-    whole, migs, hcas, _ = _mig_record(api, tmp_path / "probe", "probe", [])
+    whole, migs, _, _ = _mig_record(api, tmp_path / "probe", "probe", [])
     assert len(whole) == 4
     assert len(migs) == 16
     # Every whole GPU held: a whole-GPU pod has nothing, MIG devices or not.
