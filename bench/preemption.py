@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bench.cluster import node_records
+from bench.preempt_scale import preempt_scale_bench
 from devplugin.model import DeviceKind
 from devplugin.policy.allocator import Allocator
 from devplugin.policy.placement import NodeState, Shape, place
@@ -266,6 +267,7 @@ def preemption_bench(quick: bool = False) -> bool:
         f"{totals['count-only'].share(totals['count-only'].fewest):.1%}: "
         + ("met" if met else "NOT met")
     )
+    met &= preempt_scale_bench(quick=quick)
     return met or quick
 
 

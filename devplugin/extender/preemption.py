@@ -16,7 +16,8 @@ counted in devplugin_extender_preempt_unproven_total{why}.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from devplugin.cluster.watch import WatchCache
@@ -31,31 +32,75 @@ from devplugin.model import DeviceKind
 from devplugin.policy.allocator import Allocator
 from devplugin.policy.placement import NodeState, Requirement, Shape
 from devplugin.policy.podinfo import PodInfo
-from devplugin.policy.preemption import Candidate, Eviction, Search, search_victims
+from devplugin.policy.preemption import Eviction, Search, search_victims
 
 # The scheduler waits 5 s for an extender by default (httpTimeout); the
 # searches stop here, leaving time to encode and send the answer.
 DEADLINE = 1.5
 # Searches remembered per call for nodes alike.
 MEMO = 1024
+# A node's search may take at least this long, whatever its share of the
+# call's time (fewer nodes searched well beat many searched badly).
+NODE_SLICE = 0.02
 
 
-def _alike(
-    node: NodeState, found: list[Candidate], allowed: Mapping[str, int]
-) -> tuple[tuple[Any, ...], list[Candidate]]:
-    """A key equal for nodes whose search must give the same answer, and
-    the candidates in an order that maps one node's answer onto another's."""
-    ordered = sorted(found, key=lambda c: (sorted(c.devices), c.priority, c.budgets))
-    key = (
-        id(node.topology),
-        node.free[DeviceKind.GPU],
-        node.free[DeviceKind.HCA],
-        tuple(
-            (c.devices, c.priority, tuple(allowed.get(b) for b in c.budgets), c.started)
-            for c in ordered
-        ),
-    )
-    return key, ordered
+def _signature(
+    node: NodeState, bound: tuple[PodInfo, ...], priority: int, budgeted: bool
+) -> tuple[Any, ...] | None:
+    """A key equal for nodes whose search must give the same answer (the
+    same layout, free devices, and holdings of pods of the same priorities,
+    and with budgets about, the same namespaces and labels), read without
+    building the candidates; None where a holder is known only by name or
+    not at all (such a node is searched on its own)."""
+    by_uid = {pod.uid: pod for pod in bound}
+    parts: list[tuple[Any, ...]] = []
+    for holding in node.holdings:
+        pod = by_uid.get(holding.uid) if holding.uid is not None else None
+        if pod is None:
+            return None
+        if pod.priority >= priority:
+            parts.append((holding.devices, None))
+        elif budgeted:
+            labels = tuple(sorted(pod.labels.items()))
+            parts.append((holding.devices, pod.priority, pod.namespace, labels, pod.start))
+        else:
+            parts.append((holding.devices, pod.priority, pod.start))
+    used = tuple(sorted(node.used.items())) if node.replicas else ()
+    free = node.free
+    return (id(node.topology), free[DeviceKind.GPU], free[DeviceKind.HCA], used, tuple(parts))
+
+
+@dataclass(frozen=True)
+class _Known:
+    """A search's answer as positions in the record's holdings."""
+
+    search: Search
+    victims: tuple[int, ...]  # the first holding of each victim
+
+
+def _positions(node: NodeState, eviction: Eviction | None) -> tuple[int, ...]:
+    if eviction is None:
+        return ()
+    first: dict[str, int] = {}
+    for index, holding in enumerate(node.holdings):
+        if holding.uid is not None:
+            first.setdefault(holding.uid, index)
+    return tuple(first[victim.uid] for victim in eviction.victims)
+
+
+def _mapped(node: NodeState, bound: tuple[PodInfo, ...], known: _Known) -> Eviction | None:
+    """The known answer as this node's pods (the same places in the record)."""
+    found = known.search.eviction
+    if found is None:
+        return None
+    by_uid = {pod.uid: pod for pod in bound}
+    victims = []
+    for index, original in zip(known.victims, found.victims, strict=True):
+        uid = node.holdings[index].uid
+        assert uid is not None  # a signature is made only where every holder has one
+        victims.append(replace(original, uid=uid, started=by_uid[uid].start))
+    victims.sort(key=lambda v: (-v.priority, v.uid))
+    return Eviction(tuple(victims), found.outcome, found.violations)
 
 
 class PreemptVerb:
@@ -99,21 +144,25 @@ class PreemptVerb:
         evictions: dict[str, Eviction] = {}
         untold: dict[str, tuple[list[str], int]] = {}
         refused = model_refusals(pod, list(proposed), fresh)
-        memo: dict[tuple[Any, ...], tuple[Search, list[Candidate]]] = {}
+        memo: dict[tuple[Any, ...], _Known] = {}
         left = 0
-        for node in proposed:
-            if node in refused:
-                continue  # no eviction gives it the GPU model the pod chose
-            if self._clock() >= ends:
-                left += 1
-                continue
+        order = [node for node in proposed if node not in refused]
+        for done, node in enumerate(order):
+            now = self._clock()
+            if now >= ends:
+                left = len(order) - done
+                break
             record = fresh(node)
             state = self.views.state(record.parsed, record) if record is not None else None
             if state is None:
                 untold[node] = proposed[node]
                 continue
-            found, allowed = candidates(state[0], self._on_node(node), pod.priority, budgets)
-            eviction = self._search(state[0], shape, state[1], found, allowed, memo, ends)
+            # Each node at least its share of the time left, or a floor.
+            until = min(ends, now + max(NODE_SLICE, (ends - now) / (len(order) - done)))
+            bound = self._on_node(node)
+            eviction = self._search(
+                state[0], bound, pod.priority, shape, state[1], budgets, memo, until
+            )
             if eviction is None or not eviction.victims or not _meets(eviction, requirement):
                 continue  # no eviction lets it fit (as required), or none is needed
             evictions[node] = eviction
@@ -124,32 +173,28 @@ class PreemptVerb:
     def _search(
         self,
         node: NodeState,
+        bound: tuple[PodInfo, ...],
+        priority: int,
         shape: Shape,
         allocator: Allocator,
-        found: list[Candidate],
-        allowed: Mapping[str, int],
-        memo: dict[tuple[Any, ...], tuple[Search, list[Candidate]]],
-        ends: float,
+        budgets: Iterable[DisruptionBudget],
+        memo: dict[tuple[Any, ...], _Known],
+        until: float,
     ) -> Eviction | None:
-        key, ordered = _alike(node, found, allowed)
-        known = memo.get(key)
-        if known is None:
-            result = search_victims(
-                node, shape, allocator, ordered, allowed, deadline=ends, clock=self._clock
-            )
-            if not result.exact:
-                self.metrics.preempt_unproven.labels("budget").inc()
-            if len(memo) < MEMO:
-                memo[key] = (result, ordered)
-            return result.eviction
-        result, theirs = known
-        if result.eviction is None:
-            return None
-        # The same victims by place in the order, as this node's pods.
-        index = {c.uid: i for i, c in enumerate(theirs)}
-        victims = [ordered[index[v.uid]] for v in result.eviction.victims]
-        victims.sort(key=lambda v: (-v.priority, v.uid))
-        return Eviction(tuple(victims), result.eviction.outcome, result.eviction.violations)
+        every = list(budgets)
+        key = _signature(node, bound, priority, bool(every))
+        known = memo.get(key) if key is not None else None
+        if known is not None:
+            return _mapped(node, bound, known)
+        found, allowed = candidates(node, bound, priority, every)
+        result = search_victims(
+            node, shape, allocator, found, allowed, deadline=until, clock=self._clock
+        )
+        if not result.exact:
+            self.metrics.preempt_unproven.labels("budget").inc()
+        if key is not None and len(memo) < MEMO:
+            memo[key] = _Known(result, _positions(node, result.eviction))
+        return result.eviction
 
 
 def _meets(eviction: Eviction, requirement: Requirement) -> bool:

@@ -310,7 +310,7 @@ class NodeViews:
             found = self._shared.get(shared)
         if found is not None:
             return found, True
-        found = replace(place(view.node, shape, view.layout.allocator), free_after=None)
+        found = _bare(place(view.node, shape, view.layout.allocator))
         with self._shared_lock:
             self.placements += 1
             if len(self._shared) >= SHARED_OUTCOMES:
@@ -386,7 +386,7 @@ class NodeViews:
         if found is None:
             everything = {kind: view.layout.topology.id_set(kind) for kind in DeviceKind}
             empty = replace(view.node, free=everything)
-            found = replace(place(empty, shape, view.layout.allocator), free_after=None)
+            found = _bare(place(empty, shape, view.layout.allocator))
             _keep(view.empty, key, found)
         return found
 
@@ -448,3 +448,9 @@ def _keep(answers: dict[int, Outcome], key: int, outcome: Outcome) -> None:
     if len(answers) >= SHAPES_PER_VIEW:
         answers.pop(next(iter(answers)))
     answers[key] = outcome
+
+
+def _bare(outcome: Outcome) -> Outcome:
+    """What a kept outcome needs (its level, rank and reason): the devices
+    it would take are dropped, thousands of nodes share a few outcomes."""
+    return replace(outcome, free_after=None, used_after=None, chosen=frozenset())

@@ -157,13 +157,16 @@ class Outcome:
     free_after: Mapping[DeviceKind, frozenset[str]] | None = None
     # Shared devices' held replicas after it (None: none shared).
     used_after: Mapping[str, int] | None = None
+    # The devices it takes (a shared one once, however many replicas).
+    chosen: frozenset[str] = frozenset()
 
     def taken(self, free: Mapping[DeviceKind, frozenset[str]]) -> frozenset[str]:
         """The devices this placement takes from `free` (the node's free
         devices it was made on); nothing for an outcome that does not fit."""
         if self.free_after is None:
             return frozenset()
-        return frozenset().union(*(free[kind] - self.free_after[kind] for kind in DeviceKind))
+        gone = frozenset().union(*(free[kind] - self.free_after[kind] for kind in DeviceKind))
+        return gone | self.chosen
 
     def key(self) -> tuple[int, int, int]:
         return self.rank_key
@@ -670,6 +673,7 @@ def place(node: NodeState, shape: Shape, allocator: Allocator | None = None) -> 
     topology = node.topology
     search = allocator or Allocator(topology)
     used = dict(node.used)
+    chosen: set[str] = set()
     worst: Level | None = None
     total = 0
     before = _spread(topology, free[DeviceKind.GPU] | free[DeviceKind.HCA])
@@ -683,6 +687,7 @@ def place(node: NodeState, shape: Shape, allocator: Allocator | None = None) -> 
             count = min(gpus, len(view[DeviceKind.GPU]))
             chosen_g = _choose(search, DeviceKind.GPU, count, view, hcas)
             _take(node, DeviceKind.GPU, chosen_g, gpus, view, free, used)
+            chosen.update(chosen_g)
             chosen_h: list[str] = []
             if hcas:
                 count = min(hcas, len(view[DeviceKind.HCA]))
@@ -700,6 +705,7 @@ def place(node: NodeState, shape: Shape, allocator: Allocator | None = None) -> 
                 else:
                     chosen_h = _choose(search, DeviceKind.HCA, count, view, 0)
                 _take(node, DeviceKind.HCA, chosen_h, hcas, view, free, used)
+                chosen.update(chosen_h)
             if chosen_g and chosen_h:
                 levels = [min(topology.level(g, h) for h in chosen_h) for g in chosen_g]
                 level = Level(max(levels))
@@ -716,6 +722,7 @@ def place(node: NodeState, shape: Shape, allocator: Allocator | None = None) -> 
         before - after,
         {kind: frozenset(ids) for kind, ids in free.items()},
         used if node.replicas else None,
+        frozenset(chosen),
     )
 
 

@@ -91,16 +91,24 @@ def freed(node: NodeState, victims: Sequence[Candidate]) -> NodeState:
     return node.without([Holding("", "", None, victim.devices) for victim in victims])
 
 
+def _units(node: NodeState, kind: DeviceKind) -> int:
+    """Units free of a kind: a free exclusive device is one, a shared one
+    its replicas not held."""
+    replicas, used = node.replicas, node.used
+    return sum(replicas[d] - used.get(d, 0) if d in replicas else 1 for d in node.free[kind])
+
+
 def _covers(node: NodeState, shape: Shape, victims: Sequence[Candidate]) -> bool:
     """Whether the devices back would be enough by count (no placement
-    tried); always, on a node with shared devices (replicas are not counted
-    here: a set is never skipped wrongly)."""
-    if node.replicas:
-        return True
-    freed = {d for victim in victims for d in victim.devices}
-    gpus = node.free[DeviceKind.GPU] | (freed & node.topology.id_set(DeviceKind.GPU))
-    hcas = node.free[DeviceKind.HCA] | (freed & node.topology.id_set(DeviceKind.HCA))
-    return len(gpus) >= shape.gpus and len(hcas) >= shape.hcas
+    tried): each victim gives back a unit of each device it holds (a
+    replica of a shared one). Counted per kind, not per resource: never
+    less than the pod could get, so no set is skipped wrongly."""
+    for kind, need in ((DeviceKind.GPU, shape.gpus), (DeviceKind.HCA, shape.hcas)):
+        ids = node.topology.id_set(kind)
+        back = sum(len(victim.devices & ids) for victim in victims)
+        if _units(node, kind) + back < need:
+            return False
+    return True
 
 
 def _order(victims: Sequence[Candidate]) -> tuple[Candidate, ...]:
@@ -172,13 +180,10 @@ def floor_level(node: NodeState, shape: Shape) -> int:
 
 
 def _smallest_size(node: NodeState, shape: Shape, useful: Sequence[Candidate]) -> int:
-    """The fewest candidates whose devices could cover the pod's counts
-    (0 on a node with shared devices: not counted here)."""
-    if node.replicas:
-        return 0
+    """The fewest candidates whose devices could cover the pod's counts."""
     gpu_ids, hca_ids = node.topology.id_set(DeviceKind.GPU), node.topology.id_set(DeviceKind.HCA)
-    short_g = shape.gpus - len(node.free[DeviceKind.GPU])
-    short_h = shape.hcas - len(node.free[DeviceKind.HCA])
+    short_g = shape.gpus - _units(node, DeviceKind.GPU)
+    short_h = shape.hcas - _units(node, DeviceKind.HCA)
     sizes = []
     for short, ids in ((short_g, gpu_ids), (short_h, hca_ids)):
         counts = sorted((len(c.devices & ids) for c in useful), reverse=True)
