@@ -62,12 +62,19 @@ class _Live:
 
 
 def _pod(name: str, node: str, requests: dict[str, int], priority: int) -> PodInfo:
-    return parse_pod({
-        "metadata": {"name": name, "namespace": "default", "uid": f"uid-{name}"},
-        "spec": {"nodeName": node, "priority": priority, "containers": [
-            {"name": "c", "resources": {"limits": {k: str(v) for k, v in requests.items()}}}]},
-        "status": {"phase": "Running"},
-    })  # fmt: skip
+    return parse_pod(
+        {
+            "metadata": {"name": name, "namespace": "default", "uid": f"uid-{name}"},
+            "spec": {
+                "nodeName": node,
+                "priority": priority,
+                "containers": [
+                    {"name": "c", "resources": {"limits": {k: str(v) for k, v in requests.items()}}}
+                ],
+            },
+            "status": {"phase": "Running"},
+        }
+    )
 
 
 def fleet(layouts: Layouts, count: int, varied: bool, seed: int = 1) -> Fleet:
@@ -121,10 +128,15 @@ def _mig(
         if entry["kind"] == "gpu" and entry["id"] in parents:
             slice_ = {"parentUUID": entry["id"], "profile": "1g.10gb"}
             devices.extend(
-                {**entry, "id": f"MIG-{entry['id']}-{k}", "nvlinkPeers": [], "resource": MIG,
-                 "mig": slice_}
+                {
+                    **entry,
+                    "id": f"MIG-{entry['id']}-{k}",
+                    "nvlinkPeers": [],
+                    "resource": MIG,
+                    "mig": slice_,
+                }
                 for k in range(slices)
-            )  # fmt: skip
+            )
             continue
         if entry["kind"] == "gpu":
             entry["resource"] = GPU
@@ -266,8 +278,10 @@ def preempt_scale_bench(quick: bool = False) -> bool:
     count = 200 if quick else NODES
     print(f"Preempt at fleet size: {GPUS}-GPU nodes full of one-GPU pods, an 8 GPU + 4 HCA")
     print("preemptor, every node proposed (one call, in process)")
-    print(f"{'fleet':<8} {'nodes':>6} {'answer':>8} {'chosen':>7} {'victims':>8} "
-          f"{'unsearched':>9} {'unproven':>8}")  # fmt: skip
+    print(
+        f"{'fleet':<8} {'nodes':>6} {'answer':>8} {'chosen':>7} {'victims':>8} "
+        f"{'unsearched':>9} {'unproven':>8}"
+    )
     met = True
     for name in ("alike", "varied", "shared", "mig"):
         ok, line = _call(name, count if name in ("alike", "varied") else min(count, KINDS_NODES))

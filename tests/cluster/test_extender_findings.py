@@ -198,3 +198,55 @@ def test_the_pod_watch_keeps_mig_only_pods(
     _bound(api, "sliced", "m", {"nvidia.com/mig-2g.20gb": 1})
     synced(extender, set())
     assert wait_until(lambda: extender[0].pods.get("uid-sliced") is not None, timeout=10)
+
+
+class _Ticking:
+    """A clock that moves on a tenth of a second each time it is read."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        self.now += 0.1
+        return self.now
+
+
+def test_a_preempt_call_over_many_full_nodes_stops_at_its_deadline(
+    api: ApiServerImitation, tmp_path: Path, extender: Running
+) -> None:
+    # 16-GPU nodes full of one-GPU pods, an 8-GPU preemptor: every node's
+    # search is long, and the call as a whole must end at its deadline
+    # with the best found so far, the nodes left counted.
+    inv = inventory("16-gpu", tmp_path / "inv")
+    names = [f"full-{n}" for n in range(6)]
+    for n, node in enumerate(names):
+        held = []
+        # Each node with its own free GPUs (n of them): no two searches alike.
+        for i, gpu in enumerate(inv.gpus[n:], start=n):
+            name = f"{node}-p{i}"
+            held.append(_holder(name, (gpu.uuid,)))
+            _bound(api, name, node, {GPU: 1})
+        put_record(api, node, "16-gpu", tmp_path, held=held)
+    synced(extender, set(names))
+    assert wait_until(
+        lambda: all(len(extender[0].pods.on_node(f"full-{n}")) == 16 - n for n in range(6)),
+        timeout=10,
+    )
+    verb = extender[0].preemption
+    verb._clock = _Ticking()  # each node's search sees time pass
+    urgent = pod("urgent", [{GPU: 8, HCA: 1}])
+    urgent["spec"]["priority"] = 1000
+    proposed = {
+        node: {"Pods": [{"UID": f"uid-{node}-p{i}"} for i in range(n, 16)], "NumPDBViolations": 0}
+        for n, node in enumerate(names)
+    }
+    answer = verb.preempt({"Pod": urgent, "NodeNameToMetaVictims": proposed})
+    chosen = answer["NodeNameToMetaVictims"]
+    assert chosen  # the best found before the deadline
+    assert all(len(v["Pods"]) <= 8 for v in chosen.values())
+    metrics = extender[0].metrics.registry
+    left = metrics.get_sample_value(
+        "devplugin_extender_preempt_unproven_total", {"why": "deadline"}
+    )
+    assert left is not None
+    assert 0 < left < len(names)
