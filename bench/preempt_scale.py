@@ -30,9 +30,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from devplugin.extender.answers import ChangeLog
 from devplugin.extender.liveness import Record
 from devplugin.extender.metrics import ExtenderMetrics
 from devplugin.extender.preemption import PreemptVerb
+from devplugin.extender.verdicts import Verdicts
 from devplugin.extender.victims import candidates
 from devplugin.extender.views import Layouts, NodeViews, parse_record
 from devplugin.policy.placement import shape_of
@@ -212,10 +214,23 @@ def _verb(layouts: Layouts, fleet: Fleet, metrics: ExtenderMetrics) -> PreemptVe
         gpu=GPU,
         hca=HCA,
     )
-    return PreemptVerb(
+    live = _Live(fleet.records)
+
+    def on_node(node: str) -> tuple[PodInfo, ...]:
+        return fleet.pods.get(node, ())
+
+    verdicts = Verdicts(
         views,
-        _Live(fleet.records),  # type: ignore[arg-type]
-        lambda node: fleet.pods.get(node, ()),
+        live,  # type: ignore[arg-type]
+        on_node,
+        lambda uid: None,
+        ChangeLog(),
+        names=(GPU, HCA),
+    )
+    return PreemptVerb(
+        verdicts,
+        live,  # type: ignore[arg-type]
+        on_node,
         None,
         metrics,
         names=(GPU, HCA),

@@ -21,7 +21,7 @@ import math
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Generic, TypeVar
 
 V = TypeVar("V", bound=Hashable)
@@ -108,12 +108,12 @@ class Answers(Generic[V]):
         names: Sequence[str],
         compute: Compute[V],
         *,
-        unkept: Iterable[str] = (),
+        partial: bool = False,
     ) -> tuple[dict[str, V], int]:
         """Every name's answer (a copy: the caller may keep it), and how
         many were kept from before. `compute` is given the names the table
-        lacks; the names in `unkept` are always computed and not kept (the
-        node the asking pod is already bound to answers differently for it)."""
+        lacks; with `partial` it may answer only some of them (a deadline),
+        and the others are left out."""
         with self._lock:
             table = self._tables.get(key)
             if table is None:
@@ -134,11 +134,10 @@ class Answers(Generic[V]):
                 self._fill(table, compute(missing))
             table.mark = mark
             # Only the names asked (the table may hold ten times as many).
-            found = dict(zip(names, map(values.__getitem__, names), strict=True))
-        skip = [name for name in unkept if name in found]
-        if skip:
-            for name, (value, _) in compute(skip).items():
-                found[name] = value
+            if partial:
+                found = {name: values[name] for name in names if name in values}
+            else:
+                found = dict(zip(names, map(values.__getitem__, names), strict=True))
         return found, kept
 
     def _catch_up(self, table: _Table[V], mark: int) -> None:

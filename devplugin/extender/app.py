@@ -127,7 +127,13 @@ class Extender:
         )
         self.resources = ResourceVerbs(self.verdicts, self.liveness, names)
         self.preemption = PreemptVerb(
-            self.views, self.liveness, pods.on_node, budgets, self.metrics, names=names, clock=clock
+            self.verdicts,
+            self.liveness,
+            pods.on_node,
+            budgets,
+            self.metrics,
+            names=names,
+            clock=clock,
         )
         self.claims = ClaimVerbs(dra, self.liveness, clock)
 

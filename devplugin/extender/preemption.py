@@ -15,9 +15,12 @@ counted in devplugin_extender_preempt_unproven_total{why}.
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
+from types import MappingProxyType
 from typing import Any
 
 from devplugin.cluster.watch import WatchCache
@@ -26,8 +29,8 @@ from devplugin.extender.budgets import DisruptionBudget
 from devplugin.extender.liveness import Liveness
 from devplugin.extender.metrics import ExtenderMetrics
 from devplugin.extender.serving import BadRequest, Verb
+from devplugin.extender.verdicts import NO_VICTIMS, UNTOLD_VICTIMS, PodKind, Verdicts, Victims
 from devplugin.extender.victims import answer, candidates, proposed_victims, unchanged
-from devplugin.extender.views import NodeViews
 from devplugin.model import DeviceKind
 from devplugin.policy.allocator import Allocator
 from devplugin.policy.placement import NodeState, Requirement, Shape
@@ -37,6 +40,7 @@ from devplugin.policy.preemption import Eviction, Search, search_victims
 # The scheduler waits 5 s for an extender by default (httpTimeout); the
 # searches stop here, leaving time to encode and send the answer.
 DEADLINE = 1.5
+NO_BUDGETS: Mapping[str, DisruptionBudget] = MappingProxyType({})
 # Searches remembered per call for nodes alike.
 MEMO = 1024
 # A node's search may take at least this long, whatever its share of the
@@ -106,7 +110,7 @@ def _mapped(node: NodeState, bound: tuple[PodInfo, ...], known: _Known) -> Evict
 class PreemptVerb:
     def __init__(
         self,
-        views: NodeViews,
+        verdicts: Verdicts,
         liveness: Liveness,
         on_node: Callable[[str], tuple[PodInfo, ...]],
         budgets: WatchCache[DisruptionBudget] | None,
@@ -116,8 +120,11 @@ class PreemptVerb:
         deadline: float = DEADLINE,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.views = views
+        self.verdicts = verdicts
+        self.views = verdicts.views
         self.liveness = liveness
+        # The budgets snapshot last seen and its number (verdicts key on it).
+        self._budgets_seen: tuple[int, Mapping[str, DisruptionBudget] | None] = (0, None)
         self._on_node = on_node
         self.budgets = budgets
         self.metrics = metrics
@@ -129,7 +136,9 @@ class PreemptVerb:
         return {"/scheduler/preempt": self.preempt}
 
     def preempt(self, args: Mapping[str, Any]) -> dict[str, Any]:
-        """Per node, the victims that free the best aligned set."""
+        """Per node, the victims that free the best aligned set: kept per
+        node and pod kind (verdicts.Victims) across calls, as the filter's
+        verdicts are; the nodes the watches touched since are searched again."""
         ends = self._clock() + self.deadline
         pod = pod_arg(args)
         try:
@@ -139,36 +148,70 @@ class PreemptVerb:
         shape, requirement = pod_kind(pod, self.gpu, self.hca)
         if not shape.wants_devices:
             return unchanged(proposed)
-        fresh = self.liveness.fresh()
-        budgets = self.budgets.items().values() if self.budgets is not None else ()
-        evictions: dict[str, Eviction] = {}
-        untold: dict[str, tuple[list[str], int]] = {}
-        refused = model_refusals(pod, list(proposed), fresh)
-        memo: dict[tuple[Any, ...], _Known] = {}
-        left = 0
+        refused = model_refusals(pod, list(proposed), self.liveness.fresh())
         order = [node for node in proposed if node not in refused]
-        for done, node in enumerate(order):
+        budgets = self.budgets.items() if self.budgets is not None else NO_BUDGETS
+        kind = PodKind(shape, requirement, pod.priority)
+        # A budget's change is no node's event: the budgets as they stand are
+        # part of the question (their snapshot is replaced on every change).
+        key = ("victims", kind.key(self.views.shape_id(shape)), self._budgets_token(budgets))
+        personal = self.verdicts.bound_node(pod.uid)
+        shared = [node for node in order if node != personal]
+        compute = partial(self._victims, pod, shape, list(budgets.values()), ends)
+        found, kept = self.verdicts.victims.read(key, shared, compute, partial=True)
+        if kept:
+            self.metrics.memo.labels("hit").inc(kept)
+        if personal in order:
+            found.update({n: v for n, (v, _) in compute([personal]).items()})
+        left = len(order) - len(found)
+        if left:
+            self.metrics.preempt_unproven.labels("deadline").inc(left)
+        evictions: dict[str, Victims] = {}
+        untold: dict[str, tuple[list[str], int]] = {}
+        for node, victims in found.items():
+            if victims.untold:
+                untold[node] = proposed[node]
+            elif victims.uids and _meets(victims.level, requirement):
+                evictions[node] = victims
+        return answer(evictions, untold)
+
+    def _budgets_token(self, budgets: Mapping[str, DisruptionBudget]) -> int:
+        if budgets is not self._budgets_seen[1]:
+            self._budgets_seen = (self._budgets_seen[0] + 1, budgets)
+        return self._budgets_seen[0]
+
+    def _victims(
+        self,
+        pod: PodInfo,
+        shape: Shape,
+        budgets: list[DisruptionBudget],
+        ends: float,
+        names: Sequence[str],
+    ) -> dict[str, tuple[Victims, float]]:
+        """Each node's victims, searched in order until the call's deadline;
+        an answer the deadline cut short is for this call only."""
+        until: dict[str, float] = {}
+        fresh = self.liveness.fresh(until)
+        memo: dict[tuple[Any, ...], _Known] = {}
+        found: dict[str, tuple[Victims, float]] = {}
+        for done, node in enumerate(names):
             now = self._clock()
             if now >= ends:
-                left = len(order) - done
                 break
             record = fresh(node)
             state = self.views.state(record.parsed, record) if record is not None else None
             if state is None:
-                untold[node] = proposed[node]
+                found[node] = (UNTOLD_VICTIMS, until.get(node, math.inf))
                 continue
             # Each node at least its share of the time left, or a floor.
-            until = min(ends, now + max(NODE_SLICE, (ends - now) / (len(order) - done)))
+            slice_ends = min(ends, now + max(NODE_SLICE, (ends - now) / (len(names) - done)))
             bound = self._on_node(node)
-            eviction = self._search(
-                state[0], bound, pod.priority, shape, state[1], budgets, memo, until
+            eviction, timed_out = self._search(
+                state[0], bound, pod.priority, shape, state[1], budgets, memo, slice_ends
             )
-            if eviction is None or not eviction.victims or not _meets(eviction, requirement):
-                continue  # no eviction lets it fit (as required), or none is needed
-            evictions[node] = eviction
-        if left:
-            self.metrics.preempt_unproven.labels("deadline").inc(left)
-        return answer(evictions, untold)
+            kept_until = now if timed_out else until.get(node, math.inf)
+            found[node] = (_victims_of(eviction), kept_until)
+        return found
 
     def _search(
         self,
@@ -177,30 +220,34 @@ class PreemptVerb:
         priority: int,
         shape: Shape,
         allocator: Allocator,
-        budgets: Iterable[DisruptionBudget],
+        budgets: list[DisruptionBudget],
         memo: dict[tuple[Any, ...], _Known],
         until: float,
-    ) -> Eviction | None:
-        every = list(budgets)
-        key = _signature(node, bound, priority, bool(every))
+    ) -> tuple[Eviction | None, bool]:
+        """The node's eviction, and whether the deadline cut its search."""
+        key = _signature(node, bound, priority, bool(budgets))
         known = memo.get(key) if key is not None else None
         if known is not None:
-            return _mapped(node, bound, known)
-        found, allowed = candidates(node, bound, priority, every)
+            return _mapped(node, bound, known), known.search.timed_out
+        found, allowed = candidates(node, bound, priority, budgets)
         result = search_victims(
             node, shape, allocator, found, allowed, deadline=until, clock=self._clock
         )
-        if not result.exact:
+        if not result.exact and not result.timed_out:
             self.metrics.preempt_unproven.labels("budget").inc()
         if key is not None and len(memo) < MEMO:
             memo[key] = _Known(result, _positions(node, result.eviction))
-        return result.eviction
+        return result.eviction, result.timed_out
 
 
-def _meets(eviction: Eviction, requirement: Requirement) -> bool:
+def _victims_of(eviction: Eviction | None) -> Victims:
+    if eviction is None or not eviction.victims:
+        return NO_VICTIMS
+    level = int(eviction.level) if eviction.level is not None else 0
+    return Victims(tuple(v.uid for v in eviction.victims), eviction.violations, level)
+
+
+def _meets(level: int, requirement: Requirement) -> bool:
     return not (
-        requirement.required
-        and requirement.level is not None
-        and eviction.level is not None
-        and eviction.level > requirement.level
+        requirement.required and requirement.level is not None and level > int(requirement.level)
     )

@@ -48,6 +48,21 @@ class NodeVerdict:
 UNTOLD = NodeVerdict(PASS, "", None, None, math.inf)
 
 
+@dataclass(frozen=True, slots=True)
+class Victims:
+    """What preemption takes from a node for one pod kind: the pods whose
+    eviction gives the pod its best level there, with the fewest victims."""
+
+    uids: tuple[str, ...]  # highest priority first; (): none helps, or none is needed
+    violations: int  # PodDisruptionBudgets broken
+    level: int  # the pod's worst GPU-HCA level once they are gone (0: no pair)
+    untold: bool = False  # the node has no usable record: nothing can be told
+
+
+NO_VICTIMS = Victims((), 0, 0)
+UNTOLD_VICTIMS = Victims((), 0, 0, untold=True)
+
+
 @dataclass(frozen=True)
 class PodKind:
     shape: Shape
@@ -82,6 +97,10 @@ class Verdicts:
         self._names = names
         self._count = count
         self.answers: Answers[NodeVerdict] = Answers(changes, clock)
+        # Per pod kind (and PodDisruptionBudgets as they stand), each node's
+        # victims: read by the preempt verb, caught up by the same log.
+        self.victims: Answers[Victims] = Answers(changes, clock)
+        self.bound_node = bound_node
 
     def of(self, pod: PodInfo, kind: PodKind, names: list[str]) -> dict[str, NodeVerdict]:
         """Each named node's verdict for the pod."""

@@ -17,13 +17,13 @@ them by its own rules (fewest PDB violations, lowest highest priority,
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from devplugin.extender.budgets import DisruptionBudget
 from devplugin.model import DeviceKind
 from devplugin.policy.placement import NodeState, Shape, shape_of
 from devplugin.policy.podinfo import PodInfo
-from devplugin.policy.preemption import Candidate, Eviction
+from devplugin.policy.preemption import Candidate
 
 # Nodes per call at most (the scheduler sends at most max(10% of nodes,
 # 100) candidates; a body this large is not one of its).
@@ -159,8 +159,21 @@ def _per_resource(shape: Shape) -> dict[tuple[DeviceKind, str], int]:
     return found
 
 
+class Chosen(Protocol):
+    """A node's victims as the answer reads them (verdicts.Victims)."""
+
+    @property
+    def uids(self) -> tuple[str, ...]: ...
+
+    @property
+    def violations(self) -> int: ...
+
+    @property
+    def level(self) -> int: ...
+
+
 def answer(
-    evictions: Mapping[str, Eviction],
+    evictions: Mapping[str, Chosen],
     untold: Mapping[str, tuple[list[str], int]],
 ) -> dict[str, Any]:
     """ExtenderPreemptionResult: the nodes whose eviction reaches the best
@@ -170,11 +183,11 @@ def answer(
     record), kept as proposed only when no node it knows can take the pod."""
     result: dict[str, Any] = {}
     if evictions:
-        best = min((_level(e), len(e.victims)) for e in evictions.values())
+        best = min((e.level, len(e.uids)) for e in evictions.values())
         for node, eviction in evictions.items():
-            if (_level(eviction), len(eviction.victims)) == best:
+            if (eviction.level, len(eviction.uids)) == best:
                 result[node] = {
-                    "Pods": [{"UID": victim.uid} for victim in eviction.victims],
+                    "Pods": [{"UID": uid} for uid in eviction.uids],
                     "NumPDBViolations": eviction.violations,
                 }
     else:
@@ -182,10 +195,6 @@ def answer(
             if uids:
                 result[node] = {"Pods": [{"UID": u} for u in uids], "NumPDBViolations": violations}
     return {"NodeNameToMetaVictims": result}
-
-
-def _level(eviction: Eviction) -> int:
-    return int(eviction.level) if eviction.level is not None else 0
 
 
 def unchanged(proposed: Mapping[str, tuple[Sequence[str], int]]) -> dict[str, Any]:

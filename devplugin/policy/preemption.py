@@ -147,6 +147,7 @@ class Search:
     exact: bool  # False: the budget or the deadline ended it first
     placements: int  # sets placed
     looked: int  # sets looked at (placed, or skipped by count)
+    timed_out: bool = False  # the deadline ended it (an answer that depends on time)
 
 
 def floor_level(node: NodeState, shape: Shape) -> int:
@@ -207,7 +208,7 @@ def _locality(node: NodeState, candidate: Candidate) -> tuple[object, ...]:
 SKIP_COST = 1 / 64
 # Placements spent finishing a size once the best level is reached (the
 # tie-breaks after the victim count).
-TIE_BUDGET = 256
+TIE_BUDGET = 64
 
 
 def search_victims(
@@ -235,10 +236,10 @@ def search_victims(
         for victims in itertools.combinations(useful, size):
             spent += SKIP_COST
             looked += 1
-            if spent >= budget or (
-                deadline is not None and placements % 16 == 0 and clock() >= deadline
-            ):
+            if spent >= budget:
                 return Search(best, False, placements, looked)
+            if deadline is not None and placements % 16 == 0 and clock() >= deadline:
+                return Search(best, False, placements, looked, timed_out=True)
             if reached_at is not None and spent - reached_at > TIE_BUDGET:
                 break  # the level and count are proven; enough tie-breaking
             if not _covers(node, shape, victims):

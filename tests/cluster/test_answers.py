@@ -111,16 +111,24 @@ def test_an_answer_that_goes_stale_with_time_is_dropped_when_it_does() -> None:
     assert asked == ["lease"]
 
 
-def test_unkept_nodes_are_answered_for_the_caller_only() -> None:
+def test_a_partial_computation_leaves_out_what_it_did_not_answer() -> None:
     log = ChangeLog()
     answers: Answers[int] = Answers(log)
+
     state = {"a": 1, "b": 2}
-    found, _ = answers.read("k", ["a", "b"], Counting(state))
-    special = Counting({"a": 1, "b": 99})
-    found, _ = answers.read("k", ["a", "b"], special, unkept=["b", "elsewhere"])
-    assert found == {"a": 1, "b": 99}
-    assert special.asked == ["b"]
-    assert answers.read("k", ["a", "b"], Counting(state))[0] == state
+
+    def first_only(names: Sequence[str]) -> dict[str, tuple[int, float]]:
+        return {names[0]: (state[names[0]], math.inf)} if names else {}
+
+    found, kept = answers.read("k", ["a", "b"], first_only, partial=True)
+    assert len(found) == 1
+    assert kept == 0
+    # What was answered is kept; the rest is asked again.
+    again = Counting(state)
+    found, kept = answers.read("k", ["a", "b"], again, partial=True)
+    assert found == state
+    assert kept == 1
+    assert len(again.asked) == 1
 
 
 def test_tables_past_the_limit_go_least_recently_asked_first() -> None:

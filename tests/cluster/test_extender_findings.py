@@ -250,3 +250,39 @@ def test_a_preempt_call_over_many_full_nodes_stops_at_its_deadline(
     )
     assert left is not None
     assert 0 < left < len(names)
+
+
+def test_preempt_reads_the_victims_kept_per_node_and_pod_kind(
+    api: ApiServerImitation, tmp_path: Path, extender: Running
+) -> None:
+    inv = inventory("hgx-h100", tmp_path / "inv")
+    for node in ("a", "b"):
+        held = [_holder(f"{node}-p{i}", (g.uuid,)) for i, g in enumerate(inv.gpus)]
+        for i in range(len(inv.gpus)):
+            _bound(api, f"{node}-p{i}", node, {GPU: 1})
+        put_record(api, node, "hgx-h100", tmp_path, held=held)
+    synced(extender, {"a", "b"})
+    assert wait_until(lambda: len(extender[0].pods.on_node("b")) == 8, timeout=10)
+    urgent = pod("urgent", [{GPU: 2, HCA: 2}])
+    urgent["spec"]["priority"] = 1000
+    proposed = {
+        node: {"Pods": [{"UID": f"uid-{node}-p{i}"} for i in range(8)], "NumPDBViolations": 0}
+        for node in ("a", "b")
+    }
+    args = {"Pod": urgent, "NodeNameToMetaVictims": proposed}
+    registry = extender[0].metrics.registry
+
+    def hits() -> float:
+        return registry.get_sample_value("devplugin_extender_memo_total", {"result": "hit"}) or 0
+
+    first = verbs_agree(extender, "preempt", args)
+    assert {len(v["Pods"]) for v in first["NodeNameToMetaVictims"].values()} == {2}
+    before = hits()
+    assert verbs_agree(extender, "preempt", args) == first
+    assert hits() - before >= 2  # both nodes' victims read, none searched again
+    # A pod on a ends: a is searched again, and now needs one victim fewer.
+    api.remove("pods", "a-p0", "default")
+    assert wait_until(lambda: extender[0].pods.get("uid-a-p0") is None, timeout=10)
+    again = verbs_agree(extender, "preempt", args)
+    assert list(again["NodeNameToMetaVictims"]) == ["a"]
+    assert len(again["NodeNameToMetaVictims"]["a"]["Pods"]) == 1
