@@ -20,12 +20,12 @@ from devplugin.cluster.claims import ApiClaimReader
 from devplugin.cluster.client import Heartbeat, make_client
 from devplugin.cluster.events import EventRecorder
 from devplugin.cluster.lease import LeaseKeeper
-from devplugin.cluster.node_labels import NodeLabeller, inventory_labels
+from devplugin.cluster.node_labels import NodeFacts, NodeLabeller, inventory_labels, node_cache
 from devplugin.cluster.pods import PodCache
 from devplugin.cluster.publisher import RecordPublisher
 from devplugin.cluster.record import Registration, build_status
 from devplugin.cluster.slices import Desired, SlicePublisher, slice_cache
-from devplugin.cluster.watch import WatchTiming
+from devplugin.cluster.watch import WatchCache, WatchTiming
 from devplugin.config import Config, lease_namespace, node_name
 from devplugin.loops import Loop
 from devplugin.model import DeviceKind, Inventory
@@ -110,6 +110,7 @@ class ClusterSide:
     publisher: RecordPublisher | None = None
     lease: LeaseKeeper | None = None
     labeller: NodeLabeller | None = None
+    node_watch: WatchCache[NodeFacts] | None = None
     allocations: AllocatedClaims | None = None
 
     @classmethod
@@ -235,6 +236,10 @@ class ClusterSide:
         )
         core.pipeline.on_judged(labeller.poke)
         self.labeller = labeller
+        watcher = make_client(kube)
+        if watcher is not None:
+            self.node_watch = node_cache(watcher, node_name(self.config), WatchTiming.of(kube))
+            labeller.follow(self.node_watch)
 
     @property
     def loops(self) -> list[Loop]:
@@ -245,6 +250,7 @@ class ClusterSide:
             self.events,
             self.publisher,
             self.lease,
+            self.node_watch,
             self.labeller,
         ]
         return [loop for loop in found if loop is not None]

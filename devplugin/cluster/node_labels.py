@@ -8,9 +8,11 @@ for with what it last made true; only a difference costs a request. Then
 it reads the Node, builds a merge patch that touches only keys under the
 prefix (`policy/labels.py`) and sends it with the Node's resourceVersion,
 so a label someone else changed in between is never overwritten blind: a
-conflict reads again and retries. Every `resync` seconds the Node is read
-even without a change, which is how a label someone removed by hand comes
-back. Errors back off; nothing on an RPC path waits on this.
+conflict reads again and retries. A watch on the Node itself says when it
+was deleted and created again (a new uid: its labels are gone) or when one
+of our labels was changed by hand: either pokes the loop at once. Every
+`resync` seconds the Node is read even without a change, the safety net
+under the watch. Errors back off; nothing on an RPC path waits on this.
 """
 
 from __future__ import annotations
@@ -19,12 +21,15 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from lightkube import ApiError, Client
 from lightkube.types import PatchType
 
+from devplugin.cluster.client import Heartbeat
 from devplugin.cluster.objects import RawNode, as_dict
+from devplugin.cluster.watch import WatchCache, WatchTiming
 from devplugin.loops import Backoff, ThreadLoop
 from devplugin.model import Inventory
 from devplugin.policy.labels import PREFIX, GpuModel, label_patch, node_labels, sanitise
@@ -66,6 +71,41 @@ def inventory_labels(inventory: Inventory, mig_strategy: str | None = None) -> d
     return node_labels(gpus, len(inventory.hcas), mig_strategy)
 
 
+@dataclass(frozen=True)
+class NodeFacts:
+    """What the labeller reads of its Node: which Node it is, and our labels on it."""
+
+    uid: str
+    ours: Mapping[str, str]
+
+
+def node_facts(data: Mapping[str, Any]) -> tuple[str, NodeFacts]:
+    meta = data.get("metadata")
+    if not isinstance(meta, dict) or not isinstance(meta.get("name"), str):
+        raise ValueError("metadata.name missing")
+    labels = meta.get("labels") or {}
+    if not isinstance(labels, dict):
+        raise ValueError("metadata.labels must be an object")
+    ours = {k: str(v) for k, v in labels.items() if isinstance(k, str) and k.startswith(PREFIX)}
+    return meta["name"], NodeFacts(str(meta.get("uid") or ""), ours)
+
+
+def node_cache(
+    client: Client, node: str, timing: WatchTiming, heartbeat: Heartbeat | None = None
+) -> WatchCache[NodeFacts]:
+    """A watch on this node's own Node (one object: `metadata.name=<node>`)."""
+    return WatchCache(
+        client,
+        RawNode,
+        node_facts,
+        name="node",
+        namespaced=False,
+        fields={"metadata.name": node},
+        timing=timing,
+        heartbeat=heartbeat,
+    )
+
+
 class NodeLabeller(ThreadLoop):
     def __init__(
         self,
@@ -93,7 +133,34 @@ class NodeLabeller(ThreadLoop):
         # The labels last made true on the Node (None: not known yet).
         self._applied: dict[str, str] | None = None
         self._last_read = float("-inf")
+        # Bumped by each Node event that makes what was applied doubtful: a
+        # round that saw it change meanwhile does not trust its own result.
+        self._doubts = 0
         self.patches = 0
+
+    def follow(self, nodes: WatchCache[NodeFacts]) -> None:
+        """Act on the Node watch's events (on its thread)."""
+        nodes.listen_keys(self._node_event)
+
+    def _node_event(self, name: str, before: NodeFacts | None, after: NodeFacts | None) -> None:
+        if name != self._node:
+            return
+        applied = self._applied
+        if after is None:
+            self._doubts += 1
+            self._applied = None  # gone: the Node that comes back must be read
+            return
+        returned = before is None or before.uid != after.uid
+        if returned or applied is None or dict(after.ours) != applied:
+            if returned and before is not None:
+                log.info("Node %s was created again: its labels are written again", self._node)
+            self._doubts += 1
+            self._applied = None
+            self.poke()
+
+    def _settle(self, wanted: dict[str, str], doubts: int) -> None:
+        """Trust what this round made true, unless the Node changed meanwhile."""
+        self._applied = wanted if self._doubts == doubts else None
 
     def starting(self) -> None:
         log.info("labels of Node %s: keeping the devplugin.io/ ones", self._node)
@@ -112,6 +179,7 @@ class NodeLabeller(ThreadLoop):
         due = self._clock() - self._last_read >= self._resync
         if wanted == self._applied and not due:
             return False
+        doubts = self._doubts
         for attempt in range(ATTEMPTS):
             self._last_read = self._clock()
             node = as_dict(self._client.get(RawNode, self._node))
@@ -119,7 +187,7 @@ class NodeLabeller(ThreadLoop):
             current = metadata.get("labels") or {}
             patch = label_patch(current, wanted)
             if not patch:
-                self._applied = wanted
+                self._settle(wanted, doubts)
                 return False
             body: dict[str, Any] = {
                 "metadata": {"labels": patch, "resourceVersion": metadata.get("resourceVersion")}
@@ -130,7 +198,7 @@ class NodeLabeller(ThreadLoop):
                 if exc.status.code == 409 and attempt < ATTEMPTS - 1:
                     continue  # the Node changed meanwhile: judge the new one
                 raise
-            self._applied = wanted
+            self._settle(wanted, doubts)
             self.patches += 1
             log.info(
                 "Node %s labels: %s",

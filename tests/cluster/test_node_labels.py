@@ -14,7 +14,8 @@ import yaml
 from lightkube import ApiError
 
 from devplugin.cluster.client import make_client
-from devplugin.cluster.node_labels import NodeLabeller
+from devplugin.cluster.node_labels import NodeLabeller, node_cache
+from devplugin.cluster.watch import WatchTiming
 from devplugin.config import KubernetesConfig
 from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.node import hgx_node, replug, unplug_hca
@@ -193,3 +194,31 @@ def test_a_node_selector_on_the_labels_picks_the_model_the_daemons_labelled(
     # Two values, or a label operator, on a field: the term matches nothing.
     terms[0]["matchFields"] = [{"key": "metadata.name", "operator": "In", "values": ["a", "b"]}]
     assert not selector_fits(by_name, labels(api, "a100-node"), "a100-node")
+
+
+def test_labels_are_back_within_seconds_of_a_node_deleted_and_created_again(
+    api: ApiServerImitation, tmp_path: Path
+) -> None:
+    api.put("nodes", {"metadata": {"name": "node-1", "uid": "first"}})
+    labeller = _labeller(api, tmp_path, {"devplugin.io/gpu.count": "8"})
+    kubeconfig = tmp_path / "kubeconfig"
+    watcher = make_client(KubernetesConfig(enabled=True, kubeconfig=str(kubeconfig)))
+    assert watcher is not None
+    nodes = node_cache(watcher, "node-1", WatchTiming())
+    labeller.follow(nodes)
+    nodes.start()
+    labeller.start()
+    try:
+        assert wait_until(lambda: ours(api) == {"devplugin.io/gpu.count": "8"}, timeout=10)
+        # The Node goes and comes back bare (a node re-registered): the
+        # resync is an hour away, the watch says so now.
+        api.remove("nodes", "node-1")
+        api.put("nodes", {"metadata": {"name": "node-1", "uid": "second"}})
+        assert wait_until(lambda: ours(api) == {"devplugin.io/gpu.count": "8"}, timeout=5)
+        # A label of ours removed by hand comes back as soon.
+        api.put("nodes", {"metadata": {"name": "node-1", "uid": "second", "labels": {"x": "y"}}})
+        assert wait_until(lambda: ours(api) == {"devplugin.io/gpu.count": "8"}, timeout=5)
+        assert labels(api)["x"] == "y"
+    finally:
+        labeller.stop()
+        nodes.stop()
