@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
-from devplugin.model import GpuInfo, MigSlice
+from devplugin.model import GpuInfo, MigDevice, MigSlice
 
 STRATEGIES = ("none", "single", "mixed")
+# GPU slices a MIG-capable GPU has (A100, H100, H200, B200: 7).
+MAX_GPU_SLICES = 7
 # A slice's index is past every GPU's: unique, and never an NVLink peer.
 SLICE_INDEX_BASE = 1000
 
@@ -29,6 +31,58 @@ def profile_name(gpu_slices: int, compute_slices: int, memory_mib: int) -> str:
     gigabytes = (memory_mib + 1023) // 1024
     name = f"{gpu_slices}g.{gigabytes}gb"
     return f"{compute_slices}c.{name}" if 0 < compute_slices < gpu_slices else name
+
+
+def gpu_slices(profile: str) -> int:
+    """The GPU slices a profile name says (`1c.3g.40gb` -> 3); 0 when it says none."""
+    for part in profile.split("."):
+        if part.endswith("g") and part[:-1].isdigit():
+            return int(part[:-1])
+    return 0
+
+
+def report_problem(devices: Sequence[MigDevice]) -> str | None:
+    """Why one GPU's MIG devices as NVML listed them cannot be true (None
+    when they can): a device with no slices or no memory, a UUID listed
+    twice, one GPU instance with two sizes, or instances taking more
+    slices than the GPU has (overlapping placements)."""
+    seen: set[str] = set()
+    instances: dict[int, int] = {}
+    for device in devices:
+        slices = gpu_slices(device.profile)
+        if slices <= 0 or device.memory_mib <= 0:
+            return (
+                f"MIG device {device.uuid[:80]} reports profile {device.profile[:40]} with "
+                f"{device.memory_mib} MiB"
+            )
+        if device.uuid in seen:
+            return f"MIG device {device.uuid[:80]} is listed twice"
+        seen.add(device.uuid)
+        known = instances.setdefault(device.gpu_instance, slices)
+        if known != slices:
+            return f"GPU instance {device.gpu_instance} is listed with {known} and {slices} slices"
+    total = sum(instances.values())
+    if total > MAX_GPU_SLICES:
+        return f"its MIG devices take {total} of {MAX_GPU_SLICES} GPU slices (overlapping)"
+    return None
+
+
+def shared_uuids(devices_by_gpu: Mapping[int, Sequence[MigDevice]]) -> dict[int, str]:
+    """GPU index -> why, for each GPU listing a MIG UUID another GPU lists too."""
+    owners: dict[str, list[int]] = {}
+    for index, devices in devices_by_gpu.items():
+        for device in devices:
+            owners.setdefault(device.uuid, []).append(index)
+    found: dict[int, str] = {}
+    for uuid, gpus in owners.items():
+        if len(set(gpus)) > 1:
+            for index in gpus:
+                found.setdefault(
+                    index,
+                    f"MIG device {uuid[:80]} is listed under GPUs "
+                    + ", ".join(str(g) for g in sorted(set(gpus))),
+                )
+    return found
 
 
 def slice_index(parent_index: int, mig_index: int) -> int:

@@ -415,3 +415,63 @@ def test_init_hooks_get_the_mig_devices_ids(start_cluster: Start, tmp_path: Path
     (run,) = [r for r in runs(log) if "env" in r]
     assert run["env"]["DEVPLUGIN_RESOURCE"] == TWO_G
     assert run["env"]["DEVPLUGIN_DEVICE_IDS"] == device
+
+
+@pytest.mark.parametrize(
+    ("cut", "why"),
+    [
+        # Overlapping placements: GPU instances of 4 + 3 + 2 slices on a 7-slice GPU.
+        (
+            (("MIG-a", 1, 4, 40192), ("MIG-b", 2, 3, 40192), ("MIG-c", 3, 2, 19968)),
+            "9 of 7",
+        ),
+        ((("MIG-z", 1, 0, 9856),), "profile 0g.10gb"),  # a profile of no slices
+        ((("MIG-y", 1, 1, 0),), "0 MiB"),  # no memory
+    ],
+    ids=["overlapping", "zero-slices", "zero-memory"],
+)
+def test_an_inconsistent_mig_report_fails_that_gpu_closed(
+    start_cluster: Start, caplog: pytest.LogCaptureFixture, cut: Any, why: str
+) -> None:
+    cluster = mixed(start_cluster)
+    parent = cluster.node.gpus[0]
+    devices = tuple(
+        FixtureMigDevice(uuid, instance, 0, slices, 1, memory, 16)
+        for uuid, instance, slices, memory in cut
+    )
+    cluster.nvml.set_mig(0, FixtureMig(True, devices))
+    cluster.daemon.rescan()
+    listed = cluster.kubelet.devices
+    old = {mig_uuid(parent.uuid, i) for i in range(4)}
+
+    def served() -> set[str]:
+        return {d for r in (THREE_G, TWO_G, ONE_G, GPU) for d in listed(r)}
+
+    # Neither its old devices nor the reported ones are offered, nor the GPU whole.
+    assert wait_until(lambda: not old & served(), timeout=5)
+    assert not {uuid for uuid, *_ in cut} & served()
+    assert parent.uuid not in served()
+    # The other GPUs are served as before.
+    assert len(listed(THREE_G)) == 3
+    assert len(listed(GPU)) == 4
+    lines = [r.getMessage() for r in caplog.records if "not served" in r.getMessage()]
+    assert len(lines) == 1
+    assert "GPU 0" in lines[0]
+    assert why in lines[0]
+
+
+def test_a_mig_uuid_listed_under_two_gpus_fails_both_closed(start_cluster: Start) -> None:
+    cluster = mixed(start_cluster)
+    twin = mig_uuid(cluster.node.gpus[0].uuid, 2)  # GPU 0's third device...
+    listed = cluster.kubelet.devices
+    # ... reported again under GPU 1.
+    cluster.nvml.set_mig(1, FixtureMig(True, (FixtureMigDevice(twin, 5, 0, 1, 1, 9856, 16),)))
+    cluster.daemon.rescan()
+
+    def served() -> set[str]:
+        return {d for r in (THREE_G, TWO_G, ONE_G, GPU) for d in listed(r)}
+
+    first = {mig_uuid(cluster.node.gpus[0].uuid, i) for i in range(4)}
+    second = {mig_uuid(cluster.node.gpus[1].uuid, i) for i in range(4)}
+    assert wait_until(lambda: not (first | second) & served(), timeout=5)
+    assert len(listed(THREE_G)) == 2

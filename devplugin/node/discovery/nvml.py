@@ -17,7 +17,7 @@ from typing import Any
 
 from devplugin.model import GpuInfo, MigDevice, NvmlStatus, PciAddress, PciFunction
 from devplugin.node.deadline import Deadlines
-from devplugin.policy.mig import profile_name
+from devplugin.policy.mig import profile_name, report_problem, shared_uuids
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,8 @@ class _RawGpu:
     mig_capable: bool = False
     mig_enabled: bool = False
     mig: tuple[MigDevice, ...] = ()
+    # Why its MIG report cannot be true: the GPU is then served as nothing.
+    problem: str | None = None
 
 
 def load_pynvml() -> Any:
@@ -81,6 +83,8 @@ class NvmlGpuSource:
         # The last good description of each GPU index, so a GPU that NVML
         # loses stays listed (Unhealthy) instead of silently vanishing.
         self._known: dict[int, GpuInfo] = {}
+        # GPU index -> why its MIG report was last refused.
+        self._mig_problems: dict[int, str] = {}
 
     def _error_text(self, exc: BaseException) -> str:
         value = getattr(exc, "value", None)
@@ -136,6 +140,7 @@ class NvmlGpuSource:
                     raw.append(self._deadlines.call(f"gpu{index}", partial(self._read_gpu, index)))
                 except Exception as exc:  # noqa: BLE001 - NVML bindings raise various types
                     failed[index] = self._error_text(exc)
+            raw = self._sane(raw)
             index_by_address = {entry.address: entry.index for entry in raw}
             gpus = [
                 GpuInfo(
@@ -151,6 +156,7 @@ class NvmlGpuSource:
                     mig_devices=entry.mig,
                     nvlink_peers=self._peers(entry, raw, index_by_address),
                     pci=pci.get(entry.address),
+                    error=entry.problem,
                 )
                 for entry in raw
             ]
@@ -185,6 +191,31 @@ class NvmlGpuSource:
         cuda = int(lib.nvmlSystemGetCudaDriverVersion())
         count = int(lib.nvmlDeviceGetCount())
         return driver, cuda, count
+
+    def _sane(self, raw: list[_RawGpu]) -> list[_RawGpu]:
+        """Each GPU whose MIG report cannot be true (policy/mig.py) failed
+        closed: its devices dropped and the GPU marked with why, one line
+        logged when that changes."""
+        problems = shared_uuids({entry.index: entry.mig for entry in raw})
+        checked = []
+        for entry in raw:
+            problem = problems.get(entry.index) or report_problem(entry.mig)
+            if problem != self._mig_problems.get(entry.index):
+                if problem is not None:
+                    log.error("GPU %d (%s) not served: %s", entry.index, entry.uuid[:80], problem)
+                elif entry.index in self._mig_problems:
+                    log.info(
+                        "GPU %d (%s): its MIG report is consistent again",
+                        entry.index,
+                        entry.uuid[:80],
+                    )
+            if problem is None:
+                self._mig_problems.pop(entry.index, None)
+                checked.append(entry)
+                continue
+            self._mig_problems[entry.index] = problem
+            checked.append(dataclasses.replace(entry, mig=(), problem=f"MIG report: {problem}"))
+        return checked
 
     def _read_gpu(self, index: int) -> _RawGpu:
         lib = self._lib
