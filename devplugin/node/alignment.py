@@ -114,6 +114,10 @@ class AlignmentMonitor(ThreadLoop):
         self._coordinator = coordinator
         self._ledger = ledger
         self._kinds = {name: kind for kind, name in resource_names.items()}
+        # The mixed MIG strategy serves each profile as `<domain>/mig-<profile>`:
+        # what containers hold of those is held GPU devices too.
+        gpu = resource_names.get(DeviceKind.GPU)
+        self._mig_prefix = gpu.split("/", 1)[0] + "/mig-" if gpu else None
         self._interval = interval
         self._min_interval = min_interval
         self._clock = clock
@@ -144,6 +148,12 @@ class AlignmentMonitor(ThreadLoop):
         self.poll_once()
         return self._interval
 
+    def _kind_of(self, resource: str) -> DeviceKind | None:
+        kind = self._kinds.get(resource)
+        if kind is None and self._mig_prefix and resource.startswith(self._mig_prefix):
+            return DeviceKind.GPU
+        return kind
+
     def poll_once(self) -> bool:
         started = self._clock()
         self._last_call = started
@@ -162,7 +172,7 @@ class AlignmentMonitor(ThreadLoop):
             self._failing = None
         holdings: dict[tuple[str, str, str], dict[DeviceKind, list[str]]] = {}
         for entry in entries:
-            kind = self._kinds.get(entry.resource)
+            kind = self._kind_of(entry.resource)
             if kind is None:
                 continue
             physical = physical_ids(entry.device_ids)

@@ -31,6 +31,9 @@ class Verdicts:
     # devices held by containers (never cleaned on the judge's initiative)
     in_use: Mapping[DeviceKind, Set[str]]
     after_cleanup: bool = False
+    # device id -> why it is withheld whatever else is true (a GPU cut anew
+    # while a container still holds one of its old MIG devices)
+    withheld: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,11 @@ class Judgement:
 
 
 def verdict_for(kind: DeviceKind, device: str, verdicts: Verdicts) -> Verdict:
-    """Cleanup state first (it says most about a device), then latched faults."""
+    """Withheld first, then cleanup state (it says most about a device),
+    then latched faults."""
+    withheld = verdicts.withheld.get(device)
+    if withheld is not None:
+        return Verdict(Health.UNHEALTHY, withheld)
     return verdicts.cleanup.get((kind, device)) or verdicts.faults.get(device, HEALTHY)
 
 

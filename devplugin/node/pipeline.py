@@ -81,6 +81,10 @@ class Pipeline:
         self._sinks: dict[DeviceKind, Sink] = {}
         self._judged: list[Callable[[], None]] = []
         self._lock = threading.Lock()
+        # Served GPU ids gone while their GPU stayed (cut anew) and still
+        # held -> the GPU's UUID; the GPUs withheld for them at the last judgement.
+        self._former: dict[str, str] = {}
+        self._blocked: set[str] = set()
         self._topology_key: Hashable = None
         # Whether rdma_cm was there at the last scan with HCAs (None: none yet).
         self._rdma_cm: bool | None = None
@@ -144,6 +148,8 @@ class Pipeline:
             # A GPU cut anew (or made whole again) served someone through its
             # old devices: its new ones are cleaned before anyone gets them.
             self._cleanup.request_cleanup(DeviceKind.GPU, changed)
+        with self._lock:
+            self._former.update(vanished(self._current.inventory, inventory))
         hcas = self._hca_view.state(inventory) if self._hca_view is not None else None
         with self._lock:
             current = self._current
@@ -175,11 +181,13 @@ class Pipeline:
 
     def _judge_locked(self) -> None:
         current = self._current
+        in_use = {kind: self._cleanup.in_use(kind) for kind in current.live}
         verdicts = Verdicts(
             faults=self._health.verdicts(),
             cleanup=self._cleanup.verdicts(),
-            in_use={kind: self._cleanup.in_use(kind) for kind in current.live},
+            in_use=in_use,
             after_cleanup=self._after_cleanup,
+            withheld=self._withheld(current.inventory, in_use.get(DeviceKind.GPU, set())),
         )
         judgement = judge(current.live, verdicts)
         for kind, state in judgement.served.items():
@@ -200,6 +208,41 @@ class Pipeline:
             listener()
         for kind, device in judgement.cleanups:
             self._cleanup.request_cleanup(kind, device)
+
+    def _withheld(self, inventory: Inventory, held: set[str]) -> dict[str, str]:
+        """The devices of each GPU cut anew while a container still holds
+        one of its old devices: not offered, new or whole, until every such
+        holder is gone; then they are cleaned before anyone gets them."""
+        blocking: dict[str, list[str]] = {}
+        for old, physical in self._former.items():
+            if old in held:
+                blocking.setdefault(physical, []).append(old)
+        cleared = self._blocked - set(blocking)
+        self._blocked = set(blocking)
+        # Old devices nobody holds any more say nothing further.
+        self._former = {old: p for old, p in self._former.items() if old in held}
+        withheld: dict[str, str] = {}
+        for gpu in inventory.gpus:
+            physical = gpu.physical_uuid
+            if physical in blocking:
+                olds = ", ".join(sorted(blocking[physical])[:3])
+                withheld[gpu.uuid] = f"GPU {physical[:40]} was cut anew while {olds} is held"
+            elif physical in cleared:
+                # Its old holders are gone: what they may have left is cleaned.
+                self._cleanup.request_cleanup(DeviceKind.GPU, gpu.uuid)
+        return withheld
+
+
+def vanished(before: Inventory, after: Inventory) -> dict[str, str]:
+    """Served GPU ids that are gone while their physical GPU is still there
+    (its MIG layout changed): old id -> the physical GPU's UUID."""
+    present = {gpu.uuid for gpu in after.gpus}
+    physical = {gpu.physical_uuid for gpu in after.gpus}
+    return {
+        gpu.uuid: gpu.physical_uuid
+        for gpu in before.gpus
+        if gpu.uuid not in present and gpu.physical_uuid in physical
+    }
 
 
 def recut(before: Inventory, after: Inventory) -> list[str]:

@@ -475,3 +475,52 @@ def test_a_mig_uuid_listed_under_two_gpus_fails_both_closed(start_cluster: Start
     second = {mig_uuid(cluster.node.gpus[1].uuid, i) for i in range(4)}
     assert wait_until(lambda: not (first | second) & served(), timeout=5)
     assert len(listed(THREE_G)) == 2
+
+
+@pytest.mark.parametrize("after", ["recut", "whole"])
+def test_a_gpu_cut_anew_while_an_old_device_is_held_waits_for_its_holder(
+    start_cluster: Start, after: str
+) -> None:
+    cluster = mixed(start_cluster)
+    kubelet, parent = cluster.kubelet, cluster.node.gpus[0]
+    old = mig_uuid(parent.uuid, 0)  # GPU 0's 3g device
+    holders = {}
+    for i in range(4):  # every 3g device held, one per parent
+        pod = kubelet.admit(f"big{i}", [ContainerRequest("main", {THREE_G: 1})], order=[THREE_G])
+        (device,) = pod.container("main").devices[THREE_G]
+        holders[device] = f"big{i}"
+    assert old in holders
+    cluster.nvml.set_mig(0, recut_into_two() if after == "recut" else FixtureMig(False))
+    cluster.daemon.rescan()
+    new = ["MIG-recut-0", "MIG-recut-1"] if after == "recut" else [parent.uuid]
+    resource = ONE_G if after == "recut" else GPU
+
+    def health() -> dict[str, str]:
+        listed = kubelet.devices(resource)
+        return {d: listed[d].health for d in new if d in listed}
+
+    assert wait_until(lambda: len(health()) == len(new), timeout=5)
+    # Listed, never offered while the old device's container runs (their
+    # first-sight cleanup has long finished by the end of this second).
+    assert not wait_until(lambda: "Healthy" in health().values(), timeout=1.0)
+    # Another parent's holder ending frees nothing here.
+    other = next(d for d in holders if d != old)
+    kubelet.remove(holders[other])
+    assert wait_until(lambda: other in kubelet.devices(THREE_G), timeout=5)
+    assert not wait_until(lambda: "Healthy" in health().values(), timeout=1.0)
+    # The old holder ends: cleaned, then offered.
+    kubelet.remove(holders[old])
+    assert wait_until(lambda: set(health().values()) == {"Healthy"}, timeout=10)
+
+
+def test_a_held_mig_device_stays_held_across_podresources_polls(start_cluster: Start) -> None:
+    # PodResources lists MIG devices under their profile's resource: a poll
+    # that read only nvidia.com/gpu saw them go and released them in use.
+    cluster = mixed(start_cluster)
+    pod = cluster.kubelet.admit("small", [ContainerRequest("main", {ONE_G: 1})], order=[ONE_G])
+    (device,) = pod.container("main").devices[ONE_G]
+    core = cluster.daemon.core
+    polls = core.monitor.polls
+    assert wait_until(lambda: core.monitor.polls >= polls + 4, timeout=10)
+    assert device in core.cleanup.in_use(DeviceKind.GPU)
+    assert device in core.ledger.in_use(DeviceKind.GPU)
