@@ -484,7 +484,7 @@ def test_the_daemon_gets_api_access_with_the_least_rights_that_work(
     }
     assert rules == {
         ("", "pods"): ["get", "list", "watch"],
-        ("", "nodes"): ["get", "patch"],
+        ("", "nodes"): ["get", "list", "patch", "watch"],
         ("", "events"): ["create", "patch"],
         ("devplugin.io", "nodedevices"): sorted(
             ["get", "list", "watch", "create", "update", "patch"]
