@@ -258,7 +258,7 @@ class DiscoveryConfig:
 @dataclass(frozen=True)
 class KubeletConfig:
     # How often sockets are checked for a kubelet restart.
-    watch_interval_seconds: float = _checked(0.2, _positive)
+    watch_interval_seconds: float = _checked(1.0, _positive)
     register_timeout_seconds: float = _checked(5.0, _positive)
     register_backoff_initial_seconds: float = _checked(0.1, _positive)
     register_backoff_max_seconds: float = _checked(5.0, _positive)

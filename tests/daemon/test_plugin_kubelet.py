@@ -271,3 +271,21 @@ def test_changes_on_the_node_reach_list_and_watch(start_cluster: Start) -> None:
     assert cluster.kubelet.wait_for(unhealthy, timeout=5)
     (hca.directory / "infiniband" / hca.name / "ports" / "1" / "state").write_text("4: ACTIVE\n")
     assert cluster.kubelet.wait_for(lambda: not unhealthy(), timeout=5)
+
+
+def test_a_kubelet_restart_is_heard_at_once_not_at_the_next_poll(start_cluster: Start) -> None:
+    # The registrar's poll an hour apart: only the directory's events can
+    # make it register again within a second.
+    cluster = start_cluster(hgx_node(), **{"kubelet.watch_interval_seconds": 3600.0})
+    kubelet = cluster.kubelet
+    assert cluster.daemon.plugins.dirwatch is not None
+    assert cluster.daemon.plugins.dirwatch.watching
+    before = len(kubelet.registrations)
+    restarted_at = kubelet.restart()
+
+    def reregistered() -> bool:
+        fresh = {r.resource for r in kubelet.registrations[before:] if r.at >= restarted_at}
+        return fresh == {GPU, HCA}
+
+    assert kubelet.wait_for(reregistered, timeout=2.0)
+    assert kubelet.wait_for_devices(GPU, 8, timeout=2.0)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from devplugin.config import Config
+from devplugin.frontends.deviceplugin.dirwatch import DirWatch
 from devplugin.frontends.deviceplugin.kubelet import Registrar
 from devplugin.frontends.deviceplugin.server import (
     DevicePluginServicer,
@@ -43,9 +44,13 @@ class ResourceRecord:
 class DevicePluginFrontend:
     """The resources the kubelet learns of through the Device Plugin API."""
 
-    def __init__(self, records: list[ResourceRecord], registrar: Registrar) -> None:
+    def __init__(
+        self, records: list[ResourceRecord], registrar: Registrar, plugin_dir: Path | None = None
+    ) -> None:
         self.records = records
         self.registrar = registrar
+        # The kubelet's directory changing (a restart) pokes the registrar at once.
+        self.dirwatch = DirWatch(plugin_dir, registrar.poke) if plugin_dir is not None else None
 
     @classmethod
     def build(
@@ -128,7 +133,7 @@ class DevicePluginFrontend:
             backoff_max=kubelet.register_backoff_max_seconds,
             on_register=lambda name: registrations.labels(name).inc(),
         )
-        return cls(records, registrar)
+        return cls(records, registrar, plugin_dir)
 
     # -- views ----------------------------------------------------------------
     @property
@@ -203,9 +208,13 @@ class DevicePluginFrontend:
                 server.stop(grace=STOP_GRACE)
             raise
         self.registrar.start()
+        if self.dirwatch is not None and self.records:
+            self.dirwatch.start()
 
     def signal_stop(self) -> None:
         self.registrar.signal_stop()
+        if self.dirwatch is not None:
+            self.dirwatch.signal_stop()
         for record in self.records:
             record.servicer.close_streams()
 
@@ -213,6 +222,8 @@ class DevicePluginFrontend:
         for record in self.records:
             record.server.stop(grace=STOP_GRACE)
         self.registrar.join(timeout)
+        if self.dirwatch is not None:
+            self.dirwatch.join(timeout)
 
 
 class _FanOut:

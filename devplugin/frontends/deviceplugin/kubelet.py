@@ -129,7 +129,17 @@ class Registrar(ThreadLoop):
 
     def step(self) -> float:
         self.tick()
-        return self._interval
+        # The poll is the net under the directory's events; a registration
+        # waiting out its backoff is tried when that ends, not at the poll.
+        now = self._clock()
+        due = [
+            entry.next_attempt - now
+            for entry in self._entries
+            if entry.registered_with is None
+            and entry.attempted_with is not None
+            and entry.next_attempt > now
+        ]
+        return max(0.0, min([self._interval, *due]))
 
     def tick(self) -> None:
         for entry in self._entries:

@@ -24,13 +24,15 @@ from devplugin.node.discovery.mig_caps import mig_caps
 from devplugin.node.discovery.nvml import READ_TIMEOUT, NvmlGpuSource
 from devplugin.node.discovery.sysfs import (
     DescriptorsExhausted,
+    PortFiles,
     PortStates,
     gpu_control_nodes,
     hca_addresses,
     list_hcas,
+    port_files,
     read_hca,
     read_pci_functions,
-    read_port_states,
+    read_port_files,
 )
 from devplugin.policy.mig import served_gpus
 
@@ -89,6 +91,8 @@ class Discoverer:
         # Last good description of each HCA, by PCI function.
         self._hcas: dict[PciAddress, HcaInfo] = {}
         self._last = Inventory()
+        # The port files of the last scan's HCAs (worked out once per scan).
+        self._port_files: tuple[Inventory | None, PortFiles] = (None, ())
         self._incomplete: list[str] = []
 
     @property
@@ -104,13 +108,14 @@ class Discoverer:
         """The ports of the HCAs the last scan found, read now under a
         deadline; None when the read did not return in time (the next
         check reports the HCAs as it finds them)."""
-        names = [hca.name for hca in self._last.hcas]
-        if not names:
+        last = self._last
+        if not last.hcas:
             return ()
+        if self._port_files[0] is not last:
+            # Which files to read changes only with a scan: worked out once.
+            self._port_files = (last, port_files(self._roots.sysfs, last.hcas))
         try:
-            return self._deadlines.call(
-                "ports", partial(read_port_states, self._roots.sysfs, names)
-            )
+            return self._deadlines.call("ports", partial(read_port_files, self._port_files[1]))
         except Stuck:
             return None
 

@@ -281,7 +281,7 @@ PortStates = tuple[tuple[str, int, str, str], ...]
 
 
 def port_states_of(hcas: Sequence[HcaInfo]) -> PortStates:
-    """The port states a scan read, in the order `read_port_states` gives."""
+    """The port states a scan read, in the order `read_port_files` gives."""
     return tuple(
         sorted(
             (hca.name, port.number, port.state, port.phys_state)
@@ -291,22 +291,46 @@ def port_states_of(hcas: Sequence[HcaInfo]) -> PortStates:
     )
 
 
-def read_port_states(sysfs_root: Path, names: Sequence[str]) -> PortStates:
-    """The state and phys_state of every port of these HCAs, and nothing
-    else: two small reads a port, cheap enough to repeat every second."""
-    found: list[tuple[str, int, str, str]] = []
-    for name in names:
-        ports_dir = sysfs_root / "class" / "infiniband" / name / "ports"
-        for entry in _class_entries(ports_dir):
-            number = ascii_int(entry)
-            if number is None:
-                continue
-            port_dir = ports_dir / entry
-            state = read_text(port_dir / "state") or ""
-            phys_state = read_text(port_dir / "phys_state") or ""
-            found.append((name, number, state, phys_state))
-    found.sort(key=lambda item: (item[0], item[1]))
+# (HCA name, port number, its state file, its phys_state file): what the
+# port watch reads, worked out once per scan.
+PortFiles = tuple[tuple[str, int, str, str], ...]
+
+
+def port_files(sysfs_root: Path, hcas: Sequence[HcaInfo]) -> PortFiles:
+    """The state files of the ports the scan found, as plain paths."""
+    base = sysfs_root / "class" / "infiniband"
+    found = []
+    for hca in hcas:
+        for port in hca.ports:
+            where = base / hca.name / "ports" / str(port.number)
+            found.append((hca.name, port.number, str(where / "state"), str(where / "phys_state")))
     return tuple(found)
+
+
+def _small_read(path: str) -> str:
+    """A sysfs attribute's stripped text ("" when unreadable), without the
+    path objects and codecs `read_text` goes through: read every second."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        _raise_if_exhausted(exc)
+        return ""
+    try:
+        return os.read(fd, 256).decode("utf-8", "replace").strip()
+    except OSError:
+        return ""
+    finally:
+        os.close(fd)
+
+
+def read_port_files(files: PortFiles) -> PortStates:
+    """The states of these ports now, in the order `port_states_of` gives."""
+    return tuple(
+        sorted(
+            (name, number, _small_read(state), _small_read(phys))
+            for name, number, state, phys in files
+        )
+    )
 
 
 @dataclass(frozen=True)
