@@ -14,7 +14,7 @@ The cases, for every named layout and template the node can hold:
   watch (cluster/allocated.py), so the published counts include them;
 * in flight: the same, a watch event earlier: the scheduler has allocated
   and the counts do not know yet. Reported, not held to the goal: this is
-  the window of one event the design leaves (see the README).
+  the window of one event the design leaves (see docs/dra-and-cdi.md).
 """
 
 from __future__ import annotations

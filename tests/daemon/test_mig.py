@@ -61,7 +61,7 @@ def test_a_slice_gets_the_hca_on_its_parents_switch_and_the_container_sees_the_s
     topology = cluster.daemon.core.coordinator.topology
     for n in range(4):
         # The slice first: an HCA allocated before it is planned against
-        # every free GPU-kind device, not knowing the profile (see README).
+        # every free GPU-kind device, not knowing the profile (see docs/mig-and-sharing.md).
         pod = cluster.kubelet.admit(
             f"infer-{n}", [ContainerRequest("main", {ONE_G: 1, HCA: 1})], order=[ONE_G, HCA]
         )

@@ -1,4 +1,5 @@
-"""Every example in the README works as written."""
+"""Every example in the README and the docs works as written; every link
+between them leads somewhere; the configuration reference is the schema's."""
 
 from __future__ import annotations
 
@@ -18,15 +19,20 @@ from devplugin.testing.node import hgx_node
 from tests.conftest import GPU, HCA, Cluster
 from tests.waiting import wait_until
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 FENCE = re.compile(r"^( *)```(\w*)\n(.*?)^\1```", re.MULTILINE | re.DOTALL)
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+README_LINES = 300
 
 
 def blocks(language: str) -> list[str]:
     found = []
-    for indent, lang, body in FENCE.findall(README.read_text()):
-        if lang == language:
-            found.append("\n".join(line[len(indent) :] for line in body.splitlines()))
+    for page in PAGES:
+        for indent, lang, body in FENCE.findall(page.read_text()):
+            if lang == language:
+                found.append("\n".join(line[len(indent) :] for line in body.splitlines()))
     return found
 
 
@@ -57,10 +63,44 @@ def test_the_nvml_fixture_example_is_accepted() -> None:
     assert lib.nvmlDeviceGetCount() == len(fixture.gpus) >= 2
 
 
-def test_the_pod_example_asks_for_both_resources() -> None:
-    (pod,) = [d for d in yaml_documents() if isinstance(d, dict) and d.get("kind") == "Pod"]
-    limits = pod["spec"]["containers"][0]["resources"]["limits"]
-    assert limits[GPU] == limits[HCA] == 4
+def test_the_pod_examples_ask_for_both_resources() -> None:
+    pods = [d for d in yaml_documents() if isinstance(d, dict) and d.get("kind") == "Pod"]
+    assert pods
+    for pod in pods:
+        limits = pod["spec"]["containers"][0]["resources"]["limits"]
+        assert limits[GPU] == limits[HCA] == 4
+
+
+def test_the_readme_is_short_and_every_link_leads_somewhere() -> None:
+    assert len(README.read_text().splitlines()) <= README_LINES
+    broken = []
+    linked: set[Path] = set()
+    for page in PAGES:
+        for target in LINK.findall(page.read_text()):
+            if target.startswith(("http://", "https://", "mailto:", "#")):
+                continue
+            path = (page.parent / target.split("#", 1)[0]).resolve()
+            linked.add(path)
+            if not path.exists():
+                broken.append(f"{page.relative_to(ROOT)} -> {target}")
+    assert not broken, broken
+    # Every page of the docs is reached from somewhere.
+    unreached = [p.relative_to(ROOT) for p in PAGES[1:] if p.resolve() not in linked]
+    assert not unreached, unreached
+
+
+def test_the_configuration_reference_is_the_schemas() -> None:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import config_reference
+    finally:
+        sys.path.pop(0)
+    assert config_reference.OUT.read_text() == config_reference.render()
+    documented = set(re.findall(r"^\| `([a-z_.]+)` \|", config_reference.OUT.read_text(), re.M))
+    # Every leaf of the schema, e.g. health.port_interval_seconds.
+    assert "health.port_interval_seconds" in documented
+    assert "kubelet.watch_interval_seconds" in documented
+    assert len(documented) >= 80
 
 
 @pytest.mark.parametrize("hook", ["devplugin.hooks.hca_check"])

@@ -9,7 +9,7 @@ configuration (the extender's preempt verb) and a real daemon.
 * Counts fit but the alignment the pod requires is not free: the
   scheduler's dry run re-runs only its own filters, reprieves every
   victim, and never asks the extender. The pod waits, nobody is evicted:
-  that is how a real cluster behaves (the README says so)."""
+  that is how a real cluster behaves (docs/scheduling.md says so)."""
 
 from __future__ import annotations
 
