@@ -46,12 +46,24 @@ class Stuck(Exception):
 class _Call(Generic[T]):
     def __init__(self, fn: Callable[[], T]) -> None:
         self.fn = fn
-        self.done = threading.Event()
+        # Held until the worker is done: a bare lock is the cheapest wait
+        # there is (an Event is a Condition over one), and checks make
+        # dozens of calls each.
+        self._done = threading.Lock()
+        self._done.acquire()
         self.value: T | None = None
         self.error: BaseException | None = None
 
+    def wait(self, timeout: float) -> bool:
+        """Whether the call ended within `timeout`."""
+        return self._done.acquire(timeout=timeout)
+
+    def finish(self) -> None:
+        """The worker's, once its key is free again."""
+        self._done.release()
+
     def run(self) -> None:
-        """Call fn; `done` is the worker's to set, once its key is free again."""
+        """Call fn; `finish` is the worker's to call, once its key is free again."""
         try:
             self.value = self.fn()
         except BaseException as exc:  # noqa: BLE001 - handed to the caller as is
@@ -101,7 +113,7 @@ class Deadlines:
             else:
                 self._idle -= 1
         self._inbox.put((key, call))  # type: ignore[arg-type]
-        if not call.done.wait(limit):
+        if not call.wait(limit):
             log.warning("%s: hardware read has not returned after %gs; abandoned", key, limit)
             raise Stuck(key, started, limit)
         if call.error is not None:
@@ -150,6 +162,6 @@ class Deadlines:
                 since = self._busy.pop(key, None)
                 late = since is not None and self._clock() - since > self.timeout
                 self._idle += 1
-            call.done.set()
+            call.finish()
             if late:
                 log.info("%s: a read abandoned earlier has returned", key)
