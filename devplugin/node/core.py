@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -206,9 +206,48 @@ def _xid(
     )
 
 
+def _custody(
+    config: Config,
+    resources: Sequence[Resource],
+    discoverer: Discoverer,
+    ledger: Ledger,
+    health: HealthTracker,
+    metrics: Metrics,
+    rejudge: Callable[[], None],
+    runner: HookRunner,
+    witness: PodWitness | None,
+    dra: frozenset[DeviceKind],
+) -> CleanupManager:
+    """Who holds which device, and the cleanups owed before reuse: hooks
+    from the config, descriptions from the last scan, the checkpoint."""
+    lifecycle = config.lifecycle
+    return CleanupManager(
+        hooks={
+            resource.kind: HookSpec(hooks.cleanup, hooks.timeout_seconds)
+            for resource in resources
+            if (hooks := config.resources.of(resource.kind).hooks).cleanup
+        },
+        resource_names={resource.kind: resource.name for resource in resources},
+        describe=lambda kind, ids: describe(discoverer.last, kind, ids),
+        checkpoint=Checkpoint(Path(lifecycle.checkpoint_file)),
+        ledger=ledger,
+        health=health,
+        policy=CleanupPolicy(
+            confirmations=lifecycle.release_confirmations,
+            retry_initial=lifecycle.cleanup_retry_initial_seconds,
+            retry_max=lifecycle.cleanup_retry_max_seconds,
+            explicit=dra,
+        ),
+        on_change=rejudge,
+        on_save=metrics.checkpoint_written,
+        runner=runner,
+        witness=witness,
+    )
+
+
 def build_core(config: Config, nvml_lib: object | None, *, witness: Witness) -> NodeCore:
     """Wire the node core (nothing starts here)."""
-    paths, health_config, lifecycle = config.paths, config.health, config.lifecycle
+    paths, health_config = config.paths, config.health
     hca_config = config.resources.hca
     gpu_lib = nvml_lib if config.resources.gpu.enabled else None
     discoverer = _discoverer(config, gpu_lib)
@@ -232,27 +271,18 @@ def build_core(config: Config, nvml_lib: object | None, *, witness: Witness) -> 
     health = HealthTracker(Recovery(health_config.recovery), health_config.good_checks)
     requests = Requests()
     dra = frozenset(DeviceKind(kind) for kind in dra_kinds(config))
-    cleanup = CleanupManager(
-        hooks={
-            resource.kind: HookSpec(hooks.cleanup, hooks.timeout_seconds)
-            for resource in resources
-            if (hooks := config.resources.of(resource.kind).hooks).cleanup
-        },
-        resource_names=names,
-        describe=lambda kind, ids: describe(discoverer.last, kind, ids),
-        checkpoint=Checkpoint(Path(lifecycle.checkpoint_file)),
-        ledger=ledger,
-        health=health,
-        policy=CleanupPolicy(
-            confirmations=lifecycle.release_confirmations,
-            retry_initial=lifecycle.cleanup_retry_initial_seconds,
-            retry_max=lifecycle.cleanup_retry_max_seconds,
-            explicit=dra,
-        ),
-        on_change=requests.rejudge,
-        on_save=metrics.checkpoint_written,
-        runner=runner,
-        witness=witness(ledger, metrics, names),
+    watched = witness(ledger, metrics, names)
+    cleanup = _custody(
+        config,
+        resources,
+        discoverer,
+        ledger,
+        health,
+        metrics,
+        requests.rejudge,
+        runner,
+        watched,
+        dra,
     )
     hca_view = HcaResource(name=hca_config.name, env_var=hca_config.env_var)
     pipeline = Pipeline(

@@ -425,12 +425,9 @@ class Preparer:
                 self._pipeline.rejudge()
                 raise Refused(problem, invalid_argument=False)
 
-    def _run(self, ref: ClaimRef, devices: Sequence[ClaimDevice]) -> tuple[ClaimDevice, ...]:
-        """Init hooks, then the CDI spec; the devices with their CDI ids."""
+    def _init_hooks(self, per_kind: Mapping[DeviceKind, Sequence[ClaimDevice]]) -> None:
+        """Each kind's init hook on its devices; Refused when one fails."""
         inventory = self._pipeline.inventory
-        per_kind = {
-            kind: [device for device in devices if device.kind is kind] for kind in self._resources
-        }
         for kind, chosen in per_kind.items():
             spec = self._init.get(kind)
             # No init on a device given with admin access: another pod may
@@ -441,17 +438,23 @@ class Preparer:
             described = describe(inventory, kind, ids)
             if described is None:
                 raise Refused("a device left the node during prepare", invalid_argument=False)
-            name = self._resources[kind].name
             result = self._runner(
                 spec,
                 "init",
-                name,
+                self._resources[kind].name,
                 described,
                 track=self._cleanup.tracker(kind, ids),
                 cancel=self._cleanup.cancel,
             )
             if not result.ok:
                 raise Refused(result.describe("init", spec.timeout), invalid_argument=False)
+
+    def _run(self, ref: ClaimRef, devices: Sequence[ClaimDevice]) -> tuple[ClaimDevice, ...]:
+        """Init hooks, then the CDI spec; the devices with their CDI ids."""
+        per_kind = {
+            kind: [device for device in devices if device.kind is kind] for kind in self._resources
+        }
+        self._init_hooks(per_kind)
         states = {}
         nodes: dict[str, list[ClaimNode]] = {}
         extra: dict[str, tuple[str, ...]] = {}
