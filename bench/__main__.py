@@ -52,7 +52,7 @@ line without it); `--scheduler` runs it alone.
 
 Idle (`bench/idle.py`): `devplugin run` with production defaults behind the
 kubelet simulator on 8 and 64 GPUs, CPU over 60 s once settled, RSS and
-threads. Goals: at most 1% of a core and 64 MiB on 8 GPUs, 2% on 64.
+threads. Goals: at most 0.5% of a core and 60 MiB on 8 GPUs, 2% on 64.
 
 NVLink layouts: every GPU and HCA size on DGX-1, two DGX-1 meshes, PCIe
 trees of 16, 32 and 64 GPUs with NVLink bridges between neighbouring
