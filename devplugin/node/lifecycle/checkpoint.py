@@ -10,6 +10,7 @@ holds are always written together.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -22,7 +23,10 @@ from devplugin.node.lifecycle.files import write_atomically
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+# Version 2 adds a checksum over the rest of the file; version 1 (without)
+# is still read, so an upgrade keeps what the previous daemon knew.
+FORMAT_VERSION = 2
+READ_VERSIONS = frozenset({1, 2})
 # A checkpoint for a few hundred devices is a few kB; anything far larger is
 # not ours and is not read into memory.
 MAX_SIZE = 4 * 1024 * 1024
@@ -176,8 +180,8 @@ class LifecycleState:
 
     @classmethod
     def from_json(cls, data: object) -> LifecycleState:
-        if not isinstance(data, dict) or data.get("version") != FORMAT_VERSION:
-            raise ValueError("not a devplugin checkpoint of version 1")
+        if not isinstance(data, dict) or data.get("version") not in READ_VERSIONS:
+            raise ValueError("not a devplugin checkpoint of version 1 or 2")
         state = cls()
         for key, target in (("assigned", state.assigned), ("pending_cleanup", state.pending)):
             section = data.get(key, {})
@@ -254,7 +258,7 @@ class Checkpoint:
         except OSError as exc:
             return self._damaged(f"cannot read it: {exc.strerror or exc}", move=False)
         try:
-            return LifecycleState.from_json(json.loads(raw.decode("utf-8")))
+            return LifecycleState.from_json(_checked(json.loads(raw.decode("utf-8"))))
         except (ValueError, RecursionError) as exc:
             # UnicodeDecodeError and JSONDecodeError are ValueErrors.
             return self._damaged(str(exc)[:200] or type(exc).__name__)
@@ -284,6 +288,28 @@ class Checkpoint:
         return aside
 
     def save(self, state: LifecycleState) -> None:
-        """Write atomically: a crash leaves either the old or the new file whole."""
-        data = json.dumps(state.to_json(), indent=1, sort_keys=True).encode()
+        """Write atomically: a crash leaves either the old or the new file
+        whole; its checksum says whether what is read is what was written."""
+        body = state.to_json()
+        body["checksum"] = _checksum(body)
+        data = json.dumps(body, indent=1, sort_keys=True).encode()
         write_atomically(self.path, data)
+
+
+def _checksum(body: dict[str, object]) -> str:
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return "sha256:" + hashlib.sha256(canonical).hexdigest()
+
+
+def _checked(data: object) -> object:
+    """The file's content without its checksum, which must match (version
+    2); a version 1 file has none."""
+    if not isinstance(data, dict) or data.get("version") != 2:
+        return data
+    body = dict(data)
+    written = body.pop("checksum", None)
+    if not isinstance(written, str):
+        raise ValueError("version 2 without a checksum")
+    if written != _checksum(body):
+        raise ValueError("its checksum does not match its content")
+    return body
