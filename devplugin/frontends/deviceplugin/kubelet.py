@@ -62,6 +62,10 @@ class _Registration:
     attempts: int = 0
 
 
+# How often the sockets are looked at while a server is not registered.
+UNREGISTERED_POLL = 0.2
+
+
 class Registrar(ThreadLoop):
     """Keeps every plugin server serving and registered with the current kubelet.
 
@@ -129,17 +133,21 @@ class Registrar(ThreadLoop):
 
     def step(self) -> float:
         self.tick()
-        # The poll is the net under the directory's events; a registration
-        # waiting out its backoff is tried when that ends, not at the poll.
+        # The poll is the net under the directory's events: relaxed once
+        # every server is registered, quick while one is not (a restart's
+        # events may come before its kubelet.sock serves); a registration
+        # waiting out its backoff is tried when that ends.
         now = self._clock()
-        due = [
-            entry.next_attempt - now
+        kubelet = SocketIdentity.of(self._kubelet_socket)
+        waiting = [
+            entry
             for entry in self._entries
-            if entry.registered_with is None
-            and entry.attempted_with is not None
-            and entry.next_attempt > now
+            if entry.registered_with is None or entry.registered_with != kubelet
         ]
-        return max(0.0, min([self._interval, *due]))
+        if not waiting:
+            return self._interval
+        due = [entry.next_attempt - now for entry in waiting if entry.next_attempt > now]
+        return max(0.0, min([self._interval, UNREGISTERED_POLL, *due]))
 
     def tick(self) -> None:
         for entry in self._entries:
