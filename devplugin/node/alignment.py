@@ -148,6 +148,9 @@ class AlignmentMonitor(ThreadLoop):
         self.poll_once()
         return self._interval
 
+    def finished(self) -> None:
+        self._client.close()
+
     def _kind_of(self, resource: str) -> DeviceKind | None:
         kind = self._kinds.get(resource)
         if kind is None and self._mig_prefix and resource.startswith(self._mig_prefix):

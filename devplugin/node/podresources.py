@@ -5,6 +5,7 @@ protocol handed the devices out."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,17 +26,55 @@ class ContainerDevices:
     device_ids: tuple[str, ...]
 
 
+# A kubelet that restarts is dialled again within this (gRPC's default
+# backoff reaches minutes; the socket path is local and cheap to try).
+_RECONNECT_MS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+
+
 class PodResourcesClient:
-    """Reads which devices each container holds from the kubelet's PodResources API."""
+    """Reads which devices each container holds from the kubelet's PodResources API.
+
+    One channel is kept between polls (a channel per poll was most of an
+    idle daemon's gRPC work); a failed call drops it, and the next call
+    dials afresh."""
 
     def __init__(self, socket_path: Path, timeout: float = 5.0) -> None:
         self._socket_path = socket_path
         self._timeout = timeout
+        self._lock = threading.Lock()
+        self._channel: grpc.Channel | None = None
+        self._stub: pr_grpc.PodResourcesListerStub | None = None
+
+    def _lister(self) -> pr_grpc.PodResourcesListerStub:
+        with self._lock:
+            if self._stub is None:
+                self._channel = grpc.insecure_channel(
+                    f"unix://{self._socket_path}", options=_RECONNECT_MS
+                )
+                self._stub = pr_grpc.PodResourcesListerStub(self._channel)
+            return self._stub
+
+    def __enter__(self) -> PodResourcesClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        with self._lock:
+            channel, self._channel, self._stub = self._channel, None, None
+        if channel is not None:
+            channel.close()
 
     def list(self) -> list[ContainerDevices]:
-        with grpc.insecure_channel(f"unix://{self._socket_path}") as channel:
-            stub = pr_grpc.PodResourcesListerStub(channel)
-            response = stub.List(pr.ListPodResourcesRequest(), timeout=self._timeout)
+        try:
+            response = self._lister().List(pr.ListPodResourcesRequest(), timeout=self._timeout)
+        except grpc.RpcError:
+            self.close()
+            raise
         found: list[ContainerDevices] = []
         for pod in response.pod_resources:
             for container in pod.containers:

@@ -101,7 +101,9 @@ def _show_pod(node: RealNode, hardware: BuiltNode, daemon: Daemon, clock: _Clock
         return False
     clock.step(f"pod {name} (2 GPUs, 2 HCAs) admitted, started by containerd and runc")
     held: dict[str, list[str]] = {}
-    for entry in PodResourcesClient(node.pod_resources_socket).list():
+    with PodResourcesClient(node.pod_resources_socket) as client:
+        listed = client.list()
+    for entry in listed:
         if entry.pod == name:
             held.setdefault(entry.resource, []).extend(entry.device_ids)
     for resource, ids in sorted(held.items()):

@@ -181,7 +181,8 @@ def test_pods_admitted_through_the_kubelet_get_their_devices(start_cluster: Star
     assert main.responses[GPU].envs["NVIDIA_VISIBLE_DEVICES"] == ",".join(main.devices[GPU])
     with pytest.raises(AdmissionError, match="only 6 available"):
         cluster.kubelet.admit("greedy", [ContainerRequest("main", {GPU: 7})])
-    listed = PodResourcesClient(cluster.kubelet.pod_resources_socket).list()  # type: ignore[arg-type]
+    with PodResourcesClient(cluster.kubelet.pod_resources_socket) as client:  # type: ignore[arg-type]
+        listed = client.list()
     assert {(c.pod, c.container, c.resource, c.device_ids) for c in listed} == {
         ("train", "main", GPU, main.devices[GPU]),
         ("train", "main", HCA, main.devices[HCA]),

@@ -58,7 +58,9 @@ def added(running: Running, saw: Seen) -> dict[str, tuple[int, int]]:
 def held(running: Running, name: str, container_name: str = "main") -> dict[str, list[str]]:
     """The devices the kubelet's PodResources gives the container, by resource."""
     found: dict[str, list[str]] = {}
-    for entry in PodResourcesClient(running.node.pod_resources_socket).list():
+    with PodResourcesClient(running.node.pod_resources_socket) as client:
+        listed = client.list()
+    for entry in listed:
         if entry.pod == name and entry.container == container_name:
             found.setdefault(entry.resource, []).extend(entry.device_ids)
     return found
