@@ -290,7 +290,7 @@ def _call(name: str, count: int) -> tuple[bool, str]:
 
 
 def preempt_scale_bench(quick: bool = False) -> bool:
-    count = 200 if quick else NODES
+    count = 20 if quick else NODES
     print(f"Preempt at fleet size: {GPUS}-GPU nodes full of one-GPU pods, an 8 GPU + 4 HCA")
     print("preemptor, every node proposed (one call, in process)")
     print(
