@@ -113,7 +113,7 @@ class Slots:
         self._waiters: deque[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = deque()
         self.full_since: float | None = None
 
-    def take_one(self, wait: float = 0.0) -> bool:
+    def take_one(self) -> bool:
         """Take a slot now if one is free (for callers off the loop)."""
         with self._lock:
             return self._take_locked()

@@ -93,7 +93,6 @@ class Verdicts:
         self.views = views
         self.liveness = liveness
         self._on_node = on_node
-        self._bound_node = bound_node
         self._names = names
         self._count = count
         self.answers: Answers[NodeVerdict] = Answers(changes, clock)
@@ -105,7 +104,7 @@ class Verdicts:
     def of(self, pod: PodInfo, kind: PodKind, names: list[str]) -> dict[str, NodeVerdict]:
         """Each named node's verdict for the pod."""
         key = kind.key(self.views.shape_id(kind.shape))
-        personal = self._bound_node(pod.uid)
+        personal = self.bound_node(pod.uid)
         shared = (
             names
             if personal is None or personal not in names

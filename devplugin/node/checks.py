@@ -83,10 +83,9 @@ class CheckLoop(ThreadLoop):
         )
         self._discoverer = discoverer
         self._port_interval = port_interval
-        # The port states the newest check or port read saw, and when (the
-        # clock) that read began: an older snapshot never replaces them.
+        # The port states the newest check or port read saw (both take the
+        # scan lock, so the newest to finish is the newest read).
         self._ports: PortStates | None = None
-        self._ports_at = float("-inf")
         self._pipeline = pipeline
         self._interval = interval
         self._rescan = rescan
@@ -105,7 +104,6 @@ class CheckLoop(ThreadLoop):
     def check(self, *, full: bool = True) -> Inventory:
         """Scan with deadlines, hand the snapshot to the pipeline."""
         with self._scan_lock:
-            began = self._clock()
             inventory = self._discoverer.scan(full=full)
             stuck = self._discoverer.deadlines.stuck()
             now = self._clock()
@@ -116,7 +114,7 @@ class CheckLoop(ThreadLoop):
                 self._metrics.check_age.set(now - self._last_complete)
             self._pipeline.ingest(inventory)
             self._on_scan(inventory)
-            self._seen_ports(port_states_of(inventory.hcas), began)
+            self._ports = port_states_of(inventory.hcas)
             self.checks += 1
             return inventory
 
@@ -125,17 +123,12 @@ class CheckLoop(ThreadLoop):
         Under the scan lock: a scan that began before this read ends before
         it, so its older states can never be taken for the newest."""
         with self._scan_lock:
-            began = self._clock()
             found = self._discoverer.port_states()
             if found is None or found == self._ports:
                 return False
             changed = self._ports is not None
-            self._seen_ports(found, began)
+            self._ports = found
             return changed
-
-    def _seen_ports(self, states: PortStates, began: float) -> None:
-        if began >= self._ports_at:
-            self._ports, self._ports_at = states, began
 
     def healthy(self) -> tuple[bool, str]:
         """False once no check has read every device for `stale_after` seconds."""

@@ -144,12 +144,13 @@ class Pipeline:
                 present.append(device.id)
                 self._health.observe(device.id, device.health is Health.HEALTHY, device.reason)
         self._health.forget(present)
-        for changed in recut(self._current.inventory, inventory):
+        changed, gone = recut(self._current.inventory, inventory)
+        for new_id in changed:
             # A GPU cut anew (or made whole again) served someone through its
             # old devices: its new ones are cleaned before anyone gets them.
-            self._cleanup.request_cleanup(DeviceKind.GPU, changed)
+            self._cleanup.request_cleanup(DeviceKind.GPU, new_id)
         with self._lock:
-            self._former.update(vanished(self._current.inventory, inventory))
+            self._former.update(gone)
         hcas = self._hca_view.state(inventory) if self._hca_view is not None else None
         with self._lock:
             current = self._current
@@ -233,34 +234,31 @@ class Pipeline:
         return withheld
 
 
-def vanished(before: Inventory, after: Inventory) -> dict[str, str]:
-    """Served GPU ids that are gone while their physical GPU is still there
-    (its MIG layout changed): old id -> the physical GPU's UUID."""
-    present = {gpu.uuid for gpu in after.gpus}
-    physical = {gpu.physical_uuid for gpu in after.gpus}
-    return {
-        gpu.uuid: gpu.physical_uuid
-        for gpu in before.gpus
-        if gpu.uuid not in present and gpu.physical_uuid in physical
-    }
-
-
-def recut(before: Inventory, after: Inventory) -> list[str]:
-    """The served GPU ids that stand for a GPU which was served before as
-    other ids: its MIG layout changed (devices cut anew, or the GPU whole
-    again). Empty for a plain hotplug or an unchanged node."""
+def recut(before: Inventory, after: Inventory) -> tuple[list[str], dict[str, str]]:
+    """GPUs whose MIG layout changed (cut anew, or whole again) between two
+    scans: the served ids that stand for them now, and the ids they were
+    served as that are gone (old id -> the physical GPU's UUID). Both
+    empty for a plain hotplug or an unchanged node."""
     old: dict[str, set[str]] = {}
     for gpu in before.gpus:
         old.setdefault(gpu.physical_uuid, set()).add(gpu.uuid)
     new: dict[str, set[str]] = {}
     for gpu in after.gpus:
         new.setdefault(gpu.physical_uuid, set()).add(gpu.uuid)
-    return sorted(
+    present = set().union(*new.values())
+    changed = sorted(
         device
         for physical, ids in new.items()
         if physical in old and old[physical] != ids
         for device in ids - old[physical]
     )
+    gone = {
+        device: physical
+        for physical, ids in old.items()
+        if physical in new
+        for device in ids - present
+    }
+    return changed, gone
 
 
 def _out(state: ResourceState, reasons: Mapping[str, str]) -> ResourceState:

@@ -229,9 +229,7 @@ def search_victims(
     best: Eviction | None = None
     spent = 0.0
     placements = looked = 0
-    first = _smallest_size(node, shape, useful)
-    sizes = range(first, len(useful) + 1) if first > 0 else range(len(useful) + 1)
-    for size in sizes:
+    for size in range(_smallest_size(node, shape, useful), len(useful) + 1):
         reached_at: float | None = None
         for victims in itertools.combinations(useful, size):
             spent += SKIP_COST

@@ -14,6 +14,7 @@ import errno
 import logging
 import os
 import select
+import struct
 from collections.abc import Callable
 from pathlib import Path
 
@@ -120,17 +121,16 @@ class DirWatch(ThreadLoop):
         self._wake_r = self._wake_w = -1
 
 
+# struct inotify_event: wd, mask, cookie, len, then `len` bytes of name.
+_EVENT = struct.Struct("iIII")
+
+
 def _self_gone(data: bytes) -> bool:
     """Whether these events say the watched directory itself is gone."""
     offset = 0
-    while offset + 16 <= len(data):
-        _wd, mask, _cookie, length = (
-            int.from_bytes(data[offset : offset + 4], "little", signed=True),
-            int.from_bytes(data[offset + 4 : offset + 8], "little"),
-            int.from_bytes(data[offset + 8 : offset + 12], "little"),
-            int.from_bytes(data[offset + 12 : offset + 16], "little"),
-        )
+    while offset + _EVENT.size <= len(data):
+        _wd, mask, _cookie, length = _EVENT.unpack_from(data, offset)
         if mask & (IN_DELETE_SELF | IN_MOVE_SELF):
             return True
-        offset += 16 + length
+        offset += _EVENT.size + length
     return False
