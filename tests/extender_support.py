@@ -117,12 +117,15 @@ def extender(api: ApiServerImitation, tmp_path: Path) -> Iterator[Running]:
     yield from running_extender(api, tmp_path)
 
 
-def running_extender(api: ApiServerImitation, tmp_path: Path) -> Iterator[Running]:
-    """The extender, serving on a free local port, over the API imitation."""
+def running_extender(
+    api: ApiServerImitation, tmp_path: Path, *, dra: bool = False
+) -> Iterator[Running]:
+    """The extender, serving on a free local port, over the API imitation
+    (with its claims verbs when `dra`)."""
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(yaml.safe_dump(api.kubeconfig()))
     kube = KubernetesConfig(enabled=True, kubeconfig=str(kubeconfig))
-    running = serve(kube, ("127.0.0.1", 0), stale_after=60.0)
+    running = serve(kube, ("127.0.0.1", 0), stale_after=60.0, dra=dra)
     yield running
     running[1].stop()
     for cache in running[2]:
@@ -130,7 +133,14 @@ def running_extender(api: ApiServerImitation, tmp_path: Path) -> Iterator[Runnin
 
 
 def call(running: Running, verb: str, body: Any, raw: bytes | None = None) -> tuple[int, Any]:
-    host, port = running[1].address
+    return post(running[1].address, verb, body, raw)
+
+
+def post(
+    address: tuple[str, int], verb: str, body: Any, raw: bytes | None = None
+) -> tuple[int, Any]:
+    """A verb called over HTTP on an extender front at `address`: (status, answer)."""
+    host, port = address
     data = raw if raw is not None else json.dumps(body).encode()
     request = urllib.request.Request(
         f"http://{host}:{port}/scheduler/{verb}",

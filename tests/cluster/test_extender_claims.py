@@ -14,10 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
-from devplugin.config import KubernetesConfig
-from devplugin.extender.app import serve
 from devplugin.policy.claim_templates import Shape, claim_spec, device_classes
 from devplugin.policy.topology import Topology
 from devplugin.testing.apiserver import ApiServerImitation
@@ -31,7 +28,7 @@ from devplugin.testing.dra_scheduler import (
     taken_devices,
 )
 from devplugin.testing.layouts import LAYOUTS
-from tests.extender_support import Running, call
+from tests.extender_support import Running, call, running_extender
 from tests.waiting import wait_until
 
 DRIVER = "devplugin.io"
@@ -41,14 +38,7 @@ NODES = {"n-free": "hgx-h100", "n-busy": "hgx-h100", "n-small": "pcie-server", "
 
 @pytest.fixture
 def running(api: ApiServerImitation, tmp_path: Path) -> Iterator[Running]:
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump(api.kubeconfig()))
-    kube = KubernetesConfig(enabled=True, kubeconfig=str(kubeconfig))
-    served = serve(kube, ("127.0.0.1", 0), stale_after=60.0, dra=True, device_taints=True)
-    yield served
-    served[1].stop()
-    for cache in served[2]:
-        cache.signal_stop()
+    yield from running_extender(api, tmp_path, dra=True)
 
 
 def put_node(api: ApiServerImitation, node: str, layout: str) -> None:

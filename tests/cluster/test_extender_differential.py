@@ -15,10 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
-from devplugin.config import KubernetesConfig
-from devplugin.extender.app import serve
 from devplugin.node.alignment import ContainerAlignment
 from devplugin.policy.claim_templates import CHART_SHAPES, claim_spec, device_classes
 from devplugin.testing.apiserver import ApiServerImitation
@@ -32,6 +29,7 @@ from tests.extender_support import (
     lease,
     pod,
     record,
+    running_extender,
     stamp,
     twin,
 )
@@ -44,14 +42,7 @@ STEPS = 40
 
 @pytest.fixture
 def running(api: ApiServerImitation, tmp_path: Path) -> Iterator[Running]:
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump(api.kubeconfig()))
-    kube = KubernetesConfig(enabled=True, kubeconfig=str(kubeconfig))
-    served = serve(kube, ("127.0.0.1", 0), stale_after=60.0, dra=True)
-    yield served
-    served[1].stop()
-    for cache in served[2]:
-        cache.signal_stop()
+    yield from running_extender(api, tmp_path, dra=True)
 
 
 class World:

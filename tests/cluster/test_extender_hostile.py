@@ -5,7 +5,6 @@ real sockets, with the API server imitation."""
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import socket
 import threading
@@ -31,6 +30,7 @@ from tests.extender_support import (
     extender,
     lease,
     pod,
+    post,
     put_record,
     stamp,
     synced,
@@ -110,15 +110,7 @@ def test_a_trickled_request_is_cut_off_at_its_whole_deadline(quick_server: Exten
 
 
 def _filter_over(address: tuple[str, int]) -> int:
-    host, port = address
-    request = urllib.request.Request(
-        f"http://{host}:{port}/scheduler/filter",
-        data=json.dumps(FILTER).encode(),
-        headers={"Content-Type": "application/json"},
-        method="POST",
-    )
-    with urllib.request.urlopen(request, timeout=5) as answer:
-        return int(answer.status)
+    return post(address, "filter", FILTER)[0]
 
 
 def test_idle_connections_by_the_thousand_hold_no_thread_and_block_no_call(
@@ -181,7 +173,7 @@ def test_healthz_fails_while_every_call_slot_stays_busy(quick_server: ExtenderSe
 
     assert healthz() == 200
     for _ in range(CONCURRENT):
-        assert quick_server.slots.take_one(0)
+        assert quick_server.slots.take_one()
     try:
         assert wait_until(lambda: healthz() == 503, timeout=5)
     finally:
