@@ -60,6 +60,9 @@ def test_a_daemon_writes_its_record_lease_and_labels_and_they_go_with_its_node(
         record = _get(plane, record_path)
         assert [o["kind"] for o in record["metadata"]["ownerReferences"]] == ["Node"]
         assert len(record["status"]["devices"]) == 16
+        # What the extender judges devices by survives the API server's
+        # pruning: the resource each device is served under.
+        assert {d.get("resource") for d in record["status"]["devices"]} == {GPU, HCA}
         # The Lease, renewed several times by PUT, keeps its Node owner.
         first = _get(plane, lease_path) if eventually(lambda: _get(plane, lease_path)) else None
         assert first is not None
