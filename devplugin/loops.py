@@ -40,6 +40,10 @@ class Backoff:
         the first failure of a run)."""
         return min(self.most, max(self.first, last * 2))
 
+    def nth(self, failures: int) -> float:
+        """The pause after `failures` failures in a row before this one."""
+        return min(self.most, self.first * 2.0 ** min(failures, 64))
+
 
 def failure_text(exc: BaseException) -> str:
     """An exception in one bounded line: what a loop logs and compares."""

@@ -6,7 +6,7 @@ part reaches back into it. Data flows one way: the check loop reads the
 hardware (with deadlines) and hands each snapshot to the pipeline, which
 judges and publishes to each front-end; the front-ends answer the kubelet
 from what was published and record holdings in the ledger that the
-coordinator and the cleanup manager read.
+coordinator and the custody book's releases read.
 
 `Daemon` starts its loops in order and stops them in reverse: every one is
 told to stop before any is waited for, each wait bounded by the loop's own
@@ -27,6 +27,7 @@ from devplugin.config import Config, ConfigError
 from devplugin.frontends.deviceplugin.frontend import DevicePluginFrontend
 from devplugin.frontends.deviceplugin.kubelet import Registrar
 from devplugin.frontends.deviceplugin.server import DevicePluginServicer, PluginServer
+from devplugin.frontends.dra.claim_record import ClaimRecord
 from devplugin.frontends.dra.driver import DraFrontend
 from devplugin.loops import Loop
 from devplugin.model import Inventory
@@ -119,7 +120,7 @@ class Daemon:
         """In start order. After the first scan: owed cleanups find their
         devices described; the servers before the registrar (the kubelet
         dials back inside Register); the check loop last."""
-        found: list[Loop | None] = [self.core.cleanup, self.plugins, self.dra, self.status]
+        found: list[Loop | None] = [self.core.lifecycle, self.plugins, self.dra, self.status]
         if self.plugins.records:
             # PodResources lists device-plugin holdings only.
             found.append(self.core.monitor)
@@ -216,7 +217,7 @@ class Daemon:
             ok, why = self.dra.ready()
         if not ok:
             return False, why
-        error = self.core.cleanup.checkpoint_error()
+        error = self.core.lifecycle.book.checkpoint_error()
         if error is not None:
             return False, f"checkpoint not written: {error}"
         pods = self.cluster.pods
@@ -254,7 +255,7 @@ class Daemon:
 def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None = None) -> Daemon:
     """Wire one node's daemon from its configuration (nothing starts here)."""
     cluster = ClusterSide.connect(config)
-    core = build_core(config, nvml_lib, witness=cluster.witness)
+    core = build_core(config, nvml_lib, witness=cluster.witness, read_hold=ClaimRecord.from_json)
     try:
         profiles = _mig_profiles(config, core)
     except ConfigError:

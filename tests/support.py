@@ -18,11 +18,13 @@ from typing import Any
 
 import yaml
 
+from devplugin.frontends.dra.claim_record import ClaimRecord
+from devplugin.frontends.dra.ledger import ClaimLedger
 from devplugin.model import DeviceKind, Inventory
 from devplugin.node.discovery import Discoverer, NvmlGpuSource, Roots
 from devplugin.node.ledger import Holdings, Ledger
+from devplugin.node.lifecycle.assembly import CleanupPolicy, Hooks, Lifecycle
 from devplugin.node.lifecycle.checkpoint import Checkpoint
-from devplugin.node.lifecycle.cleanup import CleanupManager, CleanupPolicy
 from devplugin.node.lifecycle.hooks import HookDevice, HookResult, HookSpec
 from devplugin.testing.fake_nvml import FakeNvml
 from devplugin.testing.node import (
@@ -148,7 +150,8 @@ class Runner:
 
 
 class Node:
-    """A cleanup manager and the ledger it reads, fed as the daemon feeds them."""
+    """The custody book, its ports and the holdings ledger they read, fed as
+    the daemon feeds them (the DRA claim ledger built on the same book)."""
 
     def __init__(self, runner: Runner, tmp_path: Path, **kwargs: object) -> None:
         self.ledger = Ledger(grace=5.0)
@@ -158,26 +161,33 @@ class Node:
         if "explicit" in chosen:
             chosen["explicit"] = frozenset(chosen["explicit"])  # type: ignore[arg-type]
         kwargs["policy"] = CleanupPolicy(**chosen)  # type: ignore[arg-type]
-        self.cleanup = CleanupManager(
-            hooks={DeviceKind.GPU: HookSpec(("x",), 5)},
-            resource_names={DeviceKind.GPU: "nvidia.com/gpu", DeviceKind.HCA: "rdma/hca"},
-            describe=lambda kind, ids: [HookDevice(i, "", (), None) for i in ids],
-            checkpoint=Checkpoint(tmp_path / "c.json"),
+        names = {DeviceKind.GPU: "nvidia.com/gpu", DeviceKind.HCA: "rdma/hca"}
+        self.lifecycle = Lifecycle(
+            hooks=Hooks(
+                {DeviceKind.GPU: HookSpec(("x",), 5)},
+                describe=lambda kind, ids: [HookDevice(i, "", (), None) for i in ids],
+                runner=runner,
+            ),
+            names=names,
+            checkpoint=Checkpoint(tmp_path / "c.json", ClaimRecord.from_json),
             ledger=self.ledger,
-            runner=runner,
             **kwargs,  # type: ignore[arg-type]
         )
+        self.book = self.lifecycle.book
+        self.takes = self.lifecycle.takes
+        self.view = self.lifecycle.view
+        self.claims = ClaimLedger(self.book, names=names, cancel=self.lifecycle.cancel)
 
     def allocated(self, kind: DeviceKind, ids: list[str]) -> None:
         self.ledger.allocated(kind, ids)
-        self.cleanup.allocated(kind, ids)
+        self.takes.allocated(kind, ids)
 
     def observe(self, held: dict[DeviceKind, set[str]], polled_at: float) -> None:
         containers = {
             ("ns", f"pod-{d}", "c"): {kind: (d,)} for kind, ids in held.items() for d in ids
         }
         self.ledger.observe(Holdings(containers), polled_at)
-        self.cleanup.observe()
+        self.lifecycle.releases.observe()
 
 
 def nested_spec() -> NodeSpec:

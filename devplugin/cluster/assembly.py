@@ -150,7 +150,7 @@ class ClusterSide:
         pods, config = self.pods, self.config
         if pods is None:
             return
-        pods.listen(core.cleanup.reconsider)
+        pods.listen(core.lifecycle.releases.reconsider)
         pods.on_ended(partial(_pod_ended, core.ledger, pods))
         ledger = core.ledger
         pods.on_started(lambda pod: ledger.pod_started(pod.namespace, pod.name, pod.uid))

@@ -32,7 +32,7 @@ from devplugin.model import DeviceKind
 from devplugin.node.admission import Admission, ContainerKey, Outcome, admitting
 from devplugin.node.coordination import Known
 from devplugin.node.ledger import Ledger
-from devplugin.node.lifecycle.cleanup import Owner
+from devplugin.node.lifecycle.custody import Owner
 from devplugin.node.metrics import Metrics
 from devplugin.policy.podinfo import PodInfo
 

@@ -97,7 +97,7 @@ class AlignmentMonitor(ThreadLoop):
         *,
         interval: float,
         min_interval: float,
-        # Told after each answer reached the ledger (the cleanup manager).
+        # Told after each answer reached the ledger (the custody book's releases).
         listeners: Sequence[Callable[[], None]] = (),
         # Told of each container that newly holds devices (pod events); not
         # for those already holding at the first answer after a start.

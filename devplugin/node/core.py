@@ -1,7 +1,7 @@
 """The node core, assembled: what every front-end serves from.
 
 Discovery with its deadlines, the check loop, the judging pipeline, the
-holdings ledger, the coordinator, health, the cleanup manager, the XID
+holdings ledger, the coordinator, health, the custody book and its ports, the XID
 watcher and the PodResources monitor, wired from the configuration. The
 front-ends and the cluster side connect to it afterwards (sinks on the
 pipeline, listeners on the ledger); nothing here knows which are there.
@@ -25,9 +25,9 @@ from devplugin.node.deadline import Deadlines
 from devplugin.node.discovery import CdiReader, Discoverer, NvmlGpuSource, Roots
 from devplugin.node.discovery.udev import HotplugWatcher, udev_monitor
 from devplugin.node.ledger import Ledger
+from devplugin.node.lifecycle.assembly import CleanupPolicy, Hooks, Lifecycle
 from devplugin.node.lifecycle.cdi_spec import HcaSpecWriter
-from devplugin.node.lifecycle.checkpoint import Checkpoint
-from devplugin.node.lifecycle.cleanup import CleanupManager, CleanupPolicy
+from devplugin.node.lifecycle.checkpoint import Checkpoint, ReadHold, no_holds
 from devplugin.node.lifecycle.devices import describe
 from devplugin.node.lifecycle.health import HealthTracker, Recovery
 from devplugin.node.lifecycle.hooks import HookRunner, HookSpec, run_hook
@@ -142,7 +142,7 @@ class NodeCore:
     metrics: Metrics
     coordinator: Coordinator
     runner: HookRunner
-    cleanup: CleanupManager
+    lifecycle: Lifecycle
     pipeline: Pipeline
     checks: CheckLoop
     monitor: AlignmentMonitor
@@ -167,7 +167,7 @@ class NodeCore:
         """Before anything serves: the checkpoint (so devices in use before a
         restart are judged Unhealthy by the very first scan), the XID
         watcher, and the first full scan."""
-        self.cleanup.load()
+        self.lifecycle.load()
         if self.xid is not None:
             self.xid.start()
         inventory = self.checks.check(full=True)
@@ -217,19 +217,23 @@ def _custody(
     runner: HookRunner,
     witness: PodWitness | None,
     dra: frozenset[DeviceKind],
-) -> CleanupManager:
+    read_hold: ReadHold,
+) -> Lifecycle:
     """Who holds which device, and the cleanups owed before reuse: hooks
     from the config, descriptions from the last scan, the checkpoint."""
     lifecycle = config.lifecycle
-    return CleanupManager(
-        hooks={
-            resource.kind: HookSpec(hooks.cleanup, hooks.timeout_seconds)
-            for resource in resources
-            if (hooks := config.resources.of(resource.kind).hooks).cleanup
-        },
-        resource_names={resource.kind: resource.name for resource in resources},
-        describe=lambda kind, ids: describe(discoverer.last, kind, ids),
-        checkpoint=Checkpoint(Path(lifecycle.checkpoint_file)),
+    return Lifecycle(
+        hooks=Hooks(
+            specs={
+                resource.kind: HookSpec(hooks.cleanup, hooks.timeout_seconds)
+                for resource in resources
+                if (hooks := config.resources.of(resource.kind).hooks).cleanup
+            },
+            describe=lambda kind, ids: describe(discoverer.last, kind, ids),
+            runner=runner,
+        ),
+        names={resource.kind: resource.name for resource in resources},
+        checkpoint=Checkpoint(Path(lifecycle.checkpoint_file), read_hold),
         ledger=ledger,
         health=health,
         policy=CleanupPolicy(
@@ -240,13 +244,15 @@ def _custody(
         ),
         on_change=rejudge,
         on_save=metrics.checkpoint_written,
-        runner=runner,
         witness=witness,
     )
 
 
-def build_core(config: Config, nvml_lib: object | None, *, witness: Witness) -> NodeCore:
-    """Wire the node core (nothing starts here)."""
+def build_core(
+    config: Config, nvml_lib: object | None, *, witness: Witness, read_hold: ReadHold = no_holds
+) -> NodeCore:
+    """Wire the node core (nothing starts here). `read_hold`: how the
+    checkpoint's DRA claims are read (the DRA front-end's record type)."""
     paths, health_config = config.paths, config.health
     hca_config = config.resources.hca
     gpu_lib = nvml_lib if config.resources.gpu.enabled else None
@@ -272,7 +278,7 @@ def build_core(config: Config, nvml_lib: object | None, *, witness: Witness) -> 
     requests = Requests()
     dra = frozenset(DeviceKind(kind) for kind in dra_kinds(config))
     watched = witness(ledger, metrics, names)
-    cleanup = _custody(
+    lifecycle = _custody(
         config,
         resources,
         discoverer,
@@ -283,12 +289,13 @@ def build_core(config: Config, nvml_lib: object | None, *, witness: Witness) -> 
         runner,
         watched,
         dra,
+        read_hold,
     )
     hca_view = HcaResource(name=hca_config.name, env_var=hca_config.env_var)
     pipeline = Pipeline(
         resources,
         health=health,
-        cleanup=cleanup,
+        custody=lifecycle.view,
         coordinator=coordinator,
         metrics=metrics,
         after_cleanup=health_config.recovery == "after_cleanup",
@@ -314,7 +321,7 @@ def build_core(config: Config, nvml_lib: object | None, *, witness: Witness) -> 
         names,
         interval=pods.poll_interval_seconds,
         min_interval=pods.min_interval_seconds,
-        listeners=[cleanup.observe],
+        listeners=[lifecycle.releases.observe],
         metrics=metrics,
     )
     return NodeCore(
@@ -326,7 +333,7 @@ def build_core(config: Config, nvml_lib: object | None, *, witness: Witness) -> 
         metrics=metrics,
         coordinator=coordinator,
         runner=runner,
-        cleanup=cleanup,
+        lifecycle=lifecycle,
         pipeline=pipeline,
         checks=checks,
         monitor=monitor,

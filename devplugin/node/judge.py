@@ -2,7 +2,7 @@
 
 A pure function. Inputs: each resource's live state (its devices with their
 health on the hardware alone, from the last scan), the health tracker's
-latched faults, the cleanup manager's verdicts and which devices are in use.
+latched faults, the custody book's verdicts and which devices are in use.
 Output: the judged physical state per resource and the cleanups owed
 (`after_cleanup` recovery: a device that went bad while idle is cleaned before
 it may come back). No locks, no I/O: the runtime calls it after every scan

@@ -28,7 +28,7 @@ A finished non-restartable init container's devices stay with its pod for
 the pod's later containers (the kubelet reuses them first): they are taken
 until a poll has not listed them for `grace` seconds, as before.
 
-The release view (`in_use`, read by the cleanup manager) is older and
+The release view (`in_use`, read by the custody book's releases) is older and
 stricter: held per the last poll, or allocated since and not yet confirmed.
 Cleanup keeps counting its own confirmations on it and fails closed; being
 free for planning is not being released for cleanup. (A device whose

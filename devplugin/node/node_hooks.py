@@ -17,10 +17,10 @@ from collections.abc import Callable, Sequence
 from devplugin.model import DeviceKind, Refused
 from devplugin.node.coordination import Coordinator
 from devplugin.node.ledger import ContainerKey, Ledger
-from devplugin.node.lifecycle.cleanup import CleanupManager
 from devplugin.node.lifecycle.custody import wait_until
 from devplugin.node.lifecycle.devices import describe
 from devplugin.node.lifecycle.hooks import HookRunner, HookSpec
+from devplugin.node.lifecycle.takes import Takes
 from devplugin.node.pipeline import Pipeline
 from devplugin.node.resources import ContainerAllocation, HcaResource, Resource
 
@@ -43,7 +43,7 @@ class ResourceHooks:
         pipeline: Pipeline,
         ledger: Ledger,
         coordinator: Coordinator,
-        cleanup: CleanupManager,
+        takes: Takes,
         runner: HookRunner,
         init: HookSpec | None = None,
         attach: HcaResource | None = None,
@@ -55,7 +55,7 @@ class ResourceHooks:
         self._pipeline = pipeline
         self._ledger = ledger
         self._coordinator = coordinator
-        self._cleanup = cleanup
+        self._takes = takes
         self._runner = runner
         self._init = init
         self._pre_start = resource.capabilities.pre_start
@@ -64,23 +64,23 @@ class ResourceHooks:
         self._identify = identify
 
     def take(self, physical: Sequence[str], deadline: float | None) -> None:
-        otherwise = self._cleanup.cleanup_timeout(self._kind) + KILL_GRACE
+        otherwise = self._takes.cleanup_timeout(self._kind) + KILL_GRACE
         until = wait_until(time.monotonic(), deadline, otherwise)
-        problem = self._cleanup.take(
+        problem = self._takes.take(
             self._kind,
             physical,
             shared=not self._resource.reuse_proves_release,
             wait_until=until,
         )
-        if self._cleanup.cleans(self._kind):
+        if self._takes.cleans(self._kind):
             # A device cleaned meanwhile is Healthy again: judge before validating.
             self._pipeline.rejudge()
         if problem is not None:
             raise Refused(str(problem), invalid_argument=False, retry=problem.retry)
 
     def abandon(self, physical: Sequence[str], *, dirty: bool) -> None:
-        self._cleanup.abandon(self._kind, physical, dirty=dirty)
-        if self._cleanup.cleans(self._kind):
+        self._takes.abandon(self._kind, physical, dirty=dirty)
+        if self._takes.cleans(self._kind):
             self._pipeline.rejudge()
 
     def extra(self, physical: Sequence[str]) -> ContainerAllocation | None:
@@ -116,8 +116,8 @@ class ResourceHooks:
             "init",
             name,
             devices,
-            track=self._cleanup.tracker(self._kind, physical),
-            cancel=self._cleanup.cancel,
+            track=self._takes.tracker(self._kind, physical),
+            cancel=self._takes.cancel,
         )
         if result.ok:
             log.info("%s: init hook for %s took %.2fs", name, ",".join(physical), result.duration)
@@ -135,6 +135,6 @@ class ResourceHooks:
         self._ledger.allocated(self._kind, physical, holder=holder, uid=uid)
         self._coordinator.allocated(self._kind, physical)
         owner = (holder[0], holder[1], uid) if holder is not None else None
-        self._cleanup.allocated(self._kind, physical, owner)
+        self._takes.allocated(self._kind, physical, owner)
         # A PodResources poll soon (rate-limited, on the monitor's thread).
         self._poke()

@@ -22,8 +22,8 @@ from devplugin.model import DeviceKind, Health, Inventory
 from devplugin.node.coordination import Coordinator
 from devplugin.node.judge import Verdicts, judge, transitions
 from devplugin.node.lifecycle.cdi_spec import HcaSpecWriter
-from devplugin.node.lifecycle.cleanup import CleanupManager
 from devplugin.node.lifecycle.health import HealthTracker
+from devplugin.node.lifecycle.view import CustodyView
 from devplugin.node.metrics import Metrics
 from devplugin.node.resources import CDI_UNDECLARED, HcaResource, Resource, ResourceState
 from devplugin.policy.topology import Topology
@@ -60,7 +60,7 @@ class Pipeline:
         resources: Sequence[Resource],
         *,
         health: HealthTracker,
-        cleanup: CleanupManager,
+        custody: CustodyView,
         coordinator: Coordinator,
         metrics: Metrics,
         after_cleanup: bool,
@@ -71,7 +71,7 @@ class Pipeline:
         # The HCA CDI spec, kept in step with each scan before it is judged.
         self._hca_spec = hca_spec
         self._health = health
-        self._cleanup = cleanup
+        self._custody = custody
         self._coordinator = coordinator
         self._metrics = metrics
         self._after_cleanup = after_cleanup
@@ -139,7 +139,7 @@ class Pipeline:
                 self._metrics.cdi_undeclared.labels(resource.name).set(undeclared)
         present: list[str] = []
         for kind, state in live.items():
-            self._cleanup.present(kind, [device.id for device in state.devices])
+            self._custody.present(kind, [device.id for device in state.devices])
             for device in state.devices:
                 present.append(device.id)
                 self._health.observe(device.id, device.health is Health.HEALTHY, device.reason)
@@ -148,7 +148,7 @@ class Pipeline:
         for new_id in changed:
             # A GPU cut anew (or made whole again) served someone through its
             # old devices: its new ones are cleaned before anyone gets them.
-            self._cleanup.request_cleanup(DeviceKind.GPU, new_id)
+            self._custody.request_cleanup(DeviceKind.GPU, new_id)
         with self._lock:
             self._former.update(gone)
         hcas = self._hca_view.state(inventory) if self._hca_view is not None else None
@@ -182,10 +182,10 @@ class Pipeline:
 
     def _judge_locked(self) -> None:
         current = self._current
-        in_use = {kind: self._cleanup.in_use(kind) for kind in current.live}
+        in_use = {kind: self._custody.in_use(kind) for kind in current.live}
         verdicts = Verdicts(
             faults=self._health.verdicts(),
-            cleanup=self._cleanup.verdicts(),
+            cleanup=self._custody.verdicts(),
             in_use=in_use,
             after_cleanup=self._after_cleanup,
             withheld=self._withheld(current.inventory, in_use.get(DeviceKind.GPU, set())),
@@ -208,7 +208,7 @@ class Pipeline:
         for listener in self._judged:
             listener()
         for kind, device in judgement.cleanups:
-            self._cleanup.request_cleanup(kind, device)
+            self._custody.request_cleanup(kind, device)
 
     def _withheld(self, inventory: Inventory, held: set[str]) -> dict[str, str]:
         """The devices of each GPU cut anew while a container still holds
@@ -230,7 +230,7 @@ class Pipeline:
                 withheld[gpu.uuid] = f"GPU {physical[:40]} was cut anew while {olds} is held"
             elif physical in cleared:
                 # Its old holders are gone: what they may have left is cleaned.
-                self._cleanup.request_cleanup(DeviceKind.GPU, gpu.uuid)
+                self._custody.request_cleanup(DeviceKind.GPU, gpu.uuid)
         return withheld
 
 

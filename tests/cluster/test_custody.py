@@ -30,14 +30,10 @@ import pytest
 import yaml
 
 from devplugin.api import deviceplugin_v1beta1_pb2 as pb
+from devplugin.frontends.dra.claim_record import ClaimDevice, ClaimRecord
 from devplugin.model import DeviceKind
 from devplugin.node.lifecycle import custody
-from devplugin.node.lifecycle.checkpoint import (
-    Checkpoint,
-    ClaimDevice,
-    ClaimRecord,
-    LifecycleState,
-)
+from devplugin.node.lifecycle.checkpoint import Checkpoint, LifecycleState
 from devplugin.node.lifecycle.custody import Custody, Phase, Take, state_of
 from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.dra_kubelet import ClaimCall, DraKubeletSimulator, DraPluginRecord
@@ -100,7 +96,7 @@ def test_every_phase_of_both_kinds_at_once_is_written_and_read_back(tmp_path: Pa
     state = state_of(records, claims)
     path = tmp_path / "checkpoint.json"
     Checkpoint(path).save(state)
-    back = Checkpoint(path).load()
+    back = Checkpoint(path, ClaimRecord.from_json).load()
     assert back.trusted
     for kind in (GPU, HCA):
         assert back.assigned[kind] == {"taking", "held", "unverified"}
@@ -176,40 +172,38 @@ def test_what_a_container_may_take(
 
 def test_a_take_that_cannot_be_recorded_is_refused_and_takes_nothing(tmp_path: Path) -> None:
     node = Node(Runner([]), tmp_path)
-    cleanup = node.cleanup
     (tmp_path / "c.json").mkdir()  # every write fails (a directory where the file goes)
-    problem = cleanup.take(GPU, ["a"])
+    problem = node.takes.take(GPU, ["a"])
     assert problem is not None
     assert str(problem).startswith("checkpoint not written")
-    assert cleanup.in_use(GPU) == set()
+    assert node.book.in_use(GPU) == set()
     (tmp_path / "c.json").rmdir()
-    assert cleanup.take(GPU, ["a"]) is None
-    assert cleanup.in_use(GPU) == {"a"}
+    assert node.takes.take(GPU, ["a"]) is None
+    assert node.book.in_use(GPU) == {"a"}
     assert json.loads((tmp_path / "c.json").read_text())["assigned"]["gpu"] == ["a"]
 
 
 def test_a_cleanup_someone_waits_for_runs_before_the_others(tmp_path: Path) -> None:
     runner = Runner([])
     node = Node(runner, tmp_path, confirmations=1, cleaners=1)
-    cleanup = node.cleanup
     node.allocated(GPU, ["a", "b", "c"])
     node.observe({GPU: set()}, time.monotonic() + 10)  # all three released, owed
-    assert cleanup.pending() == {(GPU, "a"): 0, (GPU, "b"): 0, (GPU, "c"): 0}
+    assert node.book.pending() == {(GPU, "a"): 0, (GPU, "b"): 0, (GPU, "c"): 0}
     answer: list[object] = []
     taker = threading.Thread(
-        target=lambda: answer.append(cleanup.take(GPU, ["c"], wait_until=time.monotonic() + 20))
+        target=lambda: answer.append(node.takes.take(GPU, ["c"], wait_until=time.monotonic() + 20))
     )
     taker.start()
-    assert wait_until(lambda: cleanup.custody()[(GPU, "c")].wanted)
-    cleanup.start()
+    assert wait_until(lambda: node.book.records()[(GPU, "c")].wanted)
+    node.lifecycle.start()
     try:
         taker.join(timeout=20)
         assert answer == [None]
         assert runner.calls[0] == ["c"]
-        assert cleanup.in_use(GPU) == {"c"}
+        assert node.book.in_use(GPU) == {"c"}
         assert wait_until(lambda: sorted(map(tuple, runner.calls)) == [("a",), ("b",), ("c",)])
     finally:
-        cleanup.stop()
+        node.lifecycle.stop()
 
 
 def test_the_hook_log_reader_tells_apart_runs_that_reused_a_pid(tmp_path: Path) -> None:
@@ -429,7 +423,7 @@ def test_an_allocate_with_an_init_hook_beside_a_running_cleanup_of_the_other_kin
     gpu_pod = kubelet.admit("g", [ContainerRequest("c", {GPU_NAME: 1})])
     (gpu,) = gpu_pod.container("c").devices[GPU_NAME]
     assert [r["env"]["DEVPLUGIN_DEVICE_IDS"] for r in runs(init)] == [gpu]
-    assert cluster.daemon.core.cleanup.checkpoint_error() is None
+    assert cluster.daemon.core.lifecycle.book.checkpoint_error() is None
     (gates / hca).touch()
     assert kubelet.wait_for(lambda: kubelet.devices(HCA_NAME)[hca].health == "Healthy", 15)
     saved = json.loads(Path(cluster.daemon.config.lifecycle.checkpoint_file).read_text())
@@ -456,7 +450,7 @@ def test_a_prepare_with_an_init_hook_beside_a_running_cleanup_of_the_other_kind(
         cluster.attribute(gpu, "uuid")
     ]
     assert cluster.unprepare(g) == {g.uid: ""}
-    assert cluster.daemon.core.cleanup.checkpoint_error() is None
+    assert cluster.daemon.core.lifecycle.book.checkpoint_error() is None
     gated.open(cluster.attribute(hca, "resource.kubernetes.io/pciBusID"))
     assert wait_until(lambda: published(cluster, 16), timeout=15)
     saved = json.loads(cluster.checkpoint.read_text())
@@ -644,7 +638,7 @@ def test_a_storm_of_claims_and_pods_on_one_node_keeps_custody(
         assert report.violations == []
         assert log.failures == []
         assert log.worst < STORM_DEADLINE
-        assert cluster.daemon.core.cleanup.checkpoint_error() is None
+        assert cluster.daemon.core.lifecycle.book.checkpoint_error() is None
         errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
         assert [r.getMessage() for r in errors if r.name.startswith("devplugin")] == []
         # It was a storm: devices changed hands, through cleanups.

@@ -52,7 +52,7 @@ def held_until_the_pod_ends(cluster: Cluster, log: Path, prep_hcas: set[str]) ->
     do not list them, and are cleaned, exactly they, once pod "p" ends."""
     polls_pass(cluster, 6)
     assert runs(log) == []
-    assert prep_hcas <= cluster.daemon.core.cleanup.in_use(DeviceKind.HCA)
+    assert prep_hcas <= cluster.daemon.core.lifecycle.book.in_use(DeviceKind.HCA)
     cluster.kubelet.remove("p")
     assert wait_until(lambda: len(runs(log)) == 2, timeout=10)
     assert {r["env"]["DEVPLUGIN_DEVICE_IDS"] for r in runs(log)} == prep_hcas
@@ -67,7 +67,7 @@ def test_briefly_empty_pod_resources_never_cleans_a_running_pods_devices(
     kubelet = cluster.kubelet
     pod = kubelet.admit("train", [ContainerRequest("main", {GPU: 8})])
     gpus = set(pod.container("main").devices[GPU])
-    cleanup = cluster.daemon.core.cleanup
+    cleanup = cluster.daemon.core.lifecycle.book
     assert wait_until(lambda: cleanup.in_use(DeviceKind.GPU) == gpus)
     polls_pass(cluster, 2)  # PodResources has shown the pod holding them
     kubelet.blank_pod_resources = True

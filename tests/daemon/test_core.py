@@ -293,7 +293,7 @@ def test_allocate_validates_the_whole_request_before_any_side_effect(
     # Nothing happened for the first, valid container: no hook, no record.
     assert not log.exists()
     assert len(cluster.daemon.core.ledger) == 0
-    assert cluster.daemon.core.cleanup.in_use(DeviceKind.GPU) == set()
+    assert cluster.daemon.core.lifecycle.book.in_use(DeviceKind.GPU) == set()
 
 
 def test_a_cleanup_owed_at_start_runs_at_once_not_after_a_retry_delay(
@@ -318,4 +318,4 @@ def test_a_cleanup_owed_at_start_runs_at_once_not_after_a_retry_delay(
     )
     assert wait_until(lambda: log.exists() and owed in log.read_text(), timeout=10)
     assert cluster.kubelet.wait_for(lambda: health(cluster, GPU, owed) == "Healthy", 5)
-    assert cluster.daemon.core.cleanup.pending() == {}
+    assert cluster.daemon.core.lifecycle.book.pending() == {}

@@ -134,7 +134,7 @@ def test_with_a_damaged_checkpoint_devices_held_by_running_containers_are_not_cl
         calls = kubelet.pod_resources_calls
         assert wait_until(lambda: kubelet.pod_resources_calls >= calls + 3, timeout=10)
         assert set(cleanup_runs(log)) == idle  # the held GPUs were never cleaned
-        assert second.core.cleanup.in_use(DeviceKind.GPU) >= held
+        assert second.core.lifecycle.book.in_use(DeviceKind.GPU) >= held
     finally:
         second.stop()
         kubelet.stop()

@@ -522,5 +522,5 @@ def test_a_held_mig_device_stays_held_across_podresources_polls(start_cluster: S
     core = cluster.daemon.core
     polls = core.monitor.polls
     assert wait_until(lambda: core.monitor.polls >= polls + 4, timeout=10)
-    assert device in core.cleanup.in_use(DeviceKind.GPU)
+    assert device in core.lifecycle.book.in_use(DeviceKind.GPU)
     assert device in core.ledger.in_use(DeviceKind.GPU)

@@ -123,6 +123,6 @@ def test_the_example_hca_hook_checks_the_daemons_sysfs_root(
     gate.touch()
     # The hook reads the simulated node's ports (all ACTIVE) through
     # DEVPLUGIN_SYSFS_ROOT; with /sys it would find no such HCA and fail.
-    assert wait_until(lambda: cluster.daemon.core.cleanup.runs >= 1, timeout=15)
+    assert wait_until(lambda: cluster.daemon.core.lifecycle.queue.runs >= 1, timeout=15)
     assert kubelet.wait_for(lambda: kubelet.devices(HCA)[hca].health == "Healthy", 15)
-    assert cluster.daemon.core.cleanup.pending() == {}
+    assert cluster.daemon.core.lifecycle.book.pending() == {}

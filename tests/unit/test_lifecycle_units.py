@@ -1,5 +1,5 @@
 """The lifecycle's parts on their own: tracker, hook runner, checkpoint,
-cleanup manager, and the two example hooks."""
+the custody book and its ports, and the two example hooks."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from devplugin.hooks.gpu_cleanup import clean
 from devplugin.hooks.hca_check import check_ports
 from devplugin.model import DeviceKind, Health
 from devplugin.node.lifecycle.checkpoint import Checkpoint, LifecycleState
-from devplugin.node.lifecycle.cleanup import CleanupManager
 from devplugin.node.lifecycle.health import HealthTracker, Recovery
 from devplugin.node.lifecycle.hooks import HookDevice, HookSpec, run_hook
 from devplugin.testing.fake_nvml import FakeNvml, load_fixture
@@ -180,66 +179,59 @@ def test_corrupt_checkpoint_is_set_aside_not_trusted(tmp_path: Path) -> None:
     assert not path.exists()
 
 
-# -- cleanup manager ----------------------------------------------------------------
-
-
-def manager(runner: Runner, tmp_path: Path, **kwargs: object) -> CleanupManager:
-    return Node(runner, tmp_path, **kwargs).cleanup
+# -- the custody book and its ports -------------------------------------------------
 
 
 def test_release_needs_confirmations_then_cleans_once(tmp_path: Path) -> None:
     runner = Runner([True])
     node = Node(runner, tmp_path, confirmations=2)
-    cleanup = node.cleanup
-    cleanup.start()
+    node.lifecycle.start()
     try:
         node.allocated(GPU, ["a", "b"])
         now = time.monotonic() + 10  # polls after the bookkeeping grace
         node.observe({GPU: {"a", "b"}}, now)
         node.observe({GPU: {"b"}}, now + 1)
-        assert cleanup.verdict(GPU, "a") is None  # one miss is not a release
+        assert node.book.verdict((GPU, "a")) is None  # one miss is not a release
         node.observe({GPU: {"b"}}, now + 2)
-        assert wait_until(lambda: runner.calls == [["a"]] and cleanup.verdict(GPU, "a") is None)
-        assert cleanup.in_use(GPU) == {"b"}
+        assert wait_until(lambda: runner.calls == [["a"]] and node.book.verdict((GPU, "a")) is None)
+        assert node.book.in_use(GPU) == {"b"}
     finally:
-        cleanup.stop()
+        node.lifecycle.stop()
 
 
 def test_a_fresh_allocation_is_not_released_by_a_poll_that_missed_it(tmp_path: Path) -> None:
     runner = Runner([])
     node = Node(runner, tmp_path, confirmations=1)
-    cleanup = node.cleanup
-    cleanup.start()
+    node.lifecycle.start()
     try:
         node.allocated(GPU, ["a"])
         # The kubelet had not recorded it yet when this poll began.
         node.observe({GPU: set()}, time.monotonic())
-        assert cleanup.in_use(GPU) == {"a"}
+        assert node.book.in_use(GPU) == {"a"}
         assert runner.calls == []
     finally:
-        cleanup.stop()
+        node.lifecycle.stop()
 
 
 def test_pending_cleanups_survive_in_the_checkpoint(tmp_path: Path) -> None:
     runner = Runner([False] * 100)
     node = Node(runner, tmp_path, confirmations=1, retry_initial=60, retry_max=60)
-    cleanup = node.cleanup
-    cleanup.start()
+    node.lifecycle.start()
     node.allocated(GPU, ["a"])
     node.observe({GPU: set()}, time.monotonic() + 10)
     assert wait_until(lambda: len(runner.calls) == 1)
-    cleanup.stop()
-    verdict = cleanup.verdict(GPU, "a")
+    node.lifecycle.stop()
+    verdict = node.book.verdict((GPU, "a"))
     assert verdict is not None
     assert verdict.reason.startswith("quarantined: cleanup failed 1 time(s)")
     again = Runner([True])
-    restarted = manager(again, tmp_path, confirmations=1)
-    assert restarted.verdict(GPU, "a") is None
-    restarted.start()
+    restarted = Node(again, tmp_path, confirmations=1)
+    assert restarted.book.verdict((GPU, "a")) is None
+    restarted.lifecycle.start()
     try:
         assert wait_until(lambda: again.calls == [["a"]])
     finally:
-        restarted.stop()
+        restarted.lifecycle.stop()
 
 
 # -- the example hooks -------------------------------------------------------------

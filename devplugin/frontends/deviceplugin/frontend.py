@@ -93,7 +93,7 @@ class DevicePluginFrontend:
                 pipeline=core.pipeline,
                 ledger=core.ledger,
                 coordinator=core.coordinator,
-                cleanup=core.cleanup,
+                takes=core.lifecycle.takes,
                 runner=core.runner,
                 init=core.init_hook(resource.kind),
                 attach=core.hca_view if attach else None,

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from devplugin.config import Config, dra_cdi_kind, node_name
+from devplugin.frontends.dra.ledger import ClaimLedger
 from devplugin.frontends.dra.plugin import DraPlugin, health_list, socket_paths
 from devplugin.frontends.dra.prepare import InitHooks, Preparer
 from devplugin.frontends.dra.slices import SliceDevice, names, node_devices, published, split
@@ -107,7 +108,11 @@ class DraFrontend(ThreadLoop):
             pool=node,
             resources=served,
             pipeline=pipeline,
-            cleanup=core.cleanup,
+            ledger=ClaimLedger(
+                core.lifecycle.book,
+                names={resource.kind: resource.name for resource in core.resources},
+                cancel=core.lifecycle.cancel,
+            ),
             init=InitHooks(core.runner, init),
             specs=ClaimSpecs(Path(config.cdi.spec_dirs[-1]), dra_cdi_kind(config)),
             reader=reader,

@@ -36,9 +36,9 @@ from devplugin.api import dra_v1beta1_pb2 as v1beta1
 from devplugin.api import dra_v1beta1_pb2_grpc as v1beta1_grpc
 from devplugin.api import pluginregistration_v1_pb2 as reg_pb
 from devplugin.api import pluginregistration_v1_pb2_grpc as reg_grpc
+from devplugin.frontends.dra.claim_record import ClaimDevice
 from devplugin.frontends.dra.prepare import ClaimRef, Preparer
 from devplugin.model import shown
-from devplugin.node.lifecycle.checkpoint import ClaimDevice
 from devplugin.policy.claims import plain_uid
 from devplugin.rpc import SocketServer, deadline_of
 

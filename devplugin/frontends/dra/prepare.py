@@ -5,7 +5,7 @@ claim the kubelet means (its uid), take the allocation results for this
 driver and this node's pool, and map each device name back to the node's
 device. Then, in this order:
 
-1. take the devices (one step of the cleanup manager): refuse a device
+1. take the devices (one step of the claim ledger): refuse a device
    another claim holds, wait for the cleanup of any device still owed one,
    then record the claim as started, with its devices in use, in the
    checkpoint;
@@ -51,12 +51,13 @@ from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from devplugin.frontends.dra.claim_record import ClaimDevice, ClaimRecord
+from devplugin.frontends.dra.ledger import ClaimLedger
 from devplugin.frontends.dra.slices import names as slice_names
 from devplugin.frontends.dra.slices import node_devices
 from devplugin.model import DeviceKind, Health, Refused
+from devplugin.node.lifecycle.book import Problem
 from devplugin.node.lifecycle.cdi_spec import ClaimSpecs
-from devplugin.node.lifecycle.checkpoint import ClaimDevice, ClaimRecord
-from devplugin.node.lifecycle.cleanup import CleanupManager, Problem
 from devplugin.node.lifecycle.custody import WAIT_SHARE, wait_until
 from devplugin.node.lifecycle.devices import describe
 from devplugin.node.lifecycle.hooks import HookRunner, HookSpec
@@ -101,7 +102,7 @@ class Preparer:
         pool: str,
         resources: Mapping[DeviceKind, Resource],
         pipeline: Pipeline,
-        cleanup: CleanupManager,
+        ledger: ClaimLedger,
         init: InitHooks,
         specs: ClaimSpecs,
         reader: ClaimReader,
@@ -114,7 +115,7 @@ class Preparer:
         self.pool = pool
         self._resources = dict(resources)
         self._pipeline = pipeline
-        self._cleanup = cleanup
+        self._ledger = ledger
         self._runner = init.runner
         self._init = dict(init.specs)
         self._specs = specs
@@ -122,11 +123,11 @@ class Preparer:
         self._kinds = frozenset(resources)
         self._metrics = metrics
         if metrics is not None:
-            metrics.dra_prepared.set_function(lambda: float(len(cleanup.claims())))
+            metrics.dra_prepared.set_function(lambda: float(len(ledger.claims())))
         # One call at a time per claim (a retry waits for the first), but
         # claims do not wait for each other: a slow init hook of one never
         # holds up another's prepare. Two claims naming one device cannot
-        # both get it: begin_claim checks and records holders atomically.
+        # both get it: the ledger's begin checks and records holders atomically.
         self._guard = threading.Lock()
         self._claim_locks: dict[str, tuple[threading.Lock, int]] = {}
         self._waiting = threading.BoundedSemaphore(max_waiting)
@@ -143,7 +144,7 @@ class Preparer:
         makes the publisher compare them again)."""
         return frozenset(
             device.device
-            for claim in self._cleanup.claims()
+            for claim in self._ledger.claims()
             for device in claim.devices
             if device.pool == self.pool and not device.admin
         )
@@ -154,7 +155,7 @@ class Preparer:
 
     @property
     def untrusted(self) -> bool:
-        return self._cleanup.untrusted
+        return self._ledger.untrusted
 
     @contextlib.contextmanager
     def _claim_lock(self, uid: str, until: float) -> Iterator[None]:
@@ -203,7 +204,7 @@ class Preparer:
         with self._wait_budget(deadline) as until:
             try:
                 with self._claim_lock(ref.uid, until):
-                    known = self._cleanup.claim(ref.uid)
+                    known = self._ledger.claim(ref.uid)
                     again = known is not None and known.completed and self._current(known)
                     devices, error = self._prepare_guarded(ref, until)
             except Refused as exc:
@@ -226,7 +227,7 @@ class Preparer:
             # A bug must not fail the other claims of the call: this
             # claim's error, with what rolled back.
             log.exception("claim %s: prepare failed", ref)
-            known = self._cleanup.claim(ref.uid)
+            known = self._ledger.claim(ref.uid)
             if known is not None and not known.completed:
                 self._roll_back(known, "rolled back after an internal error")
             return (), f"internal error: {type(exc).__name__}: {exc}"[:500]
@@ -236,7 +237,7 @@ class Preparer:
         with self._wait_budget(deadline) as until:
             try:
                 with self._claim_lock(ref.uid, until):
-                    claim = self._cleanup.claim(ref.uid)
+                    claim = self._ledger.claim(ref.uid)
                     if claim is not None:
                         self._roll_back(claim, "unprepared")
             except Refused as exc:
@@ -252,7 +253,7 @@ class Preparer:
         """Roll back claims a killed daemon left started, and remove CDI
         specs of claims this node no longer knows (before serving)."""
         with self._guard:
-            for claim in self._cleanup.claims():
+            for claim in self._ledger.claims():
                 if not claim.completed:
                     log.warning(
                         "claim %s/%s (%s) was being prepared when the daemon stopped; "
@@ -262,7 +263,7 @@ class Preparer:
                         claim.uid,
                     )
                     self._roll_back(claim, "rolled back")
-            known = {claim.uid for claim in self._cleanup.claims()}
+            known = {claim.uid for claim in self._ledger.claims()}
             for uid in sorted(self._specs.on_disk() - known):
                 problem = self._specs.remove(uid)
                 if problem:
@@ -293,7 +294,7 @@ class Preparer:
                             )
                         )
                 if devices:
-                    self._cleanup.adopt_claim(
+                    self._ledger.adopt(
                         ClaimRecord(
                             claim_uid(claim),
                             str(meta.get("namespace", "")),
@@ -302,7 +303,7 @@ class Preparer:
                             completed=True,
                         )
                     )
-            released = self._cleanup.release_unclaimed(list(self._resources))
+            released = self._ledger.release_unclaimed(list(self._resources))
         log.info(
             "no trustworthy checkpoint: %d claims hold devices of this node; %d devices "
             "held by none are cleaned before they are offered",
@@ -312,7 +313,7 @@ class Preparer:
 
     # -- the steps -----------------------------------------------------------------
     def _prepare(self, ref: ClaimRef, until: float) -> tuple[ClaimDevice, ...]:
-        known = self._cleanup.claim(ref.uid)
+        known = self._ledger.claim(ref.uid)
         if known is not None and known.completed:
             if self._current(known):
                 return known.devices
@@ -326,7 +327,7 @@ class Preparer:
         if not devices:
             return ()
         started = ClaimRecord(ref.uid, ref.namespace, ref.name, devices, boot=self._boot)
-        problem = self._cleanup.begin_claim(started, wait_until=until)
+        problem = self._ledger.begin(started, wait_until=until)
         if problem is not None:
             raise Refused(_named(problem, devices), invalid_argument=False)
         self._check_healthy(ref, devices)
@@ -336,7 +337,7 @@ class Preparer:
             self._roll_back(started, "rolled back after a failed prepare")
             raise
         done = ClaimRecord(ref.uid, ref.namespace, ref.name, answered, True, self._boot)
-        error = self._cleanup.complete_claim(done)
+        error = self._ledger.complete(done)
         if error is not None:
             self._roll_back(started, "rolled back (completion not recorded)")
             raise Refused(error, invalid_argument=False)
@@ -421,7 +422,7 @@ class Preparer:
             elif judged.health is not Health.HEALTHY:
                 problem = f"device {device.device} is unhealthy: {judged.reason}"
             if problem is not None:
-                self._cleanup.end_claim(ref.uid, dirty=False)
+                self._ledger.end(ref.uid, dirty=False)
                 self._pipeline.rejudge()
                 raise Refused(problem, invalid_argument=False)
 
@@ -443,8 +444,8 @@ class Preparer:
                 "init",
                 self._resources[kind].name,
                 described,
-                track=self._cleanup.tracker(kind, ids),
-                cancel=self._cleanup.cancel,
+                track=self._ledger.tracker(kind, ids),
+                cancel=self._ledger.cancel,
             )
             if not result.ok:
                 raise Refused(result.describe("init", spec.timeout), invalid_argument=False)
@@ -530,7 +531,7 @@ class Preparer:
         problem = self._specs.remove(claim.uid)
         if problem:
             log.warning("%s", problem)
-        self._cleanup.end_claim(claim.uid)
+        self._ledger.end(claim.uid)
         self._pipeline.rejudge()
         log.info("claim %s/%s (%s) %s", claim.namespace, claim.name, claim.uid, why)
 

@@ -15,8 +15,10 @@ import json
 import logging
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from devplugin.model import DeviceKind
 from devplugin.node.lifecycle.files import write_atomically
@@ -32,119 +34,27 @@ READ_VERSIONS = frozenset({1, 2})
 MAX_SIZE = 4 * 1024 * 1024
 
 
-@dataclass(frozen=True)
-class ClaimDevice:
-    """One device of a prepared DRA claim, and what the kubelet was told."""
+class Hold(Protocol):
+    """A DRA claim as the checkpoint keeps it. Its type is the DRA front-end's
+    (frontends/dra/claim_record.py); the node needs only its uid, the
+    devices it holds in custody and its own JSON form."""
 
-    kind: DeviceKind
-    # The physical id (GPU UUID, HCA PCI address), as the rest of the node names it.
-    id: str
-    # The device as the ResourceSlice names it.
-    pool: str
-    device: str
-    requests: tuple[str, ...] = ()
-    cdi_ids: tuple[str, ...] = ()
-    # CDI ids only a container that names the whole claim gets (the claim's
-    # variables, when one request's would not do); answered as a second
-    # entry for this device under a request name no container can name.
-    whole: tuple[str, ...] = ()
-    # Admin access (a request's adminAccess): the container sees the device
-    # whoever holds it; the claim takes no custody of it, runs no hook on it
-    # and owes it no cleanup (the scheduler counts it as allocated to no one).
-    admin: bool = False
+    @property
+    def uid(self) -> str: ...
 
-    def to_json(self) -> dict[str, object]:
-        data: dict[str, object] = {
-            "kind": self.kind.value, "id": self.id, "pool": self.pool, "device": self.device,
-            "requests": list(self.requests), "cdi_ids": list(self.cdi_ids),
-        }  # fmt: skip
-        if self.whole:
-            data["whole_claim_cdi_ids"] = list(self.whole)
-        if self.admin:
-            data["admin"] = True
-        return data
+    def held(self) -> list[tuple[DeviceKind, str]]:
+        """The devices in its custody (not those it only looks at)."""
 
-    @classmethod
-    def from_json(cls, data: object) -> ClaimDevice:
-        if not isinstance(data, dict):
-            raise ValueError("claim devices must be mappings")
-        kinds = {k.value: k for k in DeviceKind}
-        kind = data.get("kind")
-        if not isinstance(kind, str) or kind not in kinds:
-            raise ValueError("claim device without a known kind")
-        texts = [data.get(key) for key in ("id", "pool", "device")]
-        if not all(isinstance(text, str) and text for text in texts):
-            raise ValueError("claim device without id, pool or device")
-        lists = [data.get(key, []) for key in ("requests", "cdi_ids", "whole_claim_cdi_ids")]
-        admin = data.get("admin", False)
-        if not isinstance(admin, bool):
-            raise ValueError("claim device admin must be a boolean")
-        for values in lists:
-            if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
-                raise ValueError("claim device requests and cdi_ids must be lists of strings")
-        return cls(
-            kinds[kind],
-            str(texts[0]),
-            str(texts[1]),
-            str(texts[2]),
-            requests=tuple(lists[0]),
-            cdi_ids=tuple(lists[1]),
-            whole=tuple(lists[2]),
-            admin=admin,
-        )
+    def to_json(self) -> dict[str, object]: ...
 
 
-@dataclass(frozen=True)
-class ClaimRecord:
-    """A DRA claim this node prepared (or began to)."""
+# Reads one entry of the claims list; a ValueError makes the file unusable.
+ReadHold = Callable[[object], Hold]
 
-    uid: str
-    namespace: str
-    name: str
-    devices: tuple[ClaimDevice, ...]
-    # False between the start of a prepare and its end: a daemon that finds
-    # such a claim at start rolls it back (its init may have half run).
-    completed: bool = False
-    # The boot it was completed in: its CDI spec (in /var/run/cdi) and what
-    # its init hooks did are gone after a reboot, though this record is not.
-    boot: str = ""
 
-    def to_json(self) -> dict[str, object]:
-        data: dict[str, object] = {
-            "uid": self.uid, "namespace": self.namespace, "name": self.name,
-            "state": "completed" if self.completed else "started",
-            "devices": [device.to_json() for device in self.devices],
-        }  # fmt: skip
-        if self.boot:
-            data["boot_id"] = self.boot
-        return data
-
-    @classmethod
-    def from_json(cls, data: object) -> ClaimRecord:
-        if not isinstance(data, dict):
-            raise ValueError("claims entries must be mappings")
-        uid, namespace, name = (data.get(key) for key in ("uid", "namespace", "name"))
-        if not isinstance(uid, str) or not uid:
-            raise ValueError("claim without a uid")
-        if not isinstance(namespace, str) or not isinstance(name, str):
-            raise ValueError("claim without a namespace or name")
-        state = data.get("state")
-        if state not in ("started", "completed"):
-            raise ValueError("claim state must be started or completed")
-        devices = data.get("devices", [])
-        if not isinstance(devices, list):
-            raise ValueError("claim devices must be a list")
-        boot = data.get("boot_id", "")
-        if not isinstance(boot, str):
-            raise ValueError("claim boot_id must be a string")
-        return cls(
-            uid,
-            namespace,
-            name,
-            tuple(ClaimDevice.from_json(d) for d in devices),
-            completed=state == "completed",
-            boot=boot,
-        )
+def no_holds(entry: object) -> Hold:
+    """The reader of a daemon that serves no DRA claims."""
+    raise ValueError("it lists DRA claims, and this daemon reads none")
 
 
 @dataclass
@@ -159,7 +69,7 @@ class LifecycleState:
     # group, leader start time). A crash leaves them to be killed at restart.
     running: dict[tuple[DeviceKind, str], tuple[int, int | None]] = field(default_factory=dict)
     # DRA claims by uid.
-    claims: dict[str, ClaimRecord] = field(default_factory=dict)
+    claims: dict[str, Hold] = field(default_factory=dict)
     # False when there was no readable checkpoint (first start, deleted,
     # damaged): nothing is known about which devices are clean.
     trusted: bool = True
@@ -179,7 +89,7 @@ class LifecycleState:
         }
 
     @classmethod
-    def from_json(cls, data: object) -> LifecycleState:
+    def from_json(cls, data: object, read_hold: ReadHold = no_holds) -> LifecycleState:
         if not isinstance(data, dict) or data.get("version") not in READ_VERSIONS:
             raise ValueError("not a devplugin checkpoint of version 1 or 2")
         state = cls()
@@ -216,7 +126,7 @@ class LifecycleState:
         if not isinstance(claims, list):
             raise ValueError("claims must be a list")
         for entry in claims:
-            claim = ClaimRecord.from_json(entry)
+            claim = read_hold(entry)
             if claim.uid in state.claims:
                 raise ValueError(f"claim {claim.uid} is listed twice")
             state.claims[claim.uid] = claim
@@ -232,8 +142,9 @@ def _is_pid(value: int) -> bool:
 
 
 class Checkpoint:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, read_hold: ReadHold = no_holds) -> None:
         self.path = path
+        self._read_hold = read_hold
 
     def load(self) -> LifecycleState:
         """The saved state. Anything but a regular file we can read and parse
@@ -258,7 +169,9 @@ class Checkpoint:
         except OSError as exc:
             return self._damaged(f"cannot read it: {exc.strerror or exc}", move=False)
         try:
-            return LifecycleState.from_json(_checked(json.loads(raw.decode("utf-8"))))
+            return LifecycleState.from_json(
+                _checked(json.loads(raw.decode("utf-8"))), self._read_hold
+            )
         except (ValueError, RecursionError) as exc:
             # UnicodeDecodeError and JSONDecodeError are ValueErrors.
             return self._damaged(str(exc)[:200] or type(exc).__name__)

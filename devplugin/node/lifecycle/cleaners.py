@@ -1,9 +1,10 @@
 """The cleaners: a few threads that run the cleanup hooks of released devices.
 
-Each cleaner asks the custody book for the next device due a cleanup (the
-book marks it CLEANING in the same step, so no two cleaners and no take
-can have it), runs one attempt and hands the outcome back; the book alone
-decides what the outcome means for the record. Several devices are cleaned
+Each cleaner asks the cleanup queue (queue.py, the cleaners' port on the
+custody book) for the next device due a cleanup (marked CLEANING in the
+same step, so no two cleaners and no take can have it), runs one attempt
+and hands the outcome back; the queue alone decides what the outcome means
+for the record. Several devices are cleaned
 at once (a pod's eight GPUs need not wait for each other's GPU reset), one
 device never twice at once.
 """
@@ -39,8 +40,8 @@ class Attempt:
     internal: bool = False
 
 
-class Book(Protocol):
-    """What the cleaners need of the custody book."""
+class Queue(Protocol):
+    """What the cleaners need of the cleanup queue."""
 
     def next_cleanup(self) -> Key | None:
         """Wait for a device due a cleanup and mark it CLEANING; None at stop."""
@@ -48,7 +49,7 @@ class Book(Protocol):
     def end_leftover(self, key: Key) -> bool:
         """Kill a hook a previous daemon left on the device; whether none is left."""
 
-    def tracker(self, kind: DeviceKind, ids: Sequence[str]) -> Tracker:
+    def tracker(self, key: Key) -> Tracker:
         """Records a hook's process group in the checkpoint while it runs."""
 
     def cleanup_ended(self, key: Key, attempt: Attempt) -> None:
@@ -58,7 +59,7 @@ class Book(Protocol):
 class Cleaners:
     def __init__(
         self,
-        book: Book,
+        queue: Queue,
         *,
         hooks: Mapping[DeviceKind, HookSpec],
         names: Mapping[DeviceKind, str],
@@ -67,7 +68,7 @@ class Cleaners:
         cancel: threading.Event,
         count: int,
     ) -> None:
-        self._book = book
+        self._queue = queue
         self._hooks = dict(hooks)
         self._names = dict(names)
         self._describe = describe
@@ -80,25 +81,25 @@ class Cleaners:
             cleaner.start()
 
     def join(self, timeout: float) -> None:
-        """Wait for every cleaner (the book's stop ends them), `timeout` in all."""
+        """Wait for every cleaner (the queue answers None at stop), `timeout` in all."""
         deadline = time.monotonic() + timeout
         for cleaner in self._cleaners:
             cleaner.join(max(0.0, deadline - time.monotonic()))
 
     def work(self) -> None:
-        """One cleaner's life: attempts until the book says stop."""
-        while (key := self._book.next_cleanup()) is not None:
+        """One cleaner's life: attempts until the queue says stop."""
+        while (key := self._queue.next_cleanup()) is not None:
             try:
                 attempt = self._attempt(key)
             except Exception:
                 log.exception("cleanup of %s failed unexpectedly; will retry", key[1])
                 attempt = Attempt(problem="internal error", internal=True)
-            self._book.cleanup_ended(key, attempt)
+            self._queue.cleanup_ended(key, attempt)
 
     def _attempt(self, key: Key) -> Attempt:
         kind, device = key
         devices = self._describe(kind, [device])
-        if not self._book.end_leftover(key):
+        if not self._queue.end_leftover(key):
             return Attempt(
                 problem=f"a hook on {device} from before the restart could not be killed"
             )
@@ -109,14 +110,14 @@ class Cleaners:
             "cleanup",
             self._names[kind],
             devices,
-            track=self._book.tracker(kind, [device]),
+            track=self._queue.tracker(key),
             cancel=self._cancel,
         )
         return Attempt(result)
 
 
 class _Cleaner(ThreadLoop):
-    """One cleaner thread; its stop is the book's (next_cleanup answers None)."""
+    """One cleaner thread; its stop is the queue's (next_cleanup answers None)."""
 
     def __init__(self, name: str, pool: Cleaners) -> None:
         super().__init__(name)

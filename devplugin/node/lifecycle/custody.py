@@ -1,7 +1,7 @@
 """One custody record per device, and the pure rules that move it.
 
-Every device the cleanup manager knows has one record with an explicit
-phase. The manager changes records only under its one lock, one whole step
+Every device the custody book knows has one record with an explicit
+phase. The book changes records only under its one lock, one whole step
 at a time, and only through the functions here, so a rule ("a cleanup
 starts only on a device no one holds", "a take of a device owed a cleanup
 waits for it") is one check in one place instead of a property of how a
@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from devplugin.model import DeviceKind, Health
-from devplugin.node.lifecycle.checkpoint import ClaimRecord, LifecycleState
+from devplugin.node.lifecycle.checkpoint import Hold, LifecycleState
 from devplugin.node.lifecycle.health import Verdict
 
 Key = tuple[DeviceKind, str]
@@ -326,7 +326,7 @@ def verdict(record: Custody, *, source: str, save_error: str | None) -> Verdict 
     return None
 
 
-def state_of(records: Mapping[Key, Custody], claims: Mapping[str, ClaimRecord]) -> LifecycleState:
+def state_of(records: Mapping[Key, Custody], claims: Mapping[str, Hold]) -> LifecycleState:
     """What the checkpoint says of these records."""
     state = LifecycleState()
     for (kind, device), record in records.items():

@@ -9,7 +9,8 @@ container's devices stay its pod's until the pod ends. Kinds served through
 DRA (`explicit`) are never released this way; their claims say when.
 
 `settle` is a pure step over the custody records: it returns the records it
-changed and the keys it releases; the manager applies both in one step.
+changed and the keys it releases; `Releases`, the port the PodResources
+monitor and the pod watch are given, applies both in one step of the book.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from devplugin.model import DeviceKind
+from devplugin.node.ledger import Ledger
+from devplugin.node.lifecycle.book import Book
 from devplugin.node.lifecycle.custody import FREE, Custody, Key, Owner, Phase, held_by, order
 
 log = logging.getLogger(__name__)
@@ -148,3 +151,59 @@ class ReleaseRule:
                 "is still running" if ended is False else "cannot be checked (pod watch down)",
             )
         return False, replace(record, held_back=True)
+
+
+class Releases:
+    """The pod side's port on the custody book."""
+
+    def __init__(self, book: Book, ledger: Ledger, rule: ReleaseRule) -> None:
+        self._book = book
+        self._ledger = ledger
+        self._rule = rule
+
+    def observe(self) -> None:
+        """The ledger has a new PodResources answer: count each in-use device
+        it no longer shows as taken; enough misses in a row are a release
+        (with the pod watch, once the holder's pod has also ended)."""
+        self._settle(count=True)
+
+    def reconsider(self) -> None:
+        """The pod watch changed: devices held back only because their pod was
+        still running may be released now."""
+        if self._rule.witness is not None:
+            self._settle(count=False)
+
+    def _settle(self, *, count: bool) -> None:
+        taken = {kind: self._ledger.in_use(kind) for kind in DeviceKind}
+        owners = self._holders() if count else {}
+        with self._book.step() as page:
+            settled = self._rule.settle(page.records, taken, owners, count=count)
+            # Counts and owners are not in the checkpoint: written only with
+            # a change it shows.
+            keep = page.set if settled.visible else page.nudge
+            for key, record in settled.changed.items():
+                keep(key, record)
+            for key in settled.released:
+                if page.release(key):
+                    name = self._rule.names.get(key[0], key[0].value)
+                    log.info("%s: %s released; cleanup scheduled", name, key[1])
+            if settled.visible:
+                page.show()
+            # A failed write is tried again at every poll until one succeeds.
+            page.commit(retry=True)
+
+    def _holders(self) -> dict[Key, Owner]:
+        """Who holds each device per the last PodResources answer (pods named
+        with the uid the watch knows now, so a namesake later is told apart)."""
+        witness = self._rule.witness
+        if witness is None:
+            return {}
+        found: dict[Key, Owner] = {}
+        uids: dict[tuple[str, str], str | None] = {}
+        for (namespace, pod, _), kinds in self._ledger.holdings().containers.items():
+            if (namespace, pod) not in uids:
+                uids[(namespace, pod)] = witness.uid_of(namespace, pod)
+            for kind, devices in kinds.items():
+                for device in devices:
+                    found[(kind, device)] = (namespace, pod, uids[(namespace, pod)])
+        return found
