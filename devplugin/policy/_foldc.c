@@ -1,11 +1,12 @@
-/* The allocator's tree fold in C (see Allocator._fold_python, the reference
- * this must agree with value for value and choice for choice).
+/* The allocator's tree fold in C: fold.py's fold where every state is the
+ * empty one (the tree expresses every pair's score), the reference this
+ * must agree with value for value and choice for choice.
  *
  * Why C: the fold is a chain of (min, +) convolutions over rows of mixed-radix
  * integers, and in Python each element costs an object allocation. Here the
- * values are signed 128-bit integers; allocator.py builds a Tables object only
- * when every value a fold can reach fits (see NATIVE_BITS there), otherwise it
- * keeps the Python fold.
+ * values are signed 128-bit integers; fold_tables.py builds a Tables object
+ * only when every value a fold can reach fits (see NATIVE_BITS there),
+ * otherwise the allocator keeps the Python fold.
  *
  * The GIL is held for the whole call: a fold takes microseconds, and holding
  * it lets one scratch arena per Tables serve calls without locks. Building
@@ -21,7 +22,7 @@
 
 typedef __int128 i128;
 
-/* Components of a value past the first (see Allocator._decode). */
+/* Components of a value past the first (see objective.Weights.signed). */
 #define NDIGITS 7
 
 /* ---- conversions ------------------------------------------------------ */
@@ -763,7 +764,7 @@ static PyObject *Tables_fold(Tables *self, PyObject *args) {
                 k -= take_n;
             }
         }
-        /* The components, peeled off as Allocator._decode_python does:
+        /* The components, peeled off as objective.Weights.signed does:
          * balanced digits in (-base/2, base/2], the first component last. */
         PyObject *parts = PyTuple_New(NDIGITS + 1);
         if (parts == NULL) {

@@ -15,13 +15,13 @@ from devplugin.policy.allocator import (
     Choice,
     Request,
     Role,
-    _convolve,
     evaluate,
     exhaustive,
     plan_request,
     planned_request,
     validate,
 )
+from devplugin.policy.fold import convolve
 from devplugin.policy.topology import PCIE_SCORE, Level, Topology
 from devplugin.testing.layouts import LAYOUTS
 from devplugin.testing.node import devices_from_spec
@@ -383,7 +383,7 @@ def test_row_merge_equals_brute_force_min_plus() -> None:
         second = [rng.choice([inf, rng.randint(-50, 50)]) for _ in range(rng.randint(2, 9))]
         high = rng.randint(0, len(first) + len(second) - 2)
         low = rng.randint(-3, high)
-        out = _convolve(first, second, low, high, inf)
+        out = convolve(first, second, low, high, inf)
         assert len(out) == high + 1
         for slot in range(max(low, 0), high + 1):
             sums = [

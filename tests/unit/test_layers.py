@@ -102,9 +102,8 @@ LONGEST = 100
 LONG_ON_PURPOSE = {
     # One declaration per metric: a table, read top to bottom.
     ("devplugin/node/metrics.py", "__init__"),
-    # The Python twins of _foldc.c, kept whole to read beside it.
-    ("devplugin/policy/allocator.py", "_fold_python"),
-    ("devplugin/policy/allocator.py", "_fold_linked"),
+    # The Python twin of _foldc.c, kept whole to read beside it.
+    ("devplugin/policy/fold.py", "_forward"),
     # One storm scenario: its killer and actors share its state.
     ("tests/cluster/test_custody.py", "test_sigkill_at_random_moments_under_a_storm_keeps_custody"),
 }

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from devplugin.model import DeviceKind
-from devplugin.policy import allocator as allocator_module
+from devplugin.policy import fold_tables
 from devplugin.policy.allocator import Allocator, Request, native_fold_available
 from devplugin.policy.topology import Topology
 from devplugin.testing.layouts import LAYOUTS
@@ -70,17 +70,18 @@ def test_the_infinity_bounds_every_term_the_width_check_counts(name: str) -> Non
     # The 128-bit check multiplies the infinity by the number of terms: that
     # holds only while no table entry or level unit is larger.
     gpus, hcas = devices_from_spec(LAYOUTS[name]())
-    allocator = Allocator(Topology(gpus, hcas))
-    inf = allocator._inf
-    rows = [row for row in allocator._spread_rows if row is not None]
+    tables = fold_tables.FoldTables(Topology(gpus, hcas))
+    weights = tables.weights
+    inf = weights.inf
+    rows = [row for row in tables.spread_rows if row is not None]
     for kind in (GPU, HCA):
-        tables = allocator._tables[kind]
-        rows += [row for per in tables.class_values for row in per]
-        rows += [row for row in tables.node_penalty if row is not None]
+        of_kind = tables.kinds[kind]
+        rows += [row for per in of_kind.class_values for row in per]
+        rows += [row for row in of_kind.node_penalty if row is not None]
     assert rows
     assert max(abs(value) for row in rows for value in row) < inf
-    assert 5 * allocator._w_total < inf
-    assert allocator._w_reach + sum(allocator._w_support) < inf
+    assert 5 * weights.total < inf
+    assert weights.reach + sum(weights.support) < inf
 
 
 def test_a_topology_whose_values_could_pass_128_bits_keeps_the_python_fold(
@@ -88,7 +89,7 @@ def test_a_topology_whose_values_could_pass_128_bits_keeps_the_python_fold(
 ) -> None:
     gpus, hcas = devices_from_spec(LAYOUTS["hgx-h100"]())
     topology = Topology(gpus, hcas)
-    monkeypatch.setattr(allocator_module, "NATIVE_BITS", 40)
+    monkeypatch.setattr(fold_tables, "NATIVE_BITS", 40)
     narrow = Allocator(topology)
     assert narrow.fold == "python"
     free = frozenset(h.device_id for h in hcas)
