@@ -282,6 +282,10 @@ class AllocationConfig:
 @dataclass(frozen=True)
 class PodResourcesConfig:
     poll_interval_seconds: float = _checked(2.0, _positive)
+    # After polls in a row that changed nothing (and no Allocate awaiting
+    # its container), polls slow to this, at most five poll intervals; any
+    # change, Allocate or pod event brings the poll interval back.
+    quiet_interval_seconds: float = _checked(10.0, _positive)
     # Never poll more often than this (the kubelet allows 100 requests/s).
     min_interval_seconds: float = _checked(0.5, _positive)
     # The kubelet records an allocation just after Allocate returns; a device

@@ -85,6 +85,11 @@ def alignment(
     return Level(max(levels)), sum(levels)
 
 
+# Answers in a row that changed nothing before polls slow down, and how far.
+QUIET_POLLS = 5
+QUIET_FACTOR = 5
+
+
 class AlignmentMonitor(ThreadLoop):
     """Polls PodResources; feeds held devices to the coordinator; reports levels."""
 
@@ -97,6 +102,7 @@ class AlignmentMonitor(ThreadLoop):
         *,
         interval: float,
         min_interval: float,
+        quiet_interval: float | None = None,
         # Told after each answer reached the ledger (the custody book's releases).
         listeners: Sequence[Callable[[], None]] = (),
         # Told of each container that newly holds devices (pod events); not
@@ -120,6 +126,12 @@ class AlignmentMonitor(ThreadLoop):
         self._mig_prefix = gpu.split("/", 1)[0] + "/mig-" if gpu else None
         self._interval = interval
         self._min_interval = min_interval
+        # After QUIET_POLLS answers in a row that changed nothing: the safety
+        # net's pace (events, Allocate pokes and changes bring `interval` back).
+        quiet = interval * QUIET_FACTOR if quiet_interval is None else quiet_interval
+        self._quiet_interval = max(interval, min(quiet, interval * QUIET_FACTOR))
+        self._unchanged = 0
+        self._holdings: object = None
         self._clock = clock
         self._lock = threading.Lock()
         self._report: dict[str, ContainerAlignment] = {}
@@ -146,7 +158,20 @@ class AlignmentMonitor(ThreadLoop):
             return 0.0
         self._wake.clear()
         self.poll_once()
+        return self.next_interval()
+
+    def next_interval(self) -> float:
+        """The poll interval, or the quiet one once nothing has changed for
+        QUIET_POLLS answers and no Allocate awaits its container."""
+        if self._unchanged >= QUIET_POLLS and not self._ledger.settling():
+            return self._quiet_interval
         return self._interval
+
+    def poke(self) -> None:
+        """Poll soon (an Allocate, a pod event): and at the poll interval
+        until things are quiet again."""
+        self._unchanged = 0
+        super().poke()
 
     def finished(self) -> None:
         self._client.close()
@@ -181,6 +206,8 @@ class AlignmentMonitor(ThreadLoop):
             physical = physical_ids(entry.device_ids)
             key = (entry.namespace, entry.pod, entry.container)
             holdings.setdefault(key, {k: [] for k in DeviceKind})[kind].extend(physical)
+        self._unchanged = self._unchanged + 1 if holdings == self._holdings else 0
+        self._holdings = holdings
         self._ledger.observe(
             Holdings(
                 {key: {k: tuple(v) for k, v in kinds.items()} for key, kinds in holdings.items()}

@@ -321,6 +321,7 @@ def build_core(
         names,
         interval=pods.poll_interval_seconds,
         min_interval=pods.min_interval_seconds,
+        quiet_interval=pods.quiet_interval_seconds,
         listeners=[lifecycle.releases.observe],
         metrics=metrics,
     )

@@ -330,6 +330,11 @@ class Ledger:
             return max(0.0, self._clock() - self._confirmed)
 
     # -- the release view (cleanup) ------------------------------------------------
+    def settling(self) -> bool:
+        """Whether an Allocate still awaits its container in a poll."""
+        with self._lock:
+            return bool(self._recent)
+
     def in_use(self, kind: DeviceKind) -> frozenset[str]:
         """Held per the last poll, or allocated since and not yet confirmed."""
         with self._lock:

@@ -362,7 +362,9 @@ class _Process:
 class _EventSet:
     def __init__(self) -> None:
         self.registered: dict[int, int] = {}  # GPU index -> event type mask
-        self.queue: queue.Queue[_EventData] = queue.Queue()
+        # SimpleQueue: its timed get waits in C, as NVML waits in the driver
+        # (a Python-level timed wait would bill the daemon for the fake).
+        self.queue: queue.SimpleQueue[_EventData] = queue.SimpleQueue()
         self.freed = False
 
 

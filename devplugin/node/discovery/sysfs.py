@@ -44,7 +44,7 @@ def _raise_if_exhausted(exc: OSError) -> None:
         raise DescriptorsExhausted(exc.errno, exc.strerror) from exc
 
 
-def read_text(path: Path) -> str | None:
+def read_text(path: str | Path) -> str | None:
     """The stripped content of a sysfs attribute, or None when unreadable.
 
     Optional attributes are missing on some kernels and drivers; a missing
@@ -69,7 +69,7 @@ def read_text(path: Path) -> str | None:
         os.close(fd)
 
 
-def _read_hex(path: Path) -> int | None:
+def _read_hex(path: str | Path) -> int | None:
     text = read_text(path)
     if text is None:
         return None
@@ -101,7 +101,7 @@ def _read_numa(path: Path) -> int | None:
     return node
 
 
-def pci_path_of(sysfs_root: Path, device_dir: Path) -> PciPath | None:
+def pci_path_of(sysfs_root: Path, device_dir: Path, devices: str | None = None) -> PciPath | None:
     """The PCIe ancestry of a device directory, from its resolved real path.
 
     The real path looks like devices/pci0000:17/0000:17:01.0/0000:18:00.0;
@@ -109,11 +109,13 @@ def pci_path_of(sysfs_root: Path, device_dir: Path) -> PciPath | None:
     after it is a hop down the tree. Virtual buses may put the host bridge
     deeper (Hyper-V), so search for it rather than assume position 1.
     """
-    real = Path(os.path.realpath(device_dir))
-    try:
-        parts = real.relative_to(Path(os.path.realpath(sysfs_root / "devices"))).parts
-    except ValueError:
+    # `devices`: the real path of the root's devices/ (a caller reading many
+    # functions resolves it once).
+    base = devices if devices is not None else os.path.realpath(sysfs_root / "devices")
+    real = os.path.realpath(device_dir)
+    if not real.startswith(base + os.sep):
         return None
+    parts = tuple(part for part in real[len(base) + 1 :].split(os.sep) if part)
     root_index = None
     for index, part in enumerate(parts):
         if _HOST_BRIDGE.match(part):
@@ -143,13 +145,14 @@ def read_pci_functions(sysfs_root: Path) -> dict[PciAddress, PciFunction]:
         _raise_if_exhausted(exc)
         log.warning("cannot list PCI devices under %s: %s", devices_dir, exc)
         return functions
+    devices = os.path.realpath(sysfs_root / "devices")
     for entry in entries:
         try:
             address = PciAddress.parse(entry)
         except ValueError:
             continue
         device_dir = devices_dir / entry
-        path = pci_path_of(sysfs_root, device_dir)
+        path = pci_path_of(sysfs_root, device_dir, devices)
         if path is None or path.chain[-1] != address:
             log.debug("PCI device %s has no resolvable ancestry; skipped", entry)
             continue
@@ -173,21 +176,21 @@ def _link_name(path: Path) -> str | None:
         return None
 
 
-def _char_device(dev_root: Path, relative: str, class_entry: Path | None = None) -> CharDevice:
+def _char_device(dev_root: Path | str, relative: str, class_entry: str | None = None) -> CharDevice:
     """A node under /dev; `class_entry` is its sysfs class entry, whose `dev`
     attribute gives its device number (`231:192`). Without one, the number
     is the node's own when it is a character device."""
     try:
-        info: os.stat_result | None = os.stat(dev_root / relative)
+        info: os.stat_result | None = os.stat(f"{os.fspath(dev_root)}/{relative}")
     except OSError:
         info = None
-    number = _device_number(class_entry / "dev") if class_entry is not None else None
+    number = _device_number(f"{class_entry}/dev") if class_entry is not None else None
     if number is None and info is not None and stat.S_ISCHR(info.st_mode):
         number = (os.major(info.st_rdev), os.minor(info.st_rdev))
     return CharDevice(path=f"{HOST_DEV}/{relative}", present=info is not None, number=number)
 
 
-def _device_number(path: Path) -> tuple[int, int] | None:
+def _device_number(path: str) -> tuple[int, int] | None:
     text = read_text(path)
     if text is None:
         return None
@@ -209,7 +212,7 @@ class _MadNode:
     port: int
 
 
-def _class_entries(class_dir: Path) -> list[str]:
+def _class_entries(class_dir: str | Path) -> list[str]:
     try:
         return sorted(os.listdir(class_dir), key=_natural_key)
     except OSError as exc:
@@ -225,12 +228,13 @@ def _natural_key(name: str) -> tuple[str, int]:
 
 
 def _verbs_by_ibdev(sysfs_root: Path) -> dict[str, str]:
-    class_dir = sysfs_root / "class" / "infiniband_verbs"
+    # Plain string paths: these are read at every health check.
+    class_dir = f"{os.fspath(sysfs_root)}/class/infiniband_verbs"
     found: dict[str, str] = {}
     for entry in _class_entries(class_dir):
         if not entry.startswith("uverbs"):
             continue
-        ibdev = read_text(class_dir / entry / "ibdev")
+        ibdev = read_text(f"{class_dir}/{entry}/ibdev")
         if ibdev:
             found[ibdev] = entry
     return found
@@ -238,23 +242,19 @@ def _verbs_by_ibdev(sysfs_root: Path) -> dict[str, str]:
 
 def _mads_by_ibdev(sysfs_root: Path) -> dict[str, dict[str, list[_MadNode]]]:
     """ibdev -> {"umad": [...], "issm": [...]}, each sorted by port."""
-    class_dir = sysfs_root / "class" / "infiniband_mad"
+    class_dir = f"{os.fspath(sysfs_root)}/class/infiniband_mad"
     found: dict[str, dict[str, list[_MadNode]]] = defaultdict(lambda: defaultdict(list))
     for entry in _class_entries(class_dir):
         kind = "umad" if entry.startswith("umad") else "issm" if entry.startswith("issm") else None
         if kind is None:
             continue
-        ibdev = read_text(class_dir / entry / "ibdev")
-        port_text = read_text(class_dir / entry / "port")
+        where = f"{class_dir}/{entry}"
+        ibdev = read_text(f"{where}/ibdev")
+        port_text = read_text(f"{where}/port")
         port = ascii_int(port_text) if port_text is not None else None
         if not ibdev or port is None:
             if port_text is not None and port is None:
-                _warn_once(
-                    str(class_dir / entry),
-                    "%s: port %r is not a number; ignored",
-                    class_dir / entry,
-                    port_text[:40],
-                )
+                _warn_once(where, "%s: port %r is not a number; ignored", where, port_text[:40])
             continue
         found[ibdev][kind].append(_MadNode(entry, port))
     for kinds in found.values():
@@ -263,24 +263,22 @@ def _mads_by_ibdev(sysfs_root: Path) -> dict[str, dict[str, list[_MadNode]]]:
     return found
 
 
-def _read_ports(ib_dir: Path) -> tuple[IbPort, ...]:
-    ports_dir = ib_dir / "ports"
+def _read_ports(ib_dir: str) -> tuple[IbPort, ...]:
+    ports_dir = f"{ib_dir}/ports"
     ports: list[IbPort] = []
     for entry in _class_entries(ports_dir):
         number = ascii_int(entry)
+        port_dir = f"{ports_dir}/{entry}"
         if number is None:
-            _warn_once(
-                str(ports_dir / entry), "%s is not a port number; ignored", ports_dir / entry
-            )
+            _warn_once(port_dir, "%s is not a port number; ignored", port_dir)
             continue
-        port_dir = ports_dir / entry
         ports.append(
             IbPort(
                 number=number,
-                state=read_text(port_dir / "state") or "",
-                phys_state=read_text(port_dir / "phys_state") or "",
-                link_layer=read_text(port_dir / "link_layer") or "",
-                rate=read_text(port_dir / "rate") or "",
+                state=read_text(f"{port_dir}/state") or "",
+                phys_state=read_text(f"{port_dir}/phys_state") or "",
+                link_layer=read_text(f"{port_dir}/link_layer") or "",
+                rate=read_text(f"{port_dir}/rate") or "",
             )
         )
     ports.sort(key=lambda port: port.number)
@@ -357,7 +355,7 @@ class RdmaNames:
 def list_hcas(sysfs_root: Path) -> RdmaNames:
     """Directory listings only: which RDMA devices exist and their node names."""
     return RdmaNames(
-        names=tuple(_class_entries(sysfs_root / "class" / "infiniband")),
+        names=tuple(_class_entries(f"{os.fspath(sysfs_root)}/class/infiniband")),
         verbs=_verbs_by_ibdev(sysfs_root),
         mads=_mads_by_ibdev(sysfs_root),
     )
@@ -365,7 +363,13 @@ def list_hcas(sysfs_root: Path) -> RdmaNames:
 
 def hca_address(sysfs_root: Path, name: str) -> PciAddress | None:
     """The PCI function behind an RDMA device; None for software devices."""
-    device_link = sysfs_root / "class" / "infiniband" / name / "device"
+    device_link = f"{os.fspath(sysfs_root)}/class/infiniband/{name}/device"
+    try:
+        # The link's own target names the function (../../../0000:18:00.0)
+        # without resolving every component the way realpath does.
+        return PciAddress.parse(os.path.basename(os.readlink(device_link)))
+    except (OSError, ValueError):
+        pass
     try:
         return PciAddress.parse(os.path.basename(os.path.realpath(device_link)))
     except ValueError:
@@ -382,13 +386,15 @@ def read_hca(
     address: PciAddress,
 ) -> HcaInfo:
     """One HCA's attributes, ports and device nodes (the reads that can block)."""
-    ib_dir = sysfs_root / "class" / "infiniband" / name
-    verbs_class = sysfs_root / "class" / "infiniband_verbs"
-    mad_class = sysfs_root / "class" / "infiniband_mad"
+    # Plain string paths: these are read at every health check.
+    root = os.fspath(sysfs_root)
+    ib_dir = f"{root}/class/infiniband/{name}"
+    verbs_class = f"{root}/class/infiniband_verbs"
+    mad_class = f"{root}/class/infiniband_mad"
     uverbs_name = names.verbs.get(name)
     mad = names.mads.get(name, {})
     try:
-        netdevs = tuple(sorted(os.listdir(ib_dir / "device" / "net")))
+        netdevs = tuple(sorted(os.listdir(f"{ib_dir}/device/net")))
     except OSError as exc:
         _raise_if_exhausted(exc)
         netdevs = ()
@@ -396,26 +402,24 @@ def read_hca(
         name=name,
         pci_address=address,
         pci=pci.get(address),
-        node_guid=read_text(ib_dir / "node_guid"),
-        fw_ver=read_text(ib_dir / "fw_ver"),
+        node_guid=read_text(f"{ib_dir}/node_guid"),
+        fw_ver=read_text(f"{ib_dir}/fw_ver"),
         ports=_read_ports(ib_dir),
         netdevs=netdevs,
         uverbs=(
-            _char_device(dev_root, f"infiniband/{uverbs_name}", verbs_class / uverbs_name)
+            _char_device(dev_root, f"infiniband/{uverbs_name}", f"{verbs_class}/{uverbs_name}")
             if uverbs_name is not None
             else None
         ),
         umads=tuple(
-            _char_device(dev_root, f"infiniband/{node.name}", mad_class / node.name)
+            _char_device(dev_root, f"infiniband/{node.name}", f"{mad_class}/{node.name}")
             for node in mad.get("umad", [])
         ),
         issms=tuple(
-            _char_device(dev_root, f"infiniband/{node.name}", mad_class / node.name)
+            _char_device(dev_root, f"infiniband/{node.name}", f"{mad_class}/{node.name}")
             for node in mad.get("issm", [])
         ),
-        rdma_cm=_char_device(
-            dev_root, "infiniband/rdma_cm", sysfs_root / "class" / "misc" / "rdma_cm"
-        ),
+        rdma_cm=_char_device(dev_root, "infiniband/rdma_cm", f"{root}/class/misc/rdma_cm"),
     )
 
 

@@ -64,6 +64,7 @@ class XidWatcher(ThreadLoop):
             failing="NVML event wait failed; health checks continue",
         )
         self._lib = lib
+        self._timeout_code = getattr(lib, "NVML_ERROR_TIMEOUT", TIMEOUT)
         self._ignore = frozenset(ignore)
         self._health = health
         self._good_checks = good_checks
@@ -161,23 +162,24 @@ class XidWatcher(ThreadLoop):
         log.info("XID watcher started")
 
     def step(self) -> float | None:
-        lib = self._lib
-        with self._lock:
-            wanted = self._wanted
+        # Four times a second on an idle node: no lock or event is touched
+        # unless the GPU set changed (`track` replaces `_wanted` whole).
+        wanted = self._wanted
         if wanted != self._armed:
             self._arm(wanted)
-        with self._lock:
-            if wanted == self._wanted:
-                self._settled.set()
+        if not self._settled.is_set():
+            with self._lock:
+                if wanted == self._wanted:
+                    self._settled.set()
         if self._event_set is None:
             return None  # nothing registered: sleep until the GPU set changes
         try:
-            event = lib.nvmlEventSetWait_v2(self._event_set, WAIT_MS)
+            event = self._lib.nvmlEventSetWait_v2(self._event_set, WAIT_MS)
         except Exception as exc:
-            if getattr(exc, "value", None) == getattr(lib, "NVML_ERROR_TIMEOUT", TIMEOUT):
+            if getattr(exc, "value", None) == self._timeout_code:
                 return 0.0
             raise
-        self._handle(event, getattr(lib, "nvmlEventTypeXidCriticalError", XID_CRITICAL))
+        self._handle(event, getattr(self._lib, "nvmlEventTypeXidCriticalError", XID_CRITICAL))
         return 0.0
 
     def finished(self) -> None:
