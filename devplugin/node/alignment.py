@@ -173,6 +173,12 @@ class AlignmentMonitor(ThreadLoop):
         self._unchanged = 0
         super().poke()
 
+    def quicken(self) -> None:
+        """Who holds what changed (the ledger says: an Allocate, a pod that
+        ended): poll soon to confirm it, unless this is a poll's own word."""
+        if threading.current_thread() is not self._thread:
+            self.poke()
+
     def finished(self) -> None:
         self._client.close()
 

@@ -19,10 +19,11 @@ keeps the process from exiting.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,39 @@ class _Call(Generic[T]):
             self.value = self.fn()
         except BaseException as exc:  # noqa: BLE001 - handed to the caller as is
             self.error = exc
+
+
+class _Batch:
+    """Reads of several keys run one after another on one worker, so a
+    check's dozen reads wake a worker and its caller once, not a dozen
+    times. The caller watches the read in progress: one past the deadline
+    is abandoned (`cut`) and the reads after it go on elsewhere."""
+
+    def __init__(self, calls: list[tuple[str, Callable[[], object]]]) -> None:
+        self.calls = calls
+        self.results: list[object] = [None] * len(calls)
+        self.lock = threading.Lock()
+        self.next = 0  # the next read to start
+        self.current: tuple[int, float] | None = None  # (read, since) in progress
+        self.cut = False
+        self._done = threading.Lock()
+        self._done.acquire()
+
+    def take(self, clock: Callable[[], float]) -> int | None:
+        """The worker's: the next read to run, or None when none is left."""
+        with self.lock:
+            if self.cut or self.next >= len(self.calls):
+                self.current = None
+                return None
+            index, self.next = self.next, self.next + 1
+            self.current = (index, clock())
+            return index
+
+    def wait(self, timeout: float) -> bool:
+        return self._done.acquire(timeout=max(0.0, timeout))
+
+    def finish(self) -> None:
+        self._done.release()
 
 
 # Idle workers kept; more are started only while all are busy.
@@ -120,6 +154,69 @@ class Deadlines:
             raise call.error
         return call.value  # type: ignore[return-value]
 
+    def call_all(
+        self, calls: Sequence[tuple[str, Callable[[], T]]], timeout: float | None = None
+    ) -> list[T | BaseException]:
+        """Each `fn()` in order on one worker, each with the deadline `call`
+        gives it: per read, its value or what it raised (Stuck for a key
+        still busy, or a read past its deadline, whose successors then run
+        on another worker)."""
+        limit = self.timeout if timeout is None else timeout
+        results: list[T | BaseException] = [Stuck(key, 0.0, limit) for key, _ in calls]
+        pending: list[int] = []
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("deadlines closed")
+            for index, (key, _) in enumerate(calls):
+                since = self._busy.get(key)
+                if since is not None:
+                    results[index] = Stuck(key, since, limit)
+                else:
+                    # Taken, not begun: the worker stamps it when it begins,
+                    # so a long queue is never taken for a wedged read.
+                    self._busy[key] = math.inf
+                    pending.append(index)
+            if not pending:
+                return results
+            if self._idle == 0:
+                self._spawn_locked()
+            else:
+                self._idle -= 1
+        batch = _Batch([(calls[i][0], calls[i][1]) for i in pending])
+        self._inbox.put((None, batch))  # type: ignore[arg-type]
+        while not batch.wait(self._left(batch, limit)):
+            with batch.lock:
+                current = batch.current
+                if current is None or self._clock() - current[1] < limit:
+                    continue
+                batch.cut = True
+                rest = list(range(batch.next, len(batch.calls)))
+                batch.next = len(batch.calls)
+            index, since = current
+            key = batch.calls[index][0]
+            log.warning("%s: hardware read has not returned after %gs; abandoned", key, limit)
+            results[pending[index]] = Stuck(key, since, limit)
+            # The reads not begun: marked busy for this batch, handed on.
+            with self._lock:
+                for later in rest:
+                    self._busy.pop(batch.calls[later][0], None)
+            again = self.call_all([batch.calls[later] for later in rest], limit)
+            for later, outcome in zip(rest, again, strict=True):
+                results[pending[later]] = outcome  # type: ignore[assignment]
+            for done in range(index):
+                results[pending[done]] = batch.results[done]  # type: ignore[assignment]
+            return results
+        for done, outcome in enumerate(batch.results):
+            results[pending[done]] = outcome  # type: ignore[assignment]
+        return results
+
+    def _left(self, batch: _Batch, limit: float) -> float:
+        """How long the read in progress may still take."""
+        with batch.lock:
+            current = batch.current
+        since = current[1] if current is not None else self._clock()
+        return since + limit - self._clock()
+
     def stuck(self) -> dict[str, float]:
         """Keys whose last call has been running longer than the timeout -> since."""
         now = self._clock()
@@ -154,6 +251,9 @@ class Deadlines:
                     self._workers -= 1
                 return
             key, call = item
+            if isinstance(call, _Batch):
+                self._run_batch(call)
+                continue
             call.run()
             # The key is free and this worker idle before the caller wakes: a
             # caller that reads the same key again at once must find it so
@@ -165,3 +265,21 @@ class Deadlines:
             call.finish()
             if late:
                 log.info("%s: a read abandoned earlier has returned", key)
+
+    def _run_batch(self, batch: _Batch) -> None:
+        while (index := batch.take(self._clock)) is not None:
+            key, fn = batch.calls[index]
+            with self._lock:
+                self._busy[key] = self._clock()
+            try:
+                batch.results[index] = fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller as is
+                batch.results[index] = exc
+            with self._lock:
+                since = self._busy.pop(key, None)
+                late = since is not None and self._clock() - since > self.timeout
+            if late:
+                log.info("%s: a read abandoned earlier has returned", key)
+        with self._lock:
+            self._idle += 1
+        batch.finish()

@@ -290,3 +290,17 @@ def test_a_kubelet_restart_is_heard_at_once_not_at_the_next_poll(start_cluster: 
 
     assert kubelet.wait_for(reregistered, timeout=2.0)
     assert kubelet.wait_for_devices(GPU, 8, timeout=2.0)
+
+
+def test_the_registered_poll_relaxes_only_while_the_directory_is_heard(
+    start_cluster: Start,
+) -> None:
+    cluster = start_cluster(hgx_node())
+    plugins = cluster.daemon.plugins
+    assert plugins.dirwatch is not None
+    assert plugins.dirwatch.watching
+    assert plugins.registrar.pace() == 10.0  # the 1 s net, ten times slower
+    plugins.dirwatch.signal_stop()
+    plugins.dirwatch.join(5.0)
+    assert not plugins.dirwatch.watching
+    assert plugins.registrar.pace() == 1.0

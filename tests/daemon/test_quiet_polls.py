@@ -50,3 +50,26 @@ def test_the_quiet_pace_is_at_most_five_poll_intervals(start_cluster: Start) -> 
     monitor = cluster.daemon.core.monitor
     assert wait_until(lambda: monitor.next_interval() != 0.1, timeout=10)
     assert abs(monitor.next_interval() - 0.5) < 1e-9
+
+
+def test_a_ledger_change_from_an_event_polls_at_once_even_when_quiet(
+    start_cluster: Start,
+) -> None:
+    # Quiet polls every 1.5 s; the pod watch's word that a pod ended (what
+    # it tells the ledger) brings a poll at once to confirm the release.
+    pace = {
+        "pod_resources.poll_interval_seconds": 0.3,
+        "pod_resources.min_interval_seconds": 0.05,
+        "pod_resources.quiet_interval_seconds": 1.5,
+    }
+    cluster = start_cluster(hgx_node(), **pace)
+    monitor, ledger = cluster.daemon.core.monitor, cluster.daemon.core.ledger
+    pod = cluster.kubelet.admit("p", [ContainerRequest("c", {GPU: 1})])
+    (gpu,) = pod.container("c").devices[GPU]
+    assert wait_until(lambda: gpu in ledger.taken(DeviceKind.GPU))
+    assert wait_until(lambda: monitor.next_interval() == 1.5, timeout=10)
+    polls = monitor.polls
+    assert wait_until(lambda: monitor.polls > polls, timeout=5)  # just after a quiet poll
+    polls = monitor.polls
+    assert ledger.pod_ended("default", "p", "no-such-uid")
+    assert wait_until(lambda: monitor.polls > polls, timeout=0.75)

@@ -88,3 +88,51 @@ def test_a_key_read_again_at_once_is_free_and_needs_no_new_thread() -> None:
         for hog in hogs:
             hog.join()
         deadlines.close()
+
+
+def test_a_batch_reads_in_order_and_a_wedged_read_holds_up_none_after_it() -> None:
+    deadlines = Deadlines(0.3)
+    release = threading.Event()
+    try:
+        calls = [
+            ("hca0", lambda: "a"),
+            ("hca1", lambda: (_ for _ in ()).throw(OSError("gone"))),
+            ("hca2", release.wait),  # wedged
+            ("hca3", lambda: "d"),
+            ("hca4", lambda: "e"),
+        ]
+        first, error, wedged, *rest = deadlines.call_all(calls)
+        assert first == "a"
+        assert isinstance(error, OSError)
+        assert isinstance(wedged, Stuck)
+        assert wedged.key == "hca2"
+        assert rest == ["d", "e"]  # read on another worker, in time
+        # The wedged key stays refused until its read returns; the others are free.
+        again = deadlines.call_all([("hca2", lambda: True), ("hca3", lambda: "d2")])
+        assert isinstance(again[0], Stuck)
+        assert again[1] == "d2"
+        assert wait_until(lambda: "hca2" in deadlines.stuck(), timeout=2)
+        release.set()
+        assert wait_until(lambda: deadlines.call_all([("hca2", lambda: 1)]) == [1], timeout=2)
+        assert deadlines.threads <= POOL + 1
+    finally:
+        release.set()
+        deadlines.close()
+
+
+def test_reads_queued_behind_a_slow_one_are_not_taken_for_wedged() -> None:
+    # Each read may take most of the deadline; together they take far more.
+    deadlines = Deadlines(0.5)
+    seen: list[dict[str, float]] = []
+
+    def slow(n: int) -> int:
+        seen.append(deadlines.stuck())
+        threading.Event().wait(0.2)
+        return n
+
+    try:
+        calls = [(f"gpu{n}", lambda n=n: slow(n)) for n in range(5)]
+        assert deadlines.call_all(calls) == [0, 1, 2, 3, 4]
+        assert seen == [{}] * 5
+    finally:
+        deadlines.close()

@@ -51,6 +51,9 @@ class DevicePluginFrontend:
         self.registrar = registrar
         # The kubelet's directory changing (a restart) pokes the registrar at once.
         self.dirwatch = DirWatch(plugin_dir, registrar.poke) if plugin_dir is not None else None
+        if self.dirwatch is not None:
+            watch = self.dirwatch
+            registrar.heard_through(lambda: watch.watching)
 
     @classmethod
     def build(

@@ -135,11 +135,14 @@ class NvmlGpuSource:
                 self._last_error = None
             raw: list[_RawGpu] = []
             failed: dict[int, str] = {}
-            for index in range(count):
-                try:
-                    raw.append(self._deadlines.call(f"gpu{index}", partial(self._read_gpu, index)))
-                except Exception as exc:  # noqa: BLE001 - NVML bindings raise various types
-                    failed[index] = self._error_text(exc)
+            reads = [(f"gpu{index}", partial(self._read_gpu, index)) for index in range(count)]
+            for index, outcome in enumerate(self._deadlines.call_all(reads)):
+                if isinstance(outcome, Exception):  # NVML bindings raise various types
+                    failed[index] = self._error_text(outcome)
+                elif isinstance(outcome, BaseException):
+                    raise outcome
+                else:
+                    raw.append(outcome)
             raw = self._sane(raw)
             index_by_address = {entry.address: entry.index for entry in raw}
             gpus = [

@@ -209,23 +209,28 @@ class Discoverer:
                 dataclasses.replace(hca, error=f"sysfs: {exc}") for hca in self._hcas.values()
             )
         hcas: list[HcaInfo] = []
-        for name, address in present:
-            read = partial(read_hca, sysfs, dev, pci, names, name=name, address=address)
-            try:
-                hca = self._deadlines.call(f"hca-{address}", read)
-            except DescriptorsExhausted as exc:
-                self._note(exc, name)
-                known = self._hcas.get(address)
+        reads = [
+            (
+                f"hca-{address}",
+                partial(read_hca, sysfs, dev, pci, names, name=name, address=address),
+            )
+            for name, address in present
+        ]
+        for (name, address), outcome in zip(present, self._deadlines.call_all(reads), strict=True):
+            known = self._hcas.get(address)
+            if isinstance(outcome, DescriptorsExhausted):
+                self._note(outcome, name)
                 if known is None:
                     continue
                 hca = known
-            except Stuck as exc:
-                known = self._hcas.get(address)
+            elif isinstance(outcome, Stuck):
                 if known is None:
                     continue  # never read: nothing to serve it from
-                hca = dataclasses.replace(known, error=f"sysfs: {exc}")
+                hca = dataclasses.replace(known, error=f"sysfs: {outcome}")
+            elif isinstance(outcome, BaseException):
+                raise outcome
             else:
-                self._hcas[address] = hca
+                hca = self._hcas[address] = outcome
             hcas.append(hca)
         still_there = {address for _, address in present}
         for address in [a for a in self._hcas if a not in still_there]:
