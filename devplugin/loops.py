@@ -10,7 +10,9 @@ in reverse, each join bounded by the loop's own `join_timeout`.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -48,6 +50,34 @@ class Backoff:
 def failure_text(exc: BaseException) -> str:
     """An exception in one bounded line: what a loop logs and compares."""
     return f"{type(exc).__name__}: {exc}"[:300]
+
+
+class FailureLog:
+    """An unexpected exception logged once, with its traceback, per place
+    and message: a loop that meets the same failure again (a retried
+    cleanup, a listener failing at every event) logs it at debug only."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self._log = logger
+        self._lock = threading.Lock()
+        self._last: dict[Hashable, str] = {}
+
+    def failed(self, where: Hashable, message: str, *args: object) -> None:
+        """Call from an except block: `message % args`, with the exception."""
+        exc = sys.exc_info()[1]
+        text = failure_text(exc) if exc is not None else ""
+        with self._lock:
+            again = self._last.get(where) == text
+            self._last[where] = text
+        if again:
+            self._log.debug(message + " (again: %s)", *args, text)
+        else:
+            self._log.exception(message, *args)
+
+    def ok(self, where: Hashable) -> None:
+        """`where` worked: its next failure is logged in full again."""
+        with self._lock:
+            self._last.pop(where, None)
 
 
 class ThreadLoop:
@@ -183,9 +213,10 @@ class ThreadLoop:
         self.starting()
         try:
             self.run()
-        except Exception:
+        except Exception:  # noqa: BLE001 - the loop is over; logged once
+            # Logged here once; not raised on to the thread's hook, which
+            # would print it a second time. /healthz sees the thread gone.
             self._log.exception("%s loop ended by an error", self.name)
-            raise
         finally:
             self.finished()
             self._log.info("%s loop stopped", self.name)

@@ -59,6 +59,72 @@ HOST_PATHS = (
 )  # fmt: skip
 
 
+def _metrics() -> dict[str, Any]:
+    return obj(
+        {
+            "enabled": BOOL,
+            "port": PORT,
+            "service": obj({"enabled": BOOL, "annotations": ANY_OBJECT}),
+            "serviceMonitor": obj(
+                {
+                    "enabled": BOOL,
+                    "interval": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
+                    "labels": {"type": "object", "additionalProperties": STRING},
+                }
+            ),
+        }
+    )
+
+
+def _extender() -> dict[str, Any]:
+    return obj(
+        {
+            "enabled": BOOL,
+            "replicas": {"type": "integer", "minimum": 1},
+            "port": PORT,
+            "staleAfterSeconds": {"type": "number", "exclusiveMinimum": 0},
+            "tlsSecretName": STRING,
+            "caBundle": STRING,
+            "resources": ANY_OBJECT,
+            "scheduler": obj(
+                {
+                    "enabled": BOOL,
+                    "schedulerName": {"type": "string", "minLength": 1},
+                    "image": obj(
+                        {
+                            "repository": {"type": "string", "minLength": 1},
+                            "tag": STRING,
+                        },
+                        required=["repository"],
+                    ),
+                    "weight": {"type": "integer", "minimum": 1, "maximum": 100},
+                    "resources": ANY_OBJECT,
+                }
+            ),
+        }
+    )
+
+
+def _dra() -> dict[str, Any]:
+    return obj(
+        {
+            "deviceClasses": BOOL,
+            "claimTemplates": obj(
+                {
+                    "enabled": BOOL,
+                    "namespaces": {
+                        "type": "array",
+                        "items": {
+                            "type": "string",
+                            "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+                        },
+                    },
+                }
+            ),
+        }
+    )
+
+
 def values_schema() -> dict[str, Any]:
     return {
         "$schema": "http://json-schema.org/draft-07/schema#",
@@ -93,66 +159,12 @@ def values_schema() -> dict[str, Any]:
                 "hostNetwork": BOOL,
                 "resources": ANY_OBJECT,
                 "hostPaths": obj({key: ABSOLUTE for key in HOST_PATHS}),
-                "metrics": obj(
-                    {
-                        "enabled": BOOL,
-                        "port": PORT,
-                        "service": obj({"enabled": BOOL, "annotations": ANY_OBJECT}),
-                        "serviceMonitor": obj(
-                            {
-                                "enabled": BOOL,
-                                "interval": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
-                                "labels": {"type": "object", "additionalProperties": STRING},
-                            }
-                        ),
-                    }
-                ),
+                "metrics": _metrics(),
                 "probes": obj({"liveness": PROBE, "readiness": PROBE}),
                 "serviceAccount": obj({"create": BOOL, "name": STRING, "annotations": ANY_OBJECT}),
                 "rbac": obj({"create": BOOL, "nodeRestriction": BOOL}),
-                "extender": obj(
-                    {
-                        "enabled": BOOL,
-                        "replicas": {"type": "integer", "minimum": 1},
-                        "port": PORT,
-                        "staleAfterSeconds": {"type": "number", "exclusiveMinimum": 0},
-                        "tlsSecretName": STRING,
-                        "caBundle": STRING,
-                        "resources": ANY_OBJECT,
-                        "scheduler": obj(
-                            {
-                                "enabled": BOOL,
-                                "schedulerName": {"type": "string", "minLength": 1},
-                                "image": obj(
-                                    {
-                                        "repository": {"type": "string", "minLength": 1},
-                                        "tag": STRING,
-                                    },
-                                    required=["repository"],
-                                ),
-                                "weight": {"type": "integer", "minimum": 1, "maximum": 100},
-                                "resources": ANY_OBJECT,
-                            }
-                        ),
-                    }
-                ),
-                "dra": obj(
-                    {
-                        "deviceClasses": BOOL,
-                        "claimTemplates": obj(
-                            {
-                                "enabled": BOOL,
-                                "namespaces": {
-                                    "type": "array",
-                                    "items": {
-                                        "type": "string",
-                                        "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
-                                    },
-                                },
-                            }
-                        ),
-                    }
-                ),
+                "extender": _extender(),
+                "dra": _dra(),
                 "config": json_schema(),
             }
         ),

@@ -43,7 +43,7 @@ from lightkube import ApiError, Client
 
 from devplugin.cluster.client import Heartbeat
 from devplugin.config import KubernetesConfig
-from devplugin.loops import Backoff, ThreadLoop
+from devplugin.loops import Backoff, FailureLog, ThreadLoop
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +134,7 @@ class WatchCache(ThreadLoop, Generic[T]):
         self._key_by_name: dict[str, str] = {}
         self._refused = False
         self._listeners: list[Callable[[], None]] = []
+        self._failures = FailureLog(log)
         self._key_listeners: list[Callable[[str, T | None, T | None], None]] = []
         # True from a successful list until the next error.
         self._listed = False
@@ -398,8 +399,8 @@ class WatchCache(ThreadLoop, Generic[T]):
     def _safely(self, call: Callable[..., None], *args: Any) -> None:
         try:
             call(*args)
-        except Exception:
-            log.exception("a %s cache listener failed", self.name)
+        except Exception:  # noqa: BLE001 - logged (once) by FailureLog
+            self._failures.failed(call, "a %s cache listener failed", self.name)
 
     # -- for subclasses ----------------------------------------------------------------
     def changed(self, key: str, before: T | None, after: T | None) -> None:

@@ -21,6 +21,7 @@ from prometheus_client import generate_latest
 
 from devplugin.extender.metrics import ExtenderMetrics
 from devplugin.extender.views import MAX_REASON
+from devplugin.loops import FailureLog
 from devplugin.web import Limits, Request, Response, Server, Slots
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ class ExtenderServer:
         max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         self.extender = extender
+        self._failures = FailureLog(log)
         self.full_for = full_for
         self.verbs = extender.verbs()
         self.slots = Slots(CONCURRENT)
@@ -143,8 +145,8 @@ class ExtenderServer:
         except BadRequest as exc:
             metrics.requests.labels(name, "bad-request").inc()
             return _json(400, {"Error": str(exc)[: MAX_REASON * 4]})
-        except Exception as exc:  # answer, log, keep serving
-            log.exception("extender %s failed", name)
+        except Exception as exc:  # noqa: BLE001 - answer, log (once per verb and message), serve on
+            self._failures.failed(name, "extender %s failed", name)
             metrics.requests.labels(name, "error").inc()
             return _json(500, {"Error": f"{type(exc).__name__}: {exc}"[:MAX_REASON]})
         metrics.seconds.labels(name).observe(time.perf_counter() - started)

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from devplugin.loops import ThreadLoop
+from devplugin.loops import FailureLog, ThreadLoop
 from devplugin.model import DeviceKind
 from devplugin.policy.allocator import Allocator
 from devplugin.policy.placement import (
@@ -91,6 +91,7 @@ class Layouts(ThreadLoop):
 
     def __init__(self, on_ready: Callable[[str], None] = lambda node: None) -> None:
         super().__init__("layouts", failing="a node's topology could not be built")
+        self._failures = FailureLog(log)
         self._lock = threading.Lock()
         self._by_node: dict[str, Layout] = {}
         self._shared: weakref.WeakValueDictionary[tuple[Any, ...], Layout] = (
@@ -157,9 +158,10 @@ class Layouts(ThreadLoop):
                     continue  # superseded by a newer layout
             try:
                 layout = _build(record)
-            except Exception:
-                log.exception("node %s: its topology could not be built", node)
+            except Exception:  # noqa: BLE001 - logged (once) by FailureLog
+                self._failures.failed(node, "node %s: its topology could not be built", node)
                 continue
+            self._failures.ok(node)
             with self._lock:
                 if self._wanted.get(node) != record.layout_key:
                     continue

@@ -37,7 +37,7 @@ from devplugin.frontends.dra.plugin import WHOLE_CLAIM
 from devplugin.node.alignment import alignment
 from devplugin.node.report import topo_text
 from devplugin.policy.topology import Topology
-from devplugin.runtime import build
+from devplugin.runtime import Daemon, build
 from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.cdi import CdiRuntime, nvidia_like_spec, write_spec
 from devplugin.testing.demo_models import models_demo
@@ -96,44 +96,37 @@ def _print_resolved(pod: PodResult, runtime: CdiRuntime, out: Callable[[str], No
             out(f"  mount  {mount['hostPath']}")
 
 
+Out = Callable[[str], None]
+
+
 def run_demo(out: Callable[[str], None] = print, workdir: Path | None = None) -> int:
     base = Path(tempfile.mkdtemp(prefix="dpdemo-", dir=workdir))
     try:
         node = build_node(hgx_node(), base / "node")
-        plugin_dir = base / "dp"
-        pod_resources = base / "pr" / "kubelet.sock"
         api = ApiServerImitation()
         api.start()
-        kubeconfig = base / "kubeconfig"
-        kubeconfig.write_text(json.dumps(api.kubeconfig()))
-        api.put("nodes", {"metadata": {"name": "demo-node"}})
-        # The GPU spec NVIDIA's toolkit would have written on this node.
-        cdi_dirs = [base / "etc-cdi", base / "run-cdi"]
-        write_spec(cdi_dirs[0], "nvidia.yaml", nvidia_like_spec(node))
-        kubelet = KubeletSimulator(
-            plugin_dir, pod_resources, seed=7, api=api, node_name="demo-node"
-        )
-        kubelet.start()
-        config = override(
-            Config(),
-            **{
-                "paths.sysfs_root": str(node.sysfs_root),
-                "paths.dev_root": str(node.dev_root),
-                "paths.device_plugin_dir": str(plugin_dir),
-                "paths.pod_resources_socket": str(pod_resources),
-                "nvml.fixture": str(node.fixture),
-                "lifecycle.checkpoint_file": str(base / "checkpoint.json"),
-                "metrics.addresses": ["127.0.0.1:0"],
-                "kubernetes.enabled": True,
-                "kubernetes.kubeconfig": str(kubeconfig),
-                "kubernetes.node_name": "demo-node",
-                "kubernetes.record_min_interval_seconds": 0.2,
-                # Device nodes and variables as ever, and CDI names besides.
-                "resources.gpu.device_list_strategy": STRATEGY,
-                "resources.hca.device_list_strategy": STRATEGY,
-                "cdi.spec_dirs": [str(d) for d in cdi_dirs],
-            },
-        )
+        try:
+            return _node_demo(base, node, api, out)
+        finally:
+            api.stop()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _node_demo(base: Path, node: BuiltNode, api: ApiServerImitation, out: Out) -> int:
+    """The daemon beside a kubelet on the simulated node, then DRA and models."""
+    plugin_dir = base / "dp"
+    pod_resources = base / "pr" / "kubelet.sock"
+    kubeconfig = base / "kubeconfig"
+    kubeconfig.write_text(json.dumps(api.kubeconfig()))
+    api.put("nodes", {"metadata": {"name": "demo-node"}})
+    # The GPU spec NVIDIA's toolkit would have written on this node.
+    cdi_dirs = [base / "etc-cdi", base / "run-cdi"]
+    write_spec(cdi_dirs[0], "nvidia.yaml", nvidia_like_spec(node))
+    kubelet = KubeletSimulator(plugin_dir, pod_resources, seed=7, api=api, node_name="demo-node")
+    kubelet.start()
+    try:
+        config = _demo_config(base, node, kubeconfig, cdi_dirs)
         daemon = build(config, FakeNvml.from_file(node.fixture))
         try:
             daemon.start()
@@ -141,61 +134,108 @@ def run_demo(out: Callable[[str], None] = print, workdir: Path | None = None) ->
             out("")
             out(topo_text(daemon.inventory))
             out("")
-            if not (
-                kubelet.wait_for_devices(GPU, len(node.gpus), timeout=10)
-                and kubelet.wait_for_devices(HCA, len(node.hcas), timeout=10)
-            ):
-                out("demo failed: the daemon did not register both resources in time")
-                return 1
-            for resource in (GPU, HCA):
-                devices = kubelet.devices(resource)
-                healthy = sum(1 for device in devices.values() if device.health == "Healthy")
-                out(f"kubelet sees {resource}: {len(devices)} devices, {healthy} healthy")
-            out("")
-            admitted: list[PodResult] = []
-            for name, containers in PODS:
-                try:
-                    admitted.append(kubelet.admit(name, containers))
-                except AdmissionError as exc:
-                    out(f"pod {name} not admitted: {exc}")
-                    return 1
-                _print_pod(admitted[-1], daemon.core.coordinator.topology, out)
-            out("")
-            _print_resolved(admitted[-1], CdiRuntime(cdi_dirs), out)
-            out("")
-            _print_cluster_view(api, len(PODS), out)
-            out("")
-            restarted_at = kubelet.restart()
-            ok = kubelet.wait_for(
-                lambda: all(
-                    any(r.resource == name and r.at >= restarted_at for r in kubelet.registrations)
-                    for name in (GPU, HCA)
-                ),
-                timeout=10,
+            failed = (
+                _registered(kubelet, node, out)
+                or _admit_pods(kubelet, daemon, cdi_dirs, api, out)
+                or _kubelet_restart(kubelet, out)
+                or _dra_demo(base / "dra", api, out)
             )
-            if not ok:
-                out("demo failed: no re-registration after the kubelet restart")
-                return 1
-            elapsed = (
-                max(record.at for record in kubelet.registrations if record.at >= restarted_at)
-                - restarted_at
-            )
-            out(
-                f"kubelet restarted (plugin directory wiped); both resources "
-                f"re-registered {elapsed:.2f}s later"
-            )
-            out("")
-            failed = _dra_demo(base / "dra", api, out)
             if failed:
                 return failed
             out("")
             return models_demo(base / "models", api, out)
         finally:
             daemon.stop()
-            kubelet.stop()
-            api.stop()
     finally:
-        shutil.rmtree(base, ignore_errors=True)
+        kubelet.stop()
+
+
+def _demo_config(base: Path, node: BuiltNode, kubeconfig: Path, cdi_dirs: list[Path]) -> Config:
+    return override(
+        Config(),
+        **{
+            "paths.sysfs_root": str(node.sysfs_root),
+            "paths.dev_root": str(node.dev_root),
+            "paths.device_plugin_dir": str(base / "dp"),
+            "paths.pod_resources_socket": str(base / "pr" / "kubelet.sock"),
+            "nvml.fixture": str(node.fixture),
+            "lifecycle.checkpoint_file": str(base / "checkpoint.json"),
+            "metrics.addresses": ["127.0.0.1:0"],
+            "kubernetes.enabled": True,
+            "kubernetes.kubeconfig": str(kubeconfig),
+            "kubernetes.node_name": "demo-node",
+            "kubernetes.record_min_interval_seconds": 0.2,
+            # Device nodes and variables as ever, and CDI names besides.
+            "resources.gpu.device_list_strategy": STRATEGY,
+            "resources.hca.device_list_strategy": STRATEGY,
+            "cdi.spec_dirs": [str(d) for d in cdi_dirs],
+        },
+    )
+
+
+def _registered(kubelet: KubeletSimulator, node: BuiltNode, out: Out) -> int:
+    """Both resources registered and listed (0), else 1."""
+    if not (
+        kubelet.wait_for_devices(GPU, len(node.gpus), timeout=10)
+        and kubelet.wait_for_devices(HCA, len(node.hcas), timeout=10)
+    ):
+        out("demo failed: the daemon did not register both resources in time")
+        return 1
+    for resource in (GPU, HCA):
+        devices = kubelet.devices(resource)
+        healthy = sum(1 for device in devices.values() if device.health == "Healthy")
+        out(f"kubelet sees {resource}: {len(devices)} devices, {healthy} healthy")
+    out("")
+    return 0
+
+
+def _admit_pods(
+    kubelet: KubeletSimulator,
+    daemon: Daemon,
+    cdi_dirs: list[Path],
+    api: ApiServerImitation,
+    out: Out,
+) -> int:
+    """The demo's pods, what each got, the last one's CDI view and the cluster's."""
+    admitted: list[PodResult] = []
+    for name, containers in PODS:
+        try:
+            admitted.append(kubelet.admit(name, containers))
+        except AdmissionError as exc:
+            out(f"pod {name} not admitted: {exc}")
+            return 1
+        _print_pod(admitted[-1], daemon.core.coordinator.topology, out)
+    out("")
+    _print_resolved(admitted[-1], CdiRuntime(cdi_dirs), out)
+    out("")
+    _print_cluster_view(api, len(PODS), out)
+    out("")
+    return 0
+
+
+def _kubelet_restart(kubelet: KubeletSimulator, out: Out) -> int:
+    """A kubelet restart, and how soon both resources registered again."""
+    restarted_at = kubelet.restart()
+    ok = kubelet.wait_for(
+        lambda: all(
+            any(r.resource == name and r.at >= restarted_at for r in kubelet.registrations)
+            for name in (GPU, HCA)
+        ),
+        timeout=10,
+    )
+    if not ok:
+        out("demo failed: no re-registration after the kubelet restart")
+        return 1
+    elapsed = (
+        max(record.at for record in kubelet.registrations if record.at >= restarted_at)
+        - restarted_at
+    )
+    out(
+        f"kubelet restarted (plugin directory wiped); both resources "
+        f"re-registered {elapsed:.2f}s later"
+    )
+    out("")
+    return 0
 
 
 def _print_cluster_view(api: ApiServerImitation, pods: int, out: Callable[[str], None]) -> None:

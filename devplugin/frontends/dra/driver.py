@@ -23,7 +23,7 @@ from typing import Any, Protocol
 from devplugin.config import Config, dra_cdi_kind, node_name
 from devplugin.frontends.dra.ledger import ClaimLedger
 from devplugin.frontends.dra.plugin import DraPlugin, health_list, socket_paths
-from devplugin.frontends.dra.prepare import InitHooks, Preparer
+from devplugin.frontends.dra.prepare import InitHooks, Preparer, Seat
 from devplugin.frontends.dra.slices import SliceDevice, names, node_devices, published, split
 from devplugin.loops import Backoff, ThreadLoop
 from devplugin.model import DeviceKind, Health
@@ -104,8 +104,7 @@ class DraFrontend(ThreadLoop):
         served = {resource.kind: resource for resource in core.resources if resource.kind in kinds}
         init = {kind: hook for kind in served if (hook := core.init_hook(kind)) is not None}
         preparer = Preparer(
-            driver=dra.driver,
-            pool=node,
+            seat=Seat(dra.driver, node, read_boot_id(Path(paths.boot_id))),
             resources=served,
             pipeline=pipeline,
             ledger=ClaimLedger(
@@ -117,7 +116,6 @@ class DraFrontend(ThreadLoop):
             specs=ClaimSpecs(Path(config.cdi.spec_dirs[-1]), dra_cdi_kind(config)),
             reader=reader,
             metrics=core.metrics,
-            boot=read_boot_id(Path(paths.boot_id)),
         )
         plugins_dir, registry_dir = (
             Path(paths.kubelet_plugins_dir),

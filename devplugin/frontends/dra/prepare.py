@@ -94,12 +94,22 @@ class InitHooks:
     specs: Mapping[DeviceKind, HookSpec]
 
 
+@dataclass(frozen=True)
+class Seat:
+    """Where claims are prepared: the driver's name, its pool (this node)
+    and the boot they are prepared in (a claim recorded in another boot
+    was prepared before a reboot)."""
+
+    driver: str
+    pool: str
+    boot: str = ""
+
+
 class Preparer:
     def __init__(
         self,
         *,
-        driver: str,
-        pool: str,
+        seat: Seat,
         resources: Mapping[DeviceKind, Resource],
         pipeline: Pipeline,
         ledger: ClaimLedger,
@@ -109,10 +119,9 @@ class Preparer:
         metrics: Metrics | None = None,
         max_waiting: int = MAX_WAITING,
         clock: Callable[[], float] = time.monotonic,
-        boot: str = "",
     ) -> None:
-        self.driver = driver
-        self.pool = pool
+        self.driver = seat.driver
+        self.pool = seat.pool
         self._resources = dict(resources)
         self._pipeline = pipeline
         self._ledger = ledger
@@ -132,7 +141,7 @@ class Preparer:
         self._claim_locks: dict[str, tuple[threading.Lock, int]] = {}
         self._waiting = threading.BoundedSemaphore(max_waiting)
         self._clock = clock
-        self._boot = boot
+        self._boot = seat.boot
 
     def _names(self) -> dict[str, tuple[DeviceKind, str]]:
         """The devices as the slices name them (what a claim's results name)."""

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from devplugin.loops import ThreadLoop
+from devplugin.loops import FailureLog, ThreadLoop
 from devplugin.model import DeviceKind
 from devplugin.node.lifecycle.custody import Key
 from devplugin.node.lifecycle.hooks import HookDevice, HookResult, HookRunner, HookSpec, Tracker
@@ -74,6 +74,7 @@ class Cleaners:
         self._describe = describe
         self._runner = runner
         self._cancel = cancel
+        self._failures = FailureLog(log)
         self._cleaners = [_Cleaner(f"cleanup-{n}", self) for n in range(max(1, count))]
 
     def start(self) -> None:
@@ -91,9 +92,11 @@ class Cleaners:
         while (key := self._queue.next_cleanup()) is not None:
             try:
                 attempt = self._attempt(key)
-            except Exception:
-                log.exception("cleanup of %s failed unexpectedly; will retry", key[1])
+            except Exception:  # noqa: BLE001 - logged (once) by FailureLog
+                self._failures.failed(key, "cleanup of %s failed unexpectedly; will retry", key[1])
                 attempt = Attempt(problem="internal error", internal=True)
+            else:
+                self._failures.ok(key)
             self._queue.cleanup_ended(key, attempt)
 
     def _attempt(self, key: Key) -> Attempt:
