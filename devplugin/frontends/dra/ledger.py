@@ -21,8 +21,8 @@ from dataclasses import replace
 from devplugin.frontends.dra.claim_record import ClaimRecord
 from devplugin.model import DeviceKind
 from devplugin.node.lifecycle import custody
-from devplugin.node.lifecycle.book import Book, Page, Problem
-from devplugin.node.lifecycle.custody import Key, Phase, order
+from devplugin.node.lifecycle.book import Book, Page
+from devplugin.node.lifecycle.custody import Key, Phase, Problem, order
 from devplugin.node.lifecycle.hooks import Tracker
 
 log = logging.getLogger(__name__)

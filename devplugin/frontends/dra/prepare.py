@@ -56,9 +56,8 @@ from devplugin.frontends.dra.ledger import ClaimLedger
 from devplugin.frontends.dra.slices import names as slice_names
 from devplugin.frontends.dra.slices import node_devices
 from devplugin.model import DeviceKind, Health, Refused
-from devplugin.node.lifecycle.book import Problem
 from devplugin.node.lifecycle.cdi_spec import ClaimSpecs
-from devplugin.node.lifecycle.custody import WAIT_SHARE, wait_until
+from devplugin.node.lifecycle.custody import WAIT_SHARE, Problem, wait_until
 from devplugin.node.lifecycle.devices import describe
 from devplugin.node.lifecycle.hooks import HookRunner, HookSpec
 from devplugin.node.metrics import Metrics

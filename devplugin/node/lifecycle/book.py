@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from types import MappingProxyType
 
 from devplugin.model import DeviceKind
@@ -35,41 +35,17 @@ from devplugin.node.lifecycle.custody import (
     OWING,
     Custody,
     Key,
+    Problem,
     Take,
     order,
+    problem_in,
 )
 from devplugin.node.lifecycle.health import Verdict
 from devplugin.node.lifecycle.hooks import Started, Tracker
 
-__all__ = ["Book", "Hold", "Page", "Problem", "unique"]
+__all__ = ["Book", "Hold", "Page", "unique"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Problem:
-    """Why a take did not happen: `before` + the device + `after`, so a
-    caller can name the device its own way. `retry`: a cleanup still has to
-    finish; asking again later may succeed."""
-
-    before: str
-    device: str = ""
-    after: str = ""
-    retry: bool = False
-
-    def __str__(self) -> str:
-        return self.named(self.device)
-
-    def named(self, name: str) -> str:
-        return f"{self.before}{name}{self.after}"
-
-
-def _problem(device: str, text: str, *, retry: bool = False) -> Problem:
-    """A Problem from a text that names `device` (its first mention)."""
-    before, found, after = text.partition(device)
-    if not found:
-        return Problem(text, retry=retry)
-    return Problem(before, device, after, retry=retry)
 
 
 def unique(keys: Sequence[Key]) -> list[Key]:
@@ -396,7 +372,7 @@ class Page:
                 if verdict is Take.READY:
                     continue
                 if key in asked and record.ended > asked[key] and record.phase in OWING:
-                    return _problem(key[1], f"{key[1]}: {record.last_error}")
+                    return problem_in(key[1], f"{key[1]}: {record.last_error}")
                 if key not in asked:
                     asked[key] = record.ended
                     self.nudge(key, custody.expedited(record, now))
@@ -408,5 +384,5 @@ class Page:
                 return Problem("", first[1], ": the daemon is stopping", retry=True)
             if wait_until is None or now >= wait_until:
                 text = custody.waiting_for(first[1], self.get(first), now)
-                return _problem(first[1], f"{text}; try again", retry=True)
+                return problem_in(first[1], f"{text}; try again", retry=True)
             self.wait(wait_until - now)

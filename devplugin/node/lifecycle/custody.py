@@ -339,3 +339,29 @@ def state_of(records: Mapping[Key, Custody], claims: Mapping[str, Hold]) -> Life
             state.running[(kind, device)] = process
     state.claims = dict(claims)
     return state
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why a take did not happen: `before` + the device + `after`, so a
+    caller can name the device its own way. `retry`: a cleanup still has to
+    finish; asking again later may succeed."""
+
+    before: str
+    device: str = ""
+    after: str = ""
+    retry: bool = False
+
+    def __str__(self) -> str:
+        return self.named(self.device)
+
+    def named(self, name: str) -> str:
+        return f"{self.before}{name}{self.after}"
+
+
+def problem_in(device: str, text: str, *, retry: bool = False) -> Problem:
+    """A Problem from a text that names `device` (its first mention)."""
+    before, found, after = text.partition(device)
+    if not found:
+        return Problem(text, retry=retry)
+    return Problem(before, device, after, retry=retry)

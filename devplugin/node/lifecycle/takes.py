@@ -17,8 +17,8 @@ from collections.abc import Mapping, Sequence
 
 from devplugin.model import DeviceKind
 from devplugin.node.lifecycle import custody
-from devplugin.node.lifecycle.book import Book, Problem, unique
-from devplugin.node.lifecycle.custody import OWING, Owner, Phase
+from devplugin.node.lifecycle.book import Book, unique
+from devplugin.node.lifecycle.custody import OWING, Owner, Phase, Problem
 from devplugin.node.lifecycle.hooks import HookSpec, Tracker
 
 log = logging.getLogger(__name__)
