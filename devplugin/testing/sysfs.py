@@ -121,7 +121,9 @@ class SysfsBuilder:
         """An entry of class/infiniband with ports as (state, phys_state, link_layer, rate)."""
         ib_dir = function.directory / "infiniband" / name
         ib_dir.mkdir(parents=True, exist_ok=True)
-        _link(ib_dir / "device", function.directory)
+        # As the kernel writes it: up past the function and down to it by name.
+        (ib_dir / "device").unlink(missing_ok=True)
+        os.symlink(f"../../../{function.directory.name}", ib_dir / "device")
         _write(ib_dir / "node_guid", node_guid)
         _write(ib_dir / "fw_ver", fw_ver)
         _write(ib_dir / "node_type", "1: CA")

@@ -181,17 +181,18 @@ def test_software_rdma_device_without_pci_function_is_skipped(tmp_path: Path) ->
     assert [hca.name for hca in hcas] == ["mlx5_0"]
 
 
-def test_an_hca_device_link_as_the_kernel_writes_it_names_its_function(tmp_path: Path) -> None:
-    # The kernel's link is ../../../<function> (read without resolving the
-    # whole path); the simulated tree's is ../.. (resolved): the same HCA.
+def test_an_hca_device_link_in_any_relative_form_names_its_function(tmp_path: Path) -> None:
+    # The kernel's link is ../../../<function>, read without resolving the
+    # whole path; another form that reaches the same directory (../..) is
+    # resolved instead: the same HCA either way.
     node = build_node(NodeSpec(roots=[RootComplex(0, "0-7", [Hca()])]), tmp_path)
     pci = read_pci_functions(node.sysfs_root)
     (before,) = read_hcas(node.sysfs_root, node.dev_root, pci)
     link = node.sysfs_root / "class" / "infiniband" / "mlx5_0" / "device"
     real = link.resolve()
-    assert os.readlink(link) != f"../../../{real.name}"
+    assert os.readlink(link) == f"../../../{real.name}"
     link.unlink()
-    os.symlink(f"../../../{real.name}", link)
+    os.symlink("../..", link)
     assert link.resolve() == real
     (after,) = read_hcas(node.sysfs_root, node.dev_root, pci)
     assert after == before
