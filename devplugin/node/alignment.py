@@ -174,8 +174,8 @@ class AlignmentMonitor(ThreadLoop):
         super().poke()
 
     def quicken(self) -> None:
-        """Who holds what changed (the ledger says: an Allocate, a pod that
-        ended): poll soon to confirm it, unless this is a poll's own word."""
+        """The pod watch says a pod holding devices ended: poll soon to
+        confirm the release (an Allocate pokes by itself)."""
         if threading.current_thread() is not self._thread:
             self.poke()
 

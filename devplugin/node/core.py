@@ -325,7 +325,7 @@ def build_core(
         listeners=[lifecycle.releases.observe],
         metrics=metrics,
     )
-    ledger.listen(monitor.quicken)
+    ledger.listen_freed(monitor.quicken)
     return NodeCore(
         config=config,
         discoverer=discoverer,

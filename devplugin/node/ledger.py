@@ -127,6 +127,7 @@ class Ledger:
         self._lock = threading.Lock()
         self._version = 0
         self._listeners: list[Callable[[], None]] = []
+        self._freed_listeners: list[Callable[[], None]] = []
         # -- the planning view --
         self._holds: dict[Key, Hold] = {}
         # The last moment a source said a device was free.
@@ -157,6 +158,11 @@ class Ledger:
         """Call `listener` (on the caller's thread, no lock held) after a
         change of the planning view."""
         self._listeners.append(listener)
+
+    def listen_freed(self, listener: Callable[[], None]) -> None:
+        """Call `listener` (no lock held) when the pod watch's word that a
+        pod ended frees devices."""
+        self._freed_listeners.append(listener)
 
     def _changed(self) -> None:
         for listener in self._listeners:
@@ -198,6 +204,8 @@ class Ledger:
                 self._version += 1
         if freed:
             self._changed()
+            for listener in self._freed_listeners:
+                listener()
         return freed
 
     def pod_started(self, namespace: str, pod: str, uid: str) -> None:

@@ -6,7 +6,10 @@
  * integers, and in Python each element costs an object allocation. Here the
  * values are signed 128-bit integers; fold_tables.py builds a Tables object
  * only when every value a fold can reach fits (see NATIVE_BITS there),
- * otherwise the allocator keeps the Python fold.
+ * otherwise the allocator keeps the Python fold. It knows nothing of the
+ * objective's terms or weights: it adds the rows fold_tables.py built and,
+ * per call, the value of covering a partner at each level, and hands back
+ * the best value and the counts (objective.Weights reads the terms back).
  *
  * The GIL is held for the whole call: a fold takes microseconds, and holding
  * it lets one scratch arena per Tables serve calls without locks. Building
@@ -21,9 +24,6 @@
 #include <string.h>
 
 typedef __int128 i128;
-
-/* Components of a value past the first (see objective.Weights.signed). */
-#define NDIGITS 7
 
 /* ---- conversions ------------------------------------------------------ */
 
@@ -141,10 +141,7 @@ typedef struct {
     /* Per node: penalty row (NULL: none) and spread row (NULL: none). */
     i128 **penalty, **spread;
     Py_ssize_t *penalty_len, *spread_len;
-    i128 inf, w_total, w_reach, w_support[4];
-    int support_levels[4];
-    /* The mixed-radix digits (base, bound), last component first. */
-    int64_t digit_base[NDIGITS], digit_bound[NDIGITS];
+    i128 inf;
     /* Scratch reused by every call (the GIL is held throughout a call). */
     i128 *arena;
     size_t arena_cap;
@@ -206,21 +203,17 @@ static int tuple_ints(PyObject *obj, int **out, int *count, int limit, const cha
     return rc;
 }
 
-/* Tables(nnodes, walk, class_values, penalty, spread, inf, w_total, w_reach,
- *        w_support, support_levels, digits)
+/* Tables(nnodes, walk, class_values, penalty, spread, inf)
  * walk: (node, level, children, mine, others) per node, children first;
  * class_values: per class None or six rows (one per cost level);
- * penalty, spread: per node None or a row. */
+ * penalty, spread: per node None or a row. The rows are the objective's,
+ * weighted by fold_tables.py: this fold only adds them. */
 static int Tables_init(Tables *self, PyObject *args, PyObject *kwargs) {
     int nnodes;
-    PyObject *walk, *class_values, *penalty, *spread, *inf, *w_total, *w_reach;
-    PyObject *w_support, *support_levels, *digits;
-    static char *names[] = {"nnodes", "walk", "class_values", "penalty", "spread", "inf",
-                            "w_total", "w_reach", "w_support", "support_levels", "digits",
-                            NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iOOOOOOOOOO", names, &nnodes, &walk,
-                                     &class_values, &penalty, &spread, &inf, &w_total, &w_reach,
-                                     &w_support, &support_levels, &digits))
+    PyObject *walk, *class_values, *penalty, *spread, *inf;
+    static char *names[] = {"nnodes", "walk", "class_values", "penalty", "spread", "inf", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iOOOOO", names, &nnodes, &walk,
+                                     &class_values, &penalty, &spread, &inf))
         return -1;
     tables_free_parts(self);
     if (nnodes <= 0) {
@@ -228,50 +221,7 @@ static int Tables_init(Tables *self, PyObject *args, PyObject *kwargs) {
         return -1;
     }
     self->nnodes = nnodes;
-    if (to_i128(inf, &self->inf) < 0 || to_i128(w_total, &self->w_total) < 0 ||
-        to_i128(w_reach, &self->w_reach) < 0)
-        return -1;
-    {
-        PyObject *fast = PySequence_Fast(w_support, "w_support");
-        if (fast == NULL) return -1;
-        if (PySequence_Fast_GET_SIZE(fast) != 4) {
-            Py_DECREF(fast);
-            PyErr_SetString(PyExc_ValueError, "w_support: expected 4 weights");
-            return -1;
-        }
-        for (int i = 0; i < 4; i++) {
-            if (to_i128(PySequence_Fast_GET_ITEM(fast, i), &self->w_support[i]) < 0) {
-                Py_DECREF(fast);
-                return -1;
-            }
-        }
-        Py_DECREF(fast);
-    }
-    if (ints_of(support_levels, self->support_levels, 4, "support_levels") < 0) return -1;
-    {
-        PyObject *fast = PySequence_Fast(digits, "digits");
-        if (fast == NULL) return -1;
-        if (PySequence_Fast_GET_SIZE(fast) != NDIGITS) {
-            Py_DECREF(fast);
-            PyErr_SetString(PyExc_ValueError, "digits: expected 7 (base, bound) pairs");
-            return -1;
-        }
-        for (int i = 0; i < NDIGITS; i++) {
-            long long base, bound;
-            if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "LL", &base, &bound)) {
-                Py_DECREF(fast);
-                return -1;
-            }
-            if (base != 2 * bound + 1 || bound < 0) {
-                Py_DECREF(fast);
-                PyErr_SetString(PyExc_ValueError, "digits: a base is twice its bound plus one");
-                return -1;
-            }
-            self->digit_base[i] = base;
-            self->digit_bound[i] = bound;
-        }
-        Py_DECREF(fast);
-    }
+    if (to_i128(inf, &self->inf) < 0) return -1;
 
     /* Classes. */
     PyObject *classes = PySequence_Fast(class_values, "class_values");
@@ -469,24 +419,40 @@ static Py_ssize_t convolve(const i128 *first, Py_ssize_t lf, const i128 *second,
     return n;
 }
 
-/* fold(cap, must, cost, partner, other, size, threshold, mode)
- * mode: 0 plain (prune by threshold), 1 coverage, 2 support.
- * Returns None (no choice within the threshold) or (value, {class: count},
- * the value's eight components, first to last). */
+/* fold(cap, must, cost, partner, other, size, prune, cover_unit)
+ * prune: classes whose cost level is above it take nothing (-1: none);
+ * cover_unit: per level (0-5), the value of a partner first covered there
+ * (fold_tables.FoldTables.cover_units). Returns None (no such choice) or
+ * (value, {class: count}). */
 static PyObject *Tables_fold(Tables *self, PyObject *args) {
-    PyObject *cap_o, *must_o, *cost_o, *partner_o, *other_o;
-    int size, threshold, mode;
-    if (!PyArg_ParseTuple(args, "OOOOOiii", &cap_o, &must_o, &cost_o, &partner_o, &other_o,
-                          &size, &threshold, &mode))
+    PyObject *cap_o, *must_o, *cost_o, *partner_o, *other_o, *units_o;
+    int size, threshold;
+    if (!PyArg_ParseTuple(args, "OOOOOiiO", &cap_o, &must_o, &cost_o, &partner_o, &other_o,
+                          &size, &threshold, &units_o))
         return NULL;
     if (self->walk == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Tables not initialised");
         return NULL;
     }
-    if (size < 0 || threshold < 0 || threshold > 5 || mode < 0 || mode > 2) {
-        PyErr_SetString(PyExc_ValueError, "size, threshold or mode out of range");
+    if (size < 0 || threshold < -1 || threshold > 5) {
+        PyErr_SetString(PyExc_ValueError, "size or prune out of range");
         return NULL;
     }
+    i128 cover_unit[6];
+    {
+        PyObject *fast = PySequence_Fast(units_o, "cover_unit");
+        if (fast == NULL) return NULL;
+        int bad = PySequence_Fast_GET_SIZE(fast) != 6;
+        for (int level = 0; !bad && level < 6; level++)
+            bad = to_i128(PySequence_Fast_GET_ITEM(fast, level), &cover_unit[level]) < 0;
+        Py_DECREF(fast);
+        if (bad) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "cover_unit: expected one value per level");
+            return NULL;
+        }
+    }
+    const int prune = threshold >= 0;
     const int nn = self->nnodes, nc = self->nclasses;
     const i128 inf = self->inf;
     PyObject *result = NULL;
@@ -555,20 +521,6 @@ static PyObject *Tables_fold(Tables *self, PyObject *args) {
     }
     i128 *arena = own_arena != NULL ? own_arena : self->arena;
     size_t acap = own_arena != NULL ? need : self->arena_cap, used = 0;
-
-    const int coverage = mode == 1, support = mode == 2, prune = mode == 0;
-    i128 cover_unit[6] = {0, 0, 0, 0, 0, 0};
-    if (coverage) {
-        for (int level = 0; level < 6; level++)
-            cover_unit[level] = level > threshold ? inf : (i128)level * self->w_total;
-    } else if (support) {
-        for (int depth = 1; depth < 6; depth++) {
-            i128 gain = depth <= threshold ? -self->w_reach : 0;
-            for (int i = 0; i < 4; i++)
-                if (depth <= self->support_levels[i]) gain -= self->w_support[i];
-            cover_unit[depth] = gain;
-        }
-    }
 
     Row nothing = {ZERO_ROW, 1, 1};
     /* A child the walk has not reached yet (malformed tables) reads as
@@ -764,40 +716,14 @@ static PyObject *Tables_fold(Tables *self, PyObject *args) {
                 k -= take_n;
             }
         }
-        /* The components, peeled off as objective.Weights.signed does:
-         * balanced digits in (-base/2, base/2], the first component last. */
-        PyObject *parts = PyTuple_New(NDIGITS + 1);
-        if (parts == NULL) {
-            Py_DECREF(counts);
-            goto out_counts;
-        }
-        i128 rest = best;
-        for (int i = 0; i < NDIGITS; i++) {
-            i128 base = self->digit_base[i];
-            i128 digit = rest % base;
-            if (digit < 0) digit += base;
-            if (digit > self->digit_bound[i]) digit -= base;
-            rest = (rest - digit) / base;
-            PyTuple_SET_ITEM(parts, NDIGITS - i, PyLong_FromLongLong((long long)digit));
-        }
-        PyTuple_SET_ITEM(parts, 0, from_i128(rest));
-        for (int i = 0; i <= NDIGITS; i++) {
-            if (PyTuple_GET_ITEM(parts, i) == NULL) {
-                Py_DECREF(parts);
-                Py_DECREF(counts);
-                goto out_counts;
-            }
-        }
         PyObject *value = from_i128(best);
         if (value == NULL) {
-            Py_DECREF(parts);
             Py_DECREF(counts);
             goto out_counts;
         }
-        result = PyTuple_Pack(3, value, counts, parts);
+        result = PyTuple_Pack(2, value, counts);
         Py_DECREF(value);
         Py_DECREF(counts);
-        Py_DECREF(parts);
         goto out_counts;
     walk_error:
         Py_DECREF(counts);
@@ -822,8 +748,8 @@ out:
 
 static PyMethodDef Tables_methods[] = {
     {"fold", (PyCFunction)Tables_fold, METH_VARARGS,
-     "fold(cap, must, cost, partner, other, size, threshold, mode)"
-     " -> None | (value, counts, components)"},
+     "fold(cap, must, cost, partner, other, size, prune, cover_unit)"
+     " -> None | (value, counts)"},
     {NULL, NULL, 0, NULL},
 };
 

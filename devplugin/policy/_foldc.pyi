@@ -9,11 +9,6 @@ class Tables:
         penalty: Sequence[Sequence[int] | None],
         spread: Sequence[Sequence[int] | None],
         inf: int,
-        w_total: int,
-        w_reach: int,
-        w_support: Sequence[int],
-        support_levels: Sequence[int],
-        digits: Sequence[tuple[int, int]],
     ) -> None: ...
     def fold(
         self,
@@ -23,6 +18,6 @@ class Tables:
         partner: list[int],
         other: list[int],
         size: int,
-        threshold: int,
-        mode: int,
-    ) -> tuple[int, dict[int, int], tuple[int, ...]] | None: ...
+        prune: int,
+        cover_unit: Sequence[int],
+    ) -> tuple[int, dict[int, int]] | None: ...

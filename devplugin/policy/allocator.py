@@ -226,24 +226,25 @@ class Allocator:
         native = self._native[request.kind]
         if native is None:
             return fold(self.tables, request, threshold, inputs)
-        mode = 1 if coverage_mode(request) else 2 if support_mode(request) else 0
+        # Only the chosen devices' own levels are bounded by the threshold
+        # (cost modes); the objective's arithmetic comes in the tables.
+        prune = -1 if coverage_mode(request) or support_mode(request) else threshold
         try:
-            found = native.fold(
+            return native.fold(
                 inputs.cap,
                 inputs.must,
                 inputs.cost,
                 inputs.partner,
                 inputs.other,
                 request.size,
-                threshold,
-                mode,
+                prune,
+                self.tables.cover_units(request, threshold),
             )
         except RuntimeError:  # pragma: no cover - a defect in the C fold
             # Keep answering, exactly, with the Python fold from now on.
             log.exception("the compiled fold failed; using the Python fold")
             self._native[request.kind] = None
             return fold(self.tables, request, threshold, inputs)
-        return None if found is None else (found[0], found[1])
 
     def _materialize(
         self, request: Request, candidates: frozenset[str], counts: dict[int, int]

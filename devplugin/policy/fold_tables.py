@@ -467,9 +467,4 @@ class FoldTables:
             tables.node_penalty,
             self.spread_rows,
             w.inf,
-            w.total,
-            w.reach,
-            w.support,
-            [int(level) for level in SUPPORT_LEVELS],
-            w.digits,
         )

@@ -204,6 +204,9 @@ def test_the_status_endpoint_cuts_off_a_trickled_request(start_cluster: object) 
                     break
             except TimeoutError:
                 pass
+            except ConnectionResetError:  # cut with a reset (data was unread): cut all the same
+                cut = True
+                break
     finally:
         sock.close()
     assert cut

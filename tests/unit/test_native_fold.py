@@ -11,7 +11,8 @@ import pytest
 
 from devplugin.model import DeviceKind
 from devplugin.policy import fold_tables
-from devplugin.policy.allocator import Allocator, Request, native_fold_available
+from devplugin.policy.allocator import Allocator, Request, Role, native_fold_available
+from devplugin.policy.fold import fold
 from devplugin.policy.topology import Topology
 from devplugin.testing.layouts import LAYOUTS
 from devplugin.testing.node import devices_from_spec
@@ -21,7 +22,10 @@ GPU, HCA = DeviceKind.GPU, DeviceKind.HCA
 
 
 def pair(topology: Topology) -> tuple[Allocator, Allocator]:
-    native, python = Allocator(topology), Allocator(topology, native=False)
+    # A budget no loaded test machine reaches: a search cut short by time
+    # answers its best so far, which is not what these tests compare.
+    native = Allocator(topology, budget=600.0)
+    python = Allocator(topology, native=False, budget=600.0)
     assert python.fold == "python"
     return native, python
 
@@ -106,19 +110,41 @@ def test_malformed_input_raises_instead_of_crashing() -> None:
     assert tables is not None
     classes = len(Topology(gpus, hcas).classes)
     good = [1] * classes
+    units = [0] * 6
     with pytest.raises(ValueError, match="cap: expected"):
-        tables.fold([1], good, good, good, good, 1, 0, 0)
+        tables.fold([1], good, good, good, good, 1, 0, units)
     with pytest.raises(ValueError, match="out of range"):
-        tables.fold([-1] * classes, good, good, good, good, 1, 0, 0)
+        tables.fold([-1] * classes, good, good, good, good, 1, 0, units)
     with pytest.raises(ValueError, match="cost: a level is at most 5"):
-        tables.fold(good, good, [9] * classes, good, good, 1, 0, 0)
-    with pytest.raises(ValueError, match="size, threshold or mode"):
-        tables.fold(good, good, good, good, good, 1, 0, 7)
+        tables.fold(good, good, [9] * classes, good, good, 1, 0, units)
+    with pytest.raises(ValueError, match="size or prune"):
+        tables.fold(good, good, good, good, good, 1, 7, units)
+    with pytest.raises(ValueError, match="one value per level"):
+        tables.fold(good, good, good, good, good, 1, 0, [0] * 5)
     with pytest.raises(ValueError, match="six rows per class"):
-        _foldc.Tables(1, [], [[[0]]], [None], [None], 1, 1, 1, [1] * 4, [1] * 4, [(3, 1)] * 7)
+        _foldc.Tables(1, [], [[[0]]], [None], [None], 1)
     with pytest.raises(ValueError, match="node or level out of range"):
-        _foldc.Tables(
-            1, [(3, 0, (), (), ())], [], [None], [None], 1, 1, 1, [1] * 4, [1] * 4, [(3, 1)] * 7
+        _foldc.Tables(1, [(3, 0, (), (), ())], [], [None], [None], 1)
+
+
+def test_the_compiled_fold_knows_no_weights_only_rows() -> None:
+    # The objective's arithmetic lives in fold_tables.py: the compiled fold is
+    # given its rows and, per call, the value of covering a partner at each
+    # level, and answers as the Python fold does at every threshold.
+    gpus, hcas = devices_from_spec(LAYOUTS["hgx-h100"]())
+    topology = Topology(gpus, hcas)
+    native, python = pair(topology)
+    hca_ids = frozenset(h.device_id for h in hcas)
+    chosen = frozenset(g.uuid for g in gpus[:2])
+    request = Request(HCA, hca_ids, 1, role=Role.SECOND, partner=chosen, other_free=frozenset())
+    assert native.choose(request) == python.choose(request)
+    tables = native.tables
+    inputs = tables.inputs(request, hca_ids)
+    compiled = native._native[HCA]
+    assert compiled is not None
+    for threshold in range(6):
+        units = tables.cover_units(request, threshold)
+        found = compiled.fold(
+            inputs.cap, inputs.must, inputs.cost, inputs.partner, inputs.other, 1, -1, units
         )
-    with pytest.raises(ValueError, match="twice its bound plus one"):
-        _foldc.Tables(1, [], [], [None], [None], 1, 1, 1, [1] * 4, [1] * 4, [(4, 1)] * 7)
+        assert found == fold(tables, request, threshold, inputs)
