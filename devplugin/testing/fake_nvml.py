@@ -45,7 +45,7 @@ import json
 import queue
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -185,73 +185,12 @@ def parse_fixture(data: object, source: str = "fixture") -> Fixture:
         _is_int(data["cuda_driver_version"]), f"{source}: cuda_driver_version", "must be an integer"
     )
     _require(isinstance(data["gpus"], list), f"{source}: gpus", "must be a list")
-    gpus: list[FixtureGpu] = []
-    seen_uuids: set[str] = set()
-    seen_bus: set[PciAddress] = set()
-    seen_minor: set[int] = set()
+    seen = _Seen()
     count = len(data["gpus"])
-    for index, raw in enumerate(data["gpus"]):
-        where = f"{source}: gpus[{index}]"
-        _require(isinstance(raw, dict), where, "must be an object")
-        unknown = sorted(set(raw) - _GPU_KEYS - _OPTIONAL_GPU_KEYS)
-        _require(not unknown, f"{where}.{unknown[0] if unknown else ''}", "unknown key")
-        missing = sorted(_GPU_KEYS - set(raw))
-        _require(not missing, f"{where}.{missing[0] if missing else ''}", "missing key")
-        for key in ("uuid", "name", "pci_bus_id"):
-            _require(
-                isinstance(raw[key], str) and raw[key],
-                f"{where}.{key}",
-                "must be a non-empty string",
-            )
-        for key in ("minor_number", "memory_total_mib"):
-            _require(
-                _is_int(raw[key]) and raw[key] >= 0, f"{where}.{key}", "must be an integer >= 0"
-            )
-        try:
-            bus = PciAddress.parse(raw["pci_bus_id"])
-        except ValueError as exc:
-            raise FixtureError(f"{where}.pci_bus_id: {exc}") from exc
-        _require(raw["uuid"] not in seen_uuids, f"{where}.uuid", "duplicate UUID")
-        _require(bus not in seen_bus, f"{where}.pci_bus_id", "duplicate PCI bus id")
-        _require(
-            raw["minor_number"] not in seen_minor, f"{where}.minor_number", "duplicate minor number"
-        )
-        seen_uuids.add(raw["uuid"])
-        seen_bus.add(bus)
-        seen_minor.add(raw["minor_number"])
-        peers_raw = raw["nvlink_peers"]
-        _require(isinstance(peers_raw, dict), f"{where}.nvlink_peers", "must be an object")
-        peers: dict[int, int] = {}
-        for key, links in peers_raw.items():
-            field = f"{where}.nvlink_peers.{key}"
-            _require(
-                key.isdigit() and int(key) < count, field, f"peer must be a GPU index below {count}"
-            )
-            _require(int(key) != index, field, "a GPU cannot link to itself")
-            _require(_is_int(links) and links > 0, field, "link count must be an integer > 0")
-            peers[int(key)] = links
-        compute = raw.get("cuda_compute_capability")
-        if compute is not None:
-            _require(
-                isinstance(compute, list)
-                and len(compute) == 2
-                and all(_is_int(v) and v >= 0 for v in compute),
-                f"{where}.cuda_compute_capability",
-                "must be [major, minor], integers >= 0",
-            )
-        mig = _parse_mig(raw.get("mig"), f"{where}.mig", seen_uuids)
-        gpus.append(
-            FixtureGpu(
-                mig=mig,
-                uuid=raw["uuid"],
-                name=raw["name"],
-                pci_bus_id=raw["pci_bus_id"],
-                minor_number=raw["minor_number"],
-                memory_total_mib=raw["memory_total_mib"],
-                nvlink_peers=peers,
-                cuda_compute_capability=(compute[0], compute[1]) if compute else None,
-            )
-        )
+    gpus = [
+        _parse_gpu(raw, f"{source}: gpus[{index}]", index, count, seen)
+        for index, raw in enumerate(data["gpus"])
+    ]
     for index, gpu in enumerate(gpus):
         for peer, links in gpu.nvlink_peers.items():
             back = gpus[peer].nvlink_peers.get(index, 0)
@@ -264,6 +203,75 @@ def parse_fixture(data: object, source: str = "fixture") -> Fixture:
         driver_version=data["driver_version"],
         cuda_driver_version=data["cuda_driver_version"],
         gpus=tuple(gpus),
+    )
+
+
+@dataclass
+class _Seen:
+    """What the GPUs before this one used: each must be unique."""
+
+    uuids: set[str] = field(default_factory=set)
+    bus: set[PciAddress] = field(default_factory=set)
+    minor: set[int] = field(default_factory=set)
+
+
+def _parse_gpu(raw: object, where: str, index: int, count: int, seen: _Seen) -> FixtureGpu:
+    """One entry of `gpus`: its fields, unique ids, and its NVLink peers."""
+    _require(isinstance(raw, dict), where, "must be an object")
+    assert isinstance(raw, dict)
+    unknown = sorted(set(raw) - _GPU_KEYS - _OPTIONAL_GPU_KEYS)
+    _require(not unknown, f"{where}.{unknown[0] if unknown else ''}", "unknown key")
+    missing = sorted(_GPU_KEYS - set(raw))
+    _require(not missing, f"{where}.{missing[0] if missing else ''}", "missing key")
+    for key in ("uuid", "name", "pci_bus_id"):
+        _require(
+            isinstance(raw[key], str) and raw[key], f"{where}.{key}", "must be a non-empty string"
+        )
+    for key in ("minor_number", "memory_total_mib"):
+        _require(_is_int(raw[key]) and raw[key] >= 0, f"{where}.{key}", "must be an integer >= 0")
+    try:
+        bus = PciAddress.parse(raw["pci_bus_id"])
+    except ValueError as exc:
+        raise FixtureError(f"{where}.pci_bus_id: {exc}") from exc
+    _require(raw["uuid"] not in seen.uuids, f"{where}.uuid", "duplicate UUID")
+    _require(bus not in seen.bus, f"{where}.pci_bus_id", "duplicate PCI bus id")
+    _require(
+        raw["minor_number"] not in seen.minor, f"{where}.minor_number", "duplicate minor number"
+    )
+    seen.uuids.add(raw["uuid"])
+    seen.bus.add(bus)
+    seen.minor.add(raw["minor_number"])
+    peers_raw = raw["nvlink_peers"]
+    _require(isinstance(peers_raw, dict), f"{where}.nvlink_peers", "must be an object")
+    peers: dict[int, int] = {}
+    for key, links in peers_raw.items():
+        field_name = f"{where}.nvlink_peers.{key}"
+        _require(
+            key.isdigit() and int(key) < count,
+            field_name,
+            f"peer must be a GPU index below {count}",
+        )
+        _require(int(key) != index, field_name, "a GPU cannot link to itself")
+        _require(_is_int(links) and links > 0, field_name, "link count must be an integer > 0")
+        peers[int(key)] = links
+    compute = raw.get("cuda_compute_capability")
+    if compute is not None:
+        _require(
+            isinstance(compute, list)
+            and len(compute) == 2
+            and all(_is_int(v) and v >= 0 for v in compute),
+            f"{where}.cuda_compute_capability",
+            "must be [major, minor], integers >= 0",
+        )
+    return FixtureGpu(
+        mig=_parse_mig(raw.get("mig"), f"{where}.mig", seen.uuids),
+        uuid=raw["uuid"],
+        name=raw["name"],
+        pci_bus_id=raw["pci_bus_id"],
+        minor_number=raw["minor_number"],
+        memory_total_mib=raw["memory_total_mib"],
+        nvlink_peers=peers,
+        cuda_compute_capability=(compute[0], compute[1]) if compute else None,
     )
 
 
