@@ -24,7 +24,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Generic, TypeVar
+from typing import TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -42,33 +42,6 @@ class Stuck(Exception):
 
     def __str__(self) -> str:
         return f"no answer within {self.timeout:g}s"
-
-
-class _Call(Generic[T]):
-    def __init__(self, fn: Callable[[], T]) -> None:
-        self.fn = fn
-        # Held until the worker is done: a bare lock is the cheapest wait
-        # there is (an Event is a Condition over one), and checks make
-        # dozens of calls each.
-        self._done = threading.Lock()
-        self._done.acquire()
-        self.value: T | None = None
-        self.error: BaseException | None = None
-
-    def wait(self, timeout: float) -> bool:
-        """Whether the call ended within `timeout`."""
-        return self._done.acquire(timeout=timeout)
-
-    def finish(self) -> None:
-        """The worker's, once its key is free again."""
-        self._done.release()
-
-    def run(self) -> None:
-        """Call fn; `finish` is the worker's to call, once its key is free again."""
-        try:
-            self.value = self.fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller as is
-            self.error = exc
 
 
 class _Batch:
@@ -117,7 +90,7 @@ class Deadlines:
         self.timeout = timeout
         self._clock = clock
         self._lock = threading.Lock()
-        self._inbox: queue.SimpleQueue[tuple[str, _Call[object]] | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Batch | None] = queue.SimpleQueue()
         # key -> when its call in flight started (a key has at most one).
         self._busy: dict[str, float] = {}
         self._workers = 0
@@ -132,35 +105,18 @@ class Deadlines:
     def call(self, key: str, fn: Callable[[], T], timeout: float | None = None) -> T:
         """`fn()` on a worker; raises Stuck when it does not return in time
         (or when an earlier call on `key` still has not), else what fn raised."""
-        limit = self.timeout if timeout is None else timeout
-        call: _Call[T] = _Call(fn)
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("deadlines closed")
-            since = self._busy.get(key)
-            if since is not None:
-                raise Stuck(key, since, limit)
-            started = self._clock()
-            self._busy[key] = started
-            if self._idle == 0:
-                self._spawn_locked()
-            else:
-                self._idle -= 1
-        self._inbox.put((key, call))  # type: ignore[arg-type]
-        if not call.wait(limit):
-            log.warning("%s: hardware read has not returned after %gs; abandoned", key, limit)
-            raise Stuck(key, started, limit)
-        if call.error is not None:
-            raise call.error
-        return call.value  # type: ignore[return-value]
+        (outcome,) = self.call_all([(key, fn)], timeout)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
 
     def call_all(
         self, calls: Sequence[tuple[str, Callable[[], T]]], timeout: float | None = None
     ) -> list[T | BaseException]:
-        """Each `fn()` in order on one worker, each with the deadline `call`
-        gives it: per read, its value or what it raised (Stuck for a key
-        still busy, or a read past its deadline, whose successors then run
-        on another worker)."""
+        """Each `fn()` in order on one worker, each within `timeout` of its
+        start: per read, its value or what it raised (Stuck for a key still
+        busy, or a read past its deadline, whose successors then run on
+        another worker)."""
         limit = self.timeout if timeout is None else timeout
         results: list[T | BaseException] = [Stuck(key, 0.0, limit) for key, _ in calls]
         pending: list[int] = []
@@ -183,7 +139,7 @@ class Deadlines:
             else:
                 self._idle -= 1
         batch = _Batch([(calls[i][0], calls[i][1]) for i in pending])
-        self._inbox.put((None, batch))  # type: ignore[arg-type]
+        self._inbox.put(batch)
         while not batch.wait(self._left(batch, limit)):
             with batch.lock:
                 current = batch.current
@@ -250,21 +206,7 @@ class Deadlines:
                 with self._lock:
                     self._workers -= 1
                 return
-            key, call = item
-            if isinstance(call, _Batch):
-                self._run_batch(call)
-                continue
-            call.run()
-            # The key is free and this worker idle before the caller wakes: a
-            # caller that reads the same key again at once must find it so
-            # (else its next read is refused as stuck, and a new worker made).
-            with self._lock:
-                since = self._busy.pop(key, None)
-                late = since is not None and self._clock() - since > self.timeout
-                self._idle += 1
-            call.finish()
-            if late:
-                log.info("%s: a read abandoned earlier has returned", key)
+            self._run_batch(item)
 
     def _run_batch(self, batch: _Batch) -> None:
         while (index := batch.take(self._clock)) is not None:
@@ -280,6 +222,9 @@ class Deadlines:
                 late = since is not None and self._clock() - since > self.timeout
             if late:
                 log.info("%s: a read abandoned earlier has returned", key)
+        # Every key free and this worker idle before the caller wakes: a
+        # caller that reads the same key again at once must find it so (else
+        # its next read is refused as stuck, and a new worker made).
         with self._lock:
             self._idle += 1
         batch.finish()
