@@ -150,25 +150,34 @@ def _node_demo(base: Path, node: BuiltNode, api: ApiServerImitation, out: Out) -
         kubelet.stop()
 
 
+def _node_settings(
+    base: Path, node: BuiltNode, kubeconfig: Path, node_name: str, cdi_dirs: list[Path]
+) -> dict[str, Any]:
+    """A daemon on the simulated node under `base`, talking to the API."""
+    return {
+        "paths.sysfs_root": str(node.sysfs_root),
+        "paths.dev_root": str(node.dev_root),
+        "paths.device_plugin_dir": str(base / "dp"),
+        "paths.pod_resources_socket": str(base / "pr" / "kubelet.sock"),
+        "nvml.fixture": str(node.fixture),
+        "lifecycle.checkpoint_file": str(base / "checkpoint.json"),
+        "metrics.addresses": ["127.0.0.1:0"],
+        "kubernetes.enabled": True,
+        "kubernetes.kubeconfig": str(kubeconfig),
+        "kubernetes.node_name": node_name,
+        "cdi.spec_dirs": [str(d) for d in cdi_dirs],
+    }
+
+
 def _demo_config(base: Path, node: BuiltNode, kubeconfig: Path, cdi_dirs: list[Path]) -> Config:
     return override(
         Config(),
+        **_node_settings(base, node, kubeconfig, "demo-node", cdi_dirs),
         **{
-            "paths.sysfs_root": str(node.sysfs_root),
-            "paths.dev_root": str(node.dev_root),
-            "paths.device_plugin_dir": str(base / "dp"),
-            "paths.pod_resources_socket": str(base / "pr" / "kubelet.sock"),
-            "nvml.fixture": str(node.fixture),
-            "lifecycle.checkpoint_file": str(base / "checkpoint.json"),
-            "metrics.addresses": ["127.0.0.1:0"],
-            "kubernetes.enabled": True,
-            "kubernetes.kubeconfig": str(kubeconfig),
-            "kubernetes.node_name": "demo-node",
             "kubernetes.record_min_interval_seconds": 0.2,
             # Device nodes and variables as ever, and CDI names besides.
             "resources.gpu.device_list_strategy": STRATEGY,
             "resources.hca.device_list_strategy": STRATEGY,
-            "cdi.spec_dirs": [str(d) for d in cdi_dirs],
         },
     )
 
@@ -275,22 +284,12 @@ def _dra_config(
 ) -> Config:
     return override(
         Config(),
+        **_node_settings(base, node, kubeconfig, node_name, cdi_dirs),
         **{
-            "paths.sysfs_root": str(node.sysfs_root),
-            "paths.dev_root": str(node.dev_root),
-            "paths.device_plugin_dir": str(base / "dp"),
-            "paths.pod_resources_socket": str(base / "pr" / "kubelet.sock"),
             "paths.kubelet_plugins_dir": str(base / "plugins"),
             "paths.kubelet_registry_dir": str(base / "registry"),
-            "nvml.fixture": str(node.fixture),
-            "lifecycle.checkpoint_file": str(base / "checkpoint.json"),
-            "metrics.addresses": ["127.0.0.1:0"],
-            "kubernetes.enabled": True,
-            "kubernetes.kubeconfig": str(kubeconfig),
-            "kubernetes.node_name": node_name,
             "resources.gpu.api": "dra",
             "resources.hca.api": "dra",
-            "cdi.spec_dirs": [str(d) for d in cdi_dirs],
         },
     )
 
