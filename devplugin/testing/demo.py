@@ -155,12 +155,7 @@ def _node_settings(
 ) -> dict[str, Any]:
     """A daemon on the simulated node under `base`, talking to the API."""
     return {
-        "paths.sysfs_root": str(node.sysfs_root),
-        "paths.dev_root": str(node.dev_root),
-        "paths.device_plugin_dir": str(base / "dp"),
-        "paths.pod_resources_socket": str(base / "pr" / "kubelet.sock"),
-        "nvml.fixture": str(node.fixture),
-        "lifecycle.checkpoint_file": str(base / "checkpoint.json"),
+        **node.settings(base),
         "metrics.addresses": ["127.0.0.1:0"],
         "kubernetes.enabled": True,
         "kubernetes.kubeconfig": str(kubeconfig),
