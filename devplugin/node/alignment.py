@@ -102,7 +102,7 @@ class AlignmentMonitor(ThreadLoop):
         *,
         interval: float,
         min_interval: float,
-        quiet_interval: float | None = None,
+        quiet_interval: float,
         # Told after each answer reached the ledger (the custody book's releases).
         listeners: Sequence[Callable[[], None]] = (),
         # Told of each container that newly holds devices (pod events); not
@@ -128,8 +128,7 @@ class AlignmentMonitor(ThreadLoop):
         self._min_interval = min_interval
         # After QUIET_POLLS answers in a row that changed nothing: the safety
         # net's pace (events, Allocate pokes and changes bring `interval` back).
-        quiet = interval * QUIET_FACTOR if quiet_interval is None else quiet_interval
-        self._quiet_interval = max(interval, min(quiet, interval * QUIET_FACTOR))
+        self._quiet_interval = max(interval, min(quiet_interval, interval * QUIET_FACTOR))
         self._unchanged = 0
         self._holdings: object = None
         self._clock = clock

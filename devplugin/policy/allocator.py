@@ -226,9 +226,6 @@ class Allocator:
         native = self._native[request.kind]
         if native is None:
             return fold(self.tables, request, threshold, inputs)
-        # Only the chosen devices' own levels are bounded by the threshold
-        # (cost modes); the objective's arithmetic comes in the tables.
-        prune = -1 if coverage_mode(request) or support_mode(request) else threshold
         try:
             return native.fold(
                 inputs.cap,
@@ -237,7 +234,7 @@ class Allocator:
                 inputs.partner,
                 inputs.other,
                 request.size,
-                prune,
+                self.tables.prune_above(request, threshold),
                 self.tables.cover_units(request, threshold),
             )
         except RuntimeError:  # pragma: no cover - a defect in the C fold

@@ -31,7 +31,7 @@ from devplugin.policy.fold_tables import (
     LinkedPlan,
     Step,
 )
-from devplugin.policy.objective import Request, coverage_mode, support_mode
+from devplugin.policy.objective import Request
 
 State = tuple[int, ...]
 Table = dict[State, list[int]]
@@ -120,16 +120,14 @@ class _Fold:
         request: Request,
         deadline: float | None,
     ) -> None:
-        self._ft, self._kind, self._plan = tables, kind, plan
+        self._kind, self._plan = kind, plan
         self._size = request.size
         self._inf = tables.weights.inf
         self._w_conn = tables.weights.connectivity
         self._deadline = deadline
-        # Counts the items not merged yet could still take (see `merge`).
-        self._rest = 0
         self.merges: list[list[_Merge]] = [[] for _ in tables.topology.nodes]
 
-    def class_table(self, c: int, inputs: Inputs, threshold: int, prune: bool) -> Table:
+    def class_table(self, c: int, inputs: Inputs, prune_above: int) -> Table:
         """A class's table: the value of each count of it (must-include
         devices first); one state per count where its NVLinks leave it."""
         opened = self._plan is not None and self._plan.open_class[c]
@@ -137,7 +135,7 @@ class _Fold:
         if not cap:
             return {(0,): NOTHING} if opened else {(): NOTHING}
         inf = self._inf
-        if prune and per > threshold:
+        if 0 <= prune_above < per:
             row = NOTHING if not need else [inf]
         else:
             row = self._kind.class_values[c][per][: min(cap, self._size) + 1]
@@ -252,14 +250,12 @@ def _forward(  # noqa: PLR0915
     t = tables.topology
     cap, partner, other = inputs.cap, inputs.partner, inputs.other
     inf = tables.weights.inf
-    # Cost levels above the threshold are infeasible only when the
-    # threshold bounds the chosen devices' own levels.
-    prune = not coverage_mode(request) and not support_mode(request)
+    prune_above = tables.prune_above(request, threshold)
     cover_unit = tables.cover_units(request, threshold)
     class_tables: list[Table] = [{} for _ in t.classes]
     total = 0
     for c in kind.classes:
-        class_tables[c] = table = run.class_table(c, inputs, threshold, prune)
+        class_tables[c] = table = run.class_table(c, inputs, prune_above)
         total += _width(table)
     node_tables: list[Table] = [{} for _ in t.nodes]
     # Per node: free devices (both kinds), partners, and how many the

@@ -373,6 +373,13 @@ class FoldTables:
             row = [value - spread[room - k] for k, value in enumerate(row)]
         return row
 
+    @staticmethod
+    def prune_above(request: Request, threshold: int) -> int:
+        """The cost level above which a class takes nothing: the threshold
+        where it bounds the chosen devices' own levels (cost modes), else -1
+        (none: coverage and support bound the partners' levels)."""
+        return -1 if coverage_mode(request) or support_mode(request) else threshold
+
     def cover_units(self, request: Request, threshold: int) -> list[int]:
         """Per level, the value of one partner first covered there: HCAs
         second pay its level (infinite past the threshold); HCAs first gain
