@@ -10,6 +10,9 @@ chart installs, from `devplugin.policy.claim_templates` (the same code as
 `devplugin claim-template`), with `__DRIVER__` and `__NAMESPACE__` for the
 chart to fill in.
 
+charts/devplugin/files/dashboard.json: the Grafana dashboard, from the
+panel table in scripts/dashboard.py.
+
     python scripts/chart_schema.py          # rewrite
     python scripts/chart_schema.py --check  # exit 1 when stale
 """
@@ -22,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from dashboard import render_dashboard  # scripts/dashboard.py, beside this one
 
 from devplugin.config import json_schema
 from devplugin.policy.claim_templates import CHART_SHAPES, claim_template
@@ -29,6 +33,7 @@ from devplugin.policy.claim_templates import CHART_SHAPES, claim_template
 CHART = Path(__file__).resolve().parent.parent / "charts" / "devplugin"
 SCHEMA_FILE = CHART / "values.schema.json"
 TEMPLATES_FILE = CHART / "files" / "claim-templates.yaml"
+DASHBOARD_FILE = CHART / "files" / "dashboard.json"
 PLACEHOLDER_DRIVER = "__DRIVER__"
 PLACEHOLDER_NAMESPACE = "__NAMESPACE__"
 
@@ -70,6 +75,20 @@ def _metrics() -> dict[str, Any]:
                     "enabled": BOOL,
                     "interval": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
                     "labels": {"type": "object", "additionalProperties": STRING},
+                }
+            ),
+            "prometheusRule": obj(
+                {
+                    "enabled": BOOL,
+                    "labels": {"type": "object", "additionalProperties": STRING},
+                    "runbookUrl": {"type": "string", "pattern": "^https?://"},
+                }
+            ),
+            "dashboard": obj(
+                {
+                    "enabled": BOOL,
+                    "labels": {"type": "object", "additionalProperties": STRING},
+                    "annotations": {"type": "object", "additionalProperties": STRING},
                 }
             ),
         }
@@ -188,7 +207,11 @@ def render_templates() -> str:
     return header + "---\n".join(yaml.safe_dump(d, sort_keys=False) for d in documents)
 
 
-GENERATED = ((SCHEMA_FILE, render), (TEMPLATES_FILE, render_templates))
+GENERATED = (
+    (SCHEMA_FILE, render),
+    (TEMPLATES_FILE, render_templates),
+    (DASHBOARD_FILE, render_dashboard),
+)
 
 
 def main() -> int:

@@ -37,6 +37,16 @@ CASES: dict[str, dict[str, Any]] = {
         }
     },
     "no-metrics": {"metrics": {"enabled": False}},
+    "monitoring": {
+        "metrics": {
+            "service": {"enabled": True},
+            "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
+            "prometheusRule": {"enabled": True, "labels": {"release": "prom"},
+                               "runbookUrl": "https://wiki.example.com/gpu/runbooks/"},
+            "dashboard": {"enabled": True},
+        },
+        "extender": {"enabled": True, "tlsSecretName": "extender-tls"},
+    },
     "paths-and-probes": {
         "hostPaths": {"devicePlugins": "/data/kubelet/device-plugins",
                       "podResources": "/data/kubelet/pod-resources", "state": "/data/devplugin"},

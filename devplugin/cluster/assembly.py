@@ -24,6 +24,7 @@ from devplugin.cluster.node_labels import NodeFacts, NodeLabeller, inventory_lab
 from devplugin.cluster.pods import PodCache
 from devplugin.cluster.publisher import RecordPublisher
 from devplugin.cluster.record import Registration, build_status
+from devplugin.cluster.required import BelowRequired
 from devplugin.cluster.slices import Desired, SlicePublisher, slice_cache
 from devplugin.cluster.watch import WatchCache, WatchTiming
 from devplugin.config import Config, lease_namespace, node_name
@@ -156,6 +157,12 @@ class ClusterSide:
         pods.on_started(lambda pod: ledger.pod_started(pod.namespace, pod.name, pod.uid))
         core.metrics.watch_current.labels("pods").set_function(lambda: float(pods.current))
         core.metrics.watch_age.labels("pods").set_function(pods.age)
+
+        def pod_of(namespace: str, name: str) -> PodInfo | None:
+            uid = pods.uid_of(namespace, name)
+            return pods.pods().get(uid) if uid is not None else None
+
+        core.monitor.on_new(BelowRequired(pod_of, core.metrics))
         if self.writer is not None and config.kubernetes.events:
             self.events = EventRecorder(
                 self.writer, node_name(config), pods.uid_of, metrics=core.metrics
@@ -221,6 +228,7 @@ class ClusterSide:
             renew=kube.lease_renew_seconds,
             duration=kube.lease_duration_seconds,
         )
+        core.metrics.lease_age.set_function(self.lease.age)
 
     def label_node(self, inventory: Callable[[], Inventory], core: NodeCore) -> None:
         """The devplugin.io/ labels on this node's Node, when the config asks;

@@ -88,6 +88,8 @@ class LeaseKeeper(ThreadLoop):
         # and the Lease would outlive its Node.
         self._meta: dict[str, Any] = {}
         self.renewals = 0
+        # When it was last renewed (or, before the first, when this began).
+        self._renewed_at = clock()
 
     def starting(self) -> None:
         log.info(
@@ -123,7 +125,12 @@ class LeaseKeeper(ThreadLoop):
                 raise
             self._keep(written)
             self.renewals += 1
+            self._renewed_at = self._clock()
             return
+
+    def age(self) -> float:
+        """Seconds since the last renewal (the devplugin_lease_age_seconds gauge)."""
+        return max(0.0, self._clock() - self._renewed_at)
 
     def _keep(self, obj: Any) -> None:
         meta = dict(as_dict(obj).get("metadata") or {})

@@ -136,6 +136,7 @@ class Extender:
             clock=clock,
         )
         self.claims = ClaimVerbs(dra, self.liveness, clock)
+        self.metrics.prime(self.verbs())
 
     def verbs(self) -> dict[str, Verb]:
         """Path -> verb, as each verb module registers them."""

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+def verb_name(path: str) -> str:
+    """A verb's label: its path after /scheduler/ (the claims verbs counted
+    apart: claims_filter, claims_prioritize)."""
+    return path.removeprefix("/scheduler/").replace("/", "_")
 
 
 class ExtenderMetrics:
@@ -58,8 +66,33 @@ class ExtenderMetrics:
             ["why"],
             registry=self.registry,
         )
+        self.preempt_answers = Counter(
+            "devplugin_extender_preempt_answers",
+            "Preemption answers for pods with devices: victims (some node frees an aligned "
+            "set), untold (only nodes without a record, passed on as proposed), none (no "
+            "eviction gives the pod its devices anywhere proposed)",
+            ["outcome"],
+            registry=self.registry,
+        )
         self.connections = Gauge(
             "devplugin_extender_connections",
             "HTTP connections open",
             registry=self.registry,
         )
+
+    def prime(self, paths: Iterable[str]) -> None:
+        """Every series whose label values are known at start, at zero (a
+        query or an alert sees 0 before the first call, not nothing)."""
+        for path in paths:
+            name = verb_name(path)
+            self.seconds.labels(name)
+            for result in ("ok", "error", "bad-request"):
+                self.requests.labels(name, result)
+        for result in ("hit", "miss"):
+            self.memo.labels(result)
+        for why in ("deadline", "budget"):
+            self.preempt_unproven.labels(why)
+        for outcome in ("victims", "untold", "none"):
+            self.preempt_answers.labels(outcome)
+        for state in ("fresh", "stale"):
+            self.records.labels(state)

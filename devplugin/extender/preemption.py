@@ -173,7 +173,11 @@ class PreemptVerb:
                 untold[node] = proposed[node]
             elif victims.uids and _meets(victims.level, requirement):
                 evictions[node] = victims
-        return answer(evictions, untold)
+        result = answer(evictions, untold)
+        told = result["NodeNameToMetaVictims"]
+        outcome = "victims" if evictions else "untold" if told else "none"
+        self.metrics.preempt_answers.labels(outcome).inc()
+        return result
 
     def _budgets_token(self, budgets: Mapping[str, DisruptionBudget]) -> int:
         if budgets is not self._budgets_seen[1]:

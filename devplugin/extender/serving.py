@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from prometheus_client import generate_latest
 
-from devplugin.extender.metrics import ExtenderMetrics
+from devplugin.extender.metrics import ExtenderMetrics, verb_name
 from devplugin.extender.views import MAX_REASON
 from devplugin.loops import FailureLog
 from devplugin.web import Limits, Request, Response, Server, Slots
@@ -130,9 +130,7 @@ class ExtenderServer:
             verb = self.verbs.get(request.path)
             if verb is None:
                 return _json(404, {"Error": f"no such verb: {request.path[:100]}"})
-            # The claims verbs counted apart: claims_filter, claims_prioritize.
-            name = request.path.removeprefix("/scheduler/").replace("/", "_")
-            return self._serve(name, verb, request.body)
+            return self._serve(verb_name(request.path), verb, request.body)
         if request.method in ("GET", "HEAD"):
             return self._probe(request.path)
         return Response.text(405, "method not allowed\n")

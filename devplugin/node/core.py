@@ -266,6 +266,7 @@ def build_core(
     pods = config.pod_resources
     ledger = Ledger(grace=pods.bookkeeping_grace_seconds, max_age=pods.unconfirmed_max_age_seconds)
     metrics = Metrics()
+    metrics.prime(names.values())
     metrics.holdings_age.set_function(ledger.age)
     coordinator = Coordinator(
         ledger,
@@ -291,6 +292,8 @@ def build_core(
         dra,
         read_hold,
     )
+    kinds = frozenset(names)
+    metrics.watch_custody(partial(lifecycle.view.census, kinds), names)
     hca_view = HcaResource(name=hca_config.name, env_var=hca_config.env_var)
     pipeline = Pipeline(
         resources,

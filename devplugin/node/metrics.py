@@ -38,17 +38,31 @@ Names and labels (all prefixed `devplugin_`):
                                                      and the claim read included)
     dra_prepared_claims                              gauge, claims prepared on this node
     resource_slice_writes_total{result}              counter  (ok | error): pool updates
+    custody_devices{resource, phase}                 gauge, devices not free by custody
+                                                     phase (taking, held, owed, cleaning,
+                                                     quarantined, unverified)
+    cleanup_oldest_seconds{resource}                 gauge, seconds the longest-waiting
+                                                     device owing a cleanup has been in
+                                                     its phase (0: none owed)
+    lease_age_seconds                                gauge, seconds since the node's Lease
+                                                     was last renewed (with the API only)
+    alignment_below_required_total{required}         counter, containers given a worst
+                                                     GPU-HCA level past the level their
+                                                     pod requires (with the pod watch)
 """
 
 from __future__ import annotations
 
 import threading
 from collections import Counter as Tally
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
 
-from devplugin.model import Health
+from devplugin.model import DeviceKind, Health
+from devplugin.node.admission import Outcome
+from devplugin.node.lifecycle.custody import Census
 from devplugin.node.lifecycle.hooks import HookDevice, HookResult, HookRunner, HookSpec, Tracker
 from devplugin.policy.topology import Level
 
@@ -226,6 +240,55 @@ class Metrics:
             registry=registry,
         )
 
+        self.lease_age = Gauge(
+            "devplugin_lease_age_seconds",
+            "Seconds since this node's Lease was last renewed",
+            registry=registry,
+        )
+        self.below_required = Counter(
+            "devplugin_alignment_below_required",
+            "Containers given a worst GPU-HCA level past the level their pod requires",
+            ["required"],
+            registry=registry,
+        )
+
+    def prime(self, resources: Iterable[str]) -> None:
+        """Every series whose label values are known at start, at zero: a
+        query or an alert sees 0 before the first event instead of nothing
+        (and `rate` has a starting point)."""
+        for name in resources:
+            for result in ("ok", "refused"):
+                self.allocations.labels(name, result)
+            for role in ("first", "second"):
+                self.preferred.labels(name, role, "ok")
+            self.preferred.labels(name, "-", "refused")
+            self.preferred_seconds.labels(name)
+            self.allocate_seconds.labels(name)
+            for phase in ("init", "cleanup"):
+                self.hook_seconds.labels(name, phase)
+                for result in ("ok", "failed", "timeout", "stopped"):
+                    self.hook_runs.labels(name, phase, result)
+            self.registrations.labels(name)
+            self.corrections.labels(name)
+            self.cdi_undeclared.labels(name)
+            for outcome in Outcome:
+                self.pod_aware.labels(name, outcome.value)
+        for result in ("ok", "conflict", "error"):
+            self.record_writes.labels(result)
+        for call in ("prepare", "unprepare"):
+            for result in ("ok", "again", "error"):
+                self.dra_claims.labels(call, result)
+        for result in ("ok", "error"):
+            self.slice_writes.labels(result)
+        for result in ("ok", "failed", "dropped"):
+            self.pod_events.labels(result)
+        for level in (Level.PIX, Level.PXB, Level.PHB, Level.NODE):
+            self.below_required.labels(level.name)
+
+    def watch_custody(self, read: Callable[[], Census], names: Mapping[DeviceKind, str]) -> None:
+        """Serve the custody census, read at each scrape (one snapshot)."""
+        self.registry.register(_CustodyCollector(read, dict(names)))
+
     def checkpoint_written(self, ok: bool) -> None:
         self.checkpoint_ok.set(1 if ok else 0)
         if not ok:
@@ -268,3 +331,40 @@ class Metrics:
             return result
 
         return run
+
+
+class _CustodyCollector:
+    """devplugin_custody_devices and devplugin_cleanup_oldest_seconds, read
+    from the custody book when scraped (nothing to keep in step)."""
+
+    def __init__(self, read: Callable[[], Census], names: dict[DeviceKind, str]) -> None:
+        self._read = read
+        self._names = names
+
+    def describe(self) -> Iterator[Metric]:
+        # Named here so registering does not read the book (collect would).
+        yield GaugeMetricFamily("devplugin_custody_devices", "", labels=["resource", "phase"])
+        yield GaugeMetricFamily("devplugin_cleanup_oldest_seconds", "", labels=["resource"])
+
+    def collect(self) -> Iterator[Metric]:
+        census = self._read()
+        phases = GaugeMetricFamily(
+            "devplugin_custody_devices",
+            "Devices not free, by custody phase",
+            labels=["resource", "phase"],
+        )
+        for (kind, phase), count in sorted(
+            census.phases.items(), key=lambda item: (item[0][0].value, item[0][1].value)
+        ):
+            if kind in self._names:
+                phases.add_metric([self._names[kind], phase.value], count)
+        yield phases
+        oldest = GaugeMetricFamily(
+            "devplugin_cleanup_oldest_seconds",
+            "Seconds the longest-waiting device owing a cleanup has been in its phase",
+            labels=["resource"],
+        )
+        for kind, seconds in sorted(census.oldest_owing.items(), key=lambda item: item[0].value):
+            if kind in self._names:
+                oldest.add_metric([self._names[kind]], seconds)
+        yield oldest

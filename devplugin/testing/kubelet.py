@@ -471,11 +471,13 @@ class KubeletSimulator:
         namespace: str = "default",
         order: Sequence[str] | None = None,
         priority: int | None = None,
+        annotations: Mapping[str, str] | None = None,
     ) -> PodResult:
         """Admit a pod, allocating each container's resources like the
-        kubelet (`priority`: the pod's spec.priority, as admission set it)."""
+        kubelet (`priority`: the pod's spec.priority, as admission set it;
+        `annotations`: its metadata's, with the API server)."""
         with self._admission:
-            return self._admit(pod, containers, namespace, order, priority)
+            return self._admit(pod, containers, namespace, order, priority, annotations)
 
     def _admit(
         self,
@@ -484,6 +486,7 @@ class KubeletSimulator:
         namespace: str,
         order: Sequence[str] | None,
         priority: int | None = None,
+        annotations: Mapping[str, str] | None = None,
     ) -> PodResult:
         key = (namespace, pod)
         with self._cond:
@@ -496,6 +499,8 @@ class KubeletSimulator:
             bound = self._pod_object(namespace, pod, containers, created)
             if priority is not None:
                 bound["spec"]["priority"] = priority
+            if annotations:
+                bound["metadata"]["annotations"] = dict(annotations)
             self.api.put("pods", bound)
             if self.after_bind is not None:
                 self.after_bind(namespace, pod)

@@ -31,6 +31,7 @@ import yaml
 
 from devplugin.config import json_schema, parse_config
 from tests.chart_support import CASES
+from tests.monitoring_support import ALERTS_FILE, DASHBOARD_FILE
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "devplugin"
@@ -412,6 +413,43 @@ def test_metrics_switches(installs: dict[str, dict[str, Any]]) -> None:
     assert "ports" not in off
     assert "livenessProbe" not in off
     assert off["args"] == ["--config=/etc/devplugin/config.yaml"]
+
+
+def test_alerts_dashboard_and_the_extenders_monitor_are_opt_in(
+    installs: dict[str, dict[str, Any]],
+) -> None:
+    default = {obj["kind"] for obj in installs["defaults"]["objects"]}
+    assert "PrometheusRule" not in default
+    assert not [
+        o for o in installs["defaults"]["objects"] if o["metadata"]["name"].endswith("-dashboard")
+    ]
+    entry = installs["monitoring"]
+    assert entry["ok"], entry.get("error")
+    objs = entry["objects"]
+    (rule,) = [o for o in objs if o["kind"] == "PrometheusRule"]
+    assert rule["metadata"]["labels"]["release"] == "prom"
+    # The rules promtool tests, with only the runbooks' address changed.
+    shipped = yaml.safe_load(ALERTS_FILE.read_text())
+    text = json.dumps(shipped["groups"]).replace(
+        "https://devplugin.io/docs/operators/alerts", "https://wiki.example.com/gpu/runbooks"
+    )
+    assert rule["spec"]["groups"] == json.loads(text)
+    (board,) = [
+        o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"].endswith("-dashboard")
+    ]
+    assert board["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(board["data"]["devplugin.json"]) == json.loads(DASHBOARD_FILE.read_text())
+    monitors = {o["metadata"]["name"]: o for o in objs if o["kind"] == "ServiceMonitor"}
+    (extender_monitor,) = [m for name, m in monitors.items() if name.endswith("-extender")]
+    services = [o for o in objs if o["kind"] == "Service"]
+    selector = extender_monitor["spec"]["selector"]["matchLabels"]
+    chosen = [s for s in services if selector.items() <= s["metadata"]["labels"].items()]
+    assert [s["metadata"]["name"] for s in chosen] == [
+        n for n in (s["metadata"]["name"] for s in services) if n.endswith("-extender")
+    ]
+    (endpoint,) = extender_monitor["spec"]["endpoints"]
+    assert endpoint["port"] == chosen[0]["spec"]["ports"][0]["name"]
+    assert endpoint["scheme"] == "https"
 
 
 def test_privileged_and_placement_switches(installs: dict[str, dict[str, Any]]) -> None:

@@ -133,6 +133,12 @@ def test_victims_come_highest_priority_first_and_only_below_the_preemptor(
         extender, "preempt", {"Pod": preemptor(8, 8, 100), "NodeNameToMetaVictims": proposal}
     )
     assert none == {"NodeNameToMetaVictims": {}}
+    # Each answer counted by outcome (what DevpluginPreemptionWithoutVictims reads).
+    registry = extender[0].metrics.registry
+    name = "devplugin_extender_preempt_answers_total"
+    assert registry.get_sample_value(name, {"outcome": "victims"}) == 1
+    assert registry.get_sample_value(name, {"outcome": "none"}) == 1
+    assert registry.get_sample_value(name, {"outcome": "untold"}) == 0
 
 
 def test_disruption_budgets_are_counted_and_steer_the_choice(

@@ -33,7 +33,10 @@ RESOURCES: dict[str, list[tuple[str, str, bool]]] = {
         ("namespaces", "Namespace", False),
     ],
     "apps/v1": [("daemonsets", "DaemonSet", True), ("deployments", "Deployment", True)],
-    "monitoring.coreos.com/v1": [("servicemonitors", "ServiceMonitor", True)],
+    "monitoring.coreos.com/v1": [
+        ("servicemonitors", "ServiceMonitor", True),
+        ("prometheusrules", "PrometheusRule", True),
+    ],
     "rbac.authorization.k8s.io/v1": [
         ("roles", "Role", True),
         ("rolebindings", "RoleBinding", True),

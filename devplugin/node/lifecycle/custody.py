@@ -365,3 +365,30 @@ def problem_in(device: str, text: str, *, retry: bool = False) -> Problem:
     if not found:
         return Problem(text, retry=retry)
     return Problem(before, device, after, retry=retry)
+
+
+@dataclass(frozen=True)
+class Census:
+    """How many devices of each kind are in each phase but FREE (free
+    devices have no record), and how long the
+    longest-waiting device owing a cleanup has been in its phase (what an
+    operator alerts on: quarantined devices, cleanups that never end)."""
+
+    phases: Mapping[tuple[DeviceKind, Phase], int]
+    oldest_owing: Mapping[DeviceKind, float]
+
+
+def census(records: Mapping[Key, Custody], kinds: frozenset[DeviceKind], now: float) -> Census:
+    """Every phase of every kind counted (zero included, so a series never
+    vanishes when its last device leaves the phase)."""
+    phases: dict[tuple[DeviceKind, Phase], int] = {
+        (kind, phase): 0 for kind in kinds for phase in Phase if phase is not Phase.FREE
+    }
+    oldest = dict.fromkeys(kinds, 0.0)
+    for (kind, _), record in records.items():
+        if kind not in oldest or record.phase is Phase.FREE:
+            continue
+        phases[(kind, record.phase)] += 1
+        if record.phase in OWING:
+            oldest[kind] = max(oldest[kind], now - record.since)
+    return Census(phases, oldest)

@@ -1,5 +1,6 @@
 """The pipeline's port on the custody book: what keeps devices out of
-service, read in one snapshot, and the two things a scan may ask for.
+service, read in one snapshot, and the two things a scan may ask for; and
+the census of phases the metrics read.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ class CustodyView:
     def verdicts(self) -> dict[Key, Verdict]:
         """Every device kept out of service, and why (one snapshot)."""
         return self._book.verdicts()
+
+    def census(self, kinds: frozenset[DeviceKind]) -> custody.Census:
+        """Devices per phase, counted on one snapshot (for the metrics)."""
+        return custody.census(self._book.records(), kinds, self._book.clock())
 
     def in_use(self, kind: DeviceKind) -> set[str]:
         return self._book.in_use(kind)
