@@ -95,7 +95,8 @@ def test_each_alert_has_a_firing_case_a_quiet_series_and_an_early_quiet_check() 
         (name,) = names
         firing = [e for e in evals if e["exp_alerts"]]
         quiet = [e for e in evals if not e["exp_alerts"]]
-        assert firing and quiet, name
+        assert firing, name
+        assert quiet, name
         # The quiet check comes before the firing one (the rule's `for`).
         assert min(_minutes(e["eval_time"]) for e in quiet) < min(
             _minutes(e["eval_time"]) for e in firing

@@ -7,12 +7,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from devplugin.cluster.required import shortfall
 from devplugin.model import DeviceKind
 from devplugin.node.alignment import ContainerAlignment
 from devplugin.node.lifecycle.custody import Census, Custody, Phase, census
 from devplugin.policy.placement import ALIGNMENT_ANNOTATION, POLICY_ANNOTATION
 from devplugin.policy.topology import Level
-from devplugin.cluster.required import shortfall
 from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.kubelet import ContainerRequest
 from devplugin.testing.node import hgx_node
