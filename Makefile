@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 PROTOS := $(addprefix proto/devplugin/api/,deviceplugin_v1beta1.proto podresources_v1.proto \
 	dra_v1.proto dra_v1beta1.proto dra_health_v1alpha1.proto pluginregistration_v1.proto)
 
-.PHONY: install test test-slow test-quick test-cluster test-node upstream demo demo-node bench proto lint chart-schema image clean
+.PHONY: install test test-slow test-quick test-cluster test-node test-prometheus upstream demo demo-node bench proto lint chart-schema image clean
 
 # setup.py and the C source too: the editable install compiles the allocator's fold.
 $(STAMP): pyproject.toml setup.py devplugin/policy/_foldc.c
@@ -34,15 +34,15 @@ $(HELM_STAMP): scripts/helm-env.sh
 # on daemons, so four fit two cores). The real-runtime tier (podman, runc)
 # is in it and skips, saying why, where those are missing.
 test: $(STAMP) $(HELM_STAMP)
-	$(BIN)/python -m pytest -q -n 4 -m "not slow and not cluster and not node"
+	$(BIN)/python -m pytest -q -n 4 -m "not slow and not cluster and not node and not prometheus"
 
 # The slow simulations (storms, kill loops, churn), CPU-bound: two workers.
 test-slow: $(STAMP) $(HELM_STAMP)
-	$(BIN)/python -m pytest -q -n 2 -m "slow and not cluster and not node"
+	$(BIN)/python -m pytest -q -n 2 -m "slow and not cluster and not node and not prometheus"
 
 # Everything but the real-runtime tier and the slow simulations: the edit-run loop.
 test-quick: $(STAMP) $(HELM_STAMP)
-	$(BIN)/python -m pytest -q -n 4 -m "not slow and not real_runtime and not cluster and not node"
+	$(BIN)/python -m pytest -q -n 4 -m "not slow and not real_runtime and not cluster and not node and not prometheus"
 
 # The real control planes the cluster tier runs (etcd, kube-apiserver,
 # kube-controller-manager, kube-scheduler, kubectl), built from the Go
@@ -63,6 +63,11 @@ test-cluster: $(STAMP) $(HELM_STAMP)
 test-node: $(STAMP) $(HELM_STAMP)
 	@if command -v go >/dev/null 2>&1; then $(MAKE) --no-print-directory upstream; fi
 	$(BIN)/python -m pytest -q -p no:randomly -m node tests/real_node
+
+# The monitoring tier: a real Prometheus (Debian's prometheus package)
+# scrapes a daemon and an extender and evaluates the chart's alert rules.
+test-prometheus: $(STAMP) $(HELM_STAMP)
+	$(BIN)/python -m pytest -q -p no:randomly -m prometheus tests/prometheus
 
 demo: $(STAMP)
 	$(BIN)/devplugin demo

@@ -1,0 +1,164 @@
+"""A real Prometheus (Debian's package) on loopback for the monitoring tier:
+it scrapes the targets a test names every second and evaluates the chart's
+rules every second, with each rule's `for` shortened so pending and firing
+happen within the test."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.monitoring_support import ALERTS_FILE
+
+# Every rule's `for` in the tier: long enough to see `pending` between two
+# polls, short enough for a test.
+FOR = "3s"
+
+
+@dataclass(frozen=True)
+class Target:
+    """One scrape target and the labels the Prometheus Operator would give it."""
+
+    address: tuple[str, int]
+    namespace: str
+    pod: str
+
+
+def prometheus_binary() -> str:
+    found = shutil.which("prometheus")
+    if found is None:
+        if os.environ.get("DEVPLUGIN_REQUIRE_PROMETHEUS"):
+            pytest.fail("prometheus is required here (Debian's prometheus package)")
+        pytest.skip("prometheus not installed (Debian's prometheus package)")
+    return found
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def shortened_rules() -> dict[str, Any]:
+    rules: dict[str, Any] = yaml.safe_load(ALERTS_FILE.read_text())
+    for group in rules["groups"]:
+        group["interval"] = "1s"
+        for rule in group["rules"]:
+            rule["for"] = FOR
+    return rules
+
+
+class Prometheus:
+    def __init__(self, base: Path, targets: Sequence[Target]) -> None:
+        self.base = base
+        self.port = _free_port()
+        (base / "rules.yaml").write_text(yaml.safe_dump(shortened_rules()))
+        config = {
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(base / "rules.yaml")],
+            "scrape_configs": [
+                {
+                    "job_name": "devplugin",
+                    "scrape_interval": "1s",
+                    "static_configs": [
+                        {
+                            "targets": [f"{t.address[0]}:{t.address[1]}"],
+                            "labels": {"namespace": t.namespace, "pod": t.pod},
+                        }
+                        for t in targets
+                    ],
+                }
+            ],
+        }
+        (base / "prometheus.yml").write_text(yaml.safe_dump(config))
+        self.log = (base / "prometheus.log").open("w")
+        self.process = subprocess.Popen(
+            [
+                prometheus_binary(),
+                f"--config.file={base / 'prometheus.yml'}",
+                f"--storage.tsdb.path={base / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--log.level=warn",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def url(self, path: str, **query: str | list[str]) -> str:
+        return f"http://127.0.0.1:{self.port}{path}?" + urllib.parse.urlencode(query, doseq=True)
+
+    def get(self, path: str, **query: str | list[str]) -> Any:
+        """An API answer's `data`; AssertionError with Prometheus's error."""
+        try:
+            with urllib.request.urlopen(self.url(path, **query), timeout=10) as answer:
+                body = json.loads(answer.read())
+        except urllib.error.HTTPError as exc:
+            body = json.loads(exc.read())
+        assert body.get("status") == "success", body
+        return body["data"]
+
+    def ready(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                break
+            try:
+                with urllib.request.urlopen(self.url("/-/ready"), timeout=2) as answer:
+                    if answer.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError("Prometheus did not start: " + self.logged())
+
+    def logged(self) -> str:
+        self.log.flush()
+        return (self.base / "prometheus.log").read_text()[-2000:]
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        data = self.get("/api/v1/query", query=expr)
+        result: list[dict[str, Any]] = data["result"]
+        return result
+
+    def alerts(self) -> dict[str, set[str]]:
+        """Alert name -> the states its alerts are in now."""
+        found: dict[str, set[str]] = {}
+        for alert in self.get("/api/v1/alerts")["alerts"]:
+            found.setdefault(alert["labels"]["alertname"], set()).add(alert["state"])
+        return found
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(5)
+        self.log.close()
+
+
+@contextmanager
+def running_prometheus(base: Path, targets: Sequence[Target]) -> Iterator[Prometheus]:
+    base.mkdir(parents=True, exist_ok=True)
+    server = Prometheus(base, targets)
+    try:
+        server.ready()
+        yield server
+    finally:
+        server.stop()
