@@ -77,8 +77,19 @@ def build_parser() -> argparse.ArgumentParser:
     discover = commands.add_parser("discover", help="print the GPUs and HCAs found")
     _add_source_flags(discover)
     discover.add_argument("--json", action="store_true", help="print JSON")
-    topo = commands.add_parser("topo", help="print the GPU/HCA topology matrix")
+    topo = commands.add_parser(
+        "topo",
+        help="print the GPU/HCA topology matrix, or draw the node's devices",
+        description="text: the matrix of this node's GPU/HCA links. dot, svg, png: a picture "
+        "of the PCIe tree, NVLinks, GPUs (MIG devices inside), HCAs and their ports, coloured "
+        "by health and labelled by holder, from discovery, --record or --node.",
+    )
     _add_source_flags(topo)
+    topo.add_argument("--format", choices=["text", "dot", "svg", "png"], default="text")
+    topo.add_argument("-o", "--output", type=Path, help="write here instead of stdout")
+    topo.add_argument("--record", type=Path, help="draw a NodeDevices record saved as JSON or YAML")
+    topo.add_argument("--node", help="draw this node's NodeDevices record from the API server")
+    topo.add_argument("--kubeconfig", help="with --node: kubeconfig (default: in-cluster)")
     demo = commands.add_parser("demo", help="run the daemon on an embedded simulated node")
     demo.add_argument(
         "--real-node",
@@ -328,11 +339,39 @@ def cmd_claim_template(args: argparse.Namespace) -> int:
 
 
 def cmd_topo(args: argparse.Namespace) -> int:
+    from devplugin import drawing
+    from devplugin.config import KubernetesConfig
     from devplugin.node.report import topo_text
+    from devplugin.picture import PictureError, dot, picture
 
+    from_record = args.record is not None or args.node is not None
+    if args.format == "text" and from_record:
+        raise UsageError("--format text reads this node's hardware; draw a record with "
+                         "--format dot, svg or png")  # fmt: skip
     config = resolve_config(args)
     setup_logging(config.logging.format, "warning")
-    print(topo_text(_scan(config)))
+    try:
+        if args.record is not None:
+            name, status = drawing.from_file(args.record, args.node)
+        elif args.node is not None:
+            kube = KubernetesConfig(enabled=True, kubeconfig=args.kubeconfig or "")
+            name, status = drawing.from_api(kube, args.node)
+        else:
+            inventory = _scan(config)
+            if args.format == "text":
+                print(topo_text(inventory))
+                return 0
+            name, status = drawing.from_inventory(config, inventory)
+        source = dot(picture(name, status))
+        data = source.encode() if args.format == "dot" else drawing.render(source, args.format)
+    except (drawing.SourceError, PictureError) as exc:
+        print(f"devplugin: {exc}", file=sys.stderr)
+        return 1
+    if args.output is not None:
+        args.output.write_bytes(data)
+    else:
+        sys.stdout.buffer.write(data)
+        sys.stdout.flush()
     return 0
 
 

@@ -168,9 +168,14 @@ def _describe_gpu(gpu: GpuInfo) -> dict[str, Any]:
 
 
 def _describe_hca(hca: HcaInfo) -> dict[str, Any]:
-    """Each port's link layer (InfiniBand or Ethernet) and rate, as sysfs says."""
+    """Each port's link layer (InfiniBand or Ethernet), rate and state, as sysfs says."""
     ports = [
-        {"port": port.number, "linkLayer": port.link_layer[:MAX_TEXT], "rate": port.rate[:MAX_TEXT]}
+        {
+            "port": port.number,
+            "linkLayer": port.link_layer[:MAX_TEXT],
+            "rate": port.rate[:MAX_TEXT],
+            "state": port.state[:MAX_TEXT],
+        }
         for port in hca.ports[:MAX_PORTS]
     ]
     return {"ports": ports}

@@ -4,6 +4,8 @@ API server imitation over HTTP, checked against the CRD the chart ships."""
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +15,7 @@ import jsonschema
 import pytest
 import yaml
 
+from devplugin.picture import HEALTH_FILL
 from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.kubelet import ContainerRequest
 from devplugin.testing.node import hgx_node
@@ -96,6 +99,50 @@ def test_the_daemon_publishes_a_valid_record_owned_by_its_node(
         "hcasTotal": 8,
         "unhealthy": 0,
     }
+
+
+def test_the_cli_draws_a_live_daemons_record_from_the_api(
+    start_cluster: Start, api: ApiServerImitation, tmp_path: Path
+) -> None:
+    api.put("nodes", {"metadata": {"name": "node-1", "uid": "node-uid-1"}})
+    cluster = start_cluster(hgx_node(), api=api, **FAST)
+    kubelet = cluster.kubelet
+    kubelet.admit("train", [ContainerRequest("c", {GPU: 4, HCA: 2})], order=[GPU, HCA])
+    kubelet.admit("infer", [ContainerRequest("c", {GPU: 1, HCA: 1})], order=[GPU, HCA])
+    hca = cluster.node.hcas[7]
+    (hca.directory / "infiniband" / hca.name / "ports" / "1" / "state").write_text("1: DOWN\n")
+    assert wait_until(
+        lambda: (
+            len(status(api).get("allocations", [])) == 2
+            and status(api)["summary"]["unhealthy"] == 1
+        ),
+        timeout=10,
+    )
+    sick = next(d for d in status(api)["devices"] if d["id"] == hca.device_id)
+    assert sick["ports"][0]["state"] == "1: DOWN"
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump(api.kubeconfig()))
+    done = subprocess.run(
+        [sys.executable, "-m", "devplugin", "topo", "--node", "node-1",
+         "--kubeconfig", str(kubeconfig), "--format", "dot"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    source = done.stdout
+    # Each held device and the legend name the holder.
+    assert source.count("held by default/train") == 6 + 1
+    assert source.count("held by default/infer") == 2 + 1
+    line = next(row for row in source.splitlines() if row.startswith(f'  "hca:{hca.device_id}"'))
+    assert HEALTH_FILL["Unhealthy"] in line
+    assert "1: DOWN" in line
+    assert "node-1: 3/8 GPUs and 5/8 HCAs free, 1 unhealthy" in source
+    absent = subprocess.run(
+        [sys.executable, "-m", "devplugin", "topo", "--node", "node-9",
+         "--kubeconfig", str(kubeconfig), "--format", "dot"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert absent.returncode == 1
+    assert "NodeDevices node-9" in absent.stderr
 
 
 def test_a_gpu_whose_compute_capability_nvml_tells_gets_it_and_its_family(

@@ -1,0 +1,311 @@
+"""A node's devices as a picture: the PCIe tree (NUMA nodes, host bridges,
+root ports, switches), its GPUs (MIG devices drawn inside their parent)
+and HCAs (each port with its state), the NVLinks between GPUs, every
+device coloured by health and labelled by the pod holding it.
+
+Pure: it reads a NodeDevices record's status (what the daemon publishes,
+or what `devplugin topo` builds from discovery) and writes Graphviz's DOT
+language; the CLI hands that to Graphviz's `dot` for SVG or PNG. One
+picture, whatever the source, so a node seen from the cluster looks the
+same as seen on the node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from html import escape
+from typing import Any
+
+HEALTH_FILL = {"Healthy": "#c8e6c9", "Unhealthy": "#ffcdd2"}
+UNKNOWN_FILL = "#eeeeee"
+DOMAIN_FILL = "#f5f5f5"
+# One border colour per holder, in the order holders sort (repeats past eight).
+HOLDER_COLOURS = (
+    "#1565c0", "#6a1b9a", "#ef6c00", "#00838f", "#ad1457", "#2e7d32", "#4e342e", "#283593",
+)  # fmt: skip
+NVLINK_COLOUR = "#558b2f"
+PORT_GOOD = ("ACTIVE", "LINKUP")
+# A complete NVLink graph of this many GPUs or more, every pair with the
+# same links, is drawn as one NVSwitch fabric instead of every pair.
+FABRIC_AT = 4
+DOMAINS = ("NUMA", "host bridge", "root port", "switch")
+
+
+class PictureError(ValueError):
+    """The record cannot be drawn (a field of the wrong shape)."""
+
+
+@dataclass(frozen=True)
+class Node:
+    key: str
+    kind: str  # numa, host bridge, root port, switch, gpu, mig, hca, fabric, legend
+    lines: tuple[str, ...]
+    health: str | None = None
+    holder: str | None = None
+    # HCA ports: (text, good) rows drawn inside the node.
+    ports: tuple[tuple[str, bool], ...] = ()
+    # MIG devices: the cluster (their parent GPU) they are drawn inside.
+    cluster: str | None = None
+
+
+@dataclass(frozen=True)
+class Edge:
+    tail: str
+    head: str
+    kind: str  # tree, nvlink, fabric
+    label: str = ""
+
+
+@dataclass(frozen=True)
+class Picture:
+    title: str
+    nodes: tuple[Node, ...]
+    edges: tuple[Edge, ...]
+    # cluster key -> its label (a MIG parent GPU).
+    clusters: Mapping[str, str] = field(default_factory=dict)
+    holders: tuple[str, ...] = ()
+
+    def node(self, key: str) -> Node:
+        return next(node for node in self.nodes if node.key == key)
+
+
+def _text(value: object, what: str) -> str:
+    if not isinstance(value, str):
+        raise PictureError(f"{what}: expected a string, got {type(value).__name__}")
+    return value
+
+
+def _holders(status: Mapping[str, Any]) -> dict[str, str]:
+    """Device id -> the pod (namespace/pod) holding it."""
+    held: dict[str, str] = {}
+    for allocation in status.get("allocations") or ():
+        if not isinstance(allocation, Mapping):
+            raise PictureError("status.allocations: expected objects")
+        holder = f"{allocation.get('namespace', '')}/{allocation.get('pod', '')}".strip("/")
+        for device in allocation.get("devices") or ():
+            held[_text(device, "status.allocations[].devices[]")] = holder or "(unknown)"
+    return held
+
+
+def _domains(path: Sequence[str]) -> list[tuple[str, str, str]]:
+    """(key, kind, label) from the NUMA node down to the device's parent;
+    a device straight under its root port has no switch level."""
+    found: list[tuple[str, str, str]] = []
+    parts: list[str] = []
+    for depth, part in enumerate(path[: len(DOMAINS)]):
+        if depth and part == path[depth - 1]:
+            continue
+        parts.append(part)
+        kind = DOMAINS[depth]
+        label = f"NUMA {part.removeprefix('numa')}" if depth == 0 else f"{kind} {part}"
+        found.append(("/".join(parts), kind, label))
+    return found
+
+
+def _device_lines(device: Mapping[str, Any], holder: str | None) -> tuple[str, ...]:
+    kind = device.get("kind")
+    mig = device.get("mig")
+    if kind == "hca":
+        first = f"HCA {device.get('name', device['id'])}"
+    elif isinstance(mig, Mapping):
+        first = f"MIG {mig.get('profile', '?')}"
+    else:
+        first = f"GPU {device.get('product', '')}".rstrip()
+    lines = [first, str(device.get("pciAddress", "")) if not mig else _short(device["id"])]
+    if kind == "gpu" and not mig:
+        lines.append(_short(device["id"]))
+    if device.get("health") not in (None, "Healthy"):
+        reason = str(device.get("reason", ""))[:60]
+        lines.append(f"{device.get('health')}: {reason}" if reason else str(device["health"]))
+    if holder is not None:
+        lines.append(f"held by {holder}")
+    return tuple(line for line in lines if line)
+
+
+def _short(uuid: str) -> str:
+    """A GPU or MIG UUID short enough for a box, still telling them apart
+    (their last characters differ)."""
+    return uuid if len(uuid) <= 24 else f"{uuid[:10]}…{uuid[-10:]}"
+
+
+def _ports(device: Mapping[str, Any]) -> tuple[tuple[str, bool], ...]:
+    rows = []
+    for port in device.get("ports") or ():
+        state = str(port.get("state", ""))
+        good = not state or any(word in state.upper() for word in PORT_GOOD)
+        text = f"port {port.get('port')}: {port.get('linkLayer', '')} {port.get('rate', '')}"
+        rows.append((f"{text} {state}".strip(), good))
+    return tuple(rows)
+
+
+def _nvlinks(gpus: Sequence[Mapping[str, Any]], keys: Mapping[str, str]) -> list[Edge]:
+    """Pairwise NVLink edges, or one fabric node's where every pair has the
+    same links (an NVSwitch system)."""
+    pairs: dict[tuple[str, str], int] = {}
+    for gpu in gpus:
+        for peer in gpu.get("nvlinkPeers") or ():
+            other = _text(peer.get("id"), "nvlinkPeers[].id")
+            if other in keys and other != gpu["id"]:
+                a, b = sorted((str(gpu["id"]), other))
+                pairs[(a, b)] = int(peer.get("links", 0))
+    linked = sorted(keys)
+    complete = len(pairs) == len(linked) * (len(linked) - 1) // 2
+    if len(linked) >= FABRIC_AT and complete and len(set(pairs.values())) == 1:
+        links = next(iter(pairs.values()))
+        return [Edge(keys[gpu], "nvswitch", "fabric", f"NV{links}") for gpu in linked]
+    return [Edge(keys[a], keys[b], "nvlink", f"NV{n}") for (a, b), n in sorted(pairs.items())]
+
+
+def _device_node(device: Mapping[str, Any], held: Mapping[str, str]) -> Node:
+    mig = device.get("mig")
+    gpu_kind = "mig" if isinstance(mig, Mapping) else "gpu"
+    kind = "hca" if device.get("kind") == "hca" else gpu_kind
+    cluster = None
+    if isinstance(mig, Mapping):
+        cluster = f"cluster_gpu:{_text(mig.get('parentUUID'), 'mig.parentUUID')}"
+    holder = held.get(device["id"])
+    return Node(
+        f"{kind}:{device['id']}",
+        kind,
+        _device_lines(device, holder),
+        str(device.get("health", "")) or None,
+        holder,
+        _ports(device) if kind == "hca" else (),
+        cluster,
+    )
+
+
+def _title(name: str, summary: Mapping[str, Any]) -> str:
+    return (
+        f"{name}: {summary.get('gpusFree', '?')}/{summary.get('gpusTotal', '?')} GPUs and "
+        f"{summary.get('hcasFree', '?')}/{summary.get('hcasTotal', '?')} HCAs free, "
+        f"{summary.get('unhealthy', 0)} unhealthy"
+    )
+
+
+def picture(name: str, status: Mapping[str, Any]) -> Picture:
+    """The picture of one node's record status."""
+    devices = status.get("devices")
+    if not isinstance(devices, list):
+        raise PictureError("status.devices: expected a list (is this a NodeDevices record?)")
+    held = _holders(status)
+    nodes: dict[str, Node] = {}
+    edges: list[Edge] = []
+    clusters: dict[str, str] = {}
+    gpus: list[Mapping[str, Any]] = []
+    for device in devices:
+        if not isinstance(device, Mapping) or not isinstance(device.get("id"), str):
+            raise PictureError("status.devices[]: expected objects with an id")
+        path = [_text(part, "topologyPath[]") for part in device.get("topologyPath") or ()]
+        parent = "unknown"
+        domains = _domains(path) or [("unknown", "host bridge", "position unknown")]
+        for depth, (key, kind, label) in enumerate(domains):
+            nodes.setdefault(key, Node(key, kind, (label,)))
+            if depth:
+                edges.append(Edge(parent, key, "tree"))
+            parent = key
+        node = _device_node(device, held)
+        nodes[node.key] = node
+        edges.append(Edge(parent, node.key, "tree"))
+        if node.cluster is not None:
+            clusters.setdefault(node.cluster, f"GPU {node.cluster.split(':', 1)[1]} (MIG)")
+        if node.kind == "gpu":
+            gpus.append(device)
+    links = _nvlinks(gpus, {gpu["id"]: f"gpu:{gpu['id']}" for gpu in gpus})
+    if any(edge.kind == "fabric" for edge in links):
+        nodes["nvswitch"] = Node("nvswitch", "fabric", ("NVSwitch fabric",))
+    unique = list(dict.fromkeys(edges))
+    holders = tuple(sorted(set(held.values())))
+    title = _title(name, status.get("summary") or {})
+    return Picture(title, tuple(nodes.values()), tuple(unique + links), clusters, holders)
+
+
+# -- DOT ----------------------------------------------------------------------------
+
+
+def _quote(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _html_label(node: Node, colour: str | None) -> str:
+    fill = HEALTH_FILL.get(node.health or "", UNKNOWN_FILL)
+    rows = [f'<TR><TD BGCOLOR="{fill}"><B>{escape(node.lines[0])}</B></TD></TR>']
+    rows += [f"<TR><TD>{escape(line)}</TD></TR>" for line in node.lines[1:]]
+    for text, good in node.ports:
+        port_fill = HEALTH_FILL["Healthy" if good else "Unhealthy"]
+        rows.append(f'<TR><TD BGCOLOR="{port_fill}">{escape(text)}</TD></TR>')
+    border = f' COLOR="{colour}"' if colour else ""
+    return (
+        f'<<TABLE BORDER="{3 if colour else 1}"{border} CELLBORDER="0" CELLSPACING="0" '
+        f'CELLPADDING="3" BGCOLOR="{fill}">' + "".join(rows) + "</TABLE>>"
+    )
+
+
+def _node_line(node: Node, colours: Mapping[str, str]) -> str:
+    if node.kind in DOMAINS:
+        return (
+            f'  {_quote(node.key)} [shape=box, style="rounded,filled", '
+            f'fillcolor="{DOMAIN_FILL}", label={_quote(node.lines[0])}];'
+        )
+    if node.kind == "fabric":
+        return (
+            f'  {_quote(node.key)} [shape=hexagon, style=filled, fillcolor="#dcedc8", '
+            f"label={_quote(node.lines[0])}];"
+        )
+    colour = colours.get(node.holder) if node.holder else None
+    return f"  {_quote(node.key)} [shape=plain, label={_html_label(node, colour)}];"
+
+
+def _legend(picture: Picture, colours: Mapping[str, str]) -> str:
+    rows = ['<TR><TD COLSPAN="2"><B>legend</B></TD></TR>']
+    for health, fill in HEALTH_FILL.items():
+        rows.append(f'<TR><TD BGCOLOR="{fill}">   </TD><TD>{health}</TD></TR>')
+    for holder in picture.holders:
+        rows.append(
+            f'<TR><TD BGCOLOR="{colours[holder]}">   </TD><TD>held by {escape(holder)}</TD></TR>'
+        )
+    table = '<<TABLE BORDER="0" CELLBORDER="1" CELLSPACING="0">' + "".join(rows) + "</TABLE>>"
+    return f'  "legend" [shape=plain, label={table}];'
+
+
+def dot(picture: Picture) -> str:
+    """The picture in Graphviz's DOT language (the tree from left to right,
+    so a node's devices stack up instead of spreading across)."""
+    colours = {h: HOLDER_COLOURS[i % len(HOLDER_COLOURS)] for i, h in enumerate(picture.holders)}
+    lines = [
+        "digraph node_devices {",
+        '  graph [rankdir=LR, nodesep=0.15, ranksep=0.4, compound=true, fontname="Helvetica",',
+        f"    labelloc=t, label={_quote(picture.title)}];",
+        '  node [fontname="Helvetica", fontsize=10];',
+        '  edge [arrowhead=none, color="#757575", fontname="Helvetica", fontsize=9];',
+    ]
+    inside: dict[str, list[Node]] = {}
+    for node in picture.nodes:
+        if node.cluster is not None:
+            inside.setdefault(node.cluster, []).append(node)
+        else:
+            lines.append(_node_line(node, colours))
+    for cluster, members in inside.items():
+        lines.append(f"  subgraph {_quote(cluster)} {{")
+        lines.append(
+            f'    label={_quote(picture.clusters[cluster])}; style="rounded,filled"; '
+            f'fillcolor="#fafafa";'
+        )
+        lines.extend("  " + _node_line(node, colours) for node in members)
+        lines.append("  }")
+    lines.append(_legend(picture, colours))
+    for edge in picture.edges:
+        attrs = []
+        if edge.kind in ("nvlink", "fabric"):
+            attrs += [f'color="{NVLINK_COLOUR}"', "penwidth=2"]
+        if edge.kind == "nvlink":
+            # Pairwise links must not pull the tree's ranks about; the
+            # fabric sits one rank past the GPUs.
+            attrs.append("constraint=false")
+        if edge.label:
+            attrs.append(f"label={_quote(edge.label)}")
+        suffix = f" [{', '.join(attrs)}]" if attrs else ""
+        lines.append(f"  {_quote(edge.tail)} -> {_quote(edge.head)}{suffix};")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
