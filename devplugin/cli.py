@@ -346,8 +346,9 @@ def cmd_topo(args: argparse.Namespace) -> int:
 
     from_record = args.record is not None or args.node is not None
     if args.format == "text" and from_record:
-        raise UsageError("--format text reads this node's hardware; draw a record with "
-                         "--format dot, svg or png")  # fmt: skip
+        raise UsageError(
+            "--format text reads this node's hardware; draw a record with --format dot, svg or png"
+        )
     config = resolve_config(args)
     setup_logging(config.logging.format, "warning")
     try:
@@ -463,9 +464,13 @@ REFREEZE_SECONDS = 10.0
 
 
 COMMANDS = {
-    "run": cmd_run, "discover": cmd_discover, "topo": cmd_topo, "demo": cmd_demo,
-    "extender": cmd_extender, "claim-template": cmd_claim_template,
-}  # fmt: skip
+    "run": cmd_run,
+    "discover": cmd_discover,
+    "topo": cmd_topo,
+    "demo": cmd_demo,
+    "extender": cmd_extender,
+    "claim-template": cmd_claim_template,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

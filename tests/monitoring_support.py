@@ -21,10 +21,22 @@ METRICS_DOC = DOCS / "operators" / "metrics.md"
 # phases, levels, verbs...): the only ones a devplugin metric may carry.
 BOUNDED_LABELS = frozenset(
     {
-        "resource", "health", "result", "role", "phase", "level", "outcome", "cache",
-        "call", "verb", "state", "why", "required", "le",
+        "resource",
+        "health",
+        "result",
+        "role",
+        "phase",
+        "level",
+        "outcome",
+        "cache",
+        "call",
+        "verb",
+        "state",
+        "why",
+        "required",
+        "le",
     }
-)  # fmt: skip
+)
 
 
 def alert_rules() -> list[dict[str, Any]]:

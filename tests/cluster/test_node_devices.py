@@ -123,10 +123,23 @@ def test_the_cli_draws_a_live_daemons_record_from_the_api(
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(yaml.safe_dump(api.kubeconfig()))
     done = subprocess.run(
-        [sys.executable, "-m", "devplugin", "topo", "--node", "node-1",
-         "--kubeconfig", str(kubeconfig), "--format", "dot"],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "devplugin",
+            "topo",
+            "--node",
+            "node-1",
+            "--kubeconfig",
+            str(kubeconfig),
+            "--format",
+            "dot",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     source = done.stdout
     # Each held device and the legend name the holder.
@@ -137,10 +150,23 @@ def test_the_cli_draws_a_live_daemons_record_from_the_api(
     assert "1: DOWN" in line
     assert "node-1: 3/8 GPUs and 5/8 HCAs free, 1 unhealthy" in source
     absent = subprocess.run(
-        [sys.executable, "-m", "devplugin", "topo", "--node", "node-9",
-         "--kubeconfig", str(kubeconfig), "--format", "dot"],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "devplugin",
+            "topo",
+            "--node",
+            "node-9",
+            "--kubeconfig",
+            str(kubeconfig),
+            "--format",
+            "dot",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert absent.returncode == 1
     assert "NodeDevices node-9" in absent.stderr
 

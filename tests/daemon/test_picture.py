@@ -92,11 +92,20 @@ def holdings(inv: Inventory) -> list[ContainerAlignment]:
     gpus = [g.uuid for g in inv.gpus]
     hcas = [h.device_id for h in inv.hcas]
     return [
-        ContainerAlignment("training", "llm-0", "main", tuple(gpus[:4]), tuple(hcas[:2]),
-                           Level.PIX, 4, "uid-a"),
-        ContainerAlignment("inference", "chat-7", "server", tuple(gpus[4:5]), tuple(hcas[2:3]),
-                           Level.PIX, 1, "uid-b"),
-    ]  # fmt: skip
+        ContainerAlignment(
+            "training", "llm-0", "main", tuple(gpus[:4]), tuple(hcas[:2]), Level.PIX, 4, "uid-a"
+        ),
+        ContainerAlignment(
+            "inference",
+            "chat-7",
+            "server",
+            tuple(gpus[4:5]),
+            tuple(hcas[2:3]),
+            Level.PIX,
+            1,
+            "uid-b",
+        ),
+    ]
 
 
 def ancestors(drawn: Drawn, key: str) -> list[str]:
@@ -208,8 +217,11 @@ def test_the_cli_draws_a_saved_record_and_refuses_what_it_cannot_draw(
     def topo(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [sys.executable, "-m", "devplugin", "topo", *args],
-            capture_output=True, text=True, timeout=60, check=False,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
 
     done = topo("--record", str(saved), "--format", "png", "-o", str(out))
     assert done.returncode == 0, done.stderr
