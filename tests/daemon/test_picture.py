@@ -250,3 +250,32 @@ def test_a_record_of_the_wrong_shape_fails_with_the_field_named(tmp_path: Path) 
     listed.write_text(json.dumps({"items": [{"metadata": {"name": "a"}, "status": {}}] * 2}))
     with pytest.raises(SourceError, match="name one with --node"):
         from_file(listed, None)
+
+
+def test_discovery_draws_this_nodes_hardware_with_its_own_health_and_no_holders(
+    tmp_path: Path, capsysbinary: pytest.CaptureFixture[bytes]
+) -> None:
+    from devplugin.cli import main
+    from devplugin.testing.node import build_node, hgx_node
+
+    node = build_node(hgx_node(), tmp_path / "node")
+    down = node.hcas[3]
+    (down.directory / "infiniband" / down.name / "ports" / "1" / "state").write_text("1: DOWN\n")
+    flags = ["--sysfs-root", str(node.sysfs_root), "--dev-root", str(node.dev_root)]
+    flags += ["--nvml-fixture", str(node.fixture)]
+    assert main(["topo", *flags, "--format", "dot"]) == 0
+    source = capsysbinary.readouterr().out.decode()
+    for gpu in node.gpus:
+        assert f'"gpu:{gpu.uuid}"' in source
+    lines = {
+        hca.device_id: next(
+            r for r in source.splitlines() if r.startswith(f'  "hca:{hca.device_id}"')
+        )
+        for hca in node.hcas
+    }
+    assert HEALTH_FILL["Unhealthy"] in lines[down.device_id]
+    assert all(
+        HEALTH_FILL["Healthy"] in line for device, line in lines.items() if device != down.device_id
+    )
+    assert "held by" not in source
+    assert ": 8/8 GPUs and 7/8 HCAs free, 1 unhealthy" in source
