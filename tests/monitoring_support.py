@@ -4,10 +4,13 @@ and the metrics the docs name with their labels."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,3 +66,15 @@ def panel_queries() -> list[tuple[str, str]]:
         for panel in board["panels"]
         for target in panel.get("targets", ())
     ]
+
+
+def debian_tool(name: str) -> str:
+    """The path of a tool from Debian's prometheus package; the test skips
+    without it, or fails where DEVPLUGIN_REQUIRE_PROMETHEUS says it must run."""
+    found = shutil.which(name)
+    if found is None:
+        why = f"{name} not installed (Debian's prometheus package)"
+        if os.environ.get("DEVPLUGIN_REQUIRE_PROMETHEUS"):
+            pytest.fail(f"{why}; DEVPLUGIN_REQUIRE_PROMETHEUS is set")
+        pytest.skip(why)
+    return found

@@ -6,8 +6,6 @@ happen within the test."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import socket
 import subprocess
 import time
@@ -20,10 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 
-from tests.monitoring_support import ALERTS_FILE
+from tests.monitoring_support import ALERTS_FILE, debian_tool
 
 # Every rule's `for` in the tier: long enough to see `pending` between two
 # polls, short enough for a test.
@@ -37,15 +34,6 @@ class Target:
     address: tuple[str, int]
     namespace: str
     pod: str
-
-
-def prometheus_binary() -> str:
-    found = shutil.which("prometheus")
-    if found is None:
-        if os.environ.get("DEVPLUGIN_REQUIRE_PROMETHEUS"):
-            pytest.fail("prometheus is required here (Debian's prometheus package)")
-        pytest.skip("prometheus not installed (Debian's prometheus package)")
-    return found
 
 
 def _free_port() -> int:
@@ -90,7 +78,7 @@ class Prometheus:
         self.log = (base / "prometheus.log").open("w")
         self.process = subprocess.Popen(
             [
-                prometheus_binary(),
+                debian_tool("prometheus"),
                 f"--config.file={base / 'prometheus.yml'}",
                 f"--storage.tsdb.path={base / 'data'}",
                 f"--web.listen-address=127.0.0.1:{self.port}",

@@ -7,14 +7,11 @@ Prometheus)."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 
 from tests.monitoring_support import (
@@ -22,6 +19,7 @@ from tests.monitoring_support import (
     DASHBOARD_FILE,
     DOCS,
     alert_rules,
+    debian_tool,
     documented_metrics,
     panel_queries,
 )
@@ -31,18 +29,9 @@ TESTS_FILE = HERE / "alerts_test.yaml"
 RUNBOOKS = DOCS / "operators" / "alerts.md"
 
 
-def promtool() -> str:
-    found = shutil.which("promtool")
-    if found is None:
-        if os.environ.get("DEVPLUGIN_REQUIRE_PROMETHEUS"):
-            pytest.fail("promtool is required here (Debian's prometheus package)")
-        pytest.skip("promtool not installed (Debian's prometheus package)")
-    return found
-
-
 def run_promtool(tests: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [promtool(), "test", "rules", str(tests)],
+        [debian_tool("promtool"), "test", "rules", str(tests)],
         capture_output=True,
         text=True,
         timeout=60,

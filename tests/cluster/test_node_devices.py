@@ -122,24 +122,18 @@ def test_the_cli_draws_a_live_daemons_record_from_the_api(
     assert sick["ports"][0]["state"] == "1: DOWN"
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(yaml.safe_dump(api.kubeconfig()))
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "devplugin",
-            "topo",
-            "--node",
-            "node-1",
-            "--kubeconfig",
-            str(kubeconfig),
-            "--format",
-            "dot",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+
+    def draw(node: str) -> subprocess.CompletedProcess[str]:
+        command = ["topo", "--node", node, "--kubeconfig", str(kubeconfig), "--format", "dot"]
+        return subprocess.run(
+            [sys.executable, "-m", "devplugin", *command],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+    done = draw("node-1")
     assert done.returncode == 0, done.stderr
     source = done.stdout
     # Each held device and the legend name the holder.
@@ -149,24 +143,7 @@ def test_the_cli_draws_a_live_daemons_record_from_the_api(
     assert HEALTH_FILL["Unhealthy"] in line
     assert "1: DOWN" in line
     assert "node-1: 3/8 GPUs and 5/8 HCAs free, 1 unhealthy" in source
-    absent = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "devplugin",
-            "topo",
-            "--node",
-            "node-9",
-            "--kubeconfig",
-            str(kubeconfig),
-            "--format",
-            "dot",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    absent = draw("node-9")
     assert absent.returncode == 1
     assert "NodeDevices node-9" in absent.stderr
 
