@@ -50,7 +50,7 @@ test-quick: $(STAMP) $(HELM_STAMP)
 # The node tier's containerd v2 (with its runc shim and ctr) is pinned there too.
 UPSTREAM_MINORS ?= v1.35 v1.37
 upstream:
-	@for pin in $(UPSTREAM_MINORS) containerd; do upstream/build.sh $$pin || exit $$?; done
+	@for pin in $(UPSTREAM_MINORS) containerd prometheus-operator; do upstream/build.sh $$pin || exit $$?; done
 
 # The real-cluster tier: the chart, the daemons, the extender and DRA
 # judged by those control planes; it builds them first where Go is here.

@@ -7,7 +7,10 @@
 #                                  etcd, kube-apiserver, kube-controller-manager,
 #                                  kube-scheduler, kubectl, kubelet
 #   upstream/build.sh containerd   containerd v2, its runc shim, ctr
-# It prints the folder holding the binaries.
+#   upstream/build.sh prometheus-operator
+#                                  no program: the operator's CRDs (ServiceMonitor,
+#                                  PrometheusRule) from its module, for the cluster tier
+# It prints the folder holding the binaries (the CRDs).
 # DEVPLUGIN_UPSTREAM_CACHE moves the cache (default ~/.cache/devplugin-upstream).
 set -euo pipefail
 name="$1"
@@ -15,6 +18,8 @@ here="$(cd "$(dirname "$0")" && pwd)"
 case "$name" in
     v1.*) mod="$here/k8s-$name" main=k8s.io/kubernetes ;;
     containerd) mod="$here/containerd" main=github.com/containerd/containerd/v2 ;;
+    prometheus-operator)
+        mod="$here/prometheus-operator" main=github.com/prometheus-operator/prometheus-operator ;;
     *) echo "upstream: no pin named $name" >&2; exit 2 ;;
 esac
 [ -f "$mod/go.mod" ] || { echo "upstream: no pin for $name ($mod/go.mod)" >&2; exit 2; }
@@ -24,8 +29,23 @@ key="$(cat "$mod/go.mod" "$mod/go.sum" "$0" $(ls "$mod"/*/main.go 2>/dev/null) |
 cache="${DEVPLUGIN_UPSTREAM_CACHE:-$HOME/.cache/devplugin-upstream}"
 prefix="k8s"
 [ "$name" = containerd ] && prefix="containerd"
+[ "$name" = prometheus-operator ] && prefix="prometheus-operator"
 out="$cache/$prefix-$version-$key"
 if [ -f "$out/.built" ]; then
+    echo "$out/bin"
+    exit 0
+fi
+if [ "$prefix" = prometheus-operator ]; then
+    # The module as go.sum pins it; its CRDs as the operator's release ships them.
+    dir="$(cd "$mod" && go mod download -json "$main" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')"
+    rm -rf "$out.partial"
+    mkdir -p "$out.partial/bin"
+    for kind in servicemonitors prometheusrules; do
+        cp "$dir/example/prometheus-operator-crd/monitoring.coreos.com_$kind.yaml" "$out.partial/bin/"
+    done
+    touch "$out.partial/.built"
+    rm -rf "$out"
+    mv "$out.partial" "$out"
     echo "$out/bin"
     exit 0
 fi
