@@ -213,7 +213,8 @@ def _plain(answer: Any) -> Any:
     return json.loads(answer) if isinstance(answer, bytes) else answer
 
 
-@pytest.mark.parametrize("seed", [1, 2])
+# The second seed with the slow tests (CI runs both).
+@pytest.mark.parametrize("seed", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_the_kept_answers_agree_with_a_fresh_computation_under_random_changes(
     api: ApiServerImitation, tmp_path: Path, running: Running, seed: int
 ) -> None:

@@ -26,6 +26,8 @@ def run_bench(*args: str) -> subprocess.CompletedProcess[str]:
     return result
 
 
+# Runs `bench --quick` whole (8 s): with the slow tests, which CI runs.
+@pytest.mark.slow
 def test_bench_quick_run_reports_optimal_answers() -> None:
     result = run_bench("bench", "--quick", "--node", "hgx-h100", "--nvlink", "dgx-1")
     preferred, allocate, summary, cluster, nvlink = result.stdout.split("\n\n")
@@ -104,6 +106,8 @@ def test_bench_dra_live_quick_run_places_claims_with_real_daemons() -> None:
     assert "== DRA live:" in result.stdout
 
 
+# Runs the preemption bench (6 s): with the slow tests, which CI runs.
+@pytest.mark.slow
 def test_bench_preemption_quick_run_frees_the_best_level_with_the_fewest_victims() -> None:
     result = run_bench("bench", "--quick", "--preemption")
     rows = [line.split() for line in result.stdout.splitlines() if line.strip()[:1].isdigit()]

@@ -53,6 +53,8 @@ def test_port_down_makes_the_hca_unhealthy_and_back_within_two_seconds(
     assert becomes(cluster, HCA, hca.device_id, "Healthy", within=2.0)
 
 
+# Waits out the default 5 s check (7 s): with the slow tests, which CI runs.
+@pytest.mark.slow
 def test_with_the_default_five_second_check_a_port_going_down_is_seen_by_the_port_watch(
     start_cluster: Start,
 ) -> None:
