@@ -19,10 +19,9 @@ import ctypes
 import gc
 import logging
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from devplugin.cluster.assembly import ClusterSide, StatusInputs
-from devplugin.cluster.pods import PodCache
 from devplugin.config import Config, ConfigError
 from devplugin.frontends.deviceplugin.frontend import DevicePluginFrontend
 from devplugin.frontends.deviceplugin.kubelet import Registrar
@@ -37,6 +36,9 @@ from devplugin.node.discovery.udev import HotplugWatcher
 from devplugin.node.status import StatusServer
 from devplugin.policy.allocator import native_fold_available
 from devplugin.policy.mig import mig_problem, profiles_of
+
+if TYPE_CHECKING:
+    from devplugin.cluster.pods import PodCache
 
 log = logging.getLogger(__name__)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -319,3 +320,30 @@ def test_a_cleanup_owed_at_start_runs_at_once_not_after_a_retry_delay(
     assert wait_until(lambda: log.exists() and owed in log.read_text(), timeout=10)
     assert cluster.kubelet.wait_for(lambda: health(cluster, GPU, owed) == "Healthy", 5)
     assert cluster.daemon.core.lifecycle.book.pending() == {}
+
+
+def test_a_daemon_without_the_api_never_loads_the_api_client(tmp_path: Path) -> None:
+    """The API client and its HTTP stack (7 MiB of an idle daemon's memory)
+    are loaded only where the API is enabled."""
+    script = f"""
+import sys
+from pathlib import Path
+from devplugin.config import Config, override
+from devplugin.runtime import build
+from devplugin.testing.fake_nvml import FakeNvml
+from devplugin.testing.node import build_node, hgx_node
+base = Path({str(tmp_path)!r})
+node = build_node(hgx_node(), base / "node")
+settings = {{**node.settings(base), "metrics.addresses": ["127.0.0.1:0"]}}
+daemon = build(override(Config(), **settings), FakeNvml.from_file(node.fixture))
+daemon.start()
+daemon.stop()
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("lightkube", "httpx2"))
+assert not loaded, loaded
+print("ok")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("ok")
