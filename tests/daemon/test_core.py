@@ -322,7 +322,9 @@ def test_a_cleanup_owed_at_start_runs_at_once_not_after_a_retry_delay(
     assert cluster.daemon.core.lifecycle.book.pending() == {}
 
 
-def test_a_daemon_without_the_api_never_loads_the_api_client(tmp_path: Path) -> None:
+def test_a_daemon_without_the_api_never_loads_the_api_client(
+    tmp_path: Path, sock_dir: Path
+) -> None:
     """The API client and its HTTP stack (7 MiB of an idle daemon's memory)
     are loaded only where the API is enabled."""
     script = f"""
@@ -334,7 +336,13 @@ from devplugin.testing.fake_nvml import FakeNvml
 from devplugin.testing.node import build_node, hgx_node
 base = Path({str(tmp_path)!r})
 node = build_node(hgx_node(), base / "node")
-settings = {{**node.settings(base), "metrics.addresses": ["127.0.0.1:0"]}}
+sockets = Path({str(sock_dir)!r})
+settings = {{
+    **node.settings(base),
+    "metrics.addresses": ["127.0.0.1:0"],
+    "paths.device_plugin_dir": str(sockets / "dp"),
+    "paths.pod_resources_socket": str(sockets / "pr" / "kubelet.sock"),
+}}
 daemon = build(override(Config(), **settings), FakeNvml.from_file(node.fixture))
 daemon.start()
 daemon.stop()

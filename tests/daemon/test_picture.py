@@ -207,38 +207,55 @@ def test_mig_devices_are_drawn_inside_their_parent_gpu(graphviz: None, tmp_path:
 
 
 def test_the_cli_draws_a_saved_record_and_refuses_what_it_cannot_draw(
-    graphviz: None, tmp_path: Path
+    graphviz: None, tmp_path: Path, capsysbinary: pytest.CaptureFixture[bytes]
 ) -> None:
+    from devplugin.cli import main
+
     inv = inventory("pcie-server", tmp_path / "node")
     saved = tmp_path / "record.json"
     saved.write_text(json.dumps({"kind": "List", "items": [record(inv, name="gpu-7")]}))
     out = tmp_path / "gpu-7.png"
-
-    def topo(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "devplugin", "topo", *args],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-
-    done = topo("--record", str(saved), "--format", "png", "-o", str(out))
+    # Once as an operator runs it, the rest in this process.
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "devplugin",
+            "topo",
+            "--record",
+            str(saved),
+            "--format",
+            "png",
+            "-o",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    source = topo("--record", str(saved), "--format", "dot")
-    assert source.stdout.startswith("digraph node_devices {")
-    assert '"legend"' in source.stdout
+
+    def topo(*args: str) -> tuple[int, str, str]:
+        code = main(["topo", *args])
+        captured = capsysbinary.readouterr()
+        return code, captured.out.decode(), captured.err.decode()
+
+    code, source, _ = topo("--record", str(saved), "--format", "dot")
+    assert code == 0
+    assert source.startswith("digraph node_devices {")
+    assert '"legend"' in source
     # Text is the hardware's matrix; a record is only drawn.
-    assert topo("--record", str(saved)).returncode == 2
+    assert topo("--record", str(saved))[0] == 2
     wrong = tmp_path / "wrong.yaml"
     wrong.write_text("kind: Pod\nmetadata: {name: x}\n")
-    refused = topo("--record", str(wrong), "--format", "svg")
-    assert refused.returncode == 1
-    assert "not a NodeDevices record" in refused.stderr
-    missing = topo("--record", str(tmp_path / "nope.json"), "--format", "svg")
-    assert missing.returncode == 1
-    assert "nope.json" in missing.stderr
+    code, _, error = topo("--record", str(wrong), "--format", "svg")
+    assert code == 1
+    assert "not a NodeDevices record" in error
+    code, _, error = topo("--record", str(tmp_path / "nope.json"), "--format", "svg")
+    assert code == 1
+    assert "nope.json" in error
 
 
 def test_a_record_of_the_wrong_shape_fails_with_the_field_named(tmp_path: Path) -> None:
