@@ -255,6 +255,7 @@ class ClusterSide:
             duration=kube.lease_duration_seconds,
         )
         core.metrics.lease_age.set_function(self.lease.age)
+        core.metrics.lease_duration.set(kube.lease_duration_seconds)
 
     def label_node(self, inventory: Callable[[], Inventory], core: NodeCore) -> None:
         """The devplugin.io/ labels on this node's Node, when the config asks;

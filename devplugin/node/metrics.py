@@ -46,6 +46,8 @@ Names and labels (all prefixed `devplugin_`):
                                                      its phase (0: none owed)
     lease_age_seconds                                gauge, seconds since the node's Lease
                                                      was last renewed (with the API only)
+    lease_duration_seconds                           gauge, what each renewal promises
+                                                     (0 without the API)
     alignment_below_required_total{required}         counter, containers given a worst
                                                      GPU-HCA level past the level their
                                                      pod requires (with the pod watch)
@@ -243,6 +245,11 @@ class Metrics:
         self.lease_age = Gauge(
             "devplugin_lease_age_seconds",
             "Seconds since this node's Lease was last renewed",
+            registry=registry,
+        )
+        self.lease_duration = Gauge(
+            "devplugin_lease_duration_seconds",
+            "How long each renewal promises the Lease holds (the extender's staleness bound)",
             registry=registry,
         )
         self.below_required = Counter(

@@ -157,3 +157,5 @@ def test_the_lease_age_stays_below_its_renewal_interval(
     age = sample(cluster, "devplugin_lease_age_seconds")
     assert age is not None
     assert age < 5.0
+    # What the alert holds the age to: the duration each renewal promises.
+    assert sample(cluster, "devplugin_lease_duration_seconds") == 40
