@@ -82,13 +82,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the GPU/HCA topology matrix, or draw the node's devices",
         description="text: the matrix of this node's GPU/HCA links. dot, svg, png: a picture "
         "of the PCIe tree, NVLinks, GPUs (MIG devices inside), HCAs and their ports, coloured "
-        "by health and labelled by holder, from discovery, --record or --node.",
+        "by health and labelled by holder, from discovery, --daemon, --record or --node.",
     )
     _add_source_flags(topo)
     topo.add_argument("--format", choices=["text", "dot", "svg", "png"], default="text")
     topo.add_argument("-o", "--output", type=Path, help="write here instead of stdout")
     topo.add_argument("--record", type=Path, help="draw a NodeDevices record saved as JSON or YAML")
     topo.add_argument("--node", help="draw this node's NodeDevices record from the API server")
+    topo.add_argument(
+        "--daemon",
+        metavar="HOST:PORT",
+        help="draw a running daemon's record from its status endpoint (metrics.addresses)",
+    )
     topo.add_argument("--kubeconfig", help="with --node: kubeconfig (default: in-cluster)")
     demo = commands.add_parser("demo", help="run the daemon on an embedded simulated node")
     demo.add_argument(
@@ -344,7 +349,7 @@ def cmd_topo(args: argparse.Namespace) -> int:
     from devplugin.node.report import topo_text
     from devplugin.picture import PictureError, dot, picture
 
-    from_record = args.record is not None or args.node is not None
+    from_record = args.record is not None or args.node is not None or args.daemon is not None
     if args.format == "text" and from_record:
         raise UsageError(
             "--format text reads this node's hardware; draw a record with --format dot, svg or png"
@@ -352,7 +357,9 @@ def cmd_topo(args: argparse.Namespace) -> int:
     config = resolve_config(args)
     setup_logging(config.logging.format, "warning")
     try:
-        if args.record is not None:
+        if args.daemon is not None:
+            name, status = drawing.from_daemon(args.daemon)
+        elif args.record is not None:
             name, status = drawing.from_file(args.record, args.node)
         elif args.node is not None:
             kube = KubernetesConfig(enabled=True, kubeconfig=args.kubeconfig or "")

@@ -1,11 +1,13 @@
 """Where `devplugin topo --format dot|svg|png` gets a node's record, and
 how the picture (picture.py) becomes SVG or PNG.
 
-Three sources, one picture: this node's hardware as discovery sees it
-(health judged on the hardware alone, no holders), a NodeDevices record
-saved to a file (`kubectl get nodedevices NODE -o json`), or any node's
-record read from the API server (what its daemon last published, holders
-included). Graphviz's `dot` (Debian's graphviz package) lays it out.
+Four sources, one picture: this node's hardware as discovery sees it
+(health judged on the hardware alone, no holders), a running daemon's
+record from its status endpoint (`/record`: holders included, with or
+without the API), a NodeDevices record saved to a file (`kubectl get
+nodedevices NODE -o json`), or any node's record read from the API server
+(what its daemon last published). Graphviz's `dot` (Debian's graphviz
+package) lays it out.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import json
 import shutil
 import socket
 import subprocess
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +34,10 @@ from devplugin.node.core import build_resources
 
 # Graphviz gets this long for one node's picture (milliseconds in practice).
 RENDER_TIMEOUT = 60.0
+# A daemon's /record answers from memory: seconds mean it is not there.
+DAEMON_TIMEOUT = 10.0
+# A record is a few hundred kilobytes at most (the CRD's limits).
+MAX_RECORD = 8 << 20
 FORMATS = ("svg", "png")
 
 
@@ -73,6 +81,26 @@ def from_file(path: Path, node: str | None) -> tuple[str, dict[str, Any]]:
     except (ValueError, yaml.YAMLError) as exc:
         raise SourceError(f"--record: {path} is neither JSON nor YAML ({exc})") from exc
     return _one_record(document, node)
+
+
+def from_daemon(address: str) -> tuple[str, dict[str, Any]]:
+    """A running daemon's record from its status endpoint (HOST:PORT, as
+    metrics.addresses gives it; the chart's is the pod's loopback)."""
+    url = f"http://{address}/record"
+    try:
+        with urllib.request.urlopen(url, timeout=DAEMON_TIMEOUT) as answer:
+            body = answer.read(MAX_RECORD + 1)
+    except urllib.error.HTTPError as exc:
+        raise SourceError(f"--daemon: {url} answered {exc.code}") from exc
+    except (OSError, ValueError) as exc:
+        raise SourceError(f"--daemon: no answer from {url} ({exc})") from exc
+    if len(body) > MAX_RECORD:
+        raise SourceError(f"--daemon: {url} answered more than {MAX_RECORD} bytes")
+    try:
+        document = json.loads(body)
+    except ValueError as exc:
+        raise SourceError(f"--daemon: {url} did not answer JSON") from exc
+    return _one_record(document, None)
 
 
 def from_api(kube: KubernetesConfig, node: str) -> tuple[str, dict[str, Any]]:

@@ -19,6 +19,7 @@ import ctypes
 import gc
 import logging
 import sys
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from devplugin.cluster.assembly import ClusterSide, StatusInputs
@@ -33,7 +34,7 @@ from devplugin.model import Inventory
 from devplugin.node.alignment import holders_report
 from devplugin.node.core import NodeCore, build_core
 from devplugin.node.discovery.udev import HotplugWatcher
-from devplugin.node.status import StatusServer
+from devplugin.node.status import Record, StatusServer
 from devplugin.policy.allocator import native_fold_available
 from devplugin.policy.mig import mig_problem, profiles_of
 
@@ -95,6 +96,7 @@ class Daemon:
         cluster: ClusterSide,
         dra: DraFrontend | None = None,
         hotplug_monitor: Any | None = None,
+        record: Record | None = None,
     ) -> None:
         self.core = core
         self.config = core.config
@@ -112,6 +114,7 @@ class Daemon:
                 core.metrics.registry,
                 healthy=self.healthy,
                 ready=self.ready,
+                record=record,
             )
         self._running: list[Loop] = []
         self._started = False
@@ -282,9 +285,17 @@ def build(config: Config, nvml_lib: Any | None, *, hotplug_monitor: Any | None =
             publisher=lambda desired: cluster.slice_publisher(desired, core.metrics),
         )
         _follow_allocations(cluster, dra)
-    cluster.publish_record(_status_inputs(core, plugins, dra), core)
+    inputs = _status_inputs(core, plugins, dra)
+    cluster.publish_record(inputs, core)
     cluster.label_node(lambda: core.pipeline.inventory, core)
-    return Daemon(core, plugins=plugins, cluster=cluster, dra=dra, hotplug_monitor=hotplug_monitor)
+    return Daemon(
+        core,
+        plugins=plugins,
+        cluster=cluster,
+        dra=dra,
+        hotplug_monitor=hotplug_monitor,
+        record=partial(cluster.record, inputs),
+    )
 
 
 def _follow_allocations(cluster: ClusterSide, dra: DraFrontend) -> None:

@@ -11,12 +11,13 @@ client and its HTTP stack (7 MiB of its idle memory)."""
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from devplugin.cluster.record import Registration, build_status
+from devplugin.cluster.record import API_VERSION, KIND, Registration, Stamps, build_status
 from devplugin.cluster.required import BelowRequired
 from devplugin.config import Config, lease_namespace, node_name
 from devplugin.loops import Loop
@@ -117,6 +118,8 @@ class ClusterSide:
     labeller: NodeLabeller | None = None
     node_watch: WatchCache[NodeFacts] | None = None
     allocations: AllocatedClaims | None = None
+    # The record's stamps, shared by its writer and the status endpoint.
+    stamps: Stamps = field(default_factory=Stamps)
 
     @classmethod
     def connect(cls, config: Config) -> ClusterSide:
@@ -228,6 +231,17 @@ class ClusterSide:
             metrics=metrics,
         )
 
+    def record(self, inputs: StatusInputs) -> dict[str, Any]:
+        """The NodeDevices record as it would be published now (the status
+        endpoint's /record), holders named by the pod watch where there is one."""
+        uid_of = self.pods.uid_of if self.pods is not None else None
+        return {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "metadata": {"name": node_name(self.config) or socket.gethostname()},
+            "status": self.stamps.apply(node_status(inputs, uid_of)),
+        }
+
     def publish_record(self, inputs: StatusInputs, core: NodeCore) -> None:
         """The NodeDevices record and its Lease, when the config asks."""
         kube, writer = self.config.kubernetes, self.writer
@@ -245,6 +259,7 @@ class ClusterSide:
             min_interval=kube.record_min_interval_seconds,
             resync=kube.record_resync_seconds,
             metrics=core.metrics,
+            stamps=self.stamps,
         )
         core.ledger.listen(self.publisher.poke)
         self.lease = LeaseKeeper(

@@ -22,14 +22,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
 from typing import Any
 
 from lightkube import ApiError, Client
 from lightkube.generic_resource import create_global_resource
 
 from devplugin.cluster.objects import as_dict, node_owner
-from devplugin.cluster.record import API_VERSION, GROUP, KIND, PLURAL, VERSION
+from devplugin.cluster.record import API_VERSION, GROUP, KIND, PLURAL, VERSION, Stamps
 from devplugin.loops import Backoff, ThreadLoop
 from devplugin.node.metrics import Metrics
 
@@ -41,10 +40,6 @@ _RECORD: Any = NodeDevices
 _RECORD_STATUS: Any = NodeDevices.Status
 
 StatusSource = Callable[[], dict[str, Any]]
-
-
-def _now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class RecordPublisher(ThreadLoop):
@@ -60,6 +55,7 @@ class RecordPublisher(ThreadLoop):
         backoff_max: float = 30.0,
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        stamps: Stamps | None = None,
     ) -> None:
         # A write gives up at its request timeout: a stop never waits on it long.
         super().__init__(
@@ -82,7 +78,7 @@ class RecordPublisher(ThreadLoop):
         self._version: str | None = None
         self._last_write = float("-inf")
         self._last_read = float("-inf")
-        self._transitions: dict[tuple[str, str], str] = {}
+        self._stamps = stamps or Stamps()
         self.writes = 0
 
     def starting(self) -> None:
@@ -158,7 +154,7 @@ class RecordPublisher(ThreadLoop):
                 apiVersion=API_VERSION,
                 kind=KIND,
                 metadata={"name": self._node, "resourceVersion": self._version},
-                status=self._stamped(status),
+                status=self._stamps.apply(status),
             )
             try:
                 written = self._client.replace(body, self._node)
@@ -180,19 +176,6 @@ class RecordPublisher(ThreadLoop):
             self.writes += 1
             self._count("ok")
             return
-
-    def _stamped(self, status: dict[str, Any]) -> dict[str, Any]:
-        stamped = dict(status, updated=_now())
-        conditions = []
-        for condition in status.get("conditions", []):
-            key = (condition["type"], condition["status"])
-            since = self._transitions.setdefault(key, _now())
-            # Keep only the current status's transition per type.
-            for other in [k for k in self._transitions if k[0] == key[0] and k != key]:
-                del self._transitions[other]
-            conditions.append(dict(condition, lastTransitionTime=since))
-        stamped["conditions"] = conditions
-        return stamped
 
     def _count(self, result: str) -> None:
         if self._metrics is not None:

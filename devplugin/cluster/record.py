@@ -13,8 +13,10 @@ daemon is registered with the kubelet. `updated` is stamped by the writer.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 from devplugin.model import KINDS, DeviceKind, GpuInfo, HcaInfo, Health, Inventory, PciFunction
@@ -179,3 +181,33 @@ def _describe_hca(hca: HcaInfo) -> dict[str, Any]:
         for port in hca.ports[:MAX_PORTS]
     ]
     return {"ports": ports}
+
+
+def now_stamp() -> str:
+    """The time as the record's stamps say it (RFC 3339, seconds, UTC)."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class Stamps:
+    """What a writer adds to a built status: `updated`, and each condition's
+    `lastTransitionTime`, kept while the condition keeps its status. One per
+    node, shared by whoever hands the record out (the writer, /record)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._transitions: dict[tuple[str, str], str] = {}
+
+    def apply(self, status: Mapping[str, Any]) -> dict[str, Any]:
+        now = now_stamp()
+        stamped = dict(status, updated=now)
+        conditions = []
+        with self._lock:
+            for condition in status.get("conditions", []):
+                key = (condition["type"], condition["status"])
+                since = self._transitions.setdefault(key, now)
+                # Keep only the current status's transition per type.
+                for other in [k for k in self._transitions if k[0] == key[0] and k != key]:
+                    del self._transitions[other]
+                conditions.append(dict(condition, lastTransitionTime=since))
+        stamped["conditions"] = conditions
+        return stamped

@@ -1,4 +1,6 @@
-"""The HTTP endpoint: /metrics, /healthz (alive) and /readyz (registered).
+"""The HTTP endpoint: /metrics, /healthz (alive), /readyz (registered) and
+/record (the NodeDevices record as this daemon would publish it now: what
+`devplugin topo --daemon` draws, with or without API access).
 
 Listens on every configured address (the node's loopback, and the pod IP
 when the chart passes it), each a plain `host:port`; port 0 picks a free port.
@@ -6,8 +8,10 @@ when the chart passes it), each a plain `host:port`; port 0 picks a free port.
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
@@ -17,6 +21,7 @@ from devplugin.web import Limits, Request, Response, Server
 log = logging.getLogger(__name__)
 
 Probe = Callable[[], tuple[bool, str]]
+Record = Callable[[], Mapping[str, Any]]
 
 # A scrape or probe takes milliseconds. Half-open, idle or trickling
 # connections must not pile up (a descriptor each; no thread, web.py): a
@@ -34,11 +39,13 @@ class StatusServer:
         *,
         healthy: Probe,
         ready: Probe,
+        record: Record | None = None,
     ) -> None:
         self._addresses = [parse_address(address) for address in addresses]
         self._registry = registry
         self._healthy = healthy
         self._ready = ready
+        self._record = record
         self._servers: list[Server] = []
 
     @property
@@ -89,4 +96,8 @@ class StatusServer:
         if request.path in ("/healthz", "/readyz"):
             ok, detail = (self._healthy if request.path == "/healthz" else self._ready)()
             return Response.text(200 if ok else 503, ("ok" if ok else detail or "not ok") + "\n")
+        if request.path == "/record" and self._record is not None:
+            # Built from the last judged state: no hardware read, no API call.
+            body = json.dumps(self._record(), sort_keys=True).encode()
+            return Response(200, body, "application/json")
         return Response.text(404, "not found\n")

@@ -12,23 +12,31 @@ import re
 import shutil
 import subprocess
 import sys
+import urllib.request
 import xml.etree.ElementTree as ET
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
+import yaml
 
 from devplugin.drawing import SourceError, from_file, render
 from devplugin.model import Inventory, PciFunction
 from devplugin.node.alignment import ContainerAlignment
 from devplugin.picture import HEALTH_FILL, HOLDER_COLOURS, PictureError, dot, picture
 from devplugin.policy.topology import Level
+from devplugin.testing.kubelet import ContainerRequest
 from devplugin.testing.layouts import LAYOUTS, hgx_h100_mig
+from devplugin.testing.node import hgx_node
+from tests.conftest import GPU, HCA, Cluster
 from tests.extender_support import inventory, record
+from tests.waiting import wait_until
 
 SVG = "{http://www.w3.org/2000/svg}"
+CRD = Path(__file__).resolve().parents[2] / "charts/devplugin/crds/nodedevices.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -296,3 +304,44 @@ def test_discovery_draws_this_nodes_hardware_with_its_own_health_and_no_holders(
     )
     assert "held by" not in source
     assert ": 8/8 GPUs and 7/8 HCAs free, 1 unhealthy" in source
+
+
+def test_a_running_daemon_serves_its_record_and_the_cli_draws_it_without_the_api(
+    start_cluster: Callable[..., Cluster], capsysbinary: pytest.CaptureFixture[bytes]
+) -> None:
+    from devplugin.cli import main
+
+    cluster = start_cluster(hgx_node())
+    kubelet = cluster.kubelet
+    kubelet.admit("train", [ContainerRequest("c", {GPU: 4, HCA: 2})], order=[GPU, HCA])
+    hca = cluster.node.hcas[6]
+    (hca.directory / "infiniband" / hca.name / "ports" / "1" / "state").write_text("1: DOWN\n")
+    assert cluster.daemon.status is not None
+    host, port = cluster.daemon.status.bound[0]
+
+    def record() -> dict[str, Any]:
+        with urllib.request.urlopen(f"http://{host}:{port}/record", timeout=5) as answer:
+            found: dict[str, Any] = json.loads(answer.read())
+        return found
+
+    # Named once PodResources lists the container.
+    assert wait_until(
+        lambda: (
+            [a["pod"] for a in record()["status"]["allocations"]] == ["train"]
+            and record()["status"]["summary"]["unhealthy"] == 1
+        ),
+        timeout=10,
+    )
+    found = record()
+    # The record's own shape: what the CRD the chart ships admits.
+    crd = yaml.safe_load(CRD.read_text())
+    jsonschema.validate(found, crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
+    assert main(["topo", "--daemon", f"{host}:{port}", "--format", "dot"]) == 0
+    source = capsysbinary.readouterr().out.decode()
+    assert source.count("held by default/train") == 6 + 1
+    line = next(r for r in source.splitlines() if r.startswith(f'  "hca:{hca.device_id}"'))
+    assert HEALTH_FILL["Unhealthy"] in line
+    # Nobody there: one line, exit 1.
+    cluster.daemon.stop()
+    assert main(["topo", "--daemon", f"{host}:{port}", "--format", "dot"]) == 1
+    assert "--daemon: no answer" in capsysbinary.readouterr().err.decode()
