@@ -2,14 +2,18 @@
  * empty one (the tree expresses every pair's score), the reference this
  * must agree with value for value and choice for choice.
  *
- * Why C: the fold is a chain of (min, +) convolutions over rows of mixed-radix
- * integers, and in Python each element costs an object allocation. Here the
- * values are signed 128-bit integers; fold_tables.py builds a Tables object
- * only when every value a fold can reach fits (see NATIVE_BITS there),
- * otherwise the allocator keeps the Python fold. It knows nothing of the
- * objective's terms or weights: it adds the rows fold_tables.py built and,
- * per call, the value of covering a partner at each level, and hands back
- * the best value and the counts (objective.Weights reads the terms back).
+ * Why C, and why the whole walk: placement and preemption fold thousands of
+ * times per request, and in Python the walk over the tree's nodes costs far
+ * more than the (min, +) convolutions it calls (those are 5-11% of the
+ * Python fold's time), so a compiled convolution alone would leave most of
+ * the cost. Here the values are signed 128-bit integers; fold_tables.py
+ * builds a Tables object only when every value a fold can reach fits (see
+ * NATIVE_BITS there), otherwise the allocator keeps the Python fold. It
+ * knows nothing of the objective's terms or weights: it adds the rows
+ * fold_tables.py composed (each class's values, each node's finishing row
+ * for each free room below it) and, per call, the value of covering a
+ * partner at each level, and hands back the best value and the counts
+ * (objective.Weights reads the terms back).
  *
  * The GIL is held for the whole call: a fold takes microseconds, and holding
  * it lets one scratch arena per Tables serve calls without locks. Building
@@ -138,9 +142,12 @@ typedef struct {
     /* class_values[c * 6 + per] with length class_len[c] (0: not this kind). */
     i128 **class_values;
     Py_ssize_t *class_len;
-    /* Per node: penalty row (NULL: none) and spread row (NULL: none). */
-    i128 **penalty, **spread;
-    Py_ssize_t *penalty_len, *spread_len;
+    /* Per node, its finishing rows by free room below it (fold_tables.py's
+     * finish_row for each room): fin_rooms[n] rooms (0: none), the row for
+     * room r at fin_vals[n] + fin_off[n][r], fin_off[n][r + 1] - that long. */
+    int *fin_rooms;
+    Py_ssize_t **fin_off;
+    i128 **fin_vals;
     i128 inf;
     /* Scratch reused by every call (the GIL is held throughout a call). */
     i128 *arena;
@@ -163,20 +170,20 @@ static void tables_free_parts(Tables *t) {
         PyMem_Free(t->class_values);
         t->class_values = NULL;
     }
-    if (t->penalty) {
-        for (int i = 0; i < t->nnodes; i++) PyMem_Free(t->penalty[i]);
-        PyMem_Free(t->penalty);
-        t->penalty = NULL;
+    if (t->fin_vals) {
+        for (int i = 0; i < t->nnodes; i++) PyMem_Free(t->fin_vals[i]);
+        PyMem_Free(t->fin_vals);
+        t->fin_vals = NULL;
     }
-    if (t->spread) {
-        for (int i = 0; i < t->nnodes; i++) PyMem_Free(t->spread[i]);
-        PyMem_Free(t->spread);
-        t->spread = NULL;
+    if (t->fin_off) {
+        for (int i = 0; i < t->nnodes; i++) PyMem_Free(t->fin_off[i]);
+        PyMem_Free(t->fin_off);
+        t->fin_off = NULL;
     }
+    PyMem_Free(t->fin_rooms);
+    t->fin_rooms = NULL;
     PyMem_Free(t->class_len);
-    PyMem_Free(t->penalty_len);
-    PyMem_Free(t->spread_len);
-    t->class_len = t->penalty_len = t->spread_len = NULL;
+    t->class_len = NULL;
     PyMem_Free(t->arena);
     t->arena = NULL;
     t->arena_cap = 0;
@@ -203,17 +210,60 @@ static int tuple_ints(PyObject *obj, int **out, int *count, int limit, const cha
     return rc;
 }
 
-/* Tables(nnodes, walk, class_values, penalty, spread, inf)
+/* One node's finishing rows (a sequence of rows, one per room) into the
+ * flat arrays of node n. */
+static int finish_rows_of(Tables *self, int n, PyObject *rows) {
+    PyObject *fast = PySequence_Fast(rows, "finish rows");
+    if (fast == NULL) return -1;
+    Py_ssize_t rooms = PySequence_Fast_GET_SIZE(fast), total = 0;
+    Py_ssize_t *off = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(rooms + 1));
+    i128 **parts = PyMem_Calloc((size_t)(rooms > 0 ? rooms : 1), sizeof(i128 *));
+    int rc = -1;
+    if (off == NULL || parts == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t r = 0; r < rooms; r++) {
+        Py_ssize_t len = 0;
+        parts[r] = row_of(PySequence_Fast_GET_ITEM(fast, r), &len);
+        if (parts[r] == NULL) goto done;
+        off[r] = total;
+        total += len;
+    }
+    off[rooms] = total;
+    i128 *vals = PyMem_Malloc(sizeof(i128) * (size_t)(total > 0 ? total : 1));
+    if (vals == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t r = 0; r < rooms; r++)
+        memcpy(vals + off[r], parts[r], sizeof(i128) * (size_t)(off[r + 1] - off[r]));
+    self->fin_vals[n] = vals;
+    self->fin_off[n] = off;
+    self->fin_rooms[n] = (int)rooms;
+    off = NULL;
+    rc = 0;
+done:
+    if (parts != NULL)
+        for (Py_ssize_t r = 0; r < rooms; r++) PyMem_Free(parts[r]);
+    PyMem_Free(parts);
+    PyMem_Free(off);
+    Py_DECREF(fast);
+    return rc;
+}
+
+/* Tables(nnodes, walk, class_values, finish, inf)
  * walk: (node, level, children, mine, others) per node, children first;
  * class_values: per class None or six rows (one per cost level);
- * penalty, spread: per node None or a row. The rows are the objective's,
- * weighted by fold_tables.py: this fold only adds them. */
+ * finish: per node None or its finishing rows, one per free room below it.
+ * The rows are the objective's, weighted and composed by fold_tables.py:
+ * this fold only adds them. */
 static int Tables_init(Tables *self, PyObject *args, PyObject *kwargs) {
     int nnodes;
-    PyObject *walk, *class_values, *penalty, *spread, *inf;
-    static char *names[] = {"nnodes", "walk", "class_values", "penalty", "spread", "inf", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iOOOOO", names, &nnodes, &walk,
-                                     &class_values, &penalty, &spread, &inf))
+    PyObject *walk, *class_values, *finish, *inf;
+    static char *names[] = {"nnodes", "walk", "class_values", "finish", "inf", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iOOOO", names, &nnodes, &walk,
+                                     &class_values, &finish, &inf))
         return -1;
     tables_free_parts(self);
     if (nnodes <= 0) {
@@ -267,31 +317,25 @@ static int Tables_init(Tables *self, PyObject *args, PyObject *kwargs) {
     }
     Py_DECREF(classes);
 
-    /* Per-node rows. */
-    self->penalty = PyMem_Calloc((size_t)nnodes, sizeof(i128 *));
-    self->spread = PyMem_Calloc((size_t)nnodes, sizeof(i128 *));
-    self->penalty_len = PyMem_Calloc((size_t)nnodes, sizeof(Py_ssize_t));
-    self->spread_len = PyMem_Calloc((size_t)nnodes, sizeof(Py_ssize_t));
-    if (!self->penalty || !self->spread || !self->penalty_len || !self->spread_len) {
+    /* Per-node finishing rows. */
+    self->fin_rooms = PyMem_Calloc((size_t)nnodes, sizeof(int));
+    self->fin_off = PyMem_Calloc((size_t)nnodes, sizeof(Py_ssize_t *));
+    self->fin_vals = PyMem_Calloc((size_t)nnodes, sizeof(i128 *));
+    if (!self->fin_rooms || !self->fin_off || !self->fin_vals) {
         PyErr_NoMemory();
         return -1;
     }
-    PyObject *pairs[2] = {penalty, spread};
-    i128 **targets[2] = {self->penalty, self->spread};
-    Py_ssize_t *lens[2] = {self->penalty_len, self->spread_len};
-    for (int which = 0; which < 2; which++) {
-        PyObject *fast = PySequence_Fast(pairs[which], "per-node rows");
+    {
+        PyObject *fast = PySequence_Fast(finish, "finish");
         if (fast == NULL) return -1;
         if (PySequence_Fast_GET_SIZE(fast) != nnodes) {
             Py_DECREF(fast);
-            PyErr_SetString(PyExc_ValueError, "per-node rows: one per node");
+            PyErr_SetString(PyExc_ValueError, "finish: one entry per node");
             return -1;
         }
         for (int n = 0; n < nnodes; n++) {
-            PyObject *row = PySequence_Fast_GET_ITEM(fast, n);
-            if (row == Py_None) continue;
-            targets[which][n] = row_of(row, &lens[which][n]);
-            if (targets[which][n] == NULL) {
+            PyObject *rows = PySequence_Fast_GET_ITEM(fast, n);
+            if (rows != Py_None && finish_rows_of(self, n, rows) < 0) {
                 Py_DECREF(fast);
                 return -1;
             }
@@ -642,30 +686,20 @@ static PyObject *Tables_fold(Tables *self, PyObject *args) {
         step_count[node] = nsteps - step_start[node];
 
         /* The node's own row: shifted, its zero slot set, its finish added. */
-        const i128 *pen = self->penalty[node], *spr = self->spread[node];
+        const i128 *end = NULL;
         Py_ssize_t len = current.len;
-        if (pen != NULL || spr != NULL) {
-            Py_ssize_t end = pen != NULL ? (room + 1 < self->penalty_len[node]
-                                                ? room + 1
-                                                : self->penalty_len[node])
-                                          : room + 1;
-            if (end < len) len = end;
+        if (self->fin_rooms[node]) {
+            if (room >= self->fin_rooms[node]) goto past_finish;
+            const Py_ssize_t *off = self->fin_off[node];
+            end = self->fin_vals[node] + off[room];
+            if (off[room + 1] - off[room] < len) len = off[room + 1] - off[room];
         }
         i128 *r = take(arena, acap, &used, len > 0 ? len : 1);
         if (r == NULL) goto overrun;
         for (Py_ssize_t k = 0; k < current.len && k < len; k++) r[k] = current.p[k] + shift;
         if (current.len > 0 && r[0] != zero && len > 0) r[0] = zero;
-        if (pen != NULL || spr != NULL) {
-            for (Py_ssize_t k = 0; k < len; k++) {
-                i128 add = pen != NULL ? pen[k] : 0;
-                if (spr != NULL) {
-                    Py_ssize_t at = room - k;
-                    if (at < 0 || at >= self->spread_len[node]) goto overrun;
-                    add -= spr[at];
-                }
-                r[k] += add;
-            }
-        }
+        if (end != NULL)
+            for (Py_ssize_t k = 0; k < len; k++) r[k] += end[k];
         node_values[node] = (Row){r, len, 0};
     }
 
@@ -733,6 +767,9 @@ static PyObject *Tables_fold(Tables *self, PyObject *args) {
 
 overrun:
     PyErr_SetString(PyExc_RuntimeError, "fold: scratch bound exceeded");
+    goto out_counts;
+past_finish:
+    PyErr_SetString(PyExc_RuntimeError, "fold: more room below a node than its finishing rows");
 out_counts:
     PyMem_Free(step_count);
     PyMem_Free(own_arena);

@@ -6,8 +6,7 @@ class Tables:
         nnodes: int,
         walk: Sequence[tuple[int, int, Sequence[int], Sequence[int], Sequence[int]]],
         class_values: Sequence[Sequence[Sequence[int]] | None],
-        penalty: Sequence[Sequence[int] | None],
-        spread: Sequence[Sequence[int] | None],
+        finish: Sequence[Sequence[Sequence[int]] | None],
         inf: int,
     ) -> None: ...
     def fold(

@@ -467,11 +467,16 @@ class FoldTables:
         terms = 2 * len(t.classes) + 4 * len(t.nodes) + 4
         if (w.inf * (len(t.kind) + 1) * terms).bit_length() > NATIVE_BITS:
             return None
+        # Every finishing row a fold can ask for, built here by the one
+        # function that composes them (the compiled fold only adds them).
+        finish = [
+            None if rooms is None else [self.finish_row(tables, node, r) for r in range(len(rooms))]
+            for node, rooms in enumerate(tables.finish)
+        ]
         return _foldc.Tables(
             len(t.nodes),
             [(n.node, n.level, n.children, n.mine, n.others) for n in tables.walk],
             [values or None for values in tables.class_values],
-            tables.node_penalty,
-            self.spread_rows,
+            finish,
             w.inf,
         )

@@ -122,9 +122,17 @@ def test_malformed_input_raises_instead_of_crashing() -> None:
     with pytest.raises(ValueError, match="one value per level"):
         tables.fold(good, good, good, good, good, 1, 0, [0] * 5)
     with pytest.raises(ValueError, match="six rows per class"):
-        _foldc.Tables(1, [], [[[0]]], [None], [None], 1)
+        _foldc.Tables(1, [], [[[0]]], [None], 1)
     with pytest.raises(ValueError, match="node or level out of range"):
-        _foldc.Tables(1, [(3, 0, (), (), ())], [], [None], [None], 1)
+        _foldc.Tables(1, [(3, 0, (), (), ())], [], [None], 1)
+    with pytest.raises(ValueError, match="one entry per node"):
+        _foldc.Tables(2, [], [], [None], 1)
+    # A fold whose room passes the finishing rows it was given fails
+    # (the allocator then answers with the Python fold) instead of reading
+    # past them.
+    short = _foldc.Tables(1, [(0, 0, (), (0,), ())], [[[0, 0]] * 6], [[[0]]], 1 << 40)
+    with pytest.raises(RuntimeError, match="more room below a node"):
+        short.fold([1], [0], [0], [0], [0], 1, -1, units)
 
 
 def test_the_compiled_fold_knows_no_weights_only_rows() -> None:
