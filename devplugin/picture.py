@@ -83,7 +83,10 @@ def _holders(status: Mapping[str, Any]) -> dict[str, str]:
         if not isinstance(allocation, Mapping):
             raise PictureError("status.allocations: expected objects")
         holder = f"{allocation.get('namespace', '')}/{allocation.get('pod', '')}".strip("/")
-        for device in allocation.get("devices") or ():
+        devices = allocation.get("devices") or ()
+        if not isinstance(devices, list):
+            raise PictureError("status.allocations[].devices: expected a list")
+        for device in devices:
             held[_text(device, "status.allocations[].devices[]")] = holder or "(unknown)"
     return held
 
@@ -132,6 +135,8 @@ def _short(uuid: str) -> str:
 def _ports(device: Mapping[str, Any]) -> tuple[tuple[str, bool], ...]:
     rows = []
     for port in device.get("ports") or ():
+        if not isinstance(port, Mapping):
+            raise PictureError("status.devices[].ports[]: expected objects")
         state = str(port.get("state", ""))
         good = not state or any(word in state.upper() for word in PORT_GOOD)
         text = f"port {port.get('port')}: {port.get('linkLayer', '')} {port.get('rate', '')}"
@@ -145,10 +150,15 @@ def _nvlinks(gpus: Sequence[Mapping[str, Any]], keys: Mapping[str, str]) -> list
     pairs: dict[tuple[str, str], int] = {}
     for gpu in gpus:
         for peer in gpu.get("nvlinkPeers") or ():
+            if not isinstance(peer, Mapping):
+                raise PictureError("status.devices[].nvlinkPeers[]: expected objects")
             other = _text(peer.get("id"), "nvlinkPeers[].id")
+            links = peer.get("links", 0)
+            if not isinstance(links, int) or isinstance(links, bool) or links < 0:
+                raise PictureError("status.devices[].nvlinkPeers[].links: expected a count")
             if other in keys and other != gpu["id"]:
                 a, b = sorted((str(gpu["id"]), other))
-                pairs[(a, b)] = int(peer.get("links", 0))
+                pairs[(a, b)] = links
     linked = sorted(keys)
     complete = len(pairs) == len(linked) * (len(linked) - 1) // 2
     if len(linked) >= FABRIC_AT and complete and len(set(pairs.values())) == 1:
@@ -197,7 +207,10 @@ def picture(name: str, status: Mapping[str, Any]) -> Picture:
     for device in devices:
         if not isinstance(device, Mapping) or not isinstance(device.get("id"), str):
             raise PictureError("status.devices[]: expected objects with an id")
-        path = [_text(part, "topologyPath[]") for part in device.get("topologyPath") or ()]
+        listed = device.get("topologyPath") or []
+        if not isinstance(listed, list):
+            raise PictureError("status.devices[].topologyPath: expected a list")
+        path = [_text(part, "topologyPath[]") for part in listed]
         parent = "unknown"
         domains = _domains(path) or [("unknown", "host bridge", "position unknown")]
         for depth, (key, kind, label) in enumerate(domains):

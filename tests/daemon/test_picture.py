@@ -271,6 +271,17 @@ def test_a_record_of_the_wrong_shape_fails_with_the_field_named(tmp_path: Path) 
         picture("n", {"devices": {"id": "x"}})
     with pytest.raises(PictureError, match="topologyPath"):
         picture("n", {"devices": [{"id": "x", "kind": "gpu", "topologyPath": [3]}]})
+    gpu = {"id": "g", "kind": "gpu", "topologyPath": ["numa0", "pci0000:10"]}
+    for bad, field in (
+        ({**gpu, "nvlinkPeers": ["g2"]}, "nvlinkPeers"),
+        ({**gpu, "nvlinkPeers": [{"id": "g2", "links": "many"}]}, "links"),
+        ({**gpu, "kind": "hca", "ports": [7]}, "ports"),
+        ({**gpu, "topologyPath": "numa0"}, "topologyPath"),
+    ):
+        with pytest.raises(PictureError, match=field):
+            picture("n", {"devices": [bad, {**gpu, "id": "g2"}]})
+    with pytest.raises(PictureError, match="allocations"):
+        picture("n", {"devices": [gpu], "allocations": [{"pod": "p", "devices": "g"}]})
     listed = tmp_path / "two.json"
     listed.write_text(json.dumps({"items": [{"metadata": {"name": "a"}, "status": {}}] * 2}))
     with pytest.raises(SourceError, match="name one with --node"):
