@@ -6,7 +6,6 @@ happen within the test."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import time
 import urllib.error
@@ -20,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from devplugin.testing.controlplane import Process, free_port
 from tests.monitoring_support import ALERTS_FILE, debian_tool
 
 # Every rule's `for` in the tier: long enough to see `pending` between two
@@ -36,13 +36,6 @@ class Target:
     pod: str
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 def shortened_rules() -> dict[str, Any]:
     rules: dict[str, Any] = yaml.safe_load(ALERTS_FILE.read_text())
     for group in rules["groups"]:
@@ -54,8 +47,7 @@ def shortened_rules() -> dict[str, Any]:
 
 class Prometheus:
     def __init__(self, base: Path, targets: Sequence[Target]) -> None:
-        self.base = base
-        self.port = _free_port()
+        self.port = free_port()
         (base / "rules.yaml").write_text(yaml.safe_dump(shortened_rules()))
         config = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
@@ -75,8 +67,9 @@ class Prometheus:
             ],
         }
         (base / "prometheus.yml").write_text(yaml.safe_dump(config))
-        self.log = (base / "prometheus.log").open("w")
-        self.process = subprocess.Popen(
+        log = base / "prometheus.log"
+        handle = log.open("ab")
+        popen = subprocess.Popen(
             [
                 debian_tool("prometheus"),
                 f"--config.file={base / 'prometheus.yml'}",
@@ -84,9 +77,11 @@ class Prometheus:
                 f"--web.listen-address=127.0.0.1:{self.port}",
                 "--log.level=warn",
             ],
-            stdout=self.log,
+            stdout=handle,
             stderr=subprocess.STDOUT,
         )
+        # Started, logged and stopped as the cluster tier's processes are.
+        self.process = Process("prometheus", popen, log, handle)
 
     def url(self, path: str, **query: str | list[str]) -> str:
         return f"http://127.0.0.1:{self.port}{path}?" + urllib.parse.urlencode(query, doseq=True)
@@ -104,7 +99,7 @@ class Prometheus:
     def ready(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.process.poll() is not None:
+            if self.process.popen.poll() is not None:
                 break
             try:
                 with urllib.request.urlopen(self.url("/-/ready"), timeout=2) as answer:
@@ -116,8 +111,8 @@ class Prometheus:
         raise AssertionError("Prometheus did not start: " + self.logged())
 
     def logged(self) -> str:
-        self.log.flush()
-        return (self.base / "prometheus.log").read_text()[-2000:]
+        self.process.handle.flush()
+        return self.process.tail()
 
     def query(self, expr: str) -> list[dict[str, Any]]:
         data = self.get("/api/v1/query", query=expr)
@@ -132,13 +127,7 @@ class Prometheus:
         return found
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(5)
-        self.log.close()
+        self.process.stop()
 
 
 @contextmanager
