@@ -28,7 +28,7 @@ from devplugin.cluster.client import make_client
 from devplugin.cluster.objects import as_dict
 from devplugin.cluster.publisher import NodeDevices
 from devplugin.cluster.record import Registration, build_status
-from devplugin.config import Config, KubernetesConfig
+from devplugin.config import Config, KubernetesConfig, node_name
 from devplugin.model import Inventory
 from devplugin.node.core import build_resources
 
@@ -50,13 +50,13 @@ def from_inventory(config: Config, inventory: Inventory) -> tuple[str, dict[str,
     health the hardware gives them (no holders: those are the daemon's)."""
     states = {resource.kind: resource.state(inventory) for resource in build_resources(config)}
     status = build_status(inventory, states, (), Registration(False, "from discovery"))
-    return config.kubernetes.node_name or socket.gethostname(), status
+    return node_name(config) or socket.gethostname(), status
 
 
 def _one_record(document: Any, node: str | None) -> tuple[str, dict[str, Any]]:
     items = document.get("items") if isinstance(document, dict) else None
     if isinstance(items, list):
-        chosen = [i for i in items if node is None or i.get("metadata", {}).get("name") == node]
+        chosen = [i for i in items if node is None or _name_of(i) == node]
         if len(chosen) != 1:
             raise SourceError(
                 f"the file lists {len(items)} records; name one with --node"
@@ -66,8 +66,14 @@ def _one_record(document: Any, node: str | None) -> tuple[str, dict[str, Any]]:
         document = chosen[0]
     if not isinstance(document, dict) or not isinstance(document.get("status"), dict):
         raise SourceError("not a NodeDevices record (no status)")
-    name = document.get("metadata", {}).get("name") or node or "node"
-    return str(name), document["status"]
+    return _name_of(document) or node or "node", document["status"]
+
+
+def _name_of(document: Any) -> str | None:
+    """metadata.name, where the document has one."""
+    meta = document.get("metadata") if isinstance(document, dict) else None
+    name = meta.get("name") if isinstance(meta, dict) else None
+    return name if isinstance(name, str) else None
 
 
 def from_file(path: Path, node: str | None) -> tuple[str, dict[str, Any]]:

@@ -66,9 +66,6 @@ class Picture:
     clusters: Mapping[str, str] = field(default_factory=dict)
     holders: tuple[str, ...] = ()
 
-    def node(self, key: str) -> Node:
-        return next(node for node in self.nodes if node.key == key)
-
 
 def _text(value: object, what: str) -> str:
     if not isinstance(value, str):
@@ -211,13 +208,15 @@ def picture(name: str, status: Mapping[str, Any]) -> Picture:
         if not isinstance(listed, list):
             raise PictureError("status.devices[].topologyPath: expected a list")
         path = [_text(part, "topologyPath[]") for part in listed]
-        parent = "unknown"
-        domains = _domains(path) or [("unknown", "host bridge", "position unknown")]
-        for depth, (key, kind, label) in enumerate(domains):
-            nodes.setdefault(key, Node(key, kind, (label,)))
-            if depth:
-                edges.append(Edge(parent, key, "tree"))
+        parent = None
+        for key, kind, label in _domains(path) or [("unknown", "host bridge", "position unknown")]:
+            # A domain's node and the edge into it, once for all its devices.
+            if key not in nodes:
+                nodes[key] = Node(key, kind, (label,))
+                if parent is not None:
+                    edges.append(Edge(parent, key, "tree"))
             parent = key
+        assert parent is not None
         node = _device_node(device, held)
         nodes[node.key] = node
         edges.append(Edge(parent, node.key, "tree"))
@@ -228,10 +227,12 @@ def picture(name: str, status: Mapping[str, Any]) -> Picture:
     links = _nvlinks(gpus, {gpu["id"]: f"gpu:{gpu['id']}" for gpu in gpus})
     if any(edge.kind == "fabric" for edge in links):
         nodes["nvswitch"] = Node("nvswitch", "fabric", ("NVSwitch fabric",))
-    unique = list(dict.fromkeys(edges))
     holders = tuple(sorted(set(held.values())))
-    title = _title(name, status.get("summary") or {})
-    return Picture(title, tuple(nodes.values()), tuple(unique + links), clusters, holders)
+    summary = status.get("summary") or {}
+    if not isinstance(summary, Mapping):
+        raise PictureError("status.summary: expected an object")
+    title = _title(name, summary)
+    return Picture(title, tuple(nodes.values()), tuple(edges + links), clusters, holders)
 
 
 # -- DOT ----------------------------------------------------------------------------

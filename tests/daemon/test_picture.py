@@ -280,12 +280,18 @@ def test_a_record_of_the_wrong_shape_fails_with_the_field_named(tmp_path: Path) 
     ):
         with pytest.raises(PictureError, match=field):
             picture("n", {"devices": [bad, {**gpu, "id": "g2"}]})
+    with pytest.raises(PictureError, match="summary"):
+        picture("n", {"devices": [gpu], "summary": [1]})
     with pytest.raises(PictureError, match="allocations"):
         picture("n", {"devices": [gpu], "allocations": [{"pod": "p", "devices": "g"}]})
     listed = tmp_path / "two.json"
     listed.write_text(json.dumps({"items": [{"metadata": {"name": "a"}, "status": {}}] * 2}))
     with pytest.raises(SourceError, match="name one with --node"):
         from_file(listed, None)
+    odd = tmp_path / "odd.json"
+    odd.write_text(json.dumps({"items": [7, {"metadata": "x", "status": {}}]}))
+    with pytest.raises(SourceError, match="no record of node a"):
+        from_file(odd, "a")
 
 
 def test_discovery_draws_this_nodes_hardware_with_its_own_health_and_no_holders(
