@@ -16,6 +16,9 @@ from typing import Any
 NODE = 'namespace=~"$namespace", pod=~"$pod"'
 EXTENDER = 'namespace=~"$namespace"'
 RATE = "[$__rate_interval]"
+# Every query and variable reads the Prometheus the dashboard's first
+# variable picks.
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 
 
 @dataclass(frozen=True)
@@ -125,7 +128,7 @@ def _variable(name: str, query: str) -> dict[str, Any]:
         "name": name,
         "label": name,
         "type": "query",
-        "datasource": {"type": "prometheus", "uid": "${datasource}"},
+        "datasource": DATASOURCE,
         "query": {"query": query, "refId": name},
         "definition": query,
         "includeAll": True,
@@ -143,7 +146,7 @@ def _panel(panel: Panel, number: int, x: int, y: int) -> dict[str, Any]:
         "type": panel.kind,
         "title": panel.title,
         "description": panel.description,
-        "datasource": {"type": "prometheus", "uid": "${datasource}"},
+        "datasource": DATASOURCE,
         "gridPos": {"h": 8, "w": 12, "x": x, "y": y},
         "fieldConfig": {"defaults": {"unit": panel.unit}, "overrides": []},
         "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
@@ -152,7 +155,7 @@ def _panel(panel: Panel, number: int, x: int, y: int) -> dict[str, Any]:
                 "refId": chr(ord("A") + index),
                 "expr": query,
                 "legendFormat": legend,
-                "datasource": {"type": "prometheus", "uid": "${datasource}"},
+                "datasource": DATASOURCE,
             }
             for index, (query, legend) in enumerate(panel.targets)
         ],

@@ -234,13 +234,17 @@ class ClusterSide:
     def record(self, inputs: StatusInputs) -> dict[str, Any]:
         """The NodeDevices record as it would be published now (the status
         endpoint's /record), holders named by the pod watch where there is one."""
-        uid_of = self.pods.uid_of if self.pods is not None else None
         return {
             "apiVersion": API_VERSION,
             "kind": KIND,
             "metadata": {"name": node_name(self.config) or socket.gethostname()},
-            "status": self.stamps.apply(node_status(inputs, uid_of)),
+            "status": self.stamps.apply(self._status(inputs)),
         }
+
+    def _status(self, inputs: StatusInputs) -> dict[str, Any]:
+        """The record's status now, holders named by the pod watch where
+        there is one (what the writer publishes and /record serves)."""
+        return node_status(inputs, self.pods.uid_of if self.pods is not None else None)
 
     def publish_record(self, inputs: StatusInputs, core: NodeCore) -> None:
         """The NodeDevices record and its Lease, when the config asks."""
@@ -251,11 +255,10 @@ class ClusterSide:
         from devplugin.cluster.publisher import RecordPublisher
 
         node = node_name(self.config)
-        uid_of = self.pods.uid_of if self.pods is not None else None
         self.publisher = RecordPublisher(
             writer,
             node,
-            partial(node_status, inputs, uid_of),
+            partial(self._status, inputs),
             min_interval=kube.record_min_interval_seconds,
             resync=kube.record_resync_seconds,
             metrics=core.metrics,

@@ -12,12 +12,12 @@ import contextlib
 import logging
 import queue
 from collections.abc import Callable
-from datetime import UTC, datetime
 from typing import Any
 
 from lightkube import Client
 from lightkube.generic_resource import create_namespaced_resource
 
+from devplugin.cluster.record import now_stamp
 from devplugin.loops import ThreadLoop
 from devplugin.node.alignment import ContainerAlignment
 from devplugin.node.metrics import Metrics
@@ -96,7 +96,7 @@ class EventRecorder(ThreadLoop):
 
     def _post(self, item: ContainerAlignment) -> None:
         reason, message = describe(item)
-        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        now = now_stamp()
         involved = {
             "apiVersion": "v1", "kind": "Pod", "namespace": item.namespace, "name": item.pod,
             "fieldPath": f"spec.containers{{{item.container}}}",

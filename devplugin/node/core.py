@@ -292,8 +292,7 @@ def build_core(
         dra,
         read_hold,
     )
-    kinds = frozenset(names)
-    metrics.watch_custody(partial(lifecycle.view.census, kinds), names)
+    metrics.watch_custody(lifecycle.view.census, names)
     hca_view = HcaResource(name=hca_config.name, env_var=hca_config.env_var)
     pipeline = Pipeline(
         resources,

@@ -292,9 +292,12 @@ class Metrics:
         for level in (Level.PIX, Level.PXB, Level.PHB, Level.NODE):
             self.below_required.labels(level.name)
 
-    def watch_custody(self, read: Callable[[], Census], names: Mapping[DeviceKind, str]) -> None:
-        """Serve the custody census, read at each scrape (one snapshot)."""
-        self.registry.register(_CustodyCollector(read, dict(names)))
+    def watch_custody(
+        self, census: Callable[[frozenset[DeviceKind]], Census], names: Mapping[DeviceKind, str]
+    ) -> None:
+        """Serve the custody census of the served kinds, read at each scrape
+        (one snapshot)."""
+        self.registry.register(_CustodyCollector(census, dict(names)))
 
     def checkpoint_written(self, ok: bool) -> None:
         self.checkpoint_ok.set(1 if ok else 0)
@@ -344,9 +347,12 @@ class _CustodyCollector:
     """devplugin_custody_devices and devplugin_cleanup_oldest_seconds, read
     from the custody book when scraped (nothing to keep in step)."""
 
-    def __init__(self, read: Callable[[], Census], names: dict[DeviceKind, str]) -> None:
-        self._read = read
+    def __init__(
+        self, census: Callable[[frozenset[DeviceKind]], Census], names: dict[DeviceKind, str]
+    ) -> None:
+        self._census = census
         self._names = names
+        self._kinds = frozenset(names)
 
     def describe(self) -> Iterator[Metric]:
         # Named here so registering does not read the book (collect would).
@@ -354,7 +360,7 @@ class _CustodyCollector:
         yield GaugeMetricFamily("devplugin_cleanup_oldest_seconds", "", labels=["resource"])
 
     def collect(self) -> Iterator[Metric]:
-        census = self._read()
+        census = self._census(self._kinds)
         phases = GaugeMetricFamily(
             "devplugin_custody_devices",
             "Devices not free, by custody phase",
@@ -363,8 +369,7 @@ class _CustodyCollector:
         for (kind, phase), count in sorted(
             census.phases.items(), key=lambda item: (item[0][0].value, item[0][1].value)
         ):
-            if kind in self._names:
-                phases.add_metric([self._names[kind], phase.value], count)
+            phases.add_metric([self._names[kind], phase.value], count)
         yield phases
         oldest = GaugeMetricFamily(
             "devplugin_cleanup_oldest_seconds",
@@ -372,6 +377,5 @@ class _CustodyCollector:
             labels=["resource"],
         )
         for kind, seconds in sorted(census.oldest_owing.items(), key=lambda item: item[0].value):
-            if kind in self._names:
-                oldest.add_metric([self._names[kind]], seconds)
+            oldest.add_metric([self._names[kind]], seconds)
         yield oldest

@@ -370,9 +370,9 @@ def problem_in(device: str, text: str, *, retry: bool = False) -> Problem:
 @dataclass(frozen=True)
 class Census:
     """How many devices of each kind are in each phase but FREE (free
-    devices have no record), and how long the
-    longest-waiting device owing a cleanup has been in its phase (what an
-    operator alerts on: quarantined devices, cleanups that never end)."""
+    devices have no record), and how long the longest-waiting device owing
+    a cleanup has been in its phase (what an operator alerts on:
+    quarantined devices, cleanups that never end)."""
 
     phases: Mapping[tuple[DeviceKind, Phase], int]
     oldest_owing: Mapping[DeviceKind, float]
