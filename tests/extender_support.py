@@ -4,6 +4,8 @@ over real HTTP against the API server imitation."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import time
 import urllib.error
@@ -182,6 +184,8 @@ def twin(running: Running) -> Extender:
         dra=ext.dra,
         layouts=ext.layouts,
         stale_after=ext.liveness.stale_after,
+        # The same facts as `running` holds now: its preempt answers' plans.
+        nominations=ext.nominations.copy(),
     )
 
 
@@ -189,7 +193,31 @@ def verbs_agree(running: Running, verb: str, args: dict[str, Any]) -> Any:
     """`verb`'s answer from the long-lived extender, asserted equal to a
     fresh computation's."""
     path = f"/scheduler/{verb}"
+    fresh_one = twin(running)  # before the call: a preempt answer adds a plan
     kept = running[0].verbs()[path](args)
-    fresh = twin(running).verbs()[path](args)
+    fresh = fresh_one.verbs()[path](args)
     assert kept == fresh, (verb, kept, fresh)
     return kept
+
+
+@contextlib.contextmanager
+def asking(api: ApiServerImitation, running: Running, body: dict[str, Any]) -> Iterator[None]:
+    """The pod `body` exists (pending) while the block asks about it, and
+    is deleted after: the room a preempt answer plans for it goes with it,
+    so the next question starts from the same facts."""
+    asker = copy.deepcopy(body)
+    uid = asker["metadata"]["uid"]
+    api.put("pods", asker)
+    assert wait_until(lambda: running[0].pods.get(uid) is not None, timeout=10)
+    try:
+        yield
+    finally:
+        api.remove("pods", asker["metadata"]["name"], asker["metadata"]["namespace"])
+        nominations = running[0].nominations
+        assert wait_until(lambda: all(p.uid != uid for p in nominations.plans()), timeout=10)
+
+
+def ask_preempt(api: ApiServerImitation, running: Running, args: dict[str, Any]) -> tuple[int, Any]:
+    """One preempt question, from a pod that exists while it asks (`asking`)."""
+    with asking(api, running, args["Pod"]):
+        return call(running, "preempt", args)

@@ -24,6 +24,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from functools import partial
+from types import MappingProxyType
 from typing import Any
 
 from lightkube import Client
@@ -102,6 +103,9 @@ class PodCache(WatchCache[PodInfo]):
         self._named: dict[tuple[str, str], dict[str, PodInfo]] = {}
         # Bumped for a node whenever its pods change (readers key memos on it).
         self._node_generation: dict[str, int] = {}
+        # Pods waiting on a node the scheduler nominated (status.nominatedNodeName,
+        # not bound yet), per node: replaced whole on each change they see.
+        self._nominated: Mapping[str, tuple[PodInfo, ...]] = MappingProxyType({})
 
     def pods(self) -> Mapping[str, PodInfo]:
         """uid -> pod, as of the last event (an immutable snapshot)."""
@@ -133,6 +137,11 @@ class PodCache(WatchCache[PodInfo]):
         """The pods bound to `node` and not finished, oldest first (indexed
         once per change, so a caller asking for many nodes pays per node)."""
         return self._by_node.get(node, ())
+
+    def nominated(self) -> Mapping[str, tuple[PodInfo, ...]]:
+        """Node -> the pods nominated there and not bound yet (nor ending),
+        oldest first: an immutable snapshot."""
+        return self._nominated
 
     def on_ended(self, listener: Callable[[PodInfo], None]) -> None:
         """Call `listener` with each pod that ends (on the cache's thread)."""
@@ -220,6 +229,8 @@ class PodCache(WatchCache[PodInfo]):
                 self._waiting_sorted = None
             elif self._waiting.pop(uid, None) is not None:
                 self._waiting_sorted = None
+            if any(p is not None and p.nominated for p in (before, after)):
+                self._renominate(uid, before, after)
             for node in {p.node for p in (before, after) if p is not None and p.node}:
                 pods = [p for p in self._by_node.get(node, ()) if p.uid != uid]
                 if after is not None and after.node == node and not after.terminal:
@@ -230,6 +241,23 @@ class PodCache(WatchCache[PodInfo]):
                 else:
                     self._by_node.pop(node, None)
                 self._node_generation[node] = self._node_generation.get(node, 0) + 1
+
+    def _renominate(self, uid: str, before: PodInfo | None, after: PodInfo | None) -> None:
+        """Move one pod's entry among the nominated (the cache's lock held)."""
+        found = dict(self._nominated)
+        if before is not None and before.nominated:
+            kept = tuple(p for p in found.get(before.nominated, ()) if p.uid != uid)
+            if kept:
+                found[before.nominated] = kept
+            else:
+                found.pop(before.nominated, None)
+        waiting = after is not None and not (after.node or after.terminal or after.deleting)
+        if after is not None and after.nominated and waiting:
+            there = [p for p in found.get(after.nominated, ()) if p.uid != uid]
+            there.append(after)
+            there.sort(key=_order)
+            found[after.nominated] = tuple(there)
+        self._nominated = MappingProxyType(found)
 
     def uid_of(self, namespace: str, pod: str) -> str | None:
         info = self._by_name(namespace, pod)

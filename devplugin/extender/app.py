@@ -44,6 +44,7 @@ from devplugin.extender.liveness import (
     record_cache,
 )
 from devplugin.extender.metrics import ExtenderMetrics
+from devplugin.extender.nominations import Nominations
 from devplugin.extender.preemption import PreemptVerb
 from devplugin.extender.resources import ResourceVerbs
 from devplugin.extender.serving import ExtenderServer, Verb
@@ -79,6 +80,7 @@ class Extender:
         clock: Callable[[], float] = time.monotonic,
         dra: tuple[DraViews, DraCaches] | None = None,
         budgets: WatchCache[DisruptionBudget] | None = None,
+        nominations: Nominations | None = None,
     ) -> None:
         self.records, self.pods, self.leases, self.budgets = records, pods, leases, budgets
         self.dra = dra
@@ -115,6 +117,11 @@ class Extender:
             if asked - hits:
                 miss.inc(asked - hits)
 
+        # The rooms preempt answers and the scheduler's nominations hold.
+        if nominations is None:
+            nominations = Nominations(pods, names, clock)
+        self.nominations = nominations
+        pods.listen_keys(nominations.pod_changed)
         self.verdicts = Verdicts(
             self.views,
             self.liveness,
@@ -124,6 +131,7 @@ class Extender:
             names=names,
             clock=clock,
             count=count,
+            nominations=self.nominations,
         )
         self.resources = ResourceVerbs(self.verdicts, self.liveness, names)
         self.preemption = PreemptVerb(

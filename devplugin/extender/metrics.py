@@ -70,7 +70,8 @@ class ExtenderMetrics:
             "devplugin_extender_preempt_answers",
             "Preemption answers for pods with devices: victims (some node frees an aligned "
             "set), untold (only nodes without a record, passed on as proposed), none (no "
-            "eviction gives the pod its devices anywhere proposed)",
+            "eviction gives the pod its devices anywhere proposed), waiting (the room an "
+            "earlier answer or the scheduler's nomination holds for it fits it: nobody more goes)",
             ["outcome"],
             registry=self.registry,
         )
@@ -92,7 +93,7 @@ class ExtenderMetrics:
             self.memo.labels(result)
         for why in ("deadline", "budget"):
             self.preempt_unproven.labels(why)
-        for outcome in ("victims", "untold", "none"):
+        for outcome in ("victims", "untold", "none", "waiting"):
             self.preempt_answers.labels(outcome)
         for state in ("fresh", "stale"):
             self.records.labels(state)

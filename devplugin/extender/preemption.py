@@ -28,19 +28,21 @@ from devplugin.extender.args import model_refusals, pod_arg, pod_kind
 from devplugin.extender.budgets import DisruptionBudget
 from devplugin.extender.liveness import Liveness
 from devplugin.extender.metrics import ExtenderMetrics
+from devplugin.extender.nominations import Effect, apply, going
 from devplugin.extender.serving import BadRequest, Verb
 from devplugin.extender.verdicts import NO_VICTIMS, UNTOLD_VICTIMS, PodKind, Verdicts, Victims
 from devplugin.extender.victims import answer, candidates, proposed_victims, unchanged
 from devplugin.model import DeviceKind
 from devplugin.policy.allocator import Allocator
-from devplugin.policy.placement import NodeState, Requirement, Shape
+from devplugin.policy.placement import NodeState, Requirement, Shape, check, place
 from devplugin.policy.podinfo import PodInfo
-from devplugin.policy.preemption import Eviction, Search, search_victims
+from devplugin.policy.preemption import Eviction, Search, freed, search_victims
 
 # The scheduler waits 5 s for an extender by default (httpTimeout); the
 # searches stop here, leaving time to encode and send the answer.
 DEADLINE = 1.5
 NO_BUDGETS: Mapping[str, DisruptionBudget] = MappingProxyType({})
+NO_EFFECTS: Mapping[str, Effect] = MappingProxyType({})
 # Searches remembered per call for nodes alike.
 MEMO = 1024
 # A node's search may take at least this long, whatever its share of the
@@ -156,13 +158,24 @@ class PreemptVerb:
         # part of the question (their snapshot is replaced on every change).
         key = ("victims", kind.key(self.views.shape_id(shape)), self._budgets_token(budgets))
         personal = self.verdicts.bound_node(pod.uid)
-        shared = [node for node in order if node != personal]
+        nominations = self.verdicts.nominations
+        effects = nominations.effects(pod) if nominations is not None else {}
+        if self._room_held(pod, shape, requirement, effects):
+            # Its victims are on their way: evicting more would be the
+            # second eviction the scheduler's retry asks for too early.
+            self.metrics.preempt_answers.labels("waiting").inc()
+            return {"NodeNameToMetaVictims": {}}
+        special = set(effects) | ({personal} if personal is not None else set())
+        if special:
+            special &= set(order)
+        shared = [node for node in order if node not in special]
         compute = partial(self._victims, pod, shape, list(budgets.values()), ends)
         found, kept = self.verdicts.victims.read(key, shared, compute, partial=True)
         if kept:
             self.metrics.memo.labels("hit").inc(kept)
-        if personal in order:
-            found.update({n: v for n, (v, _) in compute([personal]).items()})
+        # Nodes where nominated rooms count for this pod: for this call only.
+        for node in special:
+            found.update({n: v for n, (v, _) in compute([node], effects).items()})
         left = len(order) - len(found)
         if left:
             self.metrics.preempt_unproven.labels("deadline").inc(left)
@@ -175,9 +188,37 @@ class PreemptVerb:
                 evictions[node] = victims
         result = answer(evictions, untold)
         told = result["NodeNameToMetaVictims"]
+        if nominations is not None:
+            # What was answered is a fact until the watch settles it.
+            plans = {
+                node: (frozenset(victims.uids) | victims.going, victims.devices)
+                for node, victims in evictions.items()
+                if node in told
+            }
+            if plans:
+                nominations.answered(pod, plans)
         outcome = "victims" if evictions else "untold" if told else "none"
         self.metrics.preempt_answers.labels(outcome).inc()
         return result
+
+    def _room_held(
+        self, pod: PodInfo, shape: Shape, requirement: Requirement, effects: Mapping[str, Effect]
+    ) -> bool:
+        """Whether the pod fits, at the level it requires, on a node where
+        its own victims (an earlier answer's, or pods going on the node it
+        is nominated to) count as gone."""
+        fresh = self.liveness.fresh()
+        for node, effect in effects.items():
+            if not effect.gone:
+                continue
+            record = fresh(node)
+            state = self.views.state_for(record.parsed, record, pod.uid) if record else None
+            if state is None:
+                continue
+            outcome = place(apply(effect, state[0], state[1]), shape, state[1])
+            if outcome.fits and check(outcome, requirement) is None:
+                return True
+        return False
 
     def _budgets_token(self, budgets: Mapping[str, DisruptionBudget]) -> int:
         if budgets is not self._budgets_seen[1]:
@@ -191,9 +232,13 @@ class PreemptVerb:
         budgets: list[DisruptionBudget],
         ends: float,
         names: Sequence[str],
+        effects: Mapping[str, Effect] = NO_EFFECTS,
     ) -> dict[str, tuple[Victims, float]]:
         """Each node's victims, searched in order until the call's deadline;
-        an answer the deadline cut short is for this call only."""
+        an answer the deadline cut short is for this call only. Pods already
+        being deleted are going: their devices count as back, and they are
+        never victims again. `effects`: the nominated rooms that count there
+        for this pod (nominations.py)."""
         until: dict[str, float] = {}
         fresh = self.liveness.fresh(until)
         memo: dict[tuple[Any, ...], _Known] = {}
@@ -210,11 +255,15 @@ class PreemptVerb:
             # Each node at least its share of the time left, or a floor.
             slice_ends = min(ends, now + max(NODE_SLICE, (ends - now) / (len(names) - done)))
             bound = self._on_node(node)
+            effect = effects.get(node, Effect())
+            gone = going(bound, pod.priority) | effect.gone
+            seen = apply(Effect(gone, effect.claims), state[0], state[1])
+            staying = tuple(p for p in bound if p.uid not in gone) if gone else bound
             eviction, timed_out = self._search(
-                state[0], bound, pod.priority, shape, state[1], budgets, memo, slice_ends
+                seen, staying, pod.priority, shape, state[1], budgets, memo, slice_ends
             )
             kept_until = now if timed_out else until.get(node, math.inf)
-            found[node] = (_victims_of(eviction), kept_until)
+            found[node] = (_victims_of(eviction, seen, gone), kept_until)
         return found
 
     def _search(
@@ -244,11 +293,13 @@ class PreemptVerb:
         return result.eviction, result.timed_out
 
 
-def _victims_of(eviction: Eviction | None) -> Victims:
+def _victims_of(eviction: Eviction | None, node: NodeState, going: frozenset[str]) -> Victims:
     if eviction is None or not eviction.victims:
         return NO_VICTIMS
     level = int(eviction.level) if eviction.level is not None else 0
-    return Victims(tuple(v.uid for v in eviction.victims), eviction.violations, level)
+    planned = eviction.outcome.taken(freed(node, eviction.victims).free)
+    uids = tuple(v.uid for v in eviction.victims)
+    return Victims(uids, eviction.violations, level, devices=planned, going=going)
 
 
 def _meets(level: int, requirement: Requirement) -> bool:

@@ -20,9 +20,11 @@ from functools import partial
 
 from devplugin.extender.answers import Answers, ChangeLog
 from devplugin.extender.liveness import Liveness, Record
+from devplugin.extender.nominations import Effect, Nominations, apply
 from devplugin.extender.victims import candidates, counts_fit, evictable
-from devplugin.extender.views import NodeViews
-from devplugin.policy.placement import Holding, Requirement, Shape, check, place
+from devplugin.extender.views import MAX_REASON, NodeViews
+from devplugin.policy.allocator import Allocator
+from devplugin.policy.placement import Holding, NodeState, Requirement, Shape, check, place
 from devplugin.policy.podinfo import PodInfo
 from devplugin.policy.preemption import Candidate, reachable
 
@@ -57,6 +59,10 @@ class Victims:
     violations: int  # PodDisruptionBudgets broken
     level: int  # the pod's worst GPU-HCA level once they are gone (0: no pair)
     untold: bool = False  # the node has no usable record: nothing can be told
+    # The devices the pod is placed on once they are gone, and the pods
+    # already going there whose devices that counted on (uids).
+    devices: frozenset[str] = frozenset()
+    going: frozenset[str] = frozenset()
 
 
 NO_VICTIMS = Victims((), 0, 0)
@@ -89,6 +95,7 @@ class Verdicts:
         names: tuple[str, str],
         clock: Callable[[], float] = time.monotonic,
         count: Callable[[int, int], None] = lambda hits, asked: None,
+        nominations: Nominations | None = None,
     ) -> None:
         self.views = views
         self.liveness = liveness
@@ -100,24 +107,49 @@ class Verdicts:
         # victims: read by the preempt verb, caught up by the same log.
         self.victims: Answers[Victims] = Answers(changes, clock)
         self.bound_node = bound_node
+        self.nominations = nominations
 
     def of(self, pod: PodInfo, kind: PodKind, names: list[str]) -> dict[str, NodeVerdict]:
         """Each named node's verdict for the pod."""
         key = kind.key(self.views.shape_id(kind.shape))
         personal = self.bound_node(pod.uid)
-        shared = (
-            names
-            if personal is None or personal not in names
-            else [name for name in names if name != personal]
-        )
+        effects = self.nominations.effects(pod) if self.nominations is not None else {}
+        special = set(effects)
+        if personal is not None:
+            special.add(personal)
+        if special:
+            special &= set(names)
+        shared = [name for name in names if name not in special] if special else names
         compute = partial(self._compute, kind, "")
         found, kept = self.answers.read(key, shared, compute)
         self._count(kept, kept)
-        if personal is not None and personal in names:
-            # The pod's own node, placed without it (a retry): for this call only.
-            own = self._compute(kind, pod.uid, [personal])
-            found[personal] = own[personal][0]
+        # What is this pod's alone: its own node, placed without it (a
+        # retry), and the nodes where nominated rooms count for it (its own
+        # victims gone, others' rooms taken). For this call only.
+        for name in special:
+            found[name] = self._personal(kind, pod.uid, name, effects.get(name, Effect()))
         return found
+
+    def _personal(self, kind: PodKind, asking: str, name: str, effect: Effect) -> NodeVerdict:
+        record = self.liveness.fresh()(name)
+        state = self.views.state_for(record.parsed, record, asking) if record is not None else None
+        if record is None or state is None:
+            return UNTOLD
+        node, allocator, pending = state
+        node = apply(effect, node, allocator)
+        outcome = place(node, kind.shape, allocator)
+        rank = outcome.rank_key if outcome.fits else None
+        level = int(outcome.worst) if outcome.fits and outcome.worst is not None else None
+        reason = outcome.reason if not outcome.fits else check(outcome, kind.requirement)
+        if reason is None:
+            return NodeVerdict(PASS, "", rank, level, math.inf)
+        empty = self.views.empty_outcome(record.parsed, record, kind.shape)
+        never = empty is not None and check(empty, kind.requirement) is not None
+        bound = tuple(p for p in self._on_node(name) if p.uid not in effect.gone)
+        if not never:
+            never = not self._resolvable_on(node, allocator, pending, bound, kind, asking)
+        message = f"devplugin: {reason}"[:MAX_REASON]
+        return NodeVerdict(NEVER if never else FAILED, message, rank, level, math.inf)
 
     def _compute(
         self, kind: PodKind, asking: str, names: Sequence[str]
@@ -170,7 +202,17 @@ class Verdicts:
         if state is None:
             return True
         node, allocator, pending = state
-        bound = self._on_node(node.name)
+        return self._resolvable_on(node, allocator, pending, self._on_node(node.name), kind, asking)
+
+    def _resolvable_on(
+        self,
+        node: NodeState,
+        allocator: Allocator,
+        pending: frozenset[str],
+        bound: tuple[PodInfo, ...],
+        kind: PodKind,
+        asking: str,
+    ) -> bool:
         shape, requirement = kind.shape, kind.requirement
         if node.healthy is not None and counts_fit(node, bound, shape, asking, self._names):
             return False  # the scheduler's dry run would reprieve every victim

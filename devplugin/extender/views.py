@@ -378,6 +378,18 @@ class NodeViews:
             return None
         return view.node, view.layout.allocator, view.pending
 
+    def state_for(
+        self, record: ParsedRecord, token: object, asking: str
+    ) -> tuple[NodeState, Allocator, frozenset[str]] | None:
+        """`state` as the pod `asking` sees it: where it is bound there
+        already (a retry), placed without itself (not kept: it is rare)."""
+        found = self.state(record, token)
+        if found is None or asking not in found[2]:
+            return found
+        view = self._views[record.name]
+        node, pending = self._effective(record, view.layout, exclude=asking)
+        return node, view.layout.allocator, pending
+
     def empty_outcome(self, record: ParsedRecord, token: object, shape: Shape) -> Outcome | None:
         """The pod on the node with nothing held."""
         view = self._view(record, token)

@@ -93,6 +93,28 @@ class NodeState:
         }
         return replace(self, free=free, used=used)
 
+    def reserve(self, devices: Iterable[str]) -> NodeState:
+        """The node with these devices spoken for (the room a nominated pod
+        waits for): an exclusive device is neither free nor freed by any
+        eviction (it leaves `healthy`), a shared one has a replica held."""
+        used = dict(self.used)
+        gone: set[str] = set()
+        for device in devices:
+            if device in self.replicas:
+                used[device] = used.get(device, 0) + 1
+                if used[device] >= self.replicas[device]:
+                    gone.add(device)
+            else:
+                gone.add(device)
+        exclusive = gone - self.replicas.keys()
+        free = {kind: self.free[kind] - gone for kind in DeviceKind}
+        healthy = (
+            {kind: ids - exclusive for kind, ids in self.healthy.items()}
+            if self.healthy is not None
+            else None
+        )
+        return replace(self, free=free, used=used, healthy=healthy)
+
     def after(self, outcome: Outcome) -> NodeState:
         """The node once a placement's devices are taken (unchanged when it
         does not fit)."""

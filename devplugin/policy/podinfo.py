@@ -12,6 +12,8 @@ from types import MappingProxyType
 from typing import Any
 
 TERMINAL = frozenset({"Succeeded", "Failed"})
+# spec.terminationGracePeriodSeconds when a pod does not set it (the API's default).
+DEFAULT_GRACE = 30
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,11 @@ class PodInfo:
     # spec.resourceClaims and those made for it from templates
     # (status.resourceClaimStatuses).
     claims: tuple[str, ...] = ()
+    # status.nominatedNodeName: where the scheduler's preemption made room
+    # for it ("" when none), and spec.terminationGracePeriodSeconds (what a
+    # victim may take to go; the API's default when unset).
+    nominated: str = ""
+    grace: int = DEFAULT_GRACE
 
     @property
     def terminal(self) -> bool:
@@ -124,6 +131,8 @@ def parse_pod(obj: Mapping[str, Any]) -> PodInfo:
         labels=_annotations(meta.get("labels")),
         start=str(status.get("startTime") or ""),
         claims=_claims(spec, status),
+        nominated=str(status.get("nominatedNodeName") or ""),
+        grace=_grace(spec.get("terminationGracePeriodSeconds")),
     )
 
 
@@ -135,6 +144,14 @@ def _claims(spec: Mapping[str, Any], status: Mapping[str, Any]) -> tuple[str, ..
             if isinstance(name, str) and name and name not in found:
                 found.append(name)
     return tuple(found)
+
+
+def _grace(value: object) -> int:
+    if value is None:
+        return DEFAULT_GRACE
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"spec.terminationGracePeriodSeconds must be a count, not {value!r}")
+    return value
 
 
 def _priority(value: object) -> int:

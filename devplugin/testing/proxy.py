@@ -7,14 +7,21 @@ client sees when the API server's machine dies or a load balancer fails
 over. Connections that were open when the silence began, or opened during
 it, stay frozen for good (their peer is gone); only connections opened
 after `heal()` carry data again. `stop()` closes everything.
+
+With `lag`, what the upstream sends reaches the client that many seconds
+late, in order: a client whose watch trails the API server (and every
+other client of it) by that much, as a busy one far from it does.
 """
 
 from __future__ import annotations
 
 import contextlib
+import queue
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 
 @dataclass
@@ -25,8 +32,9 @@ class _Link:
 
 
 class SilentProxy:
-    def __init__(self, upstream: tuple[str, int]) -> None:
+    def __init__(self, upstream: tuple[str, int], *, lag: float = 0.0) -> None:
         self._upstream = upstream
+        self._lag = lag
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._lock = threading.Lock()
         self._links: list[_Link] = []
@@ -101,11 +109,13 @@ class SilentProxy:
                 self._links.append(link)
             if link.upstream is not None:
                 for source, target in ((client, link.upstream), (link.upstream, client)):
+                    late = self._lag if source is link.upstream else 0.0
                     threading.Thread(
-                        target=self._pump, args=(link, source, target), daemon=True
+                        target=self._pump, args=(link, source, target, late), daemon=True
                     ).start()
 
-    def _pump(self, link: _Link, source: socket.socket, target: socket.socket) -> None:
+    def _pump(self, link: _Link, source: socket.socket, target: socket.socket, late: float) -> None:
+        sink: _Sink = _Late(target, late, self._stopped) if late > 0 else target
         source.settimeout(0.05)
         while not self._stopped.is_set():
             if link.frozen.is_set():
@@ -122,9 +132,47 @@ class SilentProxy:
                 continue  # read during the silence: dropped, as a dead peer would
             if not data:
                 with contextlib.suppress(OSError):
-                    target.shutdown(socket.SHUT_WR)
+                    sink.shutdown(socket.SHUT_WR)
                 return
             try:
-                target.sendall(data)
+                sink.sendall(data)
+            except OSError:
+                return
+
+
+class _Sink(Protocol):
+    def sendall(self, data: bytes, /) -> None: ...
+
+    def shutdown(self, how: int, /) -> None: ...
+
+
+class _Late:
+    """A socket's sending side that delivers each chunk `lag` seconds after
+    it was handed over, in order (a thread of its own does the sending)."""
+
+    def __init__(self, sock: socket.socket, lag: float, stopped: threading.Event) -> None:
+        self._sock, self._lag, self._stopped = sock, lag, stopped
+        self._queue: queue.SimpleQueue[tuple[float, bytes | None]] = queue.SimpleQueue()
+        threading.Thread(target=self._send, daemon=True).start()
+
+    def sendall(self, data: bytes) -> None:
+        self._queue.put((time.monotonic() + self._lag, data))
+
+    def shutdown(self, how: int) -> None:
+        self._queue.put((time.monotonic() + self._lag, None))
+
+    def _send(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                due, data = self._queue.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if self._stopped.wait(max(0.0, due - time.monotonic())):
+                return
+            try:
+                if data is None:
+                    self._sock.shutdown(socket.SHUT_WR)
+                    return
+                self._sock.sendall(data)
             except OSError:
                 return

@@ -204,8 +204,9 @@ class World:
 
 def _answers(running: Running, verb: str, args: dict[str, Any]) -> tuple[Any, Any]:
     path = f"/scheduler/{verb}"
+    fresh_one = twin(running)  # before the call: a preempt answer adds a plan
     kept = running[0].verbs()[path](args)
-    fresh = twin(running).verbs()[path](args)
+    fresh = fresh_one.verbs()[path](args)
     return _plain(kept), _plain(fresh)
 
 

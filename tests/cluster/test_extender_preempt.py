@@ -21,6 +21,7 @@ from tests.extender_support import (
     GPU,
     HCA,
     Running,
+    ask_preempt,
     call,
     extender,
     inventory,
@@ -94,8 +95,8 @@ def test_the_verb_frees_the_best_aligned_set_with_the_fewest_and_lowest_victims(
     ids = uids(api)
     # The scheduler's count-only proposal: every pod on each node.
     proposal = meta({"hgx": [ids[n] for n in "abcd"], "pcie": [ids["e"], ids["f"]]})
-    code, result = call(
-        extender, "preempt", {"Pod": preemptor(2, 2), "NodeNameToMetaVictims": proposal}
+    code, result = ask_preempt(
+        api, extender, {"Pod": preemptor(2, 2), "NodeNameToMetaVictims": proposal}
     )
     assert code == 200
     # Both give a PIX pair: hgx by one pod (the lowest), pcie by both
@@ -104,13 +105,13 @@ def test_the_verb_frees_the_best_aligned_set_with_the_fewest_and_lowest_victims(
         "NodeNameToMetaVictims": {"hgx": {"Pods": [{"UID": ids["b"]}], "NumPDBViolations": 0}}
     }
     # 4 GPUs + 2 HCAs: PIX on pcie, at best NODE on hgx, which is dropped.
-    _, result = call(
-        extender, "preempt", {"Pod": preemptor(4, 2), "NodeNameToMetaVictims": proposal}
+    _, result = ask_preempt(
+        api, extender, {"Pod": preemptor(4, 2), "NodeNameToMetaVictims": proposal}
     )
     assert list(result["NodeNameToMetaVictims"]) == ["pcie"]
     # 8 + 8: pcie has 2 HCAs, whatever goes; hgx needs every pod gone.
-    _, result = call(
-        extender, "preempt", {"Pod": preemptor(8, 8), "NodeNameToMetaVictims": proposal}
+    _, result = ask_preempt(
+        api, extender, {"Pod": preemptor(8, 8), "NodeNameToMetaVictims": proposal}
     )
     assert list(result["NodeNameToMetaVictims"]) == ["hgx"]
     assert len(result["NodeNameToMetaVictims"]["hgx"]["Pods"]) == 4
@@ -126,11 +127,13 @@ def test_victims_come_highest_priority_first_and_only_below_the_preemptor(
     assert wait_until(lambda: len(extender[0].pods.pods()) == 2, timeout=10)
     ids = uids(api)
     proposal = meta({"hgx": [ids["a"], ids["b"]]})
-    _, both = call(extender, "preempt", {"Pod": preemptor(8, 8), "NodeNameToMetaVictims": proposal})
+    _, both = ask_preempt(
+        api, extender, {"Pod": preemptor(8, 8), "NodeNameToMetaVictims": proposal}
+    )
     assert both["NodeNameToMetaVictims"]["hgx"]["Pods"] == [{"UID": ids["a"]}, {"UID": ids["b"]}]
     # A preemptor of priority 100 may not evict "a": the node cannot help it.
-    _, none = call(
-        extender, "preempt", {"Pod": preemptor(8, 8, 100), "NodeNameToMetaVictims": proposal}
+    _, none = ask_preempt(
+        api, extender, {"Pod": preemptor(8, 8, 100), "NodeNameToMetaVictims": proposal}
     )
     assert none == {"NodeNameToMetaVictims": {}}
     # Each answer counted by outcome (what DevpluginPreemptionWithoutVictims reads).
@@ -157,13 +160,15 @@ def test_disruption_budgets_are_counted_and_steer_the_choice(
     assert wait_until(lambda: len(extender[0].pods.pods()) == 2, timeout=10)
     ids = uids(api)
     proposal = meta({"hgx": [ids["a"], ids["b"]]})
-    _, one = call(extender, "preempt", {"Pod": preemptor(4, 4), "NodeNameToMetaVictims": proposal})
+    _, one = ask_preempt(api, extender, {"Pod": preemptor(4, 4), "NodeNameToMetaVictims": proposal})
     # Either half frees a PIX set; the one no budget protects goes.
     assert one["NodeNameToMetaVictims"]["hgx"] == {
         "Pods": [{"UID": ids["b"]}],
         "NumPDBViolations": 0,
     }
-    _, both = call(extender, "preempt", {"Pod": preemptor(8, 8), "NodeNameToMetaVictims": proposal})
+    _, both = ask_preempt(
+        api, extender, {"Pod": preemptor(8, 8), "NodeNameToMetaVictims": proposal}
+    )
     assert both["NodeNameToMetaVictims"]["hgx"]["NumPDBViolations"] == 1
 
 
@@ -178,18 +183,18 @@ def test_the_whole_pods_form_and_nodes_it_knows_nothing_about(
         "hgx": {"Pods": [{"metadata": {"uid": ids["a"]}}], "NumPDBViolations": 0},
         "unknown": {"Pods": [{"metadata": {"uid": "someone"}}], "NumPDBViolations": 0},
     }
-    _, result = call(extender, "preempt", {"Pod": preemptor(2, 2), "NodeNameToVictims": whole})
+    _, result = ask_preempt(api, extender, {"Pod": preemptor(2, 2), "NodeNameToVictims": whole})
     # A node with a record that can take the pod wins over one without.
     assert result == {
         "NodeNameToMetaVictims": {"hgx": {"Pods": [{"UID": ids["a"]}], "NumPDBViolations": 0}}
     }
     # A victim UID it has never seen: ignored, its own view answers.
     strange = meta({"hgx": ["no-such-pod", ids["a"]]})
-    _, same = call(extender, "preempt", {"Pod": preemptor(2, 2), "NodeNameToMetaVictims": strange})
+    _, same = ask_preempt(api, extender, {"Pod": preemptor(2, 2), "NodeNameToMetaVictims": strange})
     assert same == result
     # Only nodes it knows nothing about: the scheduler's own victims stand.
     only = {"unknown": whole["unknown"]}
-    _, kept = call(extender, "preempt", {"Pod": preemptor(2, 2), "NodeNameToVictims": only})
+    _, kept = ask_preempt(api, extender, {"Pod": preemptor(2, 2), "NodeNameToVictims": only})
     assert kept == {
         "NodeNameToMetaVictims": {"unknown": {"Pods": [{"UID": "someone"}], "NumPDBViolations": 0}}
     }

@@ -16,6 +16,7 @@ import yaml
 
 from devplugin.testing.controlplane import ControlPlane, kubeconfig
 from devplugin.testing.extender_proc import free_port, ready
+from devplugin.testing.promtext import total
 from tests.real_cluster.conftest import NAMESPACE, RELEASE
 from tests.real_cluster.nodes import eventually
 
@@ -34,10 +35,16 @@ def account_token(plane: ControlPlane, namespace: str, account: str) -> str:
 
 @contextlib.contextmanager
 def chart_extender(
-    plane: ControlPlane, base: Path, namespace: str = NAMESPACE, release: str = RELEASE
+    plane: ControlPlane,
+    base: Path,
+    namespace: str = NAMESPACE,
+    release: str = RELEASE,
+    *,
+    server: str | None = None,
 ) -> Iterator[str]:
     """The extender as the chart's Deployment runs it (its arguments), on a
-    local port, with its service account's token; its URL once ready."""
+    local port, with its service account's token; its URL once ready.
+    `server`: the API server's address as the extender reaches it (a proxy)."""
     deployment = plane.request(
         "GET", f"/apis/apps/v1/namespaces/{namespace}/deployments/{release}-devplugin-extender"
     )
@@ -46,7 +53,8 @@ def chart_extender(
     args = [a for a in container["args"] if not a.startswith("--listen=")]
     token = account_token(plane, namespace, f"{release}-devplugin-extender")
     config = base / "extender.kubeconfig"
-    config.write_text(yaml.safe_dump(kubeconfig(plane.server, plane.pki.ca, token=token)))
+    reach = server or plane.server
+    config.write_text(yaml.safe_dump(kubeconfig(reach, plane.pki.ca, token=token)))
     command = [sys.executable, "-m", "devplugin", *args, f"--listen=127.0.0.1:{port}",
                "--kubeconfig", str(config)]  # fmt: skip
     with (base / "extender.log").open("w") as log:
@@ -81,3 +89,16 @@ def chart_scheduler_config(
 def extender_metrics(url: str) -> str:
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as answer:
         return str(answer.read().decode())
+
+
+def verb_calls(url: str, verb: str, result: str | None = None) -> int:
+    """How many times the extender at `url` answered `verb` (every result,
+    or only `result`), from its own request counter."""
+    labels = {"verb": verb} if result is None else {"verb": verb, "result": result}
+    return int(total(extender_metrics(url), "devplugin_extender_requests_total", labels))
+
+
+def preempt_answers(url: str, outcome: str) -> int:
+    """The extender's preempt answers of one outcome (victims, untold, none, waiting)."""
+    text = extender_metrics(url)
+    return int(total(text, "devplugin_extender_preempt_answers_total", {"outcome": outcome}))
