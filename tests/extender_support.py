@@ -11,6 +11,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,8 @@ from devplugin.node.alignment import ContainerAlignment
 from devplugin.node.deadline import Deadlines
 from devplugin.node.discovery import Discoverer, NvmlGpuSource, Roots
 from devplugin.node.resources import ResourceState
+from devplugin.policy.allocator import Allocator
+from devplugin.policy.placement import Shape, node_from_record, place
 from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.fake_nvml import FakeNvml
 from devplugin.testing.layouts import LAYOUTS
@@ -221,3 +224,44 @@ def ask_preempt(api: ApiServerImitation, running: Running, args: dict[str, Any])
     """One preempt question, from a pod that exists while it asks (`asking`)."""
     with asking(api, running, args["Pod"]):
         return call(running, "preempt", args)
+
+
+def fill(
+    api: ApiServerImitation,
+    node: str,
+    layout: str,
+    base: Path,
+    holders: list[tuple[str, int, int, int, dict[str, str]]],
+) -> None:
+    """Bind pods (name, GPUs, HCAs, priority, labels) to `node`, each on the
+    devices its daemon would give it, and write the record that says so."""
+    state = node_from_record(record(inventory(layout, base / f"{node}-plan")))
+    allocator = Allocator(state.topology)
+    held = []
+    for name, gpus, hcas, priority, labels in holders:
+        outcome = place(state, Shape(((gpus, hcas),), gpus, hcas), allocator)
+        assert outcome.fits
+        assert outcome.free_after is not None
+        taken = {k: outcome.taken(state.free) & state.topology.id_set(k) for k in DeviceKind}
+        state = replace(state, free=outcome.free_after)
+        bound = pod(name, [{GPU: gpus, HCA: hcas}])
+        bound["spec"]["nodeName"] = node
+        bound["spec"]["priority"] = priority
+        bound["metadata"]["labels"] = labels
+        bound["status"] = {"phase": "Running", "startTime": "2026-12-01T00:00:00Z"}
+        uid = api.put("pods", bound)["metadata"]["uid"]
+        gpu_ids = tuple(sorted(taken[DeviceKind.GPU]))
+        hca_ids = tuple(sorted(taken[DeviceKind.HCA]))
+        held.append(ContainerAlignment("default", name, "c0", gpu_ids, hca_ids, None, None, uid))
+    put_record(api, node, layout, base, held=held)
+
+
+def uids(api: ApiServerImitation) -> dict[str, str]:
+    return {p["metadata"]["name"]: p["metadata"]["uid"] for p in api.items("pods")}
+
+
+def meta(nodes: dict[str, list[str]]) -> dict[str, Any]:
+    return {
+        node: {"Pods": [{"UID": u} for u in victims], "NumPDBViolations": 0}
+        for node, victims in nodes.items()
+    }

@@ -12,9 +12,7 @@ import pytest
 
 from devplugin.extender.victims import candidates
 from devplugin.model import DeviceKind
-from devplugin.node.alignment import ContainerAlignment
-from devplugin.policy.allocator import Allocator
-from devplugin.policy.placement import Holding, Shape, node_from_record, place
+from devplugin.policy.placement import Holding, node_from_record
 from devplugin.policy.podinfo import parse_pod
 from devplugin.testing.apiserver import ApiServerImitation
 from tests.extender_support import (
@@ -24,62 +22,23 @@ from tests.extender_support import (
     ask_preempt,
     call,
     extender,
+    fill,
     inventory,
+    meta,
     pod,
-    put_record,
     record,
     synced,
+    uids,
 )
 from tests.waiting import wait_until
 
 __all__ = ["extender"]
 
 
-def fill(
-    api: ApiServerImitation,
-    node: str,
-    layout: str,
-    base: Path,
-    holders: list[tuple[str, int, int, int, dict[str, str]]],
-) -> None:
-    """Bind pods (name, GPUs, HCAs, priority, labels) to `node`, each on the
-    devices its daemon would give it, and write the record that says so."""
-    state = node_from_record(record(inventory(layout, base / f"{node}-plan")))
-    allocator = Allocator(state.topology)
-    held = []
-    for name, gpus, hcas, priority, labels in holders:
-        outcome = place(state, Shape(((gpus, hcas),), gpus, hcas), allocator)
-        assert outcome.fits
-        assert outcome.free_after is not None
-        taken = {k: outcome.taken(state.free) & state.topology.id_set(k) for k in DeviceKind}
-        state = replace(state, free=outcome.free_after)
-        bound = pod(name, [{GPU: gpus, HCA: hcas}])
-        bound["spec"]["nodeName"] = node
-        bound["spec"]["priority"] = priority
-        bound["metadata"]["labels"] = labels
-        bound["status"] = {"phase": "Running", "startTime": "2026-12-01T00:00:00Z"}
-        uid = api.put("pods", bound)["metadata"]["uid"]
-        gpu_ids = tuple(sorted(taken[DeviceKind.GPU]))
-        hca_ids = tuple(sorted(taken[DeviceKind.HCA]))
-        held.append(ContainerAlignment("default", name, "c0", gpu_ids, hca_ids, None, None, uid))
-    put_record(api, node, layout, base, held=held)
-
-
-def uids(api: ApiServerImitation) -> dict[str, str]:
-    return {p["metadata"]["name"]: p["metadata"]["uid"] for p in api.items("pods")}
-
-
 def preemptor(gpus: int, hcas: int, priority: int = 1000) -> dict[str, Any]:
     asking = pod("urgent", [{GPU: gpus, HCA: hcas}])
     asking["spec"]["priority"] = priority
     return asking
-
-
-def meta(nodes: dict[str, list[str]]) -> dict[str, Any]:
-    return {
-        node: {"Pods": [{"UID": u} for u in victims], "NumPDBViolations": 0}
-        for node, victims in nodes.items()
-    }
 
 
 def test_the_verb_frees_the_best_aligned_set_with_the_fewest_and_lowest_victims(
