@@ -32,6 +32,7 @@ from tests.real_cluster.cluster_support import (
     SCHEDULER_NAME,
     chart_extender,
     chart_scheduler_config,
+    verb_calls,
 )
 from tests.real_cluster.conftest import NAMESPACE, RELEASE
 from tests.real_cluster.nodes import GPU, HCA, add_node, delete_pod, eventually, node_token, outcome
@@ -137,6 +138,7 @@ def test_pods_land_at_the_best_level_free_anywhere_through_the_real_scheduler(
 ) -> None:
     plane = cluster.plane
     rng = random.Random(7)
+    asked = {verb: verb_calls(cluster.url, verb, "ok") for verb in ("filter", "prioritize")}
     live: list[tuple[str, str]] = []
     judged = best = 0
     misses: list[str] = []
@@ -190,3 +192,8 @@ def test_pods_land_at_the_best_level_free_anywhere_through_the_real_scheduler(
     print(f"{plane.bins.version}: {best}/{judged} GPU+HCA pods at the best level free anywhere")
     assert judged >= ARRIVALS // 2
     assert best / judged >= GOAL, misses
+    # The scheduler asked the extender about every pod it bound (each had a
+    # node past its own filters), and ranked through it where several passed.
+    answered = {verb: verb_calls(cluster.url, verb, "ok") - n for verb, n in asked.items()}
+    assert answered["filter"] >= judged, answered
+    assert answered["prioritize"] > 0, answered

@@ -24,6 +24,7 @@ from tests.real_cluster.cluster_support import (
     SCHEDULER_NAME,
     chart_extender,
     chart_scheduler_config,
+    verb_calls,
 )
 from tests.real_cluster.conftest import NAMESPACE, RELEASE
 from tests.real_cluster.nodes import (
@@ -94,12 +95,16 @@ class Models:
         """The node the real scheduler binds the pod to ('' if it stays
         unschedulable); the pod is deleted after."""
         name = pod["metadata"]["name"]
+        asked = verb_calls(self.url, "filter", "ok")
         self.plane.request("POST", "/api/v1/namespaces/default/pods", pod)
         try:
             state, live = decision(self.plane, name, timeout=30)
         finally:
             with contextlib.suppress(ApiFailure):
                 delete_pod(self.plane, name)
+        # Every case leaves a node past the scheduler's own filters: the
+        # extender was asked and answered (with `ignorable` a dead one would not be).
+        assert verb_calls(self.url, "filter", "ok") > asked, f"{name}: the extender was not asked"
         if state == "unschedulable":
             # Nothing else changes here: a pod found unschedulable stays so.
             conditions = (live.get("status") or {}).get("conditions") or []

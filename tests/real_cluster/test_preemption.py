@@ -36,6 +36,8 @@ from tests.real_cluster.cluster_support import (
     SCHEDULER_NAME,
     chart_extender,
     chart_scheduler_config,
+    preempt_answers,
+    verb_calls,
 )
 from tests.real_cluster.conftest import NAMESPACE, RELEASE
 from tests.real_cluster.nodes import GPU, HCA, add_node, delete_pod, eventually, node_token
@@ -90,6 +92,12 @@ class Node:
         got = self.sim.kubelet.admit(name, [ContainerRequest("main", requests)]).container("main")
         self.held[name] = (set(got.devices.get(GPU, ())), set(got.devices.get(HCA, ())))
         return self.held[name]
+
+    def recorded(self) -> bool:
+        """Whether the node's record shows exactly the pods held here."""
+        found = self.plane.request("GET", f"/apis/devplugin.io/v1alpha1/nodedevices/{self.name}")
+        shown = {a["pod"] for a in (found.get("status") or {}).get("allocations", [])}
+        return shown == set(self.held)
 
     def pod(self, name: str) -> dict[str, Any]:
         found: dict[str, Any] = self.plane.request("GET", f"/api/v1/namespaces/default/pods/{name}")
@@ -154,6 +162,9 @@ def _fill(node: Node) -> None:
         node.run(name, gpus, hcas)
         free_g, free_h = free_now(node.sim.kubelet, GPU), free_now(node.sim.kubelet, HCA)
         if best_worst_level(topology, free_g, free_h, 1, 1).name != "PIX":
+            # The extender offers as victims only holders its record shows:
+            # a node in service, not one whose last admission is seconds old.
+            assert eventually(node.recorded, timeout=30), "the record never showed the pods"
             return
     pytest.fail("the low-priority pods never left a GPU and an HCA free apart")
 
@@ -182,14 +193,19 @@ def test_a_pod_whose_counts_fit_but_alignment_does_not_waits_and_evicts_nobody(
 
     assert eventually(unresolvable, timeout=20), verdicts[-1]
     assert verdicts[-1]["FailedNodes"] == {}
+    asked = verb_calls(node.url, "filter", "ok"), verb_calls(node.url, "preempt")
     plane.request("POST", "/api/v1/namespaces/default/pods", pod)
     assert eventually(lambda: "Unschedulable" in str(node.pod(name)["status"]), timeout=30)
+    # The scheduler asked the extender's filter (whose refusal the pod's
+    # status shows), and never its preempt verb.
+    assert eventually(lambda: verb_calls(node.url, "filter", "ok") > asked[0], timeout=10)
     # A while on, it is still pending and every low-priority pod still runs:
     # the dry run reprieved them all, and the preempt verb was never asked.
     assert not eventually(lambda: bool(node.pod(name)["spec"].get("nodeName")), timeout=10)
     assert node.confirm_ends() == []
     assert all(not node.pod(low).get("metadata", {}).get("deletionTimestamp") for low in node.held)
     assert "PIX" in node.why(name)
+    assert verb_calls(node.url, "preempt") == asked[1]
 
 
 def test_a_pod_that_does_not_fit_by_counts_preempts_the_fewest_for_the_best_level(
@@ -214,6 +230,7 @@ def test_a_pod_that_does_not_fit_by_counts_preempts_the_fewest_for_the_best_leve
         and best_worst_level(topology, g, h, *want) == target
     )
     name = f"{node.name}-big"
+    asked = verb_calls(node.url, "filter", "ok"), verb_calls(node.url, "preempt", "ok")
     plane.request(
         "POST", "/api/v1/namespaces/default/pods", _pod(name, node.name, *want, "tier-high")
     )
@@ -228,3 +245,7 @@ def test_a_pod_that_does_not_fit_by_counts_preempts_the_fewest_for_the_best_leve
     assert achieved is not None
     assert achieved[0] == target
     assert len(ended) == fewest, ended
+    # Through the extender: its filter asked, its preempt verb once.
+    assert verb_calls(node.url, "filter", "ok") > asked[0]
+    outcomes = {o: preempt_answers(node.url, o) for o in ("victims", "waiting", "none", "untold")}
+    assert verb_calls(node.url, "preempt", "ok") == asked[1] + 1, outcomes
