@@ -4,8 +4,10 @@ etcd, kube-apiserver, kube-controller-manager and kube-scheduler, built by
 upstream/build.sh from the pinned Go modules, each started as its own
 process with its own identity: a client certificate signed by a CA made
 for the run (the controller manager and scheduler as the bootstrap RBAC
-users the API server knows them by), RBAC and the default admission chain
-(ValidatingAdmissionPolicy included) on. There is no kubelet: Nodes are
+users the API server knows them by), authorized as a production cluster
+is: the Node authorizer and NodeRestriction for kubelets, RBAC for the
+rest, the default admission chain (ValidatingAdmissionPolicy included),
+and API priority and fairness. There is no kubelet: Nodes are
 objects whose status the tier writes as a kubelet would, and the node
 lifecycle controller waits two hours for a heartbeat before it calls one unreachable.
 
@@ -360,10 +362,16 @@ class ControlPlane:
                 "https://kubernetes.default.svc",
                 "--service-cluster-ip-range",
                 "10.96.0.0/16",
+                # As a production cluster runs: kubelets authorized by the
+                # Node authorizer and held to their own Node and pods by
+                # NodeRestriction (on top of the default admission chain),
+                # everyone else by RBAC; API priority and fairness on.
                 "--authorization-mode",
-                "RBAC",
+                "Node,RBAC",
+                "--enable-admission-plugins",
+                "NodeRestriction",
+                "--enable-priority-and-fairness=true",
                 "--allow-privileged=true",
-                "--enable-priority-and-fairness=false",
                 "--profiling=false",
                 "--endpoint-reconciler-type",
                 "none",

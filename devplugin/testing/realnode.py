@@ -123,7 +123,6 @@ class RealNode:
             self._holder()
             self._containerd(within)
             self._import_images()
-            self._authorize()
             self.start_kubelet()
             if not self.wait_ready(within):
                 raise RuntimeError(f"the Node did not become Ready:\n{self.tail('kubelet')}")
@@ -279,24 +278,6 @@ state = "{self.folder}/containerd/state"
             done = self._ctr("images", "import", str(archive))
             if done.returncode != 0:
                 raise RuntimeError(f"ctr images import {ref}: {done.stderr[-600:]}")
-
-    def _authorize(self) -> None:
-        # The API server authorizes with RBAC alone: the kubelets' group gets
-        # the role the Node authorizer would stand for.
-        binding = {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "ClusterRoleBinding",
-            "metadata": {"name": "devplugin-tier-nodes"},
-            "roleRef": {
-                "apiGroup": "rbac.authorization.k8s.io",
-                "kind": "ClusterRole",
-                "name": "system:node",
-            },
-            "subjects": [
-                {"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": "system:nodes"}
-            ],
-        }
-        self.plane.apply(binding)
 
     def _kubelet_config(self) -> Path:
         cert = self.plane.pki.issue(self.name, f"system:node:{self.name}", ["system:nodes"])
