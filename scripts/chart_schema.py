@@ -99,6 +99,7 @@ def _extender() -> dict[str, Any]:
     return obj(
         {
             "enabled": BOOL,
+            "hostNetwork": BOOL,
             "replicas": {"type": "integer", "minimum": 1},
             "port": PORT,
             "staleAfterSeconds": {"type": "number", "exclusiveMinimum": 0},
@@ -176,6 +177,7 @@ def values_schema() -> dict[str, Any]:
                 "runtimeClassName": STRING,
                 "privileged": BOOL,
                 "hostNetwork": BOOL,
+                "kubernetesService": obj({"host": STRING, "port": PORT}),
                 "resources": ANY_OBJECT,
                 "hostPaths": obj({key: ABSOLUTE for key in HOST_PATHS}),
                 "metrics": _metrics(),

@@ -98,6 +98,10 @@ CASES: dict[str, dict[str, Any]] = {
         "config": {"resources": {"gpu": {"api": "dra"}, "hca": {"api": "dra"}},
                    "dra": {"unhealthy": "taint"}},
     },
+    "no-kube-proxy": {
+        "kubernetesService": {"host": "10.0.0.10", "port": 6443},
+        "extender": {"enabled": True, "hostNetwork": True},
+    },
     "placement": {
         "nodeSelector": {"gpu.example.com/pool": "training"},
         "affinity": {"podAntiAffinity": {}},

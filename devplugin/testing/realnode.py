@@ -88,6 +88,9 @@ class RealNode:
     processes: dict[str, Process] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        # A second folder of CDI specs, as /var/run/cdi is beside /etc/cdi:
+        # what a daemon in a pod writes (the chart mounts the two apart).
+        self.cdi_dynamic = self.cdi_dir.with_name(self.cdi_dir.name + "-dynamic")
         self.kubelet_dir = self.folder / "kubelet"
         self.socket = self.folder / "containerd.sock"
         self.logs = self.folder / "logs"
@@ -119,6 +122,7 @@ class RealNode:
             for sub in ("kubelet", "containerd", "cni", "cni-state", "logs", "runc"):
                 (self.folder / sub).mkdir(parents=True, exist_ok=True)
             self.cdi_dir.mkdir(parents=True, exist_ok=True)
+            self.cdi_dynamic.mkdir(parents=True, exist_ok=True)
             KUBELET_DIR.mkdir(parents=True, exist_ok=True)  # the mount point
             self._holder()
             self._containerd(within)
@@ -198,7 +202,7 @@ state = "{self.folder}/containerd/state"
 [grpc]
   address = "{self.socket}"
 [{runtime}]
-  cdi_spec_dirs = ["{self.cdi_dir}"]
+  cdi_spec_dirs = ["{self.cdi_dir}", "{self.cdi_dynamic}"]
   restrict_oom_score_adj = true
   netns_mounts_under_state_dir = true
   [{runtime}.containerd]
@@ -240,7 +244,7 @@ state = "{self.folder}/containerd/state"
         (self.folder / "cni" / "10-devplugin.conflist").write_text(json.dumps(network))
         return path
 
-    def _ctr(self, *args: str) -> subprocess.CompletedProcess[str]:
+    def _ctr(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [
                 *self._enter(),
@@ -253,7 +257,7 @@ state = "{self.folder}/containerd/state"
             ],
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=timeout,
             check=False,
         )
 
@@ -275,9 +279,19 @@ state = "{self.folder}/containerd/state"
         for ref, entrypoint in ((PAUSE_IMAGE, ["/bin/sleep", "2147483647"]), (WORK_IMAGE, None)):
             archive = self.folder / (ref.rsplit("/", 1)[-1].replace(":", "-") + ".tar")
             write_image(archive, ref, entrypoint)
-            done = self._ctr("images", "import", str(archive))
+            done = self._ctr("images", "import", str(archive), timeout=600)
             if done.returncode != 0:
                 raise RuntimeError(f"ctr images import {ref}: {done.stderr[-600:]}")
+
+    def import_image(self, archive: Path) -> None:
+        """An OCI image archive (one a build saved) into the node's containerd."""
+        done = self._ctr("images", "import", str(archive), timeout=600)
+        if done.returncode != 0:
+            raise RuntimeError(f"ctr images import {archive.name}: {done.stderr[-600:]}")
+
+    def images(self) -> list[str]:
+        """The image references the node's containerd holds."""
+        return self._ctr("images", "list", "-q").stdout.split()
 
     def _kubelet_config(self) -> Path:
         cert = self.plane.pki.issue(self.name, f"system:node:{self.name}", ["system:nodes"])

@@ -464,6 +464,27 @@ def test_privileged_and_placement_switches(installs: dict[str, dict[str, Any]]) 
     assert container(objs)["image"] == "registry.example.com/devplugin:1.2.3"
 
 
+def test_the_api_servers_address_where_its_service_is_out_of_reach(
+    installs: dict[str, dict[str, Any]],
+) -> None:
+    """kubernetesService: both programs' in-cluster address; unset, the
+    kubelet's own (no variable of the chart's)."""
+    wanted = [{"name": "KUBERNETES_SERVICE_HOST", "value": "10.0.0.10"},
+              {"name": "KUBERNETES_SERVICE_PORT", "value": "6443"}]  # fmt: skip
+    objs = objects(installs, "no-kube-proxy")
+    assert all(entry in container(objs)["env"] for entry in wanted)
+    deployment = objs["Deployment"]["spec"]["template"]["spec"]
+    (extender,) = deployment["containers"]
+    assert extender["env"] == wanted
+    assert deployment["hostNetwork"] is True
+    assert deployment["dnsPolicy"] == "ClusterFirstWithHostNet"
+    default = objects(installs, "extender")
+    assert not any(e["name"].startswith("KUBERNETES_") for e in container(default)["env"])
+    (plain,) = default["Deployment"]["spec"]["template"]["spec"]["containers"]
+    assert "env" not in plain
+    assert "hostNetwork" not in default["Deployment"]["spec"]["template"]["spec"]
+
+
 def test_paths_probes_and_rollout_switches(installs: dict[str, dict[str, Any]]) -> None:
     objs = objects(installs, "paths-and-probes")
     daemonset = objs["DaemonSet"]

@@ -183,3 +183,14 @@ extenders:
 {{- end -}}
 {{- printf "%s:%s" $image.repository $tag -}}
 {{- end -}}
+
+{{/* KUBERNETES_SERVICE_HOST/PORT where kubernetesService.host says (the
+     kubelet's otherwise). */}}
+{{- define "devplugin.apiServerEnv" -}}
+{{- with .Values.kubernetesService.host }}
+- name: KUBERNETES_SERVICE_HOST
+  value: {{ . | quote }}
+- name: KUBERNETES_SERVICE_PORT
+  value: {{ $.Values.kubernetesService.port | quote }}
+{{- end }}
+{{- end -}}
