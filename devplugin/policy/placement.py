@@ -33,6 +33,22 @@ from devplugin.policy.allocator import Allocator, Request, Role
 from devplugin.policy.podinfo import ContainerInfo, PodInfo
 from devplugin.policy.ranking import rank_scores
 from devplugin.policy.topology import DOMAIN_DEPTH, Level, Topology
+from devplugin.policy.topology_manager import (
+    CONTAINER,
+    CPU_NONE,
+    CPU_POLICIES,
+    MAX_NUMA_NODES,
+    NO_POLICY,
+    NONE,
+    POD,
+    POLICIES,
+    SCOPES,
+    Admission,
+    Ask,
+    KubeletPolicy,
+    Pool,
+    Refusal,
+)
 
 ALIGNMENT_ANNOTATION = "devplugin.io/alignment"
 POLICY_ANNOTATION = "devplugin.io/alignment-policy"
@@ -70,6 +86,13 @@ class NodeState:
     # Shared devices: how many replicas each is served as, and how many are held.
     replicas: Mapping[str, int] = field(default_factory=dict)
     used: Mapping[str, int] = field(default_factory=dict)
+    # What the node's kubelet aligns (its Topology and CPU Managers), the
+    # NUMA nodes it knows, the exclusive CPUs by NUMA node (None: unknown),
+    # and whether its device hints span only the nodes with devices (1.37).
+    kubelet: KubeletPolicy = NO_POLICY
+    machine: tuple[int, ...] = ()
+    cpus: Pool | None = None
+    device_nodes_only: bool = True
 
     def without(self, ended: Iterable[Holding]) -> NodeState:
         """The node once these holders' devices are back (their pods ended):
@@ -121,7 +144,8 @@ class NodeState:
         if outcome.free_after is None:
             return self
         used = outcome.used_after if outcome.used_after is not None else self.used
-        return replace(self, free=outcome.free_after, used=used)
+        cpus = outcome.cpus_after if outcome.cpus_after is not None else self.cpus
+        return replace(self, free=outcome.free_after, used=used, cpus=cpus)
 
     def pool(self, kind: DeviceKind, resource: str) -> frozenset[str]:
         """The devices served under `resource` ("": the kind's whole devices,
@@ -149,9 +173,18 @@ class Shape:
     # Per container, the GPU and HCA resources it asks them as ("": the
     # kind's whole devices); empty: "" for every container.
     resources: tuple[tuple[str, str], ...] = ()
+    # Per container, the whole CPUs it asks of a static CPU manager (a
+    # Guaranteed pod's integer CPUs; 0 otherwise); empty: none anywhere.
+    cpus: tuple[int, ...] = ()
+    # A run-once init container asks for devices or CPUs: the Topology
+    # Manager admits it on its own, which placement does not follow.
+    init_asks: bool = False
 
     def resources_of(self, index: int) -> tuple[str, str]:
         return self.resources[index] if index < len(self.resources) else ("", "")
+
+    def cpus_of(self, index: int) -> int:
+        return self.cpus[index] if index < len(self.cpus) else 0
 
     @property
     def wants_devices(self) -> bool:
@@ -181,6 +214,8 @@ class Outcome:
     used_after: Mapping[str, int] | None = None
     # The devices it takes (a shared one once, however many replicas).
     chosen: frozenset[str] = frozenset()
+    # The exclusive CPUs left by NUMA node after it (None: not counted).
+    cpus_after: Pool | None = None
 
     def taken(self, free: Mapping[DeviceKind, frozenset[str]]) -> frozenset[str]:
         """The devices this placement takes from `free` (the node's free
@@ -268,6 +303,10 @@ class ParsedRecord:
     mig: frozenset[str] = frozenset()
     replicas: Mapping[str, int] = field(default_factory=dict)
     used: Mapping[str, int] = field(default_factory=dict)
+    kubelet: KubeletPolicy = NO_POLICY
+    machine: tuple[int, ...] = ()
+    cpus: Pool | None = None
+    device_nodes_only: bool = True
 
     def node(self, topology: Topology) -> NodeState:
         return NodeState(
@@ -282,6 +321,10 @@ class ParsedRecord:
             mig=self.mig,
             replicas=self.replicas,
             used=self.used,
+            kubelet=self.kubelet,
+            machine=self.machine,
+            cpus=self.cpus,
+            device_nodes_only=self.device_nodes_only,
         )
 
 
@@ -294,6 +337,8 @@ def node_from_record(record: Mapping[str, Any]) -> NodeState:
 # A GPU has at most 18 NVLinks today; a count far past that is not one.
 MAX_NVLINKS = 64
 MAX_NUMA = 1023
+# NUMA nodes a record lists at most (the CRD's limit).
+MAX_NUMA_LISTED = 64
 
 
 def _check_unique(devices: list[Any]) -> None:
@@ -475,6 +520,7 @@ def parse_record(record: Mapping[str, Any], *, canonical: bool = False) -> Parse
             )
     holdings = _holdings(allocations, named)
     used, held = _held(holdings, replicas)
+    kubelet, machine, cpus, nodes_only = _kubelet(status)
     return ParsedRecord(
         name=meta["name"],
         layout_key=tuple(layout),
@@ -489,7 +535,75 @@ def parse_record(record: Mapping[str, Any], *, canonical: bool = False) -> Parse
         mig=frozenset(mig),
         replicas=replicas,
         used=used,
+        kubelet=kubelet,
+        machine=machine,
+        cpus=cpus,
+        device_nodes_only=nodes_only,
     )
+
+
+def _kubelet(status: Mapping[str, Any]) -> tuple[KubeletPolicy, tuple[int, ...], Pool | None, bool]:
+    """What the record says of the node's kubelet (status.kubelet) and its
+    NUMA nodes (status.numaNodes): its policy, the nodes, the exclusive
+    CPUs by node where known, and whether its device hints span only the
+    nodes with devices (from 1.37). Nothing said: no alignment."""
+    found = _field(status, "kubelet", dict, "status", {})
+    where = "status.kubelet"
+    policy = KubeletPolicy(
+        _choice(found, "topologyManagerPolicy", POLICIES, where, NONE),
+        _choice(found, "topologyManagerScope", SCOPES, where, CONTAINER),
+        _choice(found, "cpuManagerPolicy", CPU_POLICIES, where, CPU_NONE),
+    )
+    version = _field(found, "version", str, where, "")
+    minor = _minor(version)
+    nodes = _field(status, "numaNodes", list, "status", [])
+    if len(nodes) > MAX_NUMA_LISTED:
+        raise ValueError(f"status.numaNodes: more than {MAX_NUMA_LISTED}")
+    machine: list[int] = []
+    every: dict[int, int] = {}
+    free: dict[int, int] = {}
+    known = True
+    for i, entry in enumerate(nodes):
+        at = f"status.numaNodes[{i}]"
+        if not isinstance(entry, dict):
+            raise ValueError(f"{at} must be an object")
+        node = _field(entry, "id", int, at)
+        if not 0 <= node <= MAX_NUMA or node in machine:
+            raise ValueError(f"{at}.id {node} is not a NUMA node, or listed twice")
+        machine.append(node)
+        every[node] = _count_field(entry, "cpus", at)
+        if "freeCpus" in entry:
+            free[node] = min(_count_field(entry, "freeCpus", at), every[node])
+        else:
+            known = False
+    cpus = Pool(every, free) if machine and known else None
+    if len(machine) > MAX_NUMA_NODES:
+        policy = NO_POLICY  # the kubelet does not start so (or an option raised it): unsure
+    return policy, tuple(sorted(machine)), cpus, minor is None or minor >= 37
+
+
+def _choice(
+    found: Mapping[str, Any], key: str, allowed: tuple[str, ...], where: str, default: str
+) -> str:
+    value = _field(found, key, str, where, default) or default
+    if value not in allowed:
+        raise ValueError(f"{where}.{key} {value[:40]!r} is not one of {', '.join(allowed)}")
+    return value
+
+
+def _count_field(entry: Mapping[str, Any], key: str, where: str) -> int:
+    value: int = _field(entry, key, int, where)
+    if not 0 <= value <= 65536:
+        raise ValueError(f"{where}.{key} {value} is out of range")
+    return value
+
+
+def _minor(version: str) -> int | None:
+    """v1.37.2 -> 37; None where it does not say."""
+    parts = version.lstrip("v").split(".")
+    if len(parts) >= 2 and parts[0] == "1" and parts[1].isdigit():
+        return int(parts[1])
+    return None
 
 
 # Replicas a shared device may be served as (the CRD's limit).
@@ -590,12 +704,16 @@ def _asks(container: ContainerInfo, gpu: str, hca: str) -> list[tuple[int, int, 
 def shape_of(pod: PodInfo, gpu: str, hca: str) -> Shape:
     """The pod's containers in admission order, as (GPUs, HCAs) with the
     resources they ask them as."""
-    init = [a for c in pod.init_containers if not c.sidecar for a in _asks(c, gpu, hca)]
-    held = [
-        a
-        for c in (*[c for c in pod.init_containers if c.sidecar], *pod.containers)
-        for a in _asks(c, gpu, hca)
-    ]
+    once = [c for c in pod.init_containers if not c.sidecar]
+    init = [a for c in once for a in _asks(c, gpu, hca)]
+    held: list[tuple[int, int, str, str]] = []
+    cpus: list[int] = []
+    for container in (*[c for c in pod.init_containers if c.sidecar], *pod.containers):
+        # A container asking only whole CPUs still takes them from a NUMA
+        # node where the kubelet aligns: it is one step of the admission.
+        asks = _asks(container, gpu, hca) or ([(0, 0, "", "")] if container.cpus else [])
+        held.extend(asks)
+        cpus.extend([container.cpus] + [0] * (len(asks) - 1) if asks else [])
     gpus = sum(a[0] for a in held)
     hcas = sum(a[1] for a in held)
     # A larger init container decides the count the node must have free.
@@ -606,6 +724,8 @@ def shape_of(pod: PodInfo, gpu: str, hca: str) -> Shape:
         gpus,
         hcas,
         tuple((g_res, h_res) for _, _, g_res, h_res in held),
+        tuple(cpus) if any(cpus) else (),
+        init_asks=bool(init) or any(c.cpus for c in once),
     )
 
 
@@ -699,13 +819,17 @@ def place(node: NodeState, shape: Shape, allocator: Allocator | None = None) -> 
     worst: Level | None = None
     total = 0
     before = _spread(topology, free[DeviceKind.GPU] | free[DeviceKind.HCA])
+    admission = _admission(node, shape)
     try:
+        pod_mask = _pod_affinity(admission, node, shape, free)
         for index, (gpus, hcas) in enumerate(shape.containers):
             g_res, h_res = shape.resources_of(index)
             view = {
                 DeviceKind.GPU: free[DeviceKind.GPU] & node.pool(DeviceKind.GPU, g_res),
                 DeviceKind.HCA: free[DeviceKind.HCA] & node.pool(DeviceKind.HCA, h_res),
             }
+            if admission is not None:
+                view = _aligned(admission, node, shape, index, view, pod_mask)
             count = min(gpus, len(view[DeviceKind.GPU]))
             chosen_g = _choose(search, DeviceKind.GPU, count, view, hcas)
             _take(node, DeviceKind.GPU, chosen_g, gpus, view, free, used)
@@ -735,6 +859,8 @@ def place(node: NodeState, shape: Shape, allocator: Allocator | None = None) -> 
                 total += sum(levels)
     except Refused as exc:
         return Outcome(False, f"no placement: {exc.reason}")
+    except Refusal as exc:
+        return Outcome(False, str(exc))
     after = _spread(topology, free[DeviceKind.GPU] | free[DeviceKind.HCA])
     return Outcome(
         True,
@@ -745,7 +871,75 @@ def place(node: NodeState, shape: Shape, allocator: Allocator | None = None) -> 
         {kind: frozenset(ids) for kind, ids in free.items()},
         used if node.replicas else None,
         frozenset(chosen),
+        admission.cpus if admission is not None else None,
     )
+
+
+def _admission(node: NodeState, shape: Shape) -> Admission | None:
+    """The kubelet's admission of this pod on the node, where its Topology
+    Manager aligns anything and placement can follow it (not for a pod
+    whose run-once init containers ask for devices or CPUs)."""
+    if not node.kubelet.aligns or shape.init_asks or not node.machine:
+        return None
+    numa = {
+        d: node.topology.numa_node(d) for kind in DeviceKind for d in node.topology.id_set(kind)
+    }
+    return Admission(node.kubelet, node.machine, numa, node.cpus, node.device_nodes_only)
+
+
+def _ask_of(
+    node: NodeState, kind: DeviceKind, resource: str, free: frozenset[str] | set[str], count: int
+) -> Ask:
+    healthy = node.pool(kind, resource) & (node.healthy or {}).get(kind, frozenset())
+    return Ask(healthy, frozenset(free) & node.pool(kind, resource), count)
+
+
+def _pod_affinity(
+    admission: Admission | None,
+    node: NodeState,
+    shape: Shape,
+    free: Mapping[DeviceKind, set[str]],
+) -> int | None:
+    """At pod scope, the one mask the pod's summed requests get (scope_pod.go)."""
+    if admission is None or admission.policy.scope != POD:
+        return None
+    counts: dict[tuple[DeviceKind, str], int] = {}
+    for index, (gpus, hcas) in enumerate(shape.containers):
+        g_res, h_res = shape.resources_of(index)
+        for key, count in (((DeviceKind.GPU, g_res), gpus), ((DeviceKind.HCA, h_res), hcas)):
+            counts[key] = counts.get(key, 0) + count
+    asks = [_ask_of(node, k, r, free[k], n) for (k, r), n in counts.items()]
+    cpus = sum(shape.cpus_of(i) for i in range(len(shape.containers)))
+    mask = admission.affinity(asks, cpus)
+    for index in range(len(shape.containers)):
+        admission.take_cpus(mask, shape.cpus_of(index))
+    return mask
+
+
+def _aligned(
+    admission: Admission,
+    node: NodeState,
+    shape: Shape,
+    index: int,
+    view: Mapping[DeviceKind, set[str]],
+    pod_mask: int | None,
+) -> dict[DeviceKind, set[str]]:
+    """One container's devices to choose from, as the kubelet narrows them
+    to its affinity (scope_container.go admits it here first)."""
+    gpus, hcas = shape.containers[index]
+    g_res, h_res = shape.resources_of(index)
+    asks = (
+        _ask_of(node, DeviceKind.GPU, g_res, view[DeviceKind.GPU], gpus),
+        _ask_of(node, DeviceKind.HCA, h_res, view[DeviceKind.HCA], hcas),
+    )
+    mask = pod_mask
+    if admission.policy.scope != POD:
+        mask = admission.affinity(asks, shape.cpus_of(index))
+        admission.take_cpus(mask, shape.cpus_of(index))
+    return {
+        DeviceKind.GPU: set(admission.within(mask, asks[0])),
+        DeviceKind.HCA: set(admission.within(mask, asks[1])),
+    }
 
 
 def _take(

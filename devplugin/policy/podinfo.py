@@ -23,6 +23,9 @@ class ContainerInfo:
     requests: Mapping[str, int]
     # Restartable init containers (sidecars) run for the pod's whole life.
     sidecar: bool = False
+    # Whole CPUs a static CPU manager gives it exclusively (a Guaranteed
+    # pod's integer CPU request; 0 otherwise).
+    cpus: int = 0
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,64 @@ def _container(entry: object, *, init: bool) -> ContainerInfo:
             if "/" in str(name):
                 counts[str(name)] = _count(value)
     sidecar = init and entry.get("restartPolicy") == "Always"
-    return ContainerInfo(entry["name"], MappingProxyType(counts), sidecar)
+    cpu = _cpus(resources)
+    return ContainerInfo(entry["name"], MappingProxyType(counts), sidecar, cpu)
+
+
+# Quantity suffixes (k8s.io/apimachinery resource.Quantity): binary, then decimal.
+_SUFFIX = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+           "n": 1e-9, "u": 1e-6, "m": 1e-3, "": 1, "k": 1e3, "M": 1e6, "G": 1e9,
+           "T": 1e12, "P": 1e15, "E": 1e18}  # fmt: skip
+
+
+def quantity(value: object) -> float:
+    """A resource quantity's value ("500m" -> 0.5, "1Gi" -> 1073741824);
+    ValueError for one that is not."""
+    text = str(value).strip()
+    if not text or len(text) > 64:
+        raise ValueError(f"not a quantity: {text[:64]!r}")
+    for suffix in sorted(_SUFFIX, key=len, reverse=True):
+        if suffix and text.endswith(suffix):
+            number, scale = text[: -len(suffix)], _SUFFIX[suffix]
+            break
+    else:
+        number, scale = text, 1
+    try:
+        return float(number) * scale
+    except ValueError as exc:
+        raise ValueError(f"not a quantity: {text!r}") from exc
+
+
+def _cpus(resources: Mapping[str, Any]) -> int:
+    """The whole CPUs a container asks (its CPU limit, or request where no
+    limit says), as a static CPU manager counts them: 0 unless whole."""
+    for section in ("limits", "requests"):
+        values = resources.get(section) or {}
+        if isinstance(values, dict) and "cpu" in values:
+            amount = quantity(values["cpu"])
+            return int(amount) if amount == int(amount) and amount >= 1 else 0
+    return 0
+
+
+def _guaranteed(entries: list[Any]) -> bool:
+    """The pod's QoS class is Guaranteed (pkg/apis/core/v1/helper/qos):
+    every container sets CPU and memory limits, and requests equal to them."""
+    for entry in entries:
+        resources = entry.get("resources") if isinstance(entry, dict) else None
+        if not isinstance(resources, dict):
+            return False
+        limits, requests = resources.get("limits") or {}, resources.get("requests") or {}
+        if not isinstance(limits, dict) or not isinstance(requests, dict):
+            return False
+        for name in ("cpu", "memory"):
+            if name not in limits:
+                return False
+            try:
+                if name in requests and quantity(requests[name]) != quantity(limits[name]):
+                    return False
+            except ValueError:
+                return False
+    return bool(entries)
 
 
 def _started(status: Mapping[str, Any]) -> bool:
@@ -115,6 +175,11 @@ def parse_pod(obj: Mapping[str, Any]) -> PodInfo:
     main = spec.get("containers") or []
     if not isinstance(init, list) or not isinstance(main, list):
         raise ValueError("spec.containers and spec.initContainers must be lists")
+    init_containers = tuple(_container(c, init=True) for c in init)
+    containers = tuple(_container(c, init=False) for c in main)
+    if not _guaranteed([*init, *main]):
+        init_containers = tuple(dataclasses.replace(c, cpus=0) for c in init_containers)
+        containers = tuple(dataclasses.replace(c, cpus=0) for c in containers)
     return PodInfo(
         uid=meta["uid"],
         namespace=meta["namespace"],
@@ -123,8 +188,8 @@ def parse_pod(obj: Mapping[str, Any]) -> PodInfo:
         phase=str(status.get("phase") or "Pending"),
         created=str(meta.get("creationTimestamp") or ""),
         deleting=bool(meta.get("deletionTimestamp")),
-        init_containers=tuple(_container(c, init=True) for c in init),
-        containers=tuple(_container(c, init=False) for c in main),
+        init_containers=init_containers,
+        containers=containers,
         started=_started(status),
         annotations=_annotations(meta.get("annotations")),
         priority=_priority(spec.get("priority")),

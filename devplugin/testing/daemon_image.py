@@ -100,10 +100,8 @@ def image_archive() -> tuple[Path, str]:
     if archive.exists():
         return archive, reference
     archive.parent.mkdir(parents=True, exist_ok=True)
-    build = _podman(
-        "build", "--network", "host", "--build-arg", f"BASE={_base()}",
-        "--build-arg", f"VERSION={tag}", "-t", reference, str(REPO),
-    )  # fmt: skip
+    arguments = ("--build-arg", f"BASE={_base()}", "--build-arg", f"VERSION={tag}")
+    build = _podman("build", "--network", "host", *arguments, "-t", reference, str(REPO))
     _run(build, "building the daemon's image", timeout=BUILD_TIMEOUT)
     partial = archive.with_suffix(".partial")
     partial.unlink(missing_ok=True)
