@@ -262,6 +262,16 @@ class KubeletConfig:
     register_timeout_seconds: float = _checked(5.0, _positive)
     register_backoff_initial_seconds: float = _checked(0.1, _positive)
     register_backoff_max_seconds: float = _checked(5.0, _positive)
+    # The kubelet's own configuration file (a KubeletConfiguration, YAML or
+    # JSON), read for what its Topology and CPU Managers align; null: not read.
+    config_file: str | None = _checked(None, _absolute)
+    # What the kubelet runs with where no file says (set by its flags): ""
+    # takes the file's, or the kubelet's defaults without a file.
+    topology_manager_policy: Literal[
+        "", "none", "best-effort", "restricted", "single-numa-node"
+    ] = ""
+    topology_manager_scope: Literal["", "container", "pod"] = ""
+    cpu_manager_policy: Literal["", "none", "static"] = ""
 
 
 @dataclass(frozen=True)
@@ -759,6 +769,7 @@ def _replace_path(node: Any, parts: list[str], value: Any, dotted: str) -> Any:
 # the checkpoint location); everything else is settable from values.
 CHART_MANAGED = (
     "version", "paths", "nvml", "metrics", "lifecycle.checkpoint_file", "cdi.spec_dirs",
+    "kubelet.config_file",
 )  # fmt: skip
 
 

@@ -350,4 +350,6 @@ def _status_inputs(
         holders=lambda: holders_report(core.coordinator.topology, core.ledger.holders()),
         registered=registered,
         served=plugins.served_as,
+        kubelet=core.facts.kubelet,
+        numa=core.facts.numa,
     )

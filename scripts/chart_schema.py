@@ -179,7 +179,13 @@ def values_schema() -> dict[str, Any]:
                 "hostNetwork": BOOL,
                 "kubernetesService": obj({"host": STRING, "port": PORT}),
                 "resources": ANY_OBJECT,
-                "hostPaths": obj({key: ABSOLUTE for key in HOST_PATHS}),
+                "hostPaths": obj(
+                    {
+                        **{key: ABSOLUTE for key in HOST_PATHS},
+                        # The kubelet's config file; "": not read.
+                        "kubeletConfig": {"type": "string", "pattern": "^(/.*)?$"},
+                    }
+                ),
                 "metrics": _metrics(),
                 "probes": obj({"liveness": PROBE, "readiness": PROBE}),
                 "serviceAccount": obj({"create": BOOL, "name": STRING, "annotations": ANY_OBJECT}),

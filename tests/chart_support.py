@@ -100,6 +100,7 @@ CASES: dict[str, dict[str, Any]] = {
     },
     "no-kube-proxy": {
         "kubernetesService": {"host": "10.0.0.10", "port": 6443},
+        "hostPaths": {"kubeletConfig": "/var/lib/kubelet/config.yaml"},
         "extender": {"enabled": True, "hostNetwork": True},
     },
     "placement": {

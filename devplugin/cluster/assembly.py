@@ -68,10 +68,15 @@ class StatusInputs:
     registered: Callable[[], dict[str, bool]]
     # Device id -> (resource name, replicas), as the kubelet is served them.
     served: Callable[[], Mapping[str, tuple[str, int]]] = dict
+    # What the kubelet aligns, and its NUMA nodes (node/kubelet_facts.py).
+    kubelet: Callable[[], dict[str, Any]] = dict
+    numa: Callable[[], list[dict[str, int]]] = list
 
 
 def node_status(
-    inputs: StatusInputs, uid_of: Callable[[str, str], str | None] | None
+    inputs: StatusInputs,
+    uid_of: Callable[[str, str], str | None] | None,
+    kubelet_version: str = "",
 ) -> dict[str, Any]:
     """The NodeDevices status from the last judged state and the holdings
     as the events left them."""
@@ -92,8 +97,17 @@ def node_status(
             replace(c, uid=uid_of(c.namespace, c.pod)) if c.uid is None and c.pod else c
             for c in containers
         ]
+    kubelet = inputs.kubelet()
+    if kubelet_version:
+        kubelet = {**kubelet, "version": kubelet_version[:64]}
     return build_status(
-        inputs.inventory(), inputs.states(), containers, registration, inputs.served()
+        inputs.inventory(),
+        inputs.states(),
+        containers,
+        registration,
+        inputs.served(),
+        kubelet=kubelet,
+        numa=inputs.numa(),
     )
 
 
@@ -244,7 +258,16 @@ class ClusterSide:
     def _status(self, inputs: StatusInputs) -> dict[str, Any]:
         """The record's status now, holders named by the pod watch where
         there is one (what the writer publishes and /record serves)."""
-        return node_status(inputs, self.pods.uid_of if self.pods is not None else None)
+        return node_status(
+            inputs, self.pods.uid_of if self.pods is not None else None, self._kubelet_version()
+        )
+
+    def _kubelet_version(self) -> str:
+        """The kubelet's version as its Node says (the node watch's), where watched."""
+        if self.node_watch is None:
+            return ""
+        facts = self.node_watch.items().get(node_name(self.config))
+        return facts.kubelet_version if facts is not None else ""
 
     def publish_record(self, inputs: StatusInputs, core: NodeCore) -> None:
         """The NodeDevices record and its Lease, when the config asks."""

@@ -77,6 +77,8 @@ class NodeFacts:
 
     uid: str
     ours: Mapping[str, str]
+    # status.nodeInfo.kubeletVersion ("" where it does not say).
+    kubelet_version: str = ""
 
 
 def node_facts(data: Mapping[str, Any]) -> tuple[str, NodeFacts]:
@@ -87,7 +89,11 @@ def node_facts(data: Mapping[str, Any]) -> tuple[str, NodeFacts]:
     if not isinstance(labels, dict):
         raise ValueError("metadata.labels must be an object")
     ours = {k: str(v) for k, v in labels.items() if isinstance(k, str) and k.startswith(PREFIX)}
-    return meta["name"], NodeFacts(str(meta.get("uid") or ""), ours)
+    status = data.get("status")
+    info = status.get("nodeInfo") if isinstance(status, dict) else None
+    version = info.get("kubeletVersion") if isinstance(info, dict) else None
+    kubelet = version if isinstance(version, str) else ""
+    return meta["name"], NodeFacts(str(meta.get("uid") or ""), ours, kubelet)
 
 
 def node_cache(

@@ -73,8 +73,13 @@ def build_status(
     containers: Iterable[ContainerAlignment],
     registration: Registration,
     served: Mapping[str, tuple[str, int]] | None = None,
+    *,
+    kubelet: Mapping[str, Any] | None = None,
+    numa: list[dict[str, int]] | None = None,
 ) -> dict[str, Any]:
     """The record's status (without `updated`); equal inputs give equal output.
+    `kubelet` and `numa`: what the node's kubelet aligns and its NUMA nodes
+    (status.kubelet, status.numaNodes; left out when not known).
     `served`: device id -> the resource the kubelet serves it under and its
     replicas (time-slicing, shared HCAs), written on each device."""
     served = served or {}
@@ -128,7 +133,7 @@ def build_status(
             1 for d in mine if d["health"] == Health.HEALTHY.value and d["id"] not in held
         )
         summary["unhealthy"] += sum(1 for d in mine if d["health"] != Health.HEALTHY.value)
-    return {
+    status: dict[str, Any] = {
         "devices": devices,
         "allocations": allocations,
         "summary": summary,
@@ -139,6 +144,11 @@ def build_status(
             "message": registration.message[:MAX_TEXT],
         }],
     }  # fmt: skip
+    if kubelet:
+        status["kubelet"] = dict(kubelet)
+    if numa:
+        status["numaNodes"] = [dict(entry) for entry in numa]
+    return status
 
 
 def _served(served: Mapping[str, tuple[str, int]], device: str) -> dict[str, Any]:

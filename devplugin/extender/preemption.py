@@ -73,7 +73,15 @@ def _signature(
             parts.append((holding.devices, pod.priority, pod.start))
     used = tuple(sorted(node.used.items())) if node.replicas else ()
     free = node.free
-    return (id(node.topology), free[DeviceKind.GPU], free[DeviceKind.HCA], used, tuple(parts))
+    aligns = (node.kubelet, node.machine, node.cpus) if node.kubelet.aligns else ()
+    return (
+        id(node.topology),
+        free[DeviceKind.GPU],
+        free[DeviceKind.HCA],
+        used,
+        aligns,
+        tuple(parts),
+    )
 
 
 @dataclass(frozen=True)

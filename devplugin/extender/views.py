@@ -307,7 +307,9 @@ class NodeViews:
         free = node.free
         # Placement reads the free devices, and for shared ones their replicas held.
         used = tuple(sorted(node.used.items())) if node.replicas else ()
-        shared = (view.layout.key, free[DeviceKind.GPU], free[DeviceKind.HCA], used, key)
+        # And what its kubelet aligns, with the exclusive CPUs left.
+        aligns = (node.kubelet, node.machine, node.cpus) if node.kubelet.aligns else ()
+        shared = (view.layout.key, free[DeviceKind.GPU], free[DeviceKind.HCA], used, aligns, key)
         with self._shared_lock:
             found = self._shared.get(shared)
         if found is not None:

@@ -21,6 +21,7 @@ import grpc
 from devplugin.loops import ThreadLoop
 from devplugin.model import DeviceKind
 from devplugin.node.coordination import Coordinator
+from devplugin.node.kubelet_facts import KubeletFacts
 from devplugin.node.ledger import Held, Holdings, Ledger
 from devplugin.node.metrics import Metrics
 from devplugin.node.podresources import PodResourcesClient
@@ -110,8 +111,11 @@ class AlignmentMonitor(ThreadLoop):
         on_new: Sequence[Callable[[ContainerAlignment], None]] = (),
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        # Refreshed after each poll, on this loop: what the kubelet aligns.
+        facts: KubeletFacts | None = None,
     ) -> None:
         super().__init__("alignment")
+        self._facts = facts
         self._metrics = metrics
         self._listeners = list(listeners)
         self._on_new = list(on_new)
@@ -157,6 +161,8 @@ class AlignmentMonitor(ThreadLoop):
             return 0.0
         self._wake.clear()
         self.poll_once()
+        if self._facts is not None:
+            self._facts.refresh(self._client)
         return self.next_interval()
 
     def next_interval(self) -> float:

@@ -24,6 +24,7 @@ from devplugin.node.coordination import Coordinator
 from devplugin.node.deadline import Deadlines
 from devplugin.node.discovery import CdiReader, Discoverer, NvmlGpuSource, Roots
 from devplugin.node.discovery.udev import HotplugWatcher, udev_monitor
+from devplugin.node.kubelet_facts import KubeletFacts
 from devplugin.node.ledger import Ledger
 from devplugin.node.lifecycle.assembly import CleanupPolicy, Hooks, Lifecycle
 from devplugin.node.lifecycle.cdi_spec import HcaSpecWriter
@@ -146,6 +147,7 @@ class NodeCore:
     pipeline: Pipeline
     checks: CheckLoop
     monitor: AlignmentMonitor
+    facts: KubeletFacts
     xid: XidWatcher | None
     # The HCA as the GPU front-end's attach option and the pipeline see it.
     hca_view: HcaResource
@@ -316,6 +318,7 @@ def build_core(
         on_scan=xid.track if xid is not None else lambda inventory: None,
         metrics=metrics,
     )
+    facts = KubeletFacts(config.kubelet, Path(paths.sysfs_root))
     monitor = AlignmentMonitor(
         PodResourcesClient(Path(paths.pod_resources_socket)),
         coordinator,
@@ -326,6 +329,7 @@ def build_core(
         quiet_interval=pods.quiet_interval_seconds,
         listeners=[lifecycle.releases.observe],
         metrics=metrics,
+        facts=facts,
     )
     ledger.listen_freed(monitor.quicken)
     return NodeCore(
@@ -341,6 +345,7 @@ def build_core(
         pipeline=pipeline,
         checks=checks,
         monitor=monitor,
+        facts=facts,
         xid=xid,
         hca_view=hca_view,
     )

@@ -47,6 +47,8 @@ class PodResourcesClient:
         self._lock = threading.Lock()
         self._channel: grpc.Channel | None = None
         self._stub: pr_grpc.PodResourcesListerStub | None = None
+        # The CPUs containers hold exclusively, as of the last List.
+        self.assigned_cpus: frozenset[int] = frozenset()
 
     def _lister(self) -> pr_grpc.PodResourcesListerStub:
         with self._lock:
@@ -76,8 +78,10 @@ class PodResourcesClient:
             self.close()
             raise
         found: list[ContainerDevices] = []
+        cpus: set[int] = set()
         for pod in response.pod_resources:
             for container in pod.containers:
+                cpus.update(container.cpu_ids)
                 for devices in container.devices:
                     found.append(
                         ContainerDevices(
@@ -88,4 +92,17 @@ class PodResourcesClient:
                             device_ids=tuple(devices.device_ids),
                         )
                     )
+        self.assigned_cpus = frozenset(cpus)
         return found
+
+    def allocatable_cpus(self) -> frozenset[int]:
+        """The CPUs the kubelet may give containers exclusively (a static CPU
+        manager's: the machine's less the reserved; empty otherwise)."""
+        try:
+            response = self._lister().GetAllocatableResources(
+                pr.AllocatableResourcesRequest(), timeout=self._timeout
+            )
+        except grpc.RpcError:
+            self.close()
+            raise
+        return frozenset(response.cpu_ids)

@@ -109,6 +109,11 @@ class Pool:
     # they count towards enough, never towards a mask.
     free_unplaced: int = 0
 
+    def __hash__(self) -> int:
+        # Its maps are plain ones; placement keys its shared answers on it.
+        every, free = tuple(sorted(self.every.items())), tuple(sorted(self.free.items()))
+        return hash((every, free, self.free_unplaced))
+
 
 def hints(
     pool: Pool,

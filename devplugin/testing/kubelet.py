@@ -232,6 +232,7 @@ class _PodResources(pr_grpc.PodResourcesListerServicer):
         response = pr.AllocatableResourcesResponse()
         with self.sim._cond:
             self.sim.pod_resources_calls += 1
+            response.cpu_ids.extend(sorted(self.sim.allocatable_cpus))
             for resource, endpoint in self.sim._endpoints.items():
                 for device in endpoint.devices.values():
                     if device.health == "Healthy":
@@ -283,6 +284,10 @@ class KubeletSimulator:
         self.pod_resources_calls = 0
         # While set, PodResources List answers with no pods (a kubelet blip).
         self.blank_pod_resources = False
+        # A static CPU manager's side of PodResources, as a test sets it: the
+        # CPUs it may give exclusively, and those each container holds.
+        self.allocatable_cpus: frozenset[int] = frozenset()
+        self.exclusive_cpus: dict[tuple[str, str, str], tuple[int, ...]] = {}
         # (namespace, pod, container) of non-restartable init containers.
         self._init_only: set[tuple[str, str, str]] = set()
         # Called after each resource of a container is allocated (container,
@@ -735,6 +740,7 @@ class KubeletSimulator:
             if (namespace, name, container) in self._init_only:
                 continue  # the kubelet lists app containers and sidecars only
             entry = proto.containers.add(name=container)
+            entry.cpu_ids.extend(self.exclusive_cpus.get((namespace, name, container), ()))
             for resource, ids in resources.items():
                 endpoint = self._endpoints.get(resource)
                 devices = entry.devices.add(resource_name=resource, device_ids=list(ids))

@@ -423,9 +423,36 @@ def build_node(spec: NodeSpec, base: Path) -> BuiltNode:
     """Write `spec` under `base` (sys/, dev/, nvml.json)."""
     base.mkdir(parents=True, exist_ok=True)
     node = _Builder(spec, base).build()
+    write_numa_nodes(node.sysfs_root, _numa_cpus(spec))
     if any(missing == "rdma_cm" for root in spec.roots for missing in _missing(root.children)):
         (node.dev_root / "infiniband" / "rdma_cm").unlink(missing_ok=True)
     return node
+
+
+def _numa_cpus(spec: NodeSpec) -> dict[int, str]:
+    """NUMA node -> the CPUs its root complexes say are local (cpulist form)."""
+    found: dict[int, list[str]] = {}
+    for root in spec.roots:
+        if root.numa_node is not None and root.local_cpulist not in found.get(root.numa_node, []):
+            found.setdefault(root.numa_node, []).append(root.local_cpulist)
+    return {node: ",".join(parts) for node, parts in found.items()}
+
+
+def write_numa_nodes(sysfs_root: Path, cpus: dict[int, str]) -> None:
+    """devices/system/node as the kernel writes it: a nodeN folder per NUMA
+    node with its cpulist (what the kubelet's cadvisor and the daemon read),
+    replacing any there."""
+    base = sysfs_root / "devices" / "system" / "node"
+    if base.exists():
+        for old in base.glob("node*"):
+            for entry in old.iterdir():
+                entry.unlink()
+            old.rmdir()
+    base.mkdir(parents=True, exist_ok=True)
+    for node, cpulist in sorted(cpus.items()):
+        folder = base / f"node{node}"
+        folder.mkdir()
+        (folder / "cpulist").write_text(cpulist + "\n")
 
 
 def _missing(children: list[Child]) -> list[str]:

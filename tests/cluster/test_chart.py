@@ -116,6 +116,8 @@ def expected_config(values: dict[str, Any], kube_version: str = "v1.31.0") -> di
     config["metrics"] = {"enabled": full["metrics"]["enabled"]}
     paths = full["hostPaths"]
     config.setdefault("cdi", {})["spec_dirs"] = [paths["cdiStatic"], paths["cdiDynamic"]]
+    if paths["kubeletConfig"]:
+        config.setdefault("kubelet", {})["config_file"] = "/host/kubelet/config"
     resources = config.get("resources") or {}
     if any(
         (resources.get(kind) or {}).get("api") == "dra"
@@ -462,6 +464,27 @@ def test_privileged_and_placement_switches(installs: dict[str, dict[str, Any]]) 
     assert spec["hostNetwork"] is True
     assert spec["dnsPolicy"] == "ClusterFirstWithHostNet"
     assert container(objs)["image"] == "registry.example.com/devplugin:1.2.3"
+
+
+def test_the_kubelets_config_file_is_mounted_read_only_where_named(
+    installs: dict[str, dict[str, Any]],
+) -> None:
+    objs = objects(installs, "no-kube-proxy")
+    mounts = {m["name"]: m for m in container(objs)["volumeMounts"]}
+    assert mounts["kubelet-config"] == {
+        "name": "kubelet-config",
+        "mountPath": "/host/kubelet/config",
+        "readOnly": True,
+    }
+    volumes = {v["name"]: v for v in objs["DaemonSet"]["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["kubelet-config"]["hostPath"] == {
+        "path": "/var/lib/kubelet/config.yaml",
+        "type": "File",
+    }
+    config = yaml.safe_load(objs["ConfigMap"]["data"]["config.yaml"])
+    assert config["kubelet"]["config_file"] == "/host/kubelet/config"
+    plain = container(objects(installs, "extender"))
+    assert all(m["name"] != "kubelet-config" for m in plain["volumeMounts"])
 
 
 def test_the_api_servers_address_where_its_service_is_out_of_reach(

@@ -59,6 +59,11 @@ app.kubernetes.io/instance: {{ .Release.Name }}
       "kubelet_plugins_dir" .Values.hostPaths.kubeletPlugins
       "kubelet_registry_dir" .Values.hostPaths.kubeletRegistry) -}}
 {{- $_ = set $config "metrics" (dict "enabled" .Values.metrics.enabled) -}}
+{{- if .Values.hostPaths.kubeletConfig -}}
+{{- $kubelet := get $config "kubelet" | default dict -}}
+{{- $_ = set $kubelet "config_file" "/host/kubelet/config" -}}
+{{- $_ = set $config "kubelet" $kubelet -}}
+{{- end -}}
 {{- $cdi := get $config "cdi" | default dict -}}
 {{- $_ = set $cdi "spec_dirs" (list .Values.hostPaths.cdiStatic .Values.hostPaths.cdiDynamic) -}}
 {{- $_ = set $config "cdi" $cdi -}}
