@@ -178,6 +178,11 @@ class Coordinator:
                 served &= scope
         listed = frozenset(available) & known
         must = frozenset(must_include) & known
+        # A kubelet whose Topology Manager aligns asks with the devices of its
+        # affinity's NUMA nodes only (devicemanager/manager.go, devicesToAllocate:
+        # the aligned set), so what it leaves out elsewhere proves nothing.
+        nodes = {self._topology.numa_node(d) for d in listed | must}
+        served = frozenset(d for d in served if self._topology.numa_node(d) in nodes)
         return self._ledger.available(kind, listed, must, served)
 
     # -- queries ---------------------------------------------------------------

@@ -32,6 +32,7 @@ from typing import Any
 
 import yaml
 
+from devplugin.node.kubelet_facts import cpulist
 from devplugin.testing.controlplane import (
     ControlPlane,
     Process,
@@ -39,9 +40,11 @@ from devplugin.testing.controlplane import (
     free_port,
     kubeconfig,
 )
+from devplugin.testing.node import write_numa_nodes
 from devplugin.testing.oci_image import PAUSE_IMAGE, WORK_IMAGE, write_image
 
 KUBELET_DIR = Path("/var/lib/kubelet")
+SYS_NODES = Path("/sys/devices/system/node")
 RUNC = "/usr/sbin/runc"
 CNI_BIN = Path("/usr/lib/cni")
 
@@ -86,6 +89,13 @@ class RealNode:
     name: str
     cdi_dir: Path
     processes: dict[str, Process] = field(default_factory=dict)
+    # KubeletConfiguration fields set over the tier's own (the Topology and
+    # CPU Managers, say).
+    kubelet_settings: dict[str, Any] = field(default_factory=dict)
+    # NUMA node -> its CPUs (cpulist form) as the kubelet is to see the
+    # machine: its /sys/devices/system/node made so inside the node's mount
+    # namespace (None: the machine's own).
+    numa: dict[int, str] | None = None
 
     def __post_init__(self) -> None:
         # A second folder of CDI specs, as /var/run/cdi is beside /etc/cdi:
@@ -176,7 +186,10 @@ class RealNode:
     def _holder(self) -> None:
         # A private mount namespace whose /var/lib/kubelet is the folder's;
         # it lives as long as this process sleeps.
-        script = f"mount --bind {self.kubelet_dir} {KUBELET_DIR} && exec sleep 2147483647"
+        script = f"mount --bind {self.kubelet_dir} {KUBELET_DIR}"
+        if self.numa is not None:
+            script += f" && mount --bind {self._numa_tree()} {SYS_NODES}"
+        script += " && exec sleep 2147483647"
         holder = self._spawn(
             "holder", ["unshare", "--mount", "--propagation", "private", "sh", "-c", script]
         )
@@ -192,6 +205,35 @@ class RealNode:
             if holder.popen.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the node's mount namespace failed:\n{holder.tail()}")
             time.sleep(0.05)
+
+    def _numa_tree(self) -> Path:
+        """/sys/devices/system/node as the kubelet's cadvisor reads it
+        (google/cadvisor utils/sysinfo: node*/cpu* links to the CPUs' own
+        folders, each node's meminfo and distance), with the machine's real
+        CPUs split among the nodes `numa` names."""
+        assert self.numa is not None
+        tree = self.folder / "sys-node"
+        write_numa_nodes(tree.parent / "sys-fake", self.numa)
+        built = tree.parent / "sys-fake" / "devices" / "system" / "node"
+        if tree.exists():
+            shutil.rmtree(tree)
+        built.rename(tree)
+        shutil.rmtree(tree.parent / "sys-fake")
+        total_kib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 1024
+        share = total_kib // max(1, len(self.numa))
+        ids = sorted(self.numa)
+        for node in ids:
+            folder = tree / f"node{node}"
+            for cpu in sorted(cpulist(self.numa[node])):
+                (folder / f"cpu{cpu}").symlink_to(f"/sys/devices/system/cpu/cpu{cpu}")
+            (folder / "meminfo").write_text(
+                f"Node {node} MemTotal: {share} kB\nNode {node} MemFree: {share} kB\n"
+            )
+            (folder / "distance").write_text(
+                " ".join("10" if other == node else "20" for other in ids) + "\n"
+            )
+        (tree / "online").write_text(f"{ids[0]}-{ids[-1]}\n")
+        return tree
 
     def _containerd_config(self) -> Path:
         runtime = "plugins.'io.containerd.cri.v1.runtime'"
@@ -333,6 +375,7 @@ state = "{self.folder}/containerd/state"
             "podLogsDir": str(self.logs),
             "nodeStatusUpdateFrequency": "1s",
             "syncFrequency": "2s",
+            **self.kubelet_settings,
         }
         path = self.folder / "kubelet.yaml"
         path.write_text(yaml.safe_dump(settings))

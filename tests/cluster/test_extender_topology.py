@@ -55,8 +55,10 @@ def test_a_node_whose_kubelet_would_refuse_the_pod_is_failed_and_says_why(
     for name, numa in (("a", 0), ("b", 1)):
         gpus = sorted(g.uuid for g in inv.gpus if g.numa_node == numa)[:2]
         hcas = sorted(h.device_id for h in inv.hcas if h.numa_node == numa)[:2]
-        held.append(ContainerAlignment("default", name, "c0", tuple(gpus), tuple(hcas),
-                                       None, None, f"uid-{name}"))  # fmt: skip
+        entry = ContainerAlignment(
+            "default", name, "c0", tuple(gpus), tuple(hcas), None, None, f"uid-{name}"
+        )
+        held.append(entry)
         bound = pod(name, [{GPU: 2, HCA: 2}])
         bound["spec"]["nodeName"] = "hgx"
         bound["status"] = {"phase": "Running"}

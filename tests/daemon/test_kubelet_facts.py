@@ -15,6 +15,8 @@ from typing import Any
 
 import yaml
 
+from devplugin.api import deviceplugin_v1beta1_pb2 as pb
+from devplugin.model import DeviceKind
 from devplugin.testing.kubelet import ContainerRequest
 from devplugin.testing.layouts import LAYOUTS
 from tests.conftest import Cluster
@@ -82,10 +84,37 @@ def test_the_daemons_settings_say_what_the_kubelets_flags_set(
 ) -> None:
     cluster = start_cluster(
         LAYOUTS["hgx-h100"](),
-        **{**FAST, "kubelet.topology_manager_policy": "single-numa-node",
-           "kubelet.topology_manager_scope": "container"},
-    )  # fmt: skip
+        **FAST,
+        **{
+            "kubelet.topology_manager_policy": "single-numa-node",
+            "kubelet.topology_manager_scope": "container",
+        },
+    )
     said = {"topologyManagerPolicy": "single-numa-node", "topologyManagerScope": "container",
             "source": "the daemon's kubelet settings"}  # fmt: skip
     assert wait_until(lambda: record(cluster).get("kubelet") == said, timeout=10)
     assert [n["id"] for n in record(cluster)["numaNodes"]] == [0, 1]
+
+
+def test_a_kubelet_asking_within_its_numa_affinity_leaves_the_other_nodes_free(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    """A Topology Manager narrows GetPreferredAllocation's available list to
+    its affinity's NUMA nodes (devicemanager/manager.go devicesToAllocate):
+    the devices left out elsewhere are not held by anyone. The daemon once
+    took them as held and said so in its record (found on the real kubelet
+    with single-numa-node)."""
+    cluster = start_cluster(LAYOUTS["hgx-h100"](), **FAST)
+    topology = cluster.daemon.core.coordinator.topology
+    first = sorted(g.uuid for g in cluster.node.gpus if topology.numa_node(g.uuid) == 0)
+    request = pb.PreferredAllocationRequest(
+        container_requests=[
+            pb.ContainerPreferredAllocationRequest(available_deviceIDs=first, allocation_size=2)
+        ]
+    )
+    answer = cluster.kubelet.stub("nvidia.com/gpu").GetPreferredAllocation(request, timeout=5)
+    assert set(answer.container_responses[0].deviceIDs) <= set(first)
+    status = record(cluster)
+    assert status["allocations"] == []
+    assert status["summary"]["gpusFree"] == 8
+    assert len(cluster.daemon.core.coordinator.free(DeviceKind.GPU)) == 8

@@ -90,23 +90,25 @@ def charted(plane: ControlPlane) -> ControlPlane:
     return plane
 
 
-def daemon_identity(plane: ControlPlane, node: str) -> dict[str, Any]:
+def daemon_identity(
+    plane: ControlPlane, node: str, release: str = DRA_RELEASE, namespace: str = DRA_NAMESPACE
+) -> dict[str, Any]:
     """A kubeconfig for the daemon on `node`, as the chart's DaemonSet pod
     there has: its account's token bound to its pod on the node (the pod
     runs on the real kubelet, a container that only waits)."""
-    account = f"{DRA_RELEASE}-devplugin"
-    pods = f"/api/v1/namespaces/{DRA_NAMESPACE}/pods"
+    account = f"{release}-devplugin"
+    pods = f"/api/v1/namespaces/{namespace}/pods"
     waits = {"name": "daemon", "image": WORK_IMAGE, "imagePullPolicy": "Never",
              "command": ["/bin/sh", "-c", "exec sleep 36000"]}  # fmt: skip
     stand_in = {"apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": f"daemon-{node}", "namespace": DRA_NAMESPACE},
+                "metadata": {"name": f"daemon-{node}", "namespace": namespace},
                 "spec": {"nodeName": node, "serviceAccountName": account,
                          "automountServiceAccountToken": False,
                          "terminationGracePeriodSeconds": 0, "containers": [waits]}}  # fmt: skip
     with contextlib.suppress(ApiFailure):
         plane.request("DELETE", f"{pods}/daemon-{node}?gracePeriodSeconds=0")
     created = plane.request("POST", pods, stand_in)
-    token = pod_token(plane, DRA_NAMESPACE, account, created)
+    token = pod_token(plane, namespace, account, created)
     return kubeconfig(plane.server, plane.pki.ca, token=token)
 
 

@@ -174,6 +174,8 @@ def test_the_coordinator_hands_only_served_ids_to_the_ledger() -> None:
     coordinator.set_topology(Topology(gpus, hcas))
     ids = [g.uuid for g in gpus]
     coordinator.set_healthy(GPU, ids)
-    coordinator.observe_available(GPU, [*ids[:4], "junk", "x" * 10_000], [])
-    assert book.taken(GPU) == frozenset(ids[4:])
+    # Two free on each NUMA node (the hgx-h100's GPUs 0-3 and 4-7): the
+    # other two of each are held; junk is no device.
+    coordinator.observe_available(GPU, [*ids[:2], *ids[4:6], "junk", "x" * 10_000], [])
+    assert book.taken(GPU) == frozenset([*ids[2:4], *ids[6:]])
     assert len(book) == 4
