@@ -196,9 +196,8 @@ def test_a_daemon_killed_inside_an_allocate_cleans_those_devices_before_anyone_g
         daemon = spawn()
         # A pod asking for every GPU at once, at once: the kubelet may turn it
         # away while the daemon withholds devices; it is asked again.
-        every = admitted(running, lambda: create(
-            running, pod("every", running.node.name, {"main": {GPU: 8, HCA: 8}})
-        ))  # fmt: skip
+        whole = pod("every", running.node.name, {"main": {GPU: 8, HCA: 8}})
+        every = admitted(running, lambda: create(running, whole))
         # The devices of the Allocate it died in were cleaned, and only then
         # given again (the kubelet keeps a gone plugin's devices for a grace
         # period: its allocatable proves nothing here).
