@@ -10,9 +10,10 @@ import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
-from dataclasses import replace
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import pytest
@@ -30,6 +31,7 @@ from devplugin.node.discovery import Discoverer, NvmlGpuSource, Roots
 from devplugin.node.resources import ResourceState
 from devplugin.policy.allocator import Allocator
 from devplugin.policy.placement import Shape, node_from_record, place
+from devplugin.policy.podinfo import ContainerInfo, PodInfo
 from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.fake_nvml import FakeNvml
 from devplugin.testing.layouts import LAYOUTS
@@ -187,8 +189,9 @@ def twin(running: Running) -> Extender:
         dra=ext.dra,
         layouts=ext.layouts,
         stale_after=ext.liveness.stale_after,
-        # The same facts as `running` holds now: its preempt answers' plans.
-        nominations=ext.nominations.copy(),
+        # The same facts as `running` holds now: its preempt answers'
+        # plans, its prioritize answers' holds.
+        rooms=ext.rooms.copy(),
     )
 
 
@@ -265,3 +268,54 @@ def meta(nodes: dict[str, list[str]]) -> dict[str, Any]:
         node: {"Pods": [{"UID": u} for u in victims], "NumPDBViolations": 0}
         for node, victims in nodes.items()
     }
+
+
+# -- the pod cache's answers, as a rules test sets them
+
+
+def info(
+    uid: str, priority: int = 0, *, node: str = "", nominated: str = "", grace: int = 30
+) -> PodInfo:
+    requests = MappingProxyType({GPU: 2, HCA: 2})
+    return PodInfo(
+        uid=uid,
+        namespace="default",
+        name=uid,
+        node=node,
+        phase="Pending",
+        created=uid,
+        deleting=False,
+        init_containers=(),
+        containers=(ContainerInfo("c", requests),),
+        priority=priority,
+        nominated=nominated,
+        grace=grace,
+    )
+
+
+@dataclass
+class Pods:
+    """The pod cache's answers, as a test sets them."""
+
+    by_uid: dict[str, PodInfo] = field(default_factory=dict)
+
+    def get(self, key: str) -> PodInfo | None:
+        return self.by_uid.get(key)
+
+    def on_node(self, node: str) -> tuple[PodInfo, ...]:
+        return tuple(p for p in self.by_uid.values() if p.node == node)
+
+    def nominated(self) -> Mapping[str, tuple[PodInfo, ...]]:
+        found: dict[str, list[PodInfo]] = {}
+        for p in self.by_uid.values():
+            if p.nominated and not p.node:
+                found.setdefault(p.nominated, []).append(p)
+        return {node: tuple(pods) for node, pods in found.items()}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now

@@ -184,6 +184,7 @@ class ClusterSide:
         pods.on_started(lambda pod: ledger.pod_started(pod.namespace, pod.name, pod.uid))
         core.metrics.watch_current.labels("pods").set_function(lambda: float(pods.current))
         core.metrics.watch_age.labels("pods").set_function(pods.age)
+        core.metrics.watch_lists.labels("pods").set_function(lambda: float(pods.relists))
 
         def pod_of(namespace: str, name: str) -> PodInfo | None:
             uid = pods.uid_of(namespace, name)

@@ -36,6 +36,7 @@ from devplugin.extender.answers import ChangeLog
 from devplugin.extender.budgets import DisruptionBudget, budget_cache
 from devplugin.extender.claims import ClaimVerbs
 from devplugin.extender.dra_views import DraCaches, DraViews, dra_caches
+from devplugin.extender.holds import Holds, Rooms
 from devplugin.extender.liveness import (
     Liveness,
     NodeLease,
@@ -80,7 +81,7 @@ class Extender:
         clock: Callable[[], float] = time.monotonic,
         dra: tuple[DraViews, DraCaches] | None = None,
         budgets: WatchCache[DisruptionBudget] | None = None,
-        nominations: Nominations | None = None,
+        rooms: Rooms | None = None,
     ) -> None:
         self.records, self.pods, self.leases, self.budgets = records, pods, leases, budgets
         self.dra = dra
@@ -88,6 +89,9 @@ class Extender:
         for cache in self._caches():
             self.metrics.watch_current.labels(cache.name).set_function(partial(_current, cache))
             self.metrics.watch_age.labels(cache.name).set_function(cache.age)
+            self.metrics.watch_lists.labels(cache.name).set_function(
+                partial(lambda c: float(c.relists), cache)
+            )
             self.metrics.watch_refused.labels(cache.name).set_function(
                 partial(lambda c: float(c.skipped), cache)
             )
@@ -117,11 +121,14 @@ class Extender:
             if asked - hits:
                 miss.inc(asked - hits)
 
-        # The rooms preempt answers and the scheduler's nominations hold.
-        if nominations is None:
-            nominations = Nominations(pods, names, clock)
-        self.nominations = nominations
-        pods.listen_keys(nominations.pod_changed)
+        # The rooms preempt answers and the scheduler's nominations hold,
+        # and those prioritize answers expect the scheduler to assume.
+        if rooms is None:
+            rooms = Rooms(Nominations(pods, names, clock), Holds(pods.get, clock))
+        self.rooms = rooms
+        self.nominations, self.holds = rooms.nominations, rooms.holds
+        pods.listen_keys(self.nominations.pod_changed)
+        pods.listen_keys(self.holds.pod_changed)
         self.verdicts = Verdicts(
             self.views,
             self.liveness,
@@ -132,6 +139,7 @@ class Extender:
             clock=clock,
             count=count,
             nominations=self.nominations,
+            holds=self.holds,
         )
         self.resources = ResourceVerbs(self.verdicts, self.liveness, names)
         self.preemption = PreemptVerb(

@@ -53,6 +53,13 @@ class ExtenderMetrics:
             ["cache"],
             registry=self.registry,
         )
+        self.watch_lists = Gauge(
+            "devplugin_watch_lists",
+            "Full lists an API watch cache made since start: the first, then one after each"
+            " 410 Gone or broken watch (climbing fast: the API server or the path to it churns)",
+            ["cache"],
+            registry=self.registry,
+        )
         self.watch_refused = Gauge(
             "devplugin_watch_refused_objects",
             "Objects an API watch cache refused (a malformed record, a forged Lease) since start",

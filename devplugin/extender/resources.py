@@ -15,6 +15,7 @@ from devplugin.extender.liveness import Liveness
 from devplugin.extender.scores_json import HostScores
 from devplugin.extender.serving import Verb
 from devplugin.extender.verdicts import FAILED, NEVER, PASS, NodeVerdict, PodKind, Verdicts
+from devplugin.policy.podinfo import PodInfo
 from devplugin.policy.ranking import rank_list
 
 _fit = attrgetter("fit")
@@ -55,9 +56,26 @@ class ResourceVerbs:
         shape, requirement = pod_kind(pod, self.gpu, self.hca)
         if not shape.wants_devices:
             return self.host_scores.encode(names, [0] * len(names))
-        found = self.verdicts.of(pod, PodKind(shape, requirement, pod.priority), names)
+        kind = PodKind(shape, requirement, pod.priority)
+        found = self.verdicts.of(pod, kind, names, ranking=True)
         keys = list(map(_rank, map(found.__getitem__, names)))
-        return self.host_scores.encode(names, rank_list(keys))
+        scores = rank_list(keys)
+        self._hold(pod, kind, names, scores)
+        return self.host_scores.encode(names, scores)
+
+    def _hold(self, pod: PodInfo, kind: PodKind, names: list[str], scores: list[int]) -> None:
+        """Where one node ranks first alone, the scheduler will most likely
+        assume the pod there: its devices there are held in the rankings of
+        the pods asked about before the binding shows (holds.py)."""
+        holds = self.verdicts.holds
+        if holds is None:
+            return
+        best = max(scores, default=0)
+        first = [name for name, score in zip(names, scores, strict=True) if score == best]
+        if best == 0 or len(first) != 1:
+            holds.unranked(pod.uid)
+            return
+        holds.ranked(pod, first[0], self.verdicts.placement(pod, kind, first[0]))
 
 
 def _reasons(

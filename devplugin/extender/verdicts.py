@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from devplugin.extender.answers import Answers, ChangeLog
+from devplugin.extender.holds import Holds
 from devplugin.extender.liveness import Liveness, Record
 from devplugin.extender.nominations import Effect, Nominations, apply
 from devplugin.extender.victims import candidates, counts_fit, evictable
@@ -96,6 +97,7 @@ class Verdicts:
         clock: Callable[[], float] = time.monotonic,
         count: Callable[[int, int], None] = lambda hits, asked: None,
         nominations: Nominations | None = None,
+        holds: Holds | None = None,
     ) -> None:
         self.views = views
         self.liveness = liveness
@@ -108,12 +110,24 @@ class Verdicts:
         self.victims: Answers[Victims] = Answers(changes, clock)
         self.bound_node = bound_node
         self.nominations = nominations
+        self.holds = holds
 
-    def of(self, pod: PodInfo, kind: PodKind, names: list[str]) -> dict[str, NodeVerdict]:
-        """Each named node's verdict for the pod."""
+    def effects(self, pod: PodInfo, *, ranking: bool) -> dict[str, Effect]:
+        """Node -> what the rooms spoken for change there for `pod`: the
+        nominations' always, the holds' only in its ranking (holds.py)."""
+        effects = self.nominations.effects(pod) if self.nominations is not None else {}
+        if ranking and self.holds is not None:
+            effects = self.holds.effects(pod, effects)
+        return effects
+
+    def of(
+        self, pod: PodInfo, kind: PodKind, names: list[str], *, ranking: bool = False
+    ) -> dict[str, NodeVerdict]:
+        """Each named node's verdict for the pod (`ranking`: for
+        prioritize, where other pods' holds count)."""
         key = kind.key(self.views.shape_id(kind.shape))
         personal = self.bound_node(pod.uid)
-        effects = self.nominations.effects(pod) if self.nominations is not None else {}
+        effects = self.effects(pod, ranking=ranking)
         special = set(effects)
         if personal is not None:
             special.add(personal)
@@ -129,6 +143,18 @@ class Verdicts:
         for name in special:
             found[name] = self._personal(kind, pod.uid, name, effects.get(name, Effect()))
         return found
+
+    def placement(self, pod: PodInfo, kind: PodKind, name: str) -> frozenset[str]:
+        """The devices the pod would be placed on at `name`, the node seen as
+        its ranking saw it (nothing where it does not fit, or is untold)."""
+        record = self.liveness.fresh()(name)
+        found = self.views.state_for(record.parsed, record, pod.uid) if record else None
+        if found is None:
+            return frozenset()
+        node, allocator, _ = found
+        node = apply(self.effects(pod, ranking=True).get(name, Effect()), node, allocator)
+        outcome = place(node, kind.shape, allocator)
+        return outcome.taken(node.free) if outcome.fits else frozenset()
 
     def _personal(self, kind: PodKind, asking: str, name: str, effect: Effect) -> NodeVerdict:
         record = self.liveness.fresh()(name)

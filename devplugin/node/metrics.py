@@ -28,6 +28,8 @@ Names and labels (all prefixed `devplugin_`):
                                                      current (listed, heard from in time)
     watch_age_seconds{cache}                         gauge, seconds since the cache last
                                                      heard from the API server
+    watch_lists{cache}                               gauge, full lists the cache made (the
+                                                     first, then one per 410 or broken watch)
     cdi_undeclared_devices{resource}                 gauge, devices not offered because no
                                                      CDI spec on the node declares them
     cdi_refused_specs                                gauge, CDI spec files a runtime would
@@ -222,6 +224,13 @@ class Metrics:
         self.watch_age = Gauge(
             "devplugin_watch_age_seconds",
             "Seconds since an API watch cache last heard from the API server",
+            ["cache"],
+            registry=registry,
+        )
+        self.watch_lists = Gauge(
+            "devplugin_watch_lists",
+            "Full lists an API watch cache made since start: the first, then one after each"
+            " 410 Gone or broken watch (climbing fast: the API server or the path to it churns)",
             ["cache"],
             registry=registry,
         )

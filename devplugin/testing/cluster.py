@@ -73,6 +73,7 @@ class SimCluster(RunningNode):
         self.base = Path()
         self.node: BuiltNode
         self.kubelet: KubeletSimulator
+        self.nvml: FakeNvml
         self.daemon: Daemon
 
     def __enter__(self) -> SimCluster:
@@ -109,7 +110,9 @@ class SimCluster(RunningNode):
                     **self.settings,
                 },
             )
-            self.daemon = build(config, FakeNvml.from_file(self.node.fixture))
+            # Kept: a test injects NVML's events (an XID) into what the daemon reads.
+            self.nvml = FakeNvml.from_file(self.node.fixture)
+            self.daemon = build(config, self.nvml)
             self.daemon.start()
             ready = self.kubelet.wait_for_devices(
                 GPU, len(self.node.gpus), timeout=10

@@ -28,7 +28,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -334,57 +334,101 @@ class ControlPlane:
 
     def _apiserver(self, within: float) -> None:
         serving = self.pki.issue("apiserver", "kube-apiserver", server=True)
-        process = self._spawn(
-            "kube-apiserver",
-            [
-                self.bins.path("kube-apiserver"),
-                "--etcd-servers",
-                self.etcd_url,
-                "--bind-address",
-                "127.0.0.1",
-                "--advertise-address",
-                "127.0.0.1",
-                "--secure-port",
-                str(self.port),
-                "--tls-cert-file",
-                str(serving[0]),
-                "--tls-private-key-file",
-                str(serving[1]),
-                "--client-ca-file",
-                str(self.pki.ca),
-                "--service-account-issuer",
-                "https://kubernetes.default.svc",
-                "--service-account-key-file",
-                str(self.pki.folder / "sa.pub"),
-                "--service-account-signing-key-file",
-                str(self.pki.folder / "sa.key"),
-                "--api-audiences",
-                "https://kubernetes.default.svc",
-                "--service-cluster-ip-range",
-                "10.96.0.0/16",
-                # As a production cluster runs: kubelets authorized by the
-                # Node authorizer and held to their own Node and pods by
-                # NodeRestriction (on top of the default admission chain),
-                # everyone else by RBAC; API priority and fairness on.
-                "--authorization-mode",
-                "Node,RBAC",
-                "--enable-admission-plugins",
-                "NodeRestriction",
-                "--enable-priority-and-fairness=true",
-                "--allow-privileged=true",
-                "--profiling=false",
-                "--endpoint-reconciler-type",
-                "none",
-                "--runtime-config",
-                "resource.k8s.io/v1=true",
-                *self._gates(),
-            ],
-        )
+        self._apiserver_command = [
+            self.bins.path("kube-apiserver"),
+            "--etcd-servers",
+            self.etcd_url,
+            "--bind-address",
+            "127.0.0.1",
+            "--advertise-address",
+            "127.0.0.1",
+            "--secure-port",
+            str(self.port),
+            "--tls-cert-file",
+            str(serving[0]),
+            "--tls-private-key-file",
+            str(serving[1]),
+            "--client-ca-file",
+            str(self.pki.ca),
+            "--service-account-issuer",
+            "https://kubernetes.default.svc",
+            "--service-account-key-file",
+            str(self.pki.folder / "sa.pub"),
+            "--service-account-signing-key-file",
+            str(self.pki.folder / "sa.key"),
+            "--api-audiences",
+            "https://kubernetes.default.svc",
+            "--service-cluster-ip-range",
+            "10.96.0.0/16",
+            # As a production cluster runs: kubelets authorized by the
+            # Node authorizer and held to their own Node and pods by
+            # NodeRestriction (on top of the default admission chain),
+            # everyone else by RBAC; API priority and fairness on.
+            "--authorization-mode",
+            "Node,RBAC",
+            "--enable-admission-plugins",
+            "NodeRestriction",
+            "--enable-priority-and-fairness=true",
+            "--allow-privileged=true",
+            "--profiling=false",
+            "--endpoint-reconciler-type",
+            "none",
+            "--runtime-config",
+            "resource.k8s.io/v1=true",
+            *self._gates(),
+        ]
+        self._serve_api(within)
+
+    def _serve_api(self, within: float) -> None:
+        process = self._spawn("kube-apiserver", self._apiserver_command)
         deadline = time.monotonic() + within
         while not self.ready():
             if process.popen.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"kube-apiserver did not become ready:\n{process.tail()}")
             time.sleep(0.2)
+
+    def restart_apiserver(
+        self, *, while_down: Callable[[], None] | None = None, within: float = 120.0
+    ) -> None:
+        """Stop the API server (SIGTERM: its graceful shutdown ends every
+        watch) and start it again on the same port, certificate and etcd, as
+        an upgrade or a crash-looping control-plane node does; `while_down`
+        runs in between. Returns once it serves again."""
+        old = self.processes.pop("kube-apiserver")
+        old.stop()
+        try:
+            if while_down is not None:
+                while_down()
+        finally:
+            self._serve_api(within)
+
+    # -- etcd, behind the API server's back
+    def _etcd_call(self, path: str, body: Mapping[str, Any]) -> Any:
+        request = urllib.request.Request(
+            f"{self.etcd_url}{path}",
+            data=json.dumps(body).encode(),
+            method="POST",
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return json.loads(answer.read())
+
+    def etcd_revision(self) -> int:
+        """etcd's current revision (the newest resourceVersion any object can have)."""
+        found = self._etcd_call("/v3/kv/range", {"key": base64.b64encode(b"/").decode()})
+        return int(found["header"]["revision"])
+
+    def compact_etcd(self) -> int:
+        """Move etcd past every revision it holds now and compact there, so
+        a watch resumed from any resourceVersion handed out before is told
+        410 Gone (as after a long outage, or a busy cluster's compaction);
+        the revision compacted at. A key outside the API server's prefix
+        takes the step, so no object changes."""
+        marker = base64.b64encode(b"/devplugin-tier/compaction").decode()
+        self._etcd_call("/v3/kv/put", {"key": marker, "value": marker})
+        revision = self.etcd_revision()
+        self._etcd_call("/v3/kv/compaction", {"revision": str(revision), "physical": True})
+        return revision
 
     def _controller_manager(self) -> None:
         identity = self.pki.issue("kcm", "system:kube-controller-manager")

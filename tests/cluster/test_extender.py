@@ -251,7 +251,10 @@ def test_a_prioritize_after_a_filter_reads_the_answers_the_filter_kept(
     _, kept = call(extender, "prioritize", args)
     assert memo.labels("hit")._value.get() == hits + 2
     assert memo.labels("miss")._value.get() == misses
-    # Another pod of the same shape, never filtered: the same kept answers.
+    # Another pod of the same shape, never filtered: the same kept answers
+    # (once `t` is bound elsewhere: until then its prioritize answer holds
+    # its room on n in other pods' rankings, test_extender_holds.py).
+    extender[0].holds.pod_changed("uid-t", None, None)
     other = {"Pod": pod("u", [{GPU: 4, HCA: 2}]), "NodeNames": ["n", "m"]}
     _, fresh = call(extender, "prioritize", other)
     assert memo.labels("hit")._value.get() == hits + 4

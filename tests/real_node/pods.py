@@ -8,6 +8,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import grpc
+
+from devplugin.api import podresources_v1_pb2 as pr
+from devplugin.api import podresources_v1_pb2_grpc as pr_grpc
 from devplugin.node.podresources import PodResourcesClient
 from devplugin.testing import realnode_pods
 from devplugin.testing.oci_image import Seen
@@ -64,6 +68,28 @@ def held(running: Running, name: str, container_name: str = "main") -> dict[str,
         if entry.pod == name and entry.container == container_name:
             found.setdefault(entry.resource, []).extend(entry.device_ids)
     return found
+
+
+def allocatable(running: Running) -> dict[str, int] | None:
+    """How many devices of each resource the kubelet's device manager would
+    hand out now (PodResources' GetAllocatableResources: its healthy
+    devices of plugins it is connected to); None while it does not answer.
+    After a kubelet restart this, not the Node's allocatable, says the
+    daemon is registered again: the Node keeps its old numbers, and the
+    restarted kubelet counts a plugin's devices unhealthy until it is."""
+    target = f"unix://{running.node.pod_resources_socket}"
+    try:
+        with grpc.insecure_channel(target) as channel:
+            stub = pr_grpc.PodResourcesListerStub(channel)
+            answer = stub.GetAllocatableResources(pr.AllocatableResourcesRequest(), timeout=5)
+    except grpc.RpcError:
+        return None
+    counts: dict[str, int] = {}
+    for devices in answer.devices:
+        counts[devices.resource_name] = counts.get(devices.resource_name, 0) + len(
+            devices.device_ids
+        )
+    return counts
 
 
 def metric(running: Running, name: str, **labels: str) -> float:

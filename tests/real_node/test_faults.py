@@ -22,7 +22,7 @@ import yaml
 from devplugin.testing.realnode import RealNode
 from tests.real_cluster.nodes import DEFAULT_SCHEDULER
 from tests.real_node.conftest import GPU, HCA, Running
-from tests.real_node.pods import create, delete, gone, held, phase, pod, seen, status
+from tests.real_node.pods import allocatable, create, delete, gone, held, phase, pod, seen, status
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.node
@@ -88,6 +88,11 @@ def restarts(running: Running, name: str) -> int:
     return sum(int(s.get("restartCount", 0)) for s in statuses)
 
 
+def serving(running: Running) -> bool:
+    """The kubelet hands out every device of both resources again."""
+    return allocatable(running) == {GPU: 8, HCA: 8}
+
+
 def admitted(running: Running, make: Callable[[], str], within: float = 90) -> str:
     """A pod the kubelet admits: while it turns one down (devices it counts
     unavailable: UnexpectedAdmissionError), another of the same spec."""
@@ -134,7 +139,7 @@ def test_a_kubelet_restart_with_pods_running_keeps_them_and_their_devices(
     running.node.start_kubelet()
     assert running.node.wait_ready(60)
     assert wait_until(lambda: all(registrar.registered().values()), timeout=30)
-    assert wait_until(lambda: running.allocatable().get(GPU) == "8", timeout=30)
+    assert wait_until(lambda: serving(running), timeout=30)
     # The running containers are the same ones, never restarted, and hold
     # the same devices by the restarted kubelet's own account.
     for name, (ids, devices) in before.items():
@@ -174,7 +179,7 @@ def test_a_daemon_killed_inside_an_allocate_cleans_those_devices_before_anyone_g
     gate = base / "gate"
     daemon = spawn()
     try:
-        assert wait_until(lambda: running.allocatable().get(GPU) == "8", timeout=60)
+        assert wait_until(lambda: serving(running), timeout=60)
         gate.touch()  # the next init hook waits
         stuck = create(running, pod("stuck", running.node.name, {"main": {GPU: 2, HCA: 2}}))
         log = base / "hooks.log"

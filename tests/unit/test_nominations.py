@@ -3,10 +3,8 @@ pods its room holds against, and what a node looks like to the asker."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from types import MappingProxyType
 
 from devplugin.extender.nominations import (
     DELETE_WITHIN,
@@ -20,58 +18,9 @@ from devplugin.extender.nominations import (
 from devplugin.model import DeviceKind
 from devplugin.policy.allocator import Allocator
 from devplugin.policy.placement import Holding, NodeState, Shape, node_from_record, place
-from devplugin.policy.podinfo import ContainerInfo, PodInfo
-from tests.extender_support import inventory, record
+from tests.extender_support import Clock, Pods, info, inventory, record
 
 GPU, HCA = "nvidia.com/gpu", "rdma/hca"
-
-
-def info(
-    uid: str, priority: int = 0, *, node: str = "", nominated: str = "", grace: int = 30
-) -> PodInfo:
-    requests = MappingProxyType({GPU: 2, HCA: 2})
-    return PodInfo(
-        uid=uid,
-        namespace="default",
-        name=uid,
-        node=node,
-        phase="Pending",
-        created=uid,
-        deleting=False,
-        init_containers=(),
-        containers=(ContainerInfo("c", requests),),
-        priority=priority,
-        nominated=nominated,
-        grace=grace,
-    )
-
-
-@dataclass
-class Pods:
-    """The pod cache's answers, as a test sets them."""
-
-    by_uid: dict[str, PodInfo] = field(default_factory=dict)
-
-    def get(self, key: str) -> PodInfo | None:
-        return self.by_uid.get(key)
-
-    def on_node(self, node: str) -> tuple[PodInfo, ...]:
-        return tuple(p for p in self.by_uid.values() if p.node == node)
-
-    def nominated(self) -> Mapping[str, tuple[PodInfo, ...]]:
-        found: dict[str, list[PodInfo]] = {}
-        for p in self.by_uid.values():
-            if p.nominated and not p.node:
-                found.setdefault(p.nominated, []).append(p)
-        return {node: tuple(pods) for node, pods in found.items()}
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def store(pods: Pods, clock: Clock) -> Nominations:
