@@ -345,6 +345,9 @@ def test_an_idle_daemon_renews_its_lease_and_never_rewrites_its_record(
         ),
         timeout=10,
     )
+    # Everything learnt: the NUMA nodes come from the PodResources poll's
+    # loop, which a loaded runner may first run after the first write.
+    assert wait_until(lambda: "numaNodes" in status(api), timeout=10)
     lease = next(loop for loop in cluster.daemon.cluster_loops if hasattr(loop, "renewals"))
     assert wait_until(lambda: lease.renewals >= 2, timeout=10)
     writes = len([r for r in api.requests if r[0] == "PUT" and "nodedevices" in r[1]])

@@ -35,8 +35,11 @@ from tests.support import HELPER, probe
 from tests.waiting import wait_until
 
 Start = Callable[..., Cluster]
-# What the kubelet would give up after is far longer; this is the promise.
-ANSWER_WITHIN = 0.1
+# The kubelet gives up far later. A read this waits on never returns (a
+# FIFO nobody writes), so any bound tells waiting from not; one this long
+# holds on a loaded two-core runner (0.1 s timed out under 4 workers). How
+# fast an Allocate answers is measured by `make bench`.
+ANSWER_WITHIN = 2.0
 
 FAST_FAULTS = {
     "health.read_timeout_seconds": 0.2,
