@@ -140,10 +140,18 @@ def _get(plane: ControlPlane, path: str) -> dict[str, Any]:
 def _add_fake_nvml(plane: ControlPlane, fixture: str) -> None:
     """The installed DaemonSet, its container given the fake NVML's fixture."""
     path = f"/apis/apps/v1/namespaces/{NAMESPACE}/daemonsets/{RELEASE}-devplugin"
-    daemonset = _get(plane, path)
-    (container,) = daemonset["spec"]["template"]["spec"]["containers"]
-    container["args"] = [*container["args"], f"--nvml-fixture={fixture}"]
-    plane.request("PUT", path, daemonset)
+    (container,) = _get(plane, path)["spec"]["template"]["spec"]["containers"]
+    assert container["args"], container
+    # A patch, not a read-modify-write: the DaemonSet controller writes the
+    # object's status meanwhile (a PUT then meets 409 Conflict).
+    patch = [
+        {
+            "op": "add",
+            "path": "/spec/template/spec/containers/0/args/-",
+            "value": f"--nvml-fixture={fixture}",
+        }
+    ]
+    plane.request("PATCH", path, patch, content_type="application/json-patch+json")
 
 
 def _extender_ready(url: str) -> bool:
