@@ -12,6 +12,7 @@ from typing import Any
 
 from devplugin.extender.args import chosen_models, filter_result, node_args, pod_kind
 from devplugin.extender.liveness import Liveness
+from devplugin.extender.nominations import Effect
 from devplugin.extender.scores_json import HostScores
 from devplugin.extender.serving import Verb
 from devplugin.extender.verdicts import FAILED, NEVER, PASS, NodeVerdict, PodKind, Verdicts
@@ -57,13 +58,23 @@ class ResourceVerbs:
         if not shape.wants_devices:
             return self.host_scores.encode(names, [0] * len(names))
         kind = PodKind(shape, requirement, pod.priority)
-        found = self.verdicts.of(pod, kind, names, ranking=True)
+        # Computed once: the ranking and the hold it leaves must see the
+        # same rooms spoken for.
+        effects = self.verdicts.effects(pod, ranking=True)
+        found = self.verdicts.of(pod, kind, names, effects=effects)
         keys = list(map(_rank, map(found.__getitem__, names)))
         scores = rank_list(keys)
-        self._hold(pod, kind, names, scores)
+        self._hold(pod, kind, names, scores, effects)
         return self.host_scores.encode(names, scores)
 
-    def _hold(self, pod: PodInfo, kind: PodKind, names: list[str], scores: list[int]) -> None:
+    def _hold(
+        self,
+        pod: PodInfo,
+        kind: PodKind,
+        names: list[str],
+        scores: list[int],
+        effects: Mapping[str, Effect],
+    ) -> None:
         """Where one node ranks first alone, the scheduler will most likely
         assume the pod there: its devices there are held in the rankings of
         the pods asked about before the binding shows (holds.py)."""
@@ -75,7 +86,8 @@ class ResourceVerbs:
         if best == 0 or len(first) != 1:
             holds.unranked(pod.uid)
             return
-        holds.ranked(pod, first[0], self.verdicts.placement(pod, kind, first[0]))
+        placed = self.verdicts.placement(pod, kind, first[0], effects.get(first[0], Effect()))
+        holds.ranked(pod, first[0], placed)
 
 
 def _reasons(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -121,13 +121,19 @@ class Verdicts:
         return effects
 
     def of(
-        self, pod: PodInfo, kind: PodKind, names: list[str], *, ranking: bool = False
+        self,
+        pod: PodInfo,
+        kind: PodKind,
+        names: list[str],
+        *,
+        effects: Mapping[str, Effect] | None = None,
     ) -> dict[str, NodeVerdict]:
-        """Each named node's verdict for the pod (`ranking`: for
-        prioritize, where other pods' holds count)."""
+        """Each named node's verdict for the pod, the rooms spoken for as
+        `effects` gives them (by default a filter's: `effects(ranking=False)`)."""
         key = kind.key(self.views.shape_id(kind.shape))
         personal = self.bound_node(pod.uid)
-        effects = self.effects(pod, ranking=ranking)
+        if effects is None:
+            effects = self.effects(pod, ranking=False)
         special = set(effects)
         if personal is not None:
             special.add(personal)
@@ -144,15 +150,16 @@ class Verdicts:
             found[name] = self._personal(kind, pod.uid, name, effects.get(name, Effect()))
         return found
 
-    def placement(self, pod: PodInfo, kind: PodKind, name: str) -> frozenset[str]:
-        """The devices the pod would be placed on at `name`, the node seen as
-        its ranking saw it (nothing where it does not fit, or is untold)."""
+    def placement(self, pod: PodInfo, kind: PodKind, name: str, effect: Effect) -> frozenset[str]:
+        """The devices the pod would be placed on at `name`, the node changed
+        by `effect` as its ranking saw it (nothing where it does not fit, or
+        is untold)."""
         record = self.liveness.fresh()(name)
         found = self.views.state_for(record.parsed, record, pod.uid) if record else None
         if found is None:
             return frozenset()
         node, allocator, _ = found
-        node = apply(self.effects(pod, ranking=True).get(name, Effect()), node, allocator)
+        node = apply(effect, node, allocator)
         outcome = place(node, kind.shape, allocator)
         return outcome.taken(node.free) if outcome.fits else frozenset()
 

@@ -7,18 +7,26 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
+import tempfile
 import urllib.request
 from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from devplugin.testing.cluster import SimCluster
 from devplugin.testing.controlplane import ControlPlane, kubeconfig
 from devplugin.testing.extender_proc import free_port, ready
+from devplugin.testing.layouts import LAYOUTS
+from devplugin.testing.node import devices_from_spec
 from devplugin.testing.promtext import total
+from devplugin.testing.proxy import SilentProxy
 from tests.real_cluster.conftest import NAMESPACE, RELEASE
-from tests.real_cluster.nodes import eventually
+from tests.real_cluster.nodes import GPU, HCA, add_node, eventually, node_token
+from tests.real_cluster.stand_ins import Kubelets
 
 SCHEDULER_NAME = "devplugin-scheduler"
 
@@ -102,3 +110,48 @@ def preempt_answers(url: str, outcome: str) -> int:
     """The extender's preempt answers of one outcome (victims, untold, none, waiting)."""
     text = extender_metrics(url)
     return int(total(text, "devplugin_extender_preempt_answers_total", {"outcome": outcome}))
+
+
+@dataclass
+class ChartNodes:
+    """HGX nodes with their daemons and kubelet stand-ins, the extender as the
+    chart runs it, and the real scheduler with the chart's profile."""
+
+    nodes: dict[str, SimCluster]
+    kubelets: Kubelets
+    url: str
+    config: dict[str, Any]
+
+
+def chart_nodes(
+    plane: ControlPlane, stack: ExitStack, prefix: str, count: int, lag: float = 0.0
+) -> ChartNodes:
+    """`count` nodes named `prefix`-N, everything stopped by `stack`. With
+    `lag`, the extender hears the API server that late; the scheduler does
+    not (the window where its watches trail the scheduler's decisions)."""
+    gpus, hcas = devices_from_spec(LAYOUTS["hgx-h100"]())
+    nodes: dict[str, SimCluster] = {}
+    for index in range(count):
+        name = f"{prefix}-{index}"
+        add_node(plane, name, {GPU: len(gpus), HCA: len(hcas)})
+        token = node_token(plane, NAMESPACE, f"{RELEASE}-devplugin", name)
+        sim = SimCluster(
+            LAYOUTS["hgx-h100"](),
+            node_name=name,
+            settings={"kubernetes.lease_namespace": NAMESPACE},
+            kubeconfig=kubeconfig(plane.server, plane.pki.ca, token=token),
+        )
+        nodes[name] = stack.enter_context(sim)
+    kubelets = stack.enter_context(Kubelets(plane, nodes))
+    base = Path(tempfile.mkdtemp(prefix=f"{prefix}-", dir=plane.folder))
+    server = None
+    if lag:
+        proxy = SilentProxy(("127.0.0.1", plane.port), lag=lag)
+        proxy.start()
+        stack.callback(proxy.stop)
+        server = "https://{}:{}".format(*proxy.address)
+    url = stack.enter_context(chart_extender(plane, base, server=server))
+    config = chart_scheduler_config(plane, url)
+    plane.start_scheduler(config)
+    stack.callback(plane.stop_scheduler)
+    return ChartNodes(nodes, kubelets, url, config)

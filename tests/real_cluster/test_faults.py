@@ -18,35 +18,26 @@ earlier ones got, in the order the scheduler placed them)."""
 from __future__ import annotations
 
 import operator
-import tempfile
 from collections.abc import Iterator
 from contextlib import ExitStack
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from devplugin.testing.churn import free_now
-from devplugin.testing.cluster import SimCluster
-from devplugin.testing.controlplane import ControlPlane, kubeconfig
+from devplugin.testing.controlplane import ControlPlane
 from devplugin.testing.extender_proc import ready
-from devplugin.testing.layouts import LAYOUTS
-from devplugin.testing.node import devices_from_spec
 from devplugin.testing.promtext import samples
-from devplugin.testing.proxy import SilentProxy
 from devplugin.testing.scheduler import call_extender, pending_pod
 from tests.real_cluster.cluster_support import (
     SCHEDULER_NAME,
-    chart_extender,
-    chart_scheduler_config,
+    chart_nodes,
     extender_metrics,
     verb_calls,
 )
-from tests.real_cluster.conftest import NAMESPACE, RELEASE
 from tests.real_cluster.levels import best_level, level_of
-from tests.real_cluster.nodes import GPU, HCA, add_node, delete_pod, eventually, node_token
-from tests.real_cluster.stand_ins import Kubelets
+from tests.real_cluster.nodes import GPU, HCA, delete_pod, eventually
 
 pytestmark = pytest.mark.cluster
 
@@ -76,33 +67,9 @@ class Faults:
 
     def __init__(self, plane: ControlPlane, stack: ExitStack, prefix: str, lag: float) -> None:
         self.plane = plane
-        spec = LAYOUTS["hgx-h100"]()
-        gpus, hcas = devices_from_spec(spec)
-        self.nodes: dict[str, SimCluster] = {}
-        for index in range(2):
-            name = f"{prefix}-{index}"
-            add_node(plane, name, {GPU: len(gpus), HCA: len(hcas)})
-            token = node_token(plane, NAMESPACE, f"{RELEASE}-devplugin", name)
-            sim = SimCluster(
-                spec,
-                node_name=name,
-                settings={"kubernetes.lease_namespace": NAMESPACE},
-                kubeconfig=kubeconfig(plane.server, plane.pki.ca, token=token),
-            )
-            self.nodes[name] = stack.enter_context(sim)
-        self.kubelets = stack.enter_context(Kubelets(plane, self.nodes))
-        self.base = Path(tempfile.mkdtemp(prefix=f"{prefix}-", dir=plane.folder))
-        server = None
-        if lag:
-            # The extender hears the API server `lag` late; the scheduler does not.
-            proxy = SilentProxy(("127.0.0.1", plane.port), lag=lag)
-            proxy.start()
-            stack.callback(proxy.stop)
-            server = "https://{}:{}".format(*proxy.address)
-        self.url = stack.enter_context(chart_extender(plane, self.base, server=server))
-        self.config = chart_scheduler_config(plane, self.url)
-        plane.start_scheduler(self.config)
-        stack.callback(plane.stop_scheduler)
+        found = chart_nodes(plane, stack, prefix, 2, lag)
+        self.nodes, self.kubelets = found.nodes, found.kubelets
+        self.url, self.config = found.url, found.config
 
     def create(self, pod: dict[str, Any]) -> str:
         self.plane.request("POST", "/api/v1/namespaces/default/pods", pod)

@@ -27,35 +27,27 @@ import contextlib
 import itertools
 import operator
 import random
-import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from devplugin.policy.topology import Topology
 from devplugin.testing.churn import free_now
-from devplugin.testing.cluster import SimCluster
-from devplugin.testing.controlplane import ApiFailure, ControlPlane, kubeconfig
-from devplugin.testing.layouts import LAYOUTS
-from devplugin.testing.node import devices_from_spec
-from devplugin.testing.proxy import SilentProxy
+from devplugin.testing.controlplane import ApiFailure, ControlPlane
 from devplugin.testing.scheduler import call_extender, pending_pod
 from tests.real_cluster.cluster_support import (
     SCHEDULER_NAME,
-    chart_extender,
-    chart_scheduler_config,
+    chart_nodes,
     preempt_answers,
     verb_calls,
 )
-from tests.real_cluster.conftest import NAMESPACE, RELEASE
 from tests.real_cluster.levels import best_level, level_of
-from tests.real_cluster.nodes import GPU, HCA, add_node, eventually, node_token
-from tests.real_cluster.stand_ins import Admitted, Kubelets
+from tests.real_cluster.nodes import GPU, HCA, eventually
+from tests.real_cluster.stand_ins import Admitted
 
 pytestmark = pytest.mark.cluster
 
@@ -145,29 +137,8 @@ class Burst:
     def __init__(self, plane: ControlPlane, stack: ExitStack) -> None:
         self.plane = plane
         prefix = f"burst{plane.bins.minor[1]}"
-        spec = LAYOUTS["hgx-h100"]()
-        gpus, hcas = devices_from_spec(spec)
-        self.nodes: dict[str, SimCluster] = {}
-        for index in range(len(PREEMPTORS)):
-            name = f"{prefix}-{index}"
-            add_node(plane, name, {GPU: len(gpus), HCA: len(hcas)})
-            token = node_token(plane, NAMESPACE, f"{RELEASE}-devplugin", name)
-            sim = SimCluster(
-                spec,
-                node_name=name,
-                settings={"kubernetes.lease_namespace": NAMESPACE},
-                kubeconfig=kubeconfig(plane.server, plane.pki.ca, token=token),
-            )
-            self.nodes[name] = stack.enter_context(sim)
-        self.kubelets = stack.enter_context(Kubelets(plane, self.nodes))
-        base = Path(tempfile.mkdtemp(prefix=f"{prefix}-", dir=plane.folder))
-        # The extender hears the API server LAG late; the scheduler does not.
-        proxy = SilentProxy(("127.0.0.1", plane.port), lag=LAG)
-        proxy.start()
-        stack.callback(proxy.stop)
-        server = "https://{}:{}".format(*proxy.address)
-        self.url = stack.enter_context(chart_extender(plane, base, server=server))
-        plane.start_scheduler(chart_scheduler_config(plane, self.url))
+        found = chart_nodes(plane, stack, prefix, len(PREEMPTORS), LAG)
+        self.nodes, self.kubelets, self.url = found.nodes, found.kubelets, found.url
 
     def topology(self, node: str) -> Topology:
         return self.nodes[node].daemon.core.coordinator.topology
