@@ -26,11 +26,11 @@ from lightkube import ApiError
 
 from devplugin.cluster.client import make_client
 from devplugin.cluster.objects import as_dict
-from devplugin.cluster.publisher import NodeDevices
 from devplugin.cluster.record import Registration, build_status
 from devplugin.config import Config, KubernetesConfig, node_name
 from devplugin.model import Inventory
 from devplugin.node.core import build_resources
+from devplugin.wire.resources import NodeDevices
 
 # Graphviz gets this long for one node's picture (milliseconds in practice).
 RENDER_TIMEOUT = 60.0

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from devplugin.cluster.record import API_VERSION, KIND, Registration, Stamps, build_status
+from devplugin.cluster.record import Registration, Stamps, build_status
 from devplugin.cluster.required import BelowRequired
 from devplugin.config import Config, lease_namespace, node_name
 from devplugin.loops import Loop
@@ -29,6 +29,7 @@ from devplugin.node.metrics import Metrics
 from devplugin.node.resources import ResourceState
 from devplugin.policy.claims import ClaimReader, ClaimReadError
 from devplugin.policy.podinfo import PodInfo
+from devplugin.wire.nodedevices import API_VERSION, KIND
 
 if TYPE_CHECKING:
     from lightkube import Client

@@ -25,16 +25,16 @@ from collections.abc import Callable
 from typing import Any
 
 from lightkube import ApiError, Client
-from lightkube.generic_resource import create_global_resource
 
 from devplugin.cluster.objects import as_dict, node_owner
-from devplugin.cluster.record import API_VERSION, GROUP, KIND, PLURAL, VERSION, Stamps
+from devplugin.cluster.record import Stamps
 from devplugin.loops import Backoff, ThreadLoop
 from devplugin.node.metrics import Metrics
+from devplugin.wire.nodedevices import API_VERSION, KIND
+from devplugin.wire.resources import NodeDevices
 
 log = logging.getLogger(__name__)
 
-NodeDevices = create_global_resource(GROUP, VERSION, KIND, PLURAL)
 # Generic resources are dicts; their typed constructors want model objects.
 _RECORD: Any = NodeDevices
 _RECORD_STATUS: Any = NodeDevices.Status

@@ -23,13 +23,7 @@ from devplugin.model import KINDS, DeviceKind, GpuInfo, HcaInfo, Health, Invento
 from devplugin.node.alignment import ContainerAlignment
 from devplugin.node.resources import ResourceState
 from devplugin.policy.labels import family
-
-GROUP, VERSION, KIND, PLURAL = "devplugin.io", "v1alpha1", "NodeDevices", "nodedevices"
-API_VERSION = f"{GROUP}/{VERSION}"
-# A reason or message in the record is cut to this many characters.
-MAX_TEXT = 256
-# Ports listed per HCA at most (the CRD's limit).
-MAX_PORTS = 16
+from devplugin.wire.nodedevices import MAX_PORTS, MAX_TEXT
 
 
 @dataclass(frozen=True)

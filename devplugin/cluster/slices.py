@@ -20,18 +20,16 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from lightkube import ApiError, Client
-from lightkube.generic_resource import create_global_resource
 
 from devplugin.cluster.objects import as_dict, node_owner
 from devplugin.cluster.watch import DEFAULT_TIMING, WatchCache, WatchTiming
 from devplugin.loops import Backoff, ThreadLoop
 from devplugin.node.metrics import Metrics
+from devplugin.wire.resources import ResourceSlice
+from devplugin.wire.resourceslice import API_VERSION
 
 log = logging.getLogger(__name__)
 
-GROUP, VERSION = "resource.k8s.io", "v1"
-API_VERSION = f"{GROUP}/{VERSION}"
-ResourceSlice = create_global_resource(GROUP, VERSION, "ResourceSlice", "resourceslices")
 # The generic class's signature wants an ObjectMeta; it takes a plain dict.
 _SLICE: Any = ResourceSlice
 

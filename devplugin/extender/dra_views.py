@@ -23,12 +23,12 @@ from lightkube.generic_resource import create_global_resource
 
 from devplugin.cluster.claims import ResourceClaim
 from devplugin.cluster.client import Heartbeat
-from devplugin.cluster.slices import ResourceSlice
 from devplugin.cluster.watch import WatchCache, WatchTiming
 from devplugin.extender.answers import ChangeLog
 from devplugin.policy.dra_predict import NodeDevices, Prediction, Selectors, Unpredictable, predict
 from devplugin.policy.dra_walk import PoolSlice, gather, pool_slice
 from devplugin.policy.free_counts import recounted
+from devplugin.wire.resources import ResourceSlice
 
 T = TypeVar("T")
 GROUP, VERSION = "resource.k8s.io", "v1"

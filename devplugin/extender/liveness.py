@@ -20,11 +20,11 @@ from lightkube import operators as op
 
 from devplugin.cluster.client import Heartbeat
 from devplugin.cluster.lease import NODE_LABEL, Lease, lease_name, parse_micro_time
-from devplugin.cluster.publisher import NodeDevices
 from devplugin.cluster.watch import Incomplete, WatchCache, WatchTiming
 from devplugin.config import KubernetesConfig
 from devplugin.extender.views import Layouts, parse_record
 from devplugin.policy.placement import ParsedRecord
+from devplugin.wire.resources import NodeDevices
 
 
 @dataclass(frozen=True)
