@@ -31,7 +31,10 @@ from devplugin.node.deadline import Deadlines
 from devplugin.node.discovery import Discoverer, NvmlGpuSource, Roots
 from devplugin.node.resources import ResourceState
 from devplugin.policy.allocator import Allocator
-from devplugin.policy.placement import NodeState, Outcome, Shape, node_from_record, place, scores
+from devplugin.policy.node_record import node_from_record
+from devplugin.policy.node_state import NodeState, Outcome
+from devplugin.policy.placement import place, scores
+from devplugin.policy.pod_request import Shape
 from devplugin.policy.topology import Level
 from devplugin.testing.fake_nvml import FakeNvml
 from devplugin.testing.layouts import LAYOUTS

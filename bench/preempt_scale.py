@@ -37,7 +37,7 @@ from devplugin.extender.preemption import PreemptVerb
 from devplugin.extender.verdicts import Verdicts
 from devplugin.extender.victims import candidates
 from devplugin.extender.views import Layouts, NodeViews, parse_record
-from devplugin.policy.placement import shape_of
+from devplugin.policy.pod_request import shape_of
 from devplugin.policy.podinfo import PodInfo, parse_pod
 from devplugin.policy.preemption import exhaustive
 from devplugin.testing.records import gpu_id, hgx_record

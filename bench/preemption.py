@@ -41,7 +41,9 @@ from bench.cluster import node_records
 from bench.preempt_scale import preempt_scale_bench
 from devplugin.model import DeviceKind
 from devplugin.policy.allocator import Allocator
-from devplugin.policy.placement import NodeState, Shape, place
+from devplugin.policy.node_state import NodeState
+from devplugin.policy.placement import place
+from devplugin.policy.pod_request import Shape
 from devplugin.policy.preemption import Candidate, Eviction, choose_victims, exhaustive, freed
 
 LAYOUTS = ["hgx-h100", "dgx-a100", "pcie-server", "asymmetric"]

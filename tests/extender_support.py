@@ -30,7 +30,9 @@ from devplugin.node.deadline import Deadlines
 from devplugin.node.discovery import Discoverer, NvmlGpuSource, Roots
 from devplugin.node.resources import ResourceState
 from devplugin.policy.allocator import Allocator
-from devplugin.policy.placement import Shape, node_from_record, place
+from devplugin.policy.node_record import node_from_record
+from devplugin.policy.placement import place
+from devplugin.policy.pod_request import Shape
 from devplugin.policy.podinfo import ContainerInfo, PodInfo
 from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.fake_nvml import FakeNvml

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 
 from devplugin.node.alignment import ContainerAlignment
 from devplugin.node.metrics import Metrics
-from devplugin.policy.placement import requirement_of
+from devplugin.policy.pod_request import requirement_of
 from devplugin.policy.podinfo import PodInfo
 from devplugin.policy.topology import Level
 

@@ -16,7 +16,7 @@ from devplugin.policy.labels import (
     product_choice,
     product_refusal,
 )
-from devplugin.policy.placement import Requirement, Shape, requirement_of, shape_of
+from devplugin.policy.pod_request import Requirement, Shape, requirement_of, shape_of
 from devplugin.policy.podinfo import PodInfo, parse_pod
 
 

@@ -23,7 +23,7 @@ from devplugin.cluster.lease import NODE_LABEL, Lease, lease_name, parse_micro_t
 from devplugin.cluster.watch import Incomplete, WatchCache, WatchTiming
 from devplugin.config import KubernetesConfig
 from devplugin.extender.views import Layouts, parse_record
-from devplugin.policy.placement import ParsedRecord
+from devplugin.policy.node_record import ParsedRecord
 from devplugin.wire.resources import NodeDevices
 
 

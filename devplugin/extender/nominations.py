@@ -43,7 +43,9 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from devplugin.policy.allocator import Allocator
-from devplugin.policy.placement import NodeState, Shape, place, shape_of
+from devplugin.policy.node_state import NodeState
+from devplugin.policy.placement import place
+from devplugin.policy.pod_request import Shape, shape_of
 from devplugin.policy.podinfo import PodInfo
 
 # Beyond the victims' termination grace, how long an answer waits for the

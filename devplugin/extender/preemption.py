@@ -34,7 +34,9 @@ from devplugin.extender.verdicts import NO_VICTIMS, UNTOLD_VICTIMS, PodKind, Ver
 from devplugin.extender.victims import answer, candidates, proposed_victims, unchanged
 from devplugin.model import DeviceKind
 from devplugin.policy.allocator import Allocator
-from devplugin.policy.placement import NodeState, Requirement, Shape, check, place
+from devplugin.policy.node_state import NodeState
+from devplugin.policy.placement import check, place
+from devplugin.policy.pod_request import Requirement, Shape
 from devplugin.policy.podinfo import PodInfo
 from devplugin.policy.preemption import Eviction, Search, freed, search_victims
 

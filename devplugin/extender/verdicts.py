@@ -25,7 +25,9 @@ from devplugin.extender.nominations import Effect, Nominations, apply
 from devplugin.extender.victims import candidates, counts_fit, evictable
 from devplugin.extender.views import MAX_REASON, NodeViews
 from devplugin.policy.allocator import Allocator
-from devplugin.policy.placement import Holding, NodeState, Requirement, Shape, check, place
+from devplugin.policy.node_state import Holding, NodeState
+from devplugin.policy.placement import check, place
+from devplugin.policy.pod_request import Requirement, Shape
 from devplugin.policy.podinfo import PodInfo
 from devplugin.policy.preemption import Candidate, reachable
 

@@ -21,7 +21,8 @@ from typing import Any, Protocol
 
 from devplugin.extender.budgets import DisruptionBudget
 from devplugin.model import DeviceKind
-from devplugin.policy.placement import NodeState, Shape, shape_of
+from devplugin.policy.node_state import NodeState
+from devplugin.policy.pod_request import Shape, shape_of
 from devplugin.policy.podinfo import PodInfo
 from devplugin.policy.preemption import Candidate
 

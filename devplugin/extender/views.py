@@ -27,17 +27,11 @@ from typing import Any
 from devplugin.loops import FailureLog, ThreadLoop
 from devplugin.model import DeviceKind
 from devplugin.policy.allocator import Allocator
-from devplugin.policy.placement import (
-    NodeState,
-    Outcome,
-    ParsedRecord,
-    Requirement,
-    Shape,
-    check,
-    place,
-    shape_of,
-)
-from devplugin.policy.placement import parse_record as placement_record
+from devplugin.policy.node_record import ParsedRecord
+from devplugin.policy.node_record import parse_record as placement_record
+from devplugin.policy.node_state import NodeState, Outcome
+from devplugin.policy.placement import check, place
+from devplugin.policy.pod_request import Requirement, Shape, shape_of
 from devplugin.policy.podinfo import PodInfo
 from devplugin.policy.topology import Topology
 

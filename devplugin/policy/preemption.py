@@ -31,7 +31,9 @@ from functools import partial
 
 from devplugin.model import DeviceKind
 from devplugin.policy.allocator import Allocator
-from devplugin.policy.placement import Holding, NodeState, Outcome, Shape, place
+from devplugin.policy.node_state import Holding, NodeState, Outcome
+from devplugin.policy.placement import place
+from devplugin.policy.pod_request import Shape
 from devplugin.policy.topology import DOMAIN_DEPTH, Level
 
 # Placements tried per node at most (a placement is 0.1-1 ms).

@@ -21,7 +21,7 @@ import pytest
 
 from devplugin.model import DeviceKind
 from devplugin.node.alignment import ContainerAlignment
-from devplugin.policy.placement import node_from_record
+from devplugin.policy.node_record import node_from_record
 from devplugin.testing.apiserver import ApiServerImitation
 from tests.extender_support import (
     GPU,

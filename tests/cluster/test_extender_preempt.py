@@ -12,7 +12,8 @@ import pytest
 
 from devplugin.extender.victims import candidates
 from devplugin.model import DeviceKind
-from devplugin.policy.placement import Holding, node_from_record
+from devplugin.policy.node_record import node_from_record
+from devplugin.policy.node_state import Holding
 from devplugin.policy.podinfo import parse_pod
 from devplugin.testing.apiserver import ApiServerImitation
 from tests.extender_support import (

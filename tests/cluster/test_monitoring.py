@@ -11,7 +11,7 @@ from devplugin.cluster.required import shortfall
 from devplugin.model import DeviceKind
 from devplugin.node.alignment import ContainerAlignment
 from devplugin.node.lifecycle.custody import Census, Custody, Phase, census
-from devplugin.policy.placement import ALIGNMENT_ANNOTATION, POLICY_ANNOTATION
+from devplugin.policy.pod_request import ALIGNMENT_ANNOTATION, POLICY_ANNOTATION
 from devplugin.policy.topology import Level
 from devplugin.testing.apiserver import ApiServerImitation
 from devplugin.testing.kubelet import ContainerRequest

@@ -205,7 +205,9 @@ def test_the_record_describes_slices_and_the_extender_pairs_one_with_its_hca(
     import jsonschema
 
     from devplugin.policy.allocator import Allocator
-    from devplugin.policy.placement import Shape, node_from_record, place
+    from devplugin.policy.node_record import node_from_record
+    from devplugin.policy.placement import place
+    from devplugin.policy.pod_request import Shape
     from tests.extender_support import record
 
     found = record(_mixed_inventory(tmp_path))

@@ -34,7 +34,9 @@ import pytest
 import yaml
 
 from devplugin.policy.allocator import Allocator
-from devplugin.policy.placement import node_from_record, place, shape_of
+from devplugin.policy.node_record import node_from_record
+from devplugin.policy.placement import place
+from devplugin.policy.pod_request import shape_of
 from devplugin.policy.podinfo import parse_pod
 from devplugin.runtime import Daemon
 from devplugin.testing.controlplane import ApiFailure, ControlPlane

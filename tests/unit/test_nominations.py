@@ -17,7 +17,10 @@ from devplugin.extender.nominations import (
 )
 from devplugin.model import DeviceKind
 from devplugin.policy.allocator import Allocator
-from devplugin.policy.placement import Holding, NodeState, Shape, node_from_record, place
+from devplugin.policy.node_record import node_from_record
+from devplugin.policy.node_state import Holding, NodeState
+from devplugin.policy.placement import place
+from devplugin.policy.pod_request import Shape
 from tests.extender_support import Clock, Pods, info, inventory, record
 
 GPU, HCA = "nvidia.com/gpu", "rdma/hca"

@@ -12,16 +12,9 @@ import pytest
 from devplugin.model import DeviceKind
 from devplugin.node.alignment import best_worst_level
 from devplugin.policy.allocator import Allocator
-from devplugin.policy.placement import (
-    Requirement,
-    Shape,
-    check,
-    node_from_record,
-    place,
-    requirement_of,
-    scores,
-    shape_of,
-)
+from devplugin.policy.node_record import node_from_record
+from devplugin.policy.placement import check, place, scores
+from devplugin.policy.pod_request import Requirement, Shape, requirement_of, shape_of
 from devplugin.policy.podinfo import ContainerInfo, PodInfo
 from devplugin.policy.topology import Level, Topology
 from tests.extender_support import GPU, HCA, inventory, record

@@ -11,7 +11,10 @@ import pytest
 
 from devplugin.model import DeviceKind
 from devplugin.policy.allocator import Allocator
-from devplugin.policy.placement import NodeState, Shape, node_from_record, place
+from devplugin.policy.node_record import node_from_record
+from devplugin.policy.node_state import NodeState
+from devplugin.policy.placement import place
+from devplugin.policy.pod_request import Shape
 from devplugin.policy.preemption import Candidate, choose_victims, exhaustive, violations
 from devplugin.policy.topology import Level
 from tests.extender_support import inventory, record

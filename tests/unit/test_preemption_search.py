@@ -8,7 +8,10 @@ from pathlib import Path
 
 from devplugin.model import DeviceKind
 from devplugin.policy.allocator import Allocator
-from devplugin.policy.placement import NodeState, Shape, node_from_record, place
+from devplugin.policy.node_record import node_from_record
+from devplugin.policy.node_state import NodeState
+from devplugin.policy.placement import place
+from devplugin.policy.pod_request import Shape
 from devplugin.policy.preemption import (
     BUDGET,
     SKIP_COST,

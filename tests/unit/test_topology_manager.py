@@ -13,7 +13,10 @@ import pytest
 
 from devplugin.model import DeviceKind
 from devplugin.policy.allocator import Allocator
-from devplugin.policy.placement import NodeState, Shape, node_from_record, place, shape_of
+from devplugin.policy.node_record import node_from_record
+from devplugin.policy.node_state import NodeState
+from devplugin.policy.placement import place
+from devplugin.policy.pod_request import Shape, shape_of
 from devplugin.policy.podinfo import parse_pod
 from devplugin.policy.topology_manager import (
     BEST_EFFORT,
