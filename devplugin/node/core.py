@@ -32,6 +32,7 @@ from devplugin.node.lifecycle.checkpoint import Checkpoint, ReadHold, no_holds
 from devplugin.node.lifecycle.devices import describe
 from devplugin.node.lifecycle.health import HealthTracker, Recovery
 from devplugin.node.lifecycle.hooks import HookRunner, HookSpec, run_hook
+from devplugin.node.lifecycle.metrics import CustodyCollector, timed_hooks
 from devplugin.node.lifecycle.releases import PodWitness
 from devplugin.node.lifecycle.xid import XidWatcher
 from devplugin.node.metrics import Metrics
@@ -125,7 +126,7 @@ def hook_runner(config: Config, metrics: Metrics) -> HookRunner:
         "DEVPLUGIN_SYSFS_ROOT": config.paths.sysfs_root,
         "DEVPLUGIN_DEV_ROOT": config.paths.dev_root,
     }
-    return metrics.timed_hooks(partial(run_hook, base_env=env))
+    return timed_hooks(partial(run_hook, base_env=env), metrics.hook_runs, metrics.hook_seconds)
 
 
 @dataclass
@@ -294,7 +295,8 @@ def build_core(
         dra,
         read_hold,
     )
-    metrics.watch_custody(lifecycle.view.census, names)
+    # The census is read at each scrape, one snapshot of the served kinds.
+    metrics.registry.register(CustodyCollector(lifecycle.view.census, names))
     hca_view = HcaResource(name=hca_config.name, env_var=hca_config.env_var)
     pipeline = Pipeline(
         resources,

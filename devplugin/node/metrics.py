@@ -57,216 +57,185 @@ Names and labels (all prefixed `devplugin_`):
 
 from __future__ import annotations
 
-import threading
 from collections import Counter as Tally
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry
 
-from devplugin.model import DeviceKind, Health
+from devplugin.families import (
+    FAST,
+    SLOW,
+    WATCH_AGE,
+    WATCH_CURRENT,
+    WATCH_LISTS,
+    CounterFamily,
+    GaugeFamily,
+    HistogramFamily,
+)
+from devplugin.model import Health
 from devplugin.node.admission import Outcome
-from devplugin.node.lifecycle.custody import Census
-from devplugin.node.lifecycle.hooks import HookDevice, HookResult, HookRunner, HookSpec, Tracker
 from devplugin.policy.topology import Level
 
-FAST = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5)
-SLOW = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0)
+DEVICES = GaugeFamily(
+    "devplugin_devices", "Devices served, by resource and health", ("resource", "health")
+)
+ALLOCATIONS = CounterFamily(
+    "devplugin_allocations", "Allocate calls per container request", ("resource", "result")
+)
+PREFERRED = CounterFamily(
+    "devplugin_preferred_allocation_requests",
+    "GetPreferredAllocation container requests",
+    ("resource", "role", "result"),
+)
+PREFERRED_SECONDS = HistogramFamily(
+    "devplugin_preferred_allocation_seconds",
+    "GetPreferredAllocation handling time",
+    FAST,
+    ("resource",),
+)
+ALLOCATE_SECONDS = HistogramFamily(
+    "devplugin_allocate_seconds", "Allocate handling time, hooks included", SLOW, ("resource",)
+)
+ALIGNMENT = HistogramFamily(
+    "devplugin_alignment_level",
+    "Worst GPU-to-nearest-HCA level per container (PIX 1, PXB 2, PHB 3, NODE 4, SYS 5)",
+    (1, 2, 3, 4, 5),
+)
+CONTAINERS_BY_ALIGNMENT = GaugeFamily(
+    "devplugin_containers_by_alignment",
+    "Containers now holding GPUs and HCAs, by worst GPU-to-HCA level",
+    ("level",),
+)
+HOOK_RUNS = CounterFamily(
+    "devplugin_hook_runs", "Init and cleanup hook runs", ("resource", "phase", "result")
+)
+HOOK_SECONDS = HistogramFamily(
+    "devplugin_hook_duration_seconds", "Hook run time", SLOW, ("resource", "phase")
+)
+REGISTRATIONS = CounterFamily(
+    "devplugin_registrations", "Successful registrations with the kubelet", ("resource",)
+)
+CHECKPOINT_FAILURES = CounterFamily(
+    "devplugin_checkpoint_write_failures",
+    "Lifecycle checkpoint writes that failed (read-only or full disk)",
+)
+CHECKPOINT_OK = GaugeFamily("devplugin_checkpoint_ok", "1 when the last checkpoint write succeeded")
+POD_AWARE = CounterFamily(
+    "devplugin_pod_aware_choices",
+    (
+        "First-resource choices by how the container's whole request was known "
+        "(exact / fallback-no-pod / fallback-ambiguous)"
+    ),
+    ("resource", "outcome"),
+)
+BUDGET_HITS = CounterFamily(
+    "devplugin_allocator_budget_exhausted",
+    "GPU searches that ran out of allocation.search_budget_ms and answered their best",
+)
+RECORD_WRITES = CounterFamily(
+    "devplugin_node_devices_writes",
+    "NodeDevices record writes (ok / conflict / error)",
+    ("result",),
+)
+DRA_CLAIMS = CounterFamily(
+    "devplugin_dra_claims",
+    (
+        "DRA claims prepared and unprepared (ok / again: answered from the checkpoint / "
+        "error: the claim's error)"
+    ),
+    ("call", "result"),
+)
+DRA_PREPARE_SECONDS = HistogramFamily(
+    "devplugin_dra_prepare_seconds",
+    "One DRA claim's prepare, its claim read and init hooks included",
+    (0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60),
+)
+DRA_PREPARED = GaugeFamily("devplugin_dra_prepared_claims", "DRA claims prepared on this node")
+SLICE_WRITES = CounterFamily(
+    "devplugin_resource_slice_writes",
+    "Updates of this node's ResourceSlice pool (ok / error)",
+    ("result",),
+)
+POD_EVENTS = CounterFamily(
+    "devplugin_pod_events", "Events posted on pods (ok / failed / dropped)", ("result",)
+)
+STUCK_READS = GaugeFamily(
+    "devplugin_stuck_reads", "Hardware reads (per GPU, per HCA, NVML, PCI tree) past their deadline"
+)
+HOLDINGS_AGE = GaugeFamily(
+    "devplugin_holdings_age_seconds",
+    (
+        "Seconds since an Allocate, pod event, available list or poll last confirmed "
+        "who holds which device"
+    ),
+)
+CORRECTIONS = CounterFamily(
+    "devplugin_holdings_corrections",
+    "GetPreferredAllocation requests whose available list corrected the holdings",
+    ("resource",),
+)
+CDI_UNDECLARED = GaugeFamily(
+    "devplugin_cdi_undeclared_devices",
+    "Devices not offered because no CDI spec on the node declares them",
+    ("resource",),
+)
+CDI_REFUSED_SPECS = GaugeFamily(
+    "devplugin_cdi_refused_specs", "CDI spec files in the spec directories a runtime would refuse"
+)
+CHECK_AGE = GaugeFamily(
+    "devplugin_check_age_seconds", "Seconds since the last check that read every device in time"
+)
+LEASE_AGE = GaugeFamily(
+    "devplugin_lease_age_seconds", "Seconds since this node's Lease was last renewed"
+)
+LEASE_DURATION = GaugeFamily(
+    "devplugin_lease_duration_seconds",
+    "How long each renewal promises the Lease holds (the extender's staleness bound)",
+)
+BELOW_REQUIRED = CounterFamily(
+    "devplugin_alignment_below_required",
+    "Containers given a worst GPU-HCA level past the level their pod requires",
+    ("required",),
+)
 
 
 class Metrics:
     def __init__(self) -> None:
         registry = CollectorRegistry()
         self.registry = registry
-        self.devices = Gauge(
-            "devplugin_devices",
-            "Devices served, by resource and health",
-            ["resource", "health"],
-            registry=registry,
-        )
-        self.allocations = Counter(
-            "devplugin_allocations",
-            "Allocate calls per container request",
-            ["resource", "result"],
-            registry=registry,
-        )
-        self.preferred = Counter(
-            "devplugin_preferred_allocation_requests",
-            "GetPreferredAllocation container requests",
-            ["resource", "role", "result"],
-            registry=registry,
-        )
-        self.preferred_seconds = Histogram(
-            "devplugin_preferred_allocation_seconds",
-            "GetPreferredAllocation handling time",
-            ["resource"],
-            buckets=FAST,
-            registry=registry,
-        )
-        self.allocate_seconds = Histogram(
-            "devplugin_allocate_seconds",
-            "Allocate handling time, hooks included",
-            ["resource"],
-            buckets=SLOW,
-            registry=registry,
-        )
-        self.alignment = Histogram(
-            "devplugin_alignment_level",
-            "Worst GPU-to-nearest-HCA level per container (PIX 1, PXB 2, PHB 3, NODE 4, SYS 5)",
-            buckets=(1, 2, 3, 4, 5),
-            registry=registry,
-        )
-        self.containers_by_alignment = Gauge(
-            "devplugin_containers_by_alignment",
-            "Containers now holding GPUs and HCAs, by worst GPU-to-HCA level",
-            ["level"],
-            registry=registry,
-        )
-        self.hook_runs = Counter(
-            "devplugin_hook_runs",
-            "Init and cleanup hook runs",
-            ["resource", "phase", "result"],
-            registry=registry,
-        )
-        self.hook_seconds = Histogram(
-            "devplugin_hook_duration_seconds",
-            "Hook run time",
-            ["resource", "phase"],
-            buckets=SLOW,
-            registry=registry,
-        )
-        self.registrations = Counter(
-            "devplugin_registrations",
-            "Successful registrations with the kubelet",
-            ["resource"],
-            registry=registry,
-        )
-        self.checkpoint_failures = Counter(
-            "devplugin_checkpoint_write_failures",
-            "Lifecycle checkpoint writes that failed (read-only or full disk)",
-            registry=registry,
-        )
-        self.checkpoint_ok = Gauge(
-            "devplugin_checkpoint_ok",
-            "1 when the last checkpoint write succeeded",
-            registry=registry,
-        )
+        self.devices = DEVICES.make(registry)
+        self.allocations = ALLOCATIONS.make(registry)
+        self.preferred = PREFERRED.make(registry)
+        self.preferred_seconds = PREFERRED_SECONDS.make(registry)
+        self.allocate_seconds = ALLOCATE_SECONDS.make(registry)
+        self.alignment = ALIGNMENT.make(registry)
+        self.containers_by_alignment = CONTAINERS_BY_ALIGNMENT.make(registry)
+        self.hook_runs = HOOK_RUNS.make(registry)
+        self.hook_seconds = HOOK_SECONDS.make(registry)
+        self.registrations = REGISTRATIONS.make(registry)
+        self.checkpoint_failures = CHECKPOINT_FAILURES.make(registry)
+        self.checkpoint_ok = CHECKPOINT_OK.make(registry)
         self.checkpoint_ok.set(1)
-        self.pod_aware = Counter(
-            "devplugin_pod_aware_choices",
-            "First-resource choices by how the container's whole request was known "
-            "(exact / fallback-no-pod / fallback-ambiguous)",
-            ["resource", "outcome"],
-            registry=registry,
-        )
-        self.budget_hits = Counter(
-            "devplugin_allocator_budget_exhausted",
-            "GPU searches that ran out of allocation.search_budget_ms and answered their best",
-            registry=registry,
-        )
-        self.record_writes = Counter(
-            "devplugin_node_devices_writes",
-            "NodeDevices record writes (ok / conflict / error)",
-            ["result"],
-            registry=registry,
-        )
-        self.dra_claims = Counter(
-            "devplugin_dra_claims",
-            "DRA claims prepared and unprepared (ok / again: answered from the checkpoint / "
-            "error: the claim's error)",
-            ["call", "result"],
-            registry=registry,
-        )
-        self.dra_prepare_seconds = Histogram(
-            "devplugin_dra_prepare_seconds",
-            "One DRA claim's prepare, its claim read and init hooks included",
-            registry=registry,
-            buckets=(0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60),
-        )
-        self.dra_prepared = Gauge(
-            "devplugin_dra_prepared_claims", "DRA claims prepared on this node", registry=registry
-        )
-        self.slice_writes = Counter(
-            "devplugin_resource_slice_writes",
-            "Updates of this node's ResourceSlice pool (ok / error)",
-            ["result"],
-            registry=registry,
-        )
-        self.pod_events = Counter(
-            "devplugin_pod_events",
-            "Events posted on pods (ok / failed / dropped)",
-            ["result"],
-            registry=registry,
-        )
-        self.stuck_reads = Gauge(
-            "devplugin_stuck_reads",
-            "Hardware reads (per GPU, per HCA, NVML, PCI tree) past their deadline",
-            registry=registry,
-        )
-        self.holdings_age = Gauge(
-            "devplugin_holdings_age_seconds",
-            "Seconds since an Allocate, pod event, available list or poll last confirmed "
-            "who holds which device",
-            registry=registry,
-        )
-        self.corrections = Counter(
-            "devplugin_holdings_corrections",
-            "GetPreferredAllocation requests whose available list corrected the holdings",
-            ["resource"],
-            registry=registry,
-        )
-        self.watch_current = Gauge(
-            "devplugin_watch_current",
-            "1 while an API watch cache is current (listed, and heard from within its bound)",
-            ["cache"],
-            registry=registry,
-        )
-        self.watch_age = Gauge(
-            "devplugin_watch_age_seconds",
-            "Seconds since an API watch cache last heard from the API server",
-            ["cache"],
-            registry=registry,
-        )
-        self.watch_lists = Gauge(
-            "devplugin_watch_lists",
-            "Full lists an API watch cache made since start: the first, then one after each"
-            " 410 Gone or broken watch (climbing fast: the API server or the path to it churns)",
-            ["cache"],
-            registry=registry,
-        )
-        self.cdi_undeclared = Gauge(
-            "devplugin_cdi_undeclared_devices",
-            "Devices not offered because no CDI spec on the node declares them",
-            ["resource"],
-            registry=registry,
-        )
-        self.cdi_refused_specs = Gauge(
-            "devplugin_cdi_refused_specs",
-            "CDI spec files in the spec directories a runtime would refuse",
-            registry=registry,
-        )
-        self.check_age = Gauge(
-            "devplugin_check_age_seconds",
-            "Seconds since the last check that read every device in time",
-            registry=registry,
-        )
-
-        self.lease_age = Gauge(
-            "devplugin_lease_age_seconds",
-            "Seconds since this node's Lease was last renewed",
-            registry=registry,
-        )
-        self.lease_duration = Gauge(
-            "devplugin_lease_duration_seconds",
-            "How long each renewal promises the Lease holds (the extender's staleness bound)",
-            registry=registry,
-        )
-        self.below_required = Counter(
-            "devplugin_alignment_below_required",
-            "Containers given a worst GPU-HCA level past the level their pod requires",
-            ["required"],
-            registry=registry,
-        )
+        self.pod_aware = POD_AWARE.make(registry)
+        self.budget_hits = BUDGET_HITS.make(registry)
+        self.record_writes = RECORD_WRITES.make(registry)
+        self.dra_claims = DRA_CLAIMS.make(registry)
+        self.dra_prepare_seconds = DRA_PREPARE_SECONDS.make(registry)
+        self.dra_prepared = DRA_PREPARED.make(registry)
+        self.slice_writes = SLICE_WRITES.make(registry)
+        self.pod_events = POD_EVENTS.make(registry)
+        self.stuck_reads = STUCK_READS.make(registry)
+        self.holdings_age = HOLDINGS_AGE.make(registry)
+        self.corrections = CORRECTIONS.make(registry)
+        self.watch_current = WATCH_CURRENT.make(registry)
+        self.watch_age = WATCH_AGE.make(registry)
+        self.watch_lists = WATCH_LISTS.make(registry)
+        self.cdi_undeclared = CDI_UNDECLARED.make(registry)
+        self.cdi_refused_specs = CDI_REFUSED_SPECS.make(registry)
+        self.check_age = CHECK_AGE.make(registry)
+        self.lease_age = LEASE_AGE.make(registry)
+        self.lease_duration = LEASE_DURATION.make(registry)
+        self.below_required = BELOW_REQUIRED.make(registry)
 
     def prime(self, resources: Iterable[str]) -> None:
         """Every series whose label values are known at start, at zero: a
@@ -301,13 +270,6 @@ class Metrics:
         for level in (Level.PIX, Level.PXB, Level.PHB, Level.NODE):
             self.below_required.labels(level.name)
 
-    def watch_custody(
-        self, census: Callable[[frozenset[DeviceKind]], Census], names: Mapping[DeviceKind, str]
-    ) -> None:
-        """Serve the custody census of the served kinds, read at each scrape
-        (one snapshot)."""
-        self.registry.register(_CustodyCollector(census, dict(names)))
-
     def checkpoint_written(self, ok: bool) -> None:
         self.checkpoint_ok.set(1 if ok else 0)
         if not ok:
@@ -322,69 +284,3 @@ class Metrics:
         counts = Tally(level.name for level in levels)
         for level in Level:
             self.containers_by_alignment.labels(level.name).set(counts.get(level.name, 0))
-
-    def timed_hooks(self, runner: HookRunner) -> HookRunner:
-        """Wrap a hook runner so every run is counted and timed."""
-
-        def run(
-            spec: HookSpec,
-            phase: str,
-            resource: str,
-            devices: Sequence[HookDevice],
-            *,
-            track: Tracker | None = None,
-            cancel: threading.Event | None = None,
-        ) -> HookResult:
-            result = runner(spec, phase, resource, devices, track=track, cancel=cancel)
-            outcome = (
-                "ok"
-                if result.ok
-                else "timeout"
-                if result.timed_out
-                else "stopped"
-                if result.cancelled
-                else "failed"
-            )
-            self.hook_runs.labels(resource, phase, outcome).inc()
-            self.hook_seconds.labels(resource, phase).observe(result.duration)
-            return result
-
-        return run
-
-
-class _CustodyCollector:
-    """devplugin_custody_devices and devplugin_cleanup_oldest_seconds, read
-    from the custody book when scraped (nothing to keep in step)."""
-
-    def __init__(
-        self, census: Callable[[frozenset[DeviceKind]], Census], names: dict[DeviceKind, str]
-    ) -> None:
-        self._census = census
-        self._names = names
-        self._kinds = frozenset(names)
-
-    def describe(self) -> Iterator[Metric]:
-        # Named here so registering does not read the book (collect would).
-        yield GaugeMetricFamily("devplugin_custody_devices", "", labels=["resource", "phase"])
-        yield GaugeMetricFamily("devplugin_cleanup_oldest_seconds", "", labels=["resource"])
-
-    def collect(self) -> Iterator[Metric]:
-        census = self._census(self._kinds)
-        phases = GaugeMetricFamily(
-            "devplugin_custody_devices",
-            "Devices not free, by custody phase",
-            labels=["resource", "phase"],
-        )
-        for (kind, phase), count in sorted(
-            census.phases.items(), key=lambda item: (item[0][0].value, item[0][1].value)
-        ):
-            phases.add_metric([self._names[kind], phase.value], count)
-        yield phases
-        oldest = GaugeMetricFamily(
-            "devplugin_cleanup_oldest_seconds",
-            "Seconds the longest-waiting device owing a cleanup has been in its phase",
-            labels=["resource"],
-        )
-        for kind, seconds in sorted(census.oldest_owing.items(), key=lambda item: item[0].value):
-            oldest.add_metric([self._names[kind]], seconds)
-        yield oldest
