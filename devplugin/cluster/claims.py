@@ -11,14 +11,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from lightkube import ApiError, Client
-from lightkube.generic_resource import create_namespaced_resource
 
 from devplugin.cluster.objects import as_dict
 from devplugin.policy.claims import ClaimReadError, results_for
-
-ResourceClaim = create_namespaced_resource(
-    "resource.k8s.io", "v1", "ResourceClaim", "resourceclaims"
-)
+from devplugin.wire.resources import ResourceClaim
 
 
 class ApiClaimReader:

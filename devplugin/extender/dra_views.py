@@ -19,20 +19,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from lightkube.generic_resource import create_global_resource
-
-from devplugin.cluster.claims import ResourceClaim
 from devplugin.cluster.client import Heartbeat
 from devplugin.cluster.watch import WatchCache, WatchTiming
 from devplugin.extender.answers import ChangeLog
 from devplugin.policy.dra_predict import NodeDevices, Prediction, Selectors, Unpredictable, predict
 from devplugin.policy.dra_walk import PoolSlice, gather, pool_slice
 from devplugin.policy.free_counts import recounted
-from devplugin.wire.resources import ResourceSlice
+from devplugin.wire.resources import DeviceClass, ResourceClaim, ResourceSlice
 
 T = TypeVar("T")
-GROUP, VERSION = "resource.k8s.io", "v1"
-DeviceClass = create_global_resource(GROUP, VERSION, "DeviceClass", "deviceclasses")
 
 # Predictions kept at most (node x claim specs); past it they are dropped
 # and made again on use.

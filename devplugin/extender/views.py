@@ -28,7 +28,7 @@ from devplugin.loops import FailureLog, ThreadLoop
 from devplugin.model import DeviceKind
 from devplugin.policy.allocator import Allocator
 from devplugin.policy.node_record import ParsedRecord
-from devplugin.policy.node_record import parse_record as placement_record
+from devplugin.policy.node_record import parse_record as read_record
 from devplugin.policy.node_state import NodeState, Outcome
 from devplugin.policy.placement import check, place
 from devplugin.policy.pod_request import Requirement, Shape, shape_of
@@ -75,7 +75,7 @@ def parse_record(record: Mapping[str, Any]) -> ParsedRecord:
             raise ValueError(f"{len(devices)} devices; at most {MAX_DEVICES} are read")
         if isinstance(allocations, list) and len(allocations) > MAX_ALLOCATIONS:
             raise ValueError(f"{len(allocations)} allocations; at most {MAX_ALLOCATIONS} are read")
-    return placement_record(record, canonical=True)
+    return read_record(record, canonical=True)
 
 
 class Layouts(ThreadLoop):

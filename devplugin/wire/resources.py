@@ -4,7 +4,7 @@ client library."""
 
 from __future__ import annotations
 
-from lightkube.generic_resource import create_global_resource
+from lightkube.generic_resource import create_global_resource, create_namespaced_resource
 
 from devplugin.wire import nodedevices, resourceslice
 
@@ -13,4 +13,10 @@ NodeDevices = create_global_resource(
 )
 ResourceSlice = create_global_resource(
     resourceslice.GROUP, resourceslice.VERSION, "ResourceSlice", "resourceslices"
+)
+DeviceClass = create_global_resource(
+    resourceslice.GROUP, resourceslice.VERSION, "DeviceClass", "deviceclasses"
+)
+ResourceClaim = create_namespaced_resource(
+    resourceslice.GROUP, resourceslice.VERSION, "ResourceClaim", "resourceclaims"
 )

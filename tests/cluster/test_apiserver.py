@@ -13,13 +13,11 @@ import threading
 import httpx2
 import pytest
 from lightkube import ApiError, Client, KubeConfig
-from lightkube.generic_resource import create_global_resource
 
 from devplugin.cluster.pods import RawPod
 from devplugin.testing.apiserver import ApiServerImitation
+from devplugin.wire.resources import NodeDevices
 from tests.waiting import wait_until
-
-NodeDevices = create_global_resource("devplugin.io", "v1alpha1", "NodeDevices", "nodedevices")
 
 
 def pod(name: str, node: str, namespace: str = "default") -> dict[str, object]:
