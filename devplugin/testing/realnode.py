@@ -407,10 +407,23 @@ state = "{self.folder}/containerd/state"
 
     def _remove_containers(self) -> None:
         # runc's containers outlive containerd: stop them, as a node's
-        # shutdown would, so no test leaves a process behind.
-        root = self.folder / "runc"
-        if not root.exists():
-            return
+        # shutdown would, so no test leaves a process behind. The shim gives
+        # runc a root per containerd namespace (Root joined with the
+        # namespace: containerd-shim-runc-v2/process/init.go, NewRunc).
+        base = self.folder / "runc"
+        roots = [path for path in base.iterdir() if path.is_dir()] if base.exists() else []
+        for root in roots:
+            self._remove_runc_containers(root)
+        for shim in subprocess.run(
+            ["pgrep", "-f", f"containerd-shim-runc-v2 .*-address {self.socket}"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(shim), signal.SIGKILL)
+
+    def _remove_runc_containers(self, root: Path) -> None:
         listed = subprocess.run(
             [RUNC, "--root", str(root), "list", "-q"], capture_output=True, text=True, check=False
         )
@@ -425,14 +438,6 @@ state = "{self.folder}/containerd/state"
                 capture_output=True,
                 check=False,
             )
-        for shim in subprocess.run(
-            ["pgrep", "-f", f"containerd-shim-runc-v2 .*-address {self.socket}"],
-            capture_output=True,
-            text=True,
-            check=False,
-        ).stdout.split():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(shim), signal.SIGKILL)
 
     # -- what the node shows
     def node(self) -> dict[str, Any]:
