@@ -22,7 +22,9 @@ from typing import Any, Literal
 
 import yaml
 
-from devplugin.model import KINDS, DeviceKind, KindInfo
+from devplugin.kinds.base import Kind
+from devplugin.kinds.registry import KINDS
+from devplugin.model import DeviceKind
 from devplugin.policy.cdi import kind_problem
 
 CONFIG_VERSION = "v1"
@@ -583,7 +585,7 @@ def validate(config: Config) -> None:
     enabled = [info for info in KINDS if config.resources.of(info.kind).enabled]
     if not enabled:
         raise ConfigError("resources", "every resource is disabled; nothing to serve")
-    named: dict[str, KindInfo] = {}
+    named: dict[str, Kind[Any]] = {}
     for info in enabled:
         name = served_name(config, info.kind)
         if name in named:

@@ -18,7 +18,8 @@ _BDF = re.compile(
 
 
 class DeviceKind(enum.Enum):
-    """The two kinds of device devplugin serves."""
+    """The kinds of device devplugin serves; what each one is and does is
+    its wing in devplugin.kinds."""
 
     GPU = "gpu"
     HCA = "hca"
@@ -27,33 +28,6 @@ class DeviceKind(enum.Enum):
     # C too. Enum's own __hash__ is Python code, and (kind, id) keys are
     # hashed on every preference (about 120 times per call on 64 GPUs).
     __hash__ = object.__hash__
-
-    @property
-    def other(self) -> DeviceKind:
-        return DeviceKind.HCA if self is DeviceKind.GPU else DeviceKind.GPU
-
-
-@dataclass(frozen=True)
-class KindInfo:
-    """What every layer calls one kind of device. A new kind is one entry
-    here, its discovery, and one entry in each per-layer table keyed by
-    kind (how it is served: node/core.RESOURCE_BUILDERS)."""
-
-    kind: DeviceKind
-    # Its sections in the config (resources.<key>, sharing.<key>) and its
-    # name in log lines and hook variables.
-    key: str
-    # Its list in an inventory and in the NodeDevices record.
-    plural: str
-    # In sentences.
-    noun: str
-
-
-KINDS: tuple[KindInfo, ...] = (
-    KindInfo(DeviceKind.GPU, "gpu", "gpus", "GPU"),
-    KindInfo(DeviceKind.HCA, "hca", "hcas", "HCA"),
-)
-KIND_INFO: Mapping[DeviceKind, KindInfo] = {info.kind: info for info in KINDS}
 
 
 class Refused(Exception):

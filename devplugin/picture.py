@@ -17,6 +17,12 @@ from dataclasses import dataclass, field
 from html import escape
 from typing import Any
 
+from devplugin.kinds.base import PictureError
+from devplugin.kinds.registry import BY_KEY, KINDS
+from devplugin.model import shown
+
+__all__ = ["Edge", "Node", "Picture", "PictureError", "dot", "picture"]
+
 HEALTH_FILL = {"Healthy": "#c8e6c9", "Unhealthy": "#ffcdd2"}
 UNKNOWN_FILL = "#eeeeee"
 DOMAIN_FILL = "#f5f5f5"
@@ -25,15 +31,10 @@ HOLDER_COLOURS = (
     "#1565c0", "#6a1b9a", "#ef6c00", "#00838f", "#ad1457", "#2e7d32", "#4e342e", "#283593",
 )  # fmt: skip
 NVLINK_COLOUR = "#558b2f"
-PORT_GOOD = ("ACTIVE", "LINKUP")
 # A complete NVLink graph of this many GPUs or more, every pair with the
 # same links, is drawn as one NVSwitch fabric instead of every pair.
 FABRIC_AT = 4
 DOMAINS = ("NUMA", "host bridge", "root port", "switch")
-
-
-class PictureError(ValueError):
-    """The record cannot be drawn (a field of the wrong shape)."""
 
 
 @dataclass(frozen=True)
@@ -103,92 +104,67 @@ def _domains(path: Sequence[str]) -> list[tuple[str, str, str]]:
     return found
 
 
-def _device_lines(device: Mapping[str, Any], holder: str | None) -> tuple[str, ...]:
-    kind = device.get("kind")
-    mig = device.get("mig")
-    if kind == "hca":
-        first = f"HCA {device.get('name', device['id'])}"
-    elif isinstance(mig, Mapping):
-        first = f"MIG {mig.get('profile', '?')}"
-    else:
-        first = f"GPU {device.get('product', '')}".rstrip()
-    lines = [first, str(device.get("pciAddress", "")) if not mig else _short(device["id"])]
-    if kind == "gpu" and not mig:
-        lines.append(_short(device["id"]))
+def _device_node(device: Mapping[str, Any], held: Mapping[str, str]) -> tuple[Node, str]:
+    """The device's node, and the label of the cluster it is drawn inside."""
+    found = BY_KEY.get(str(device.get("kind")))
+    if found is None:
+        raise PictureError(
+            f"status.devices[].kind: {shown(str(device.get('kind')))!r} is no kind served"
+        )
+    box = found.box(device)
+    lines = list(box.lines)
     if device.get("health") not in (None, "Healthy"):
         reason = str(device.get("reason", ""))[:60]
         lines.append(f"{device.get('health')}: {reason}" if reason else str(device["health"]))
+    holder = held.get(device["id"])
     if holder is not None:
         lines.append(f"held by {holder}")
-    return tuple(line for line in lines if line)
-
-
-def _short(uuid: str) -> str:
-    """A GPU or MIG UUID short enough for a box, still telling them apart
-    (their last characters differ)."""
-    return uuid if len(uuid) <= 24 else f"{uuid[:10]}…{uuid[-10:]}"
-
-
-def _ports(device: Mapping[str, Any]) -> tuple[tuple[str, bool], ...]:
-    rows = []
-    for port in device.get("ports") or ():
-        if not isinstance(port, Mapping):
-            raise PictureError("status.devices[].ports[]: expected objects")
-        state = str(port.get("state", ""))
-        good = not state or any(word in state.upper() for word in PORT_GOOD)
-        text = f"port {port.get('port')}: {port.get('linkLayer', '')} {port.get('rate', '')}"
-        rows.append((f"{text} {state}".strip(), good))
-    return tuple(rows)
-
-
-def _nvlinks(gpus: Sequence[Mapping[str, Any]], keys: Mapping[str, str]) -> list[Edge]:
-    """Pairwise NVLink edges, or one fabric node's where every pair has the
-    same links (an NVSwitch system)."""
-    pairs: dict[tuple[str, str], int] = {}
-    for gpu in gpus:
-        for peer in gpu.get("nvlinkPeers") or ():
-            if not isinstance(peer, Mapping):
-                raise PictureError("status.devices[].nvlinkPeers[]: expected objects")
-            other = _text(peer.get("id"), "nvlinkPeers[].id")
-            links = peer.get("links", 0)
-            if not isinstance(links, int) or isinstance(links, bool) or links < 0:
-                raise PictureError("status.devices[].nvlinkPeers[].links: expected a count")
-            if other in keys and other != gpu["id"]:
-                a, b = sorted((str(gpu["id"]), other))
-                pairs[(a, b)] = links
-    linked = sorted(keys)
-    complete = len(pairs) == len(linked) * (len(linked) - 1) // 2
-    if len(linked) >= FABRIC_AT and complete and len(set(pairs.values())) == 1:
-        links = next(iter(pairs.values()))
-        return [Edge(keys[gpu], "nvswitch", "fabric", f"NV{links}") for gpu in linked]
-    return [Edge(keys[a], keys[b], "nvlink", f"NV{n}") for (a, b), n in sorted(pairs.items())]
-
-
-def _device_node(device: Mapping[str, Any], held: Mapping[str, str]) -> Node:
-    mig = device.get("mig")
-    gpu_kind = "mig" if isinstance(mig, Mapping) else "gpu"
-    kind = "hca" if device.get("kind") == "hca" else gpu_kind
-    cluster = None
-    if isinstance(mig, Mapping):
-        cluster = f"cluster_gpu:{_text(mig.get('parentUUID'), 'mig.parentUUID')}"
-    holder = held.get(device["id"])
-    return Node(
-        f"{kind}:{device['id']}",
-        kind,
-        _device_lines(device, holder),
+    node = Node(
+        f"{box.kind}:{device['id']}",
+        box.kind,
+        tuple(line for line in lines if line),
         str(device.get("health", "")) or None,
         holder,
-        _ports(device) if kind == "hca" else (),
-        cluster,
+        box.ports,
+        box.cluster[0] if box.cluster is not None else None,
     )
+    return node, box.cluster[1] if box.cluster is not None else ""
+
+
+def _links(by_kind: Mapping[str, list[Mapping[str, Any]]]) -> tuple[list[Edge], list[Node]]:
+    """Each kind's direct links (NVLink between GPUs), or its fabric node's
+    where at least FABRIC_AT devices are all linked alike (an NVSwitch
+    system); and the fabric nodes drawn."""
+    edges: list[Edge] = []
+    fabrics: list[Node] = []
+    for wing in KINDS:
+        entries = by_kind.get(wing.key, [])
+        pairs, linked = wing.links(entries)
+        if not pairs:
+            continue
+        box = {entry["id"]: f"{wing.box(entry).kind}:{entry['id']}" for entry in entries}
+        label = wing.link_label
+        complete = len(pairs) == len(linked) * (len(linked) - 1) // 2
+        if wing.fabric and len(linked) >= FABRIC_AT and complete and len(set(pairs.values())) == 1:
+            key, name = wing.fabric
+            count = next(iter(pairs.values()))
+            edges += [Edge(box[d], key, "fabric", f"{label}{count}") for d in linked]
+            fabrics.append(Node(key, "fabric", (name,)))
+        else:
+            edges += [
+                Edge(box[a], box[b], wing.link_kind, f"{label}{n}")
+                for (a, b), n in sorted(pairs.items())
+            ]
+    return edges, fabrics
 
 
 def _title(name: str, summary: Mapping[str, Any]) -> str:
-    return (
-        f"{name}: {summary.get('gpusFree', '?')}/{summary.get('gpusTotal', '?')} GPUs and "
-        f"{summary.get('hcasFree', '?')}/{summary.get('hcasTotal', '?')} HCAs free, "
-        f"{summary.get('unhealthy', 0)} unhealthy"
-    )
+    counts = [
+        f"{summary.get(f'{w.plural}Free', '?')}/{summary.get(f'{w.plural}Total', '?')} {w.noun}s"
+        for w in KINDS
+    ]
+    listed = ", ".join(counts[:-1]) + " and " + counts[-1] if len(counts) > 1 else counts[0]
+    return f"{name}: {listed} free, {summary.get('unhealthy', 0)} unhealthy"
 
 
 def picture(name: str, status: Mapping[str, Any]) -> Picture:
@@ -200,7 +176,7 @@ def picture(name: str, status: Mapping[str, Any]) -> Picture:
     nodes: dict[str, Node] = {}
     edges: list[Edge] = []
     clusters: dict[str, str] = {}
-    gpus: list[Mapping[str, Any]] = []
+    by_kind: dict[str, list[Mapping[str, Any]]] = {}
     for device in devices:
         if not isinstance(device, Mapping) or not isinstance(device.get("id"), str):
             raise PictureError("status.devices[]: expected objects with an id")
@@ -217,16 +193,14 @@ def picture(name: str, status: Mapping[str, Any]) -> Picture:
                     edges.append(Edge(parent, key, "tree"))
             parent = key
         assert parent is not None
-        node = _device_node(device, held)
+        node, cluster_label = _device_node(device, held)
         nodes[node.key] = node
         edges.append(Edge(parent, node.key, "tree"))
         if node.cluster is not None:
-            clusters.setdefault(node.cluster, f"GPU {node.cluster.split(':', 1)[1]} (MIG)")
-        if node.kind == "gpu":
-            gpus.append(device)
-    links = _nvlinks(gpus, {gpu["id"]: f"gpu:{gpu['id']}" for gpu in gpus})
-    if any(edge.kind == "fabric" for edge in links):
-        nodes["nvswitch"] = Node("nvswitch", "fabric", ("NVSwitch fabric",))
+            clusters.setdefault(node.cluster, cluster_label)
+        by_kind.setdefault(str(device["kind"]), []).append(device)
+    links, fabrics = _links(by_kind)
+    nodes.update((fabric.key, fabric) for fabric in fabrics)
     holders = tuple(sorted(set(held.values())))
     summary = status.get("summary") or {}
     if not isinstance(summary, Mapping):

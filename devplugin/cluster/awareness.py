@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from devplugin.cluster.pods import PodCache
+from devplugin.kinds.registry import paired_with
 from devplugin.model import DeviceKind
 from devplugin.node.admission import Admission, ContainerKey, Outcome, admitting
 from devplugin.node.coordination import Known
@@ -112,7 +113,7 @@ class PodAwareness:
         """(the asking resource, every resource of the other kind)."""
         own = self._all.get(kind)
         asking = resource if resource is not None else (own[0] if own else None)
-        others = tuple(self._all.get(kind.other, ()))
+        others = tuple(self._all.get(paired_with(kind), ()))
         if asking is None or not others:
             return None
         return asking, others
@@ -182,19 +183,20 @@ class PodAwareness:
             self._answered[kind] = _Answered(size, owner, now, key)
             # The kubelet gives this container all its resources before the
             # next one: it counts as holding both from now on.
+            paired = paired_with(kind)
             self._claims[(kind, key)] = (now, first.pod.uid)
-            self._claims[(kind.other, key)] = (now, first.pod.uid)
-            if self._given_locked(key, first.pod.uid, kind.other):
+            self._claims[(paired, key)] = (now, first.pod.uid)
+            if self._given_locked(key, first.pod.uid, paired):
                 # Its other resource came first, all reused from the pod's
                 # init containers (no preference was asked): this completes it.
                 return Known(partners, second=True)
-            adopted = self._adopt_locked(kind.other, partners, now) if partners else frozenset()
+            adopted = self._adopt_locked(paired, partners, now) if partners else frozenset()
             if adopted:
-                self._record_locked(key, first.pod.uid, kind.other, tuple(adopted))
+                self._record_locked(key, first.pod.uid, paired, tuple(adopted))
                 return Known(partners, second=True)
             if partners > 0:
-                self._expected = _Expected(kind.other, partners, size, now, owner, key)
-            forced = self._reused_locked(first.pod, first.container.name, kind.other)
+                self._expected = _Expected(paired, partners, size, now, owner, key)
+            forced = self._reused_locked(first.pod, first.container.name, paired)
         return Known(
             partners,
             forced=forced if partners > 0 else frozenset(),

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from devplugin.model import KINDS, DeviceKind, GpuInfo, HcaInfo, Health, Inventory, PciFunction
+from devplugin.kinds.registry import KINDS
+from devplugin.model import DeviceKind, Health, Inventory, PciFunction
 from devplugin.node.alignment import ContainerAlignment
 from devplugin.node.resources import ResourceState
-from devplugin.policy.labels import family
-from devplugin.wire.nodedevices import MAX_PORTS, MAX_TEXT
+from devplugin.wire.nodedevices import MAX_TEXT
 
 
 @dataclass(frozen=True)
@@ -78,32 +78,18 @@ def build_status(
     replicas (time-slicing, shared HCAs), written on each device."""
     served = served or {}
     devices: list[dict[str, Any]] = []
-    by_index = {gpu.index: gpu for gpu in inventory.gpus}
-    if DeviceKind.GPU in states:
-        for gpu in sorted(inventory.gpus, key=lambda g: g.index):
-            peers = sorted(
-                (
-                    {"id": by_index[peer].uuid, "links": links}
-                    for peer, links in gpu.nvlink_peers
-                    if links > 0 and peer in by_index
-                ),
-                key=lambda p: str(p["id"]),
-            )
+    for wing in KINDS:
+        if wing.kind not in states:
+            continue
+        for device in wing.devices(inventory):
+            device_id = wing.device_id(device)
+            address, function, numa_node = wing.pci(device)
             devices.append({
-                "id": gpu.uuid, "kind": "gpu",
-                **_health(states, DeviceKind.GPU, gpu.uuid),
-                "pciAddress": str(gpu.pci_address), "numaNode": _numa(gpu.numa_node),
-                "topologyPath": tree_path(gpu.pci), "nvlinkPeers": peers,
-                **_describe_gpu(gpu), **_served(served, gpu.uuid),
-            })  # fmt: skip
-    if DeviceKind.HCA in states:
-        for hca in sorted(inventory.hcas, key=lambda h: h.device_id):
-            devices.append({
-                "id": hca.device_id, "kind": "hca",
-                **_health(states, DeviceKind.HCA, hca.device_id),
-                "pciAddress": str(hca.pci_address), "numaNode": _numa(hca.numa_node),
-                "topologyPath": tree_path(hca.pci), "name": hca.name[:MAX_TEXT],
-                **_describe_hca(hca), **_served(served, hca.device_id),
+                "id": device_id, "kind": wing.key,
+                **_health(states, wing.kind, device_id),
+                "pciAddress": str(address), "numaNode": _numa(numa_node),
+                "topologyPath": tree_path(function),
+                **wing.record_fields(device, inventory), **_served(served, device_id),
             })  # fmt: skip
     allocations: list[dict[str, Any]] = []
     held: set[str] = set()
@@ -155,36 +141,6 @@ def _served(served: Mapping[str, tuple[str, int]], device: str) -> dict[str, Any
 
 def _numa(node: int | None) -> int:
     return node if node is not None else -1
-
-
-def _describe_gpu(gpu: GpuInfo) -> dict[str, Any]:
-    """What the GPU is: its product as NVML names it, its memory, and where
-    NVML tells it, its compute capability and the family that gives."""
-    found: dict[str, Any] = {"product": gpu.name[:MAX_TEXT], "memoryMiB": gpu.memory_total_mib}
-    if gpu.compute_capability is not None:
-        major, minor = gpu.compute_capability
-        found["computeCapability"] = f"{major}.{minor}"
-        found["family"] = family(major, minor)
-    if gpu.slice is not None:
-        found["mig"] = {
-            "parentUUID": gpu.slice.parent_uuid[:MAX_TEXT],
-            "profile": gpu.slice.device.profile[:MAX_TEXT],
-        }
-    return found
-
-
-def _describe_hca(hca: HcaInfo) -> dict[str, Any]:
-    """Each port's link layer (InfiniBand or Ethernet), rate and state, as sysfs says."""
-    ports = [
-        {
-            "port": port.number,
-            "linkLayer": port.link_layer[:MAX_TEXT],
-            "rate": port.rate[:MAX_TEXT],
-            "state": port.state[:MAX_TEXT],
-        }
-        for port in hca.ports[:MAX_PORTS]
-    ]
-    return {"ports": ports}
 
 
 def now_stamp() -> str:

@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from math import comb
 
+from devplugin.kinds.registry import paired_with
 from devplugin.model import DeviceKind
 from devplugin.node.ledger import Ledger
 from devplugin.policy.allocator import SEARCH_BUDGET, Allocator, Choice, Request, Role
@@ -221,7 +222,7 @@ class Coordinator:
             # a must-include id the kubelet did not list as available is
             # refused (FAILED_PRECONDITION), not quietly added.
             candidates = frozenset(available) & healthy
-            other = kind.other
+            other = paired_with(kind)
             other_free = self._free_locked(other)
             if known is not None and known.partner_ids is not None:
                 other_free = other_free & known.partner_ids

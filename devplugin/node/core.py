@@ -17,7 +17,8 @@ from functools import partial
 from pathlib import Path
 
 from devplugin.config import CDI_STRATEGIES, Config, ConfigError, dra_kinds
-from devplugin.model import KINDS, DeviceKind, Inventory
+from devplugin.kinds.registry import KINDS
+from devplugin.model import DeviceKind, Inventory
 from devplugin.node.alignment import AlignmentMonitor
 from devplugin.node.checks import CheckLoop, Requests
 from devplugin.node.coordination import Coordinator

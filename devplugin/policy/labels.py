@@ -15,6 +15,8 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from devplugin.kinds.gpu import family
+
 PREFIX = "devplugin.io/"
 # A label value: at most 63 characters, alphanumeric at both ends.
 MAX_VALUE = 63
@@ -34,18 +36,6 @@ def sanitise(text: str) -> str:
     value (63 characters, alphanumeric ends)."""
     value = _DROPPED.sub("", text).replace(" ", "-")[:MAX_VALUE]
     return value.strip("-_.")
-
-
-def family(major: int, minor: int) -> str:
-    """The architecture family of a compute capability, as GPU Feature
-    Discovery names it ("undefined" past what it knows)."""
-    if major == 7:
-        return "volta" if minor < 5 else "turing"
-    if major == 8:
-        return "ampere" if minor < 9 else "ada-lovelace"
-    return {1: "tesla", 2: "fermi", 3: "kepler", 5: "maxwell", 6: "pascal", 9: "hopper"}.get(
-        major, "undefined"
-    )
 
 
 def node_labels(

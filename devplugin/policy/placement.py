@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+from devplugin.kinds.registry import paired_with
 from devplugin.model import (
     DeviceKind,
     Refused,
@@ -270,7 +271,7 @@ def _choose(
 ) -> list[str]:
     if size <= 0:
         return []
-    other = frozenset(free[kind.other])
+    other = frozenset(free[paired_with(kind)])
     request = Request(
         kind,
         frozenset(free[kind]),

@@ -31,7 +31,9 @@ from tests.support import alive, cleanup_runs, daemon_config, hook, probe, spawn
 from tests.waiting import log_entries, wait_until
 
 Start = Callable[..., Cluster]
-DEVICE = HookDevice("GPU-x", "0000:1a:00.0", ("/dev/nvidia0",), 0, gpu_uuid="GPU-x")
+DEVICE = HookDevice(
+    "GPU-x", "0000:1a:00.0", ("/dev/nvidia0",), 0, {"gpu_uuid": "GPU-x"}, {"UUID": "GPU-x"}
+)
 
 
 def never_offered_before_cleaned(kubelet: KubeletSimulator, resource: str, log: Path) -> None:

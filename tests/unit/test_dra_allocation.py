@@ -14,7 +14,8 @@ import pytest
 import yaml
 
 from devplugin.cli import main
-from devplugin.frontends.dra.slices import NUMA_NODE, UNKNOWN_NUMA, nvlink_domains
+from devplugin.frontends.dra.slices import NUMA_NODE, UNKNOWN_NUMA
+from devplugin.kinds.gpu import nvlink_domains
 from devplugin.model import Inventory
 from devplugin.policy.claim_templates import (
     CHART_SHAPES,
@@ -284,8 +285,8 @@ def test_claim_template_command_prints_a_template(capsys: pytest.CaptureFixture[
 
 
 def test_memory_is_published_as_the_api_server_stores_it() -> None:
-    from devplugin.frontends.dra.slices import mebibytes
     from devplugin.testing.dra_limits import slice_defaults
+    from devplugin.wire.resourceslice import mebibytes
 
     assert mebibytes(81920) == "80Gi"
     assert mebibytes(81559) == "81559Mi"

@@ -90,7 +90,12 @@ def script(tmp_path: Path, body: str) -> list[str]:
 
 
 DEVICE = HookDevice(
-    "0000:14:00.0", "0000:14:00.0", ("/dev/infiniband/uverbs0",), None, hca_name="mlx5_0"
+    "0000:14:00.0",
+    "0000:14:00.0",
+    ("/dev/infiniband/uverbs0",),
+    None,
+    {"hca_name": "mlx5_0"},
+    {"NAME": "mlx5_0"},
 )
 
 

@@ -25,8 +25,11 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from devplugin.model import DeviceKind, GpuInfo, HcaInfo, Health, Inventory, PciAddress, PciFunction
+from devplugin.kinds.base import Kind
+from devplugin.kinds.registry import KINDS
+from devplugin.model import DeviceKind, Health, Inventory, PciAddress, PciFunction
 from devplugin.node.resources import ResourceState
+from devplugin.wire.resourceslice import string_value
 
 STANDARD = "resource.kubernetes.io"
 PCIE_ROOT = f"{STANDARD}/pcieRoot"
@@ -38,7 +41,6 @@ NUMA_NODE = "numaNode"
 
 MAX_DEVICES = 128
 MAX_DEVICES_TAINTED = 64
-MAX_STRING = 64
 TAINT_EFFECT = "NoSchedule"
 
 
@@ -71,52 +73,6 @@ class SliceDevice:
     body: Mapping[str, Any]
 
 
-def nvlink_domains(gpus: Sequence[GpuInfo]) -> dict[str, str]:
-    """GPU UUID -> its NVLink domain (the connected NVLink component, named by
-    its lowest PCI address); GPUs without NVLink have none."""
-    by_index = {gpu.index: gpu for gpu in gpus}
-    parent = {gpu.index: gpu.index for gpu in gpus}
-
-    def find(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
-    linked: set[int] = set()
-    for gpu in gpus:
-        for peer, count in gpu.nvlink_peers:
-            if count > 0 and peer in by_index and peer != gpu.index:
-                linked.update((gpu.index, peer))
-                parent[find(gpu.index)] = find(peer)
-    lowest: dict[int, PciAddress] = {}
-    for index in linked:
-        root = find(index)
-        address = by_index[index].pci_address
-        if root not in lowest or address < lowest[root]:
-            lowest[root] = address
-    return {
-        by_index[i].uuid: f"nvl-{device_name(DeviceKind.GPU, lowest[find(i)])[4:]}" for i in linked
-    }
-
-
-_BINARY = ("Mi", "Gi", "Ti", "Pi", "Ei")
-
-
-def mebibytes(count: int) -> str:
-    """A quantity in the API server's canonical form, so what it stores is
-    what was written (81920 MiB is stored as "80Gi", never "81920Mi")."""
-    unit = 0
-    while count and count % 1024 == 0 and unit < len(_BINARY) - 1:
-        count //= 1024
-        unit += 1
-    return f"{count}{_BINARY[unit]}"
-
-
-def _string(value: str) -> dict[str, str]:
-    return {"string": value[:MAX_STRING]}
-
-
 # NUMA node published when sysfs says none (-1: single-socket hosts, most
 # VMs). The topology takes every unknown node as one shared node, and so
 # does a matchAttribute on this value.
@@ -140,90 +96,47 @@ def _placement(function: PciFunction | None, address: PciAddress) -> dict[str, A
     a value that matches what the topology says it is: an unknown NUMA node
     as the one shared UNKNOWN_NUMA, an unknown position as values of its own
     (matching no other device, so only the `any` rung pairs it)."""
-    attributes: dict[str, Any] = {PCI_BUS_ID: _string(str(address))}
+    attributes: dict[str, Any] = {PCI_BUS_ID: string_value(str(address))}
     keys = switch_keys(function)
     if function is None or keys is None:
         own = f"unplaced-{address}"
-        attributes[PCIE_ROOT] = _string(own)
+        attributes[PCIE_ROOT] = string_value(own)
         attributes[NUMA_NODE] = {"int": unplaced_numa(address)}
-        attributes["pcieSwitch"] = attributes["pcieTopSwitch"] = _string(own)
+        attributes["pcieSwitch"] = attributes["pcieTopSwitch"] = string_value(own)
         return attributes
-    attributes[PCIE_ROOT] = _string(function.path.root)
+    attributes[PCIE_ROOT] = string_value(function.path.root)
     numa = function.numa_node
     attributes[NUMA_NODE] = {"int": numa if numa is not None and numa >= 0 else UNKNOWN_NUMA}
-    attributes["pcieSwitch"] = _string(keys[0])
-    attributes["pcieTopSwitch"] = _string(keys[1])
+    attributes["pcieSwitch"] = string_value(keys[0])
+    attributes["pcieTopSwitch"] = string_value(keys[1])
     return attributes
 
 
-def gpu_device(gpu: GpuInfo, nvlink: str | None) -> SliceDevice:
-    """A whole GPU, or a MIG device (NVIDIA's DRA driver's attributes: type
-    mig, parentUUID, profile) with its parent's PCIe attributes, so the
-    claim templates' ladders pair a slice with an HCA as they pair a GPU."""
-    attributes: dict[str, Any] = {
-        "type": _string("gpu" if gpu.slice is None else "mig"),
-        "uuid": _string(gpu.uuid),
-        "productName": _string(gpu.name),
-        **_placement(gpu.pci, gpu.pci_address),
-    }
-    name = device_name(DeviceKind.GPU, gpu.pci_address)
+def slice_device(wing: Kind[Any], device: Any, inventory: Inventory) -> SliceDevice:
+    """One device as its slice lists it: where it sits, and what its wing says."""
+    address, function, _ = wing.pci(device)
+    own = wing.slice_fields(device, inventory)
+    attributes = {"type": own.attributes["type"], **_placement(function, address)}
+    attributes.update(own.attributes)
     body: dict[str, Any] = {"attributes": attributes}
-    capacity: dict[str, Any] = {}
-    if gpu.memory_total_mib > 0:
-        capacity["memory"] = {"value": mebibytes(gpu.memory_total_mib)}
-    if gpu.slice is not None:
-        device = gpu.slice.device
-        attributes["parentUUID"] = _string(gpu.slice.parent_uuid)
-        attributes["profile"] = _string(device.profile)
-        capacity["multiprocessors"] = {"value": str(device.multiprocessors)}
-        # Unique on the node: one name per GPU and compute instance.
-        name = f"{name}-mig-{device.gpu_instance}-{device.compute_instance}"
-    if nvlink is not None:
-        attributes["nvlinkDomain"] = _string(nvlink)
-    if capacity:
-        body["capacity"] = capacity
-    return SliceDevice(DeviceKind.GPU, gpu.uuid, name, body)
-
-
-def _port_state(text: str) -> str:
-    # sysfs says "4: ACTIVE"; the name is what a selector compares.
-    return text.split(":", 1)[-1].strip() or text.strip()
-
-
-def hca_device(hca: HcaInfo) -> SliceDevice:
-    attributes: dict[str, Any] = {
-        "type": _string("hca"),
-        "ibdev": _string(hca.name),
-        **_placement(hca.pci, hca.pci_address),
-    }
-    if hca.netdevs:
-        attributes["netdev"] = _string(hca.netdevs[0])
-    if hca.ports:
-        port = hca.ports[0]
-        attributes["linkLayer"] = _string(port.link_layer)
-        attributes["portState"] = _string(_port_state(port.state))
-    return SliceDevice(
-        DeviceKind.HCA,
-        hca.device_id,
-        device_name(DeviceKind.HCA, hca.pci_address),
-        {"attributes": attributes},
-    )
+    if own.capacity:
+        body["capacity"] = dict(own.capacity)
+    name = device_name(wing.kind, address) + own.name_suffix
+    return SliceDevice(wing.kind, wing.device_id(device), name, body)
 
 
 def node_devices(inventory: Inventory, kinds: Collection[DeviceKind]) -> list[SliceDevice]:
     """Every device of these kinds, ordered so that first fit tends to align:
-    grouped by switch (devices under one switch together), GPUs before HCAs
-    within a switch."""
+    grouped by switch (devices under one switch together), anchors before
+    partners within a switch."""
     devices: list[tuple[tuple[str, str, int], SliceDevice]] = []
-    if DeviceKind.GPU in kinds:
-        domains = nvlink_domains(inventory.gpus)
-        for gpu in inventory.gpus:
-            keys = switch_keys(gpu.pci) or ("~", "~")
-            devices.append(((keys[1], keys[0], 0), gpu_device(gpu, domains.get(gpu.uuid))))
-    if DeviceKind.HCA in kinds:
-        for hca in inventory.hcas:
-            keys = switch_keys(hca.pci) or ("~", "~")
-            devices.append(((keys[1], keys[0], 1), hca_device(hca)))
+    for wing in KINDS:
+        if wing.kind not in kinds:
+            continue
+        for device in wing.devices(inventory):
+            keys = switch_keys(wing.pci(device)[1]) or ("~", "~")
+            entry = slice_device(wing, device, inventory)
+            devices.append(((keys[1], keys[0], wing.slice_rank), entry))
     devices.sort(key=lambda item: (item[0], item[1].name))
     return [device for _, device in devices]
 

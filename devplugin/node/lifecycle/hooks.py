@@ -31,7 +31,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Protocol
 
@@ -54,8 +54,10 @@ class HookDevice:
     pci_address: str
     device_nodes: tuple[str, ...]
     numa_node: int | None
-    gpu_uuid: str | None = None
-    hca_name: str | None = None
+    # The kind's own fields, as its wing names them (gpu_uuid, hca_name).
+    extra: Mapping[str, str] = field(default_factory=dict)
+    # The same, as DEVPLUGIN_DEVICE_<n>_<suffix> variables: suffix -> value.
+    env: Mapping[str, str] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, object]:
         entry: dict[str, object] = {
@@ -64,10 +66,7 @@ class HookDevice:
             "device_nodes": list(self.device_nodes),
             "numa_node": self.numa_node,
         }
-        if self.gpu_uuid is not None:
-            entry["gpu_uuid"] = self.gpu_uuid
-        if self.hca_name is not None:
-            entry["hca_name"] = self.hca_name
+        entry.update(self.extra)
         return entry
 
 
@@ -108,10 +107,7 @@ def hook_environment(
         env[prefix + "PCI"] = device.pci_address
         env[prefix + "NODES"] = ",".join(device.device_nodes)
         env[prefix + "NUMA"] = "" if device.numa_node is None else str(device.numa_node)
-        if device.gpu_uuid is not None:
-            env[prefix + "UUID"] = device.gpu_uuid
-        if device.hca_name is not None:
-            env[prefix + "NAME"] = device.hca_name
+        env.update((prefix + suffix, value) for suffix, value in device.env.items())
     return env
 
 
