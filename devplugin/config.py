@@ -409,6 +409,10 @@ class GpuSharingConfig:
     # Refuse a container several replicas of one GPU.
     refuse_multiple_per_gpu: bool = False
 
+    @property
+    def renamed(self) -> str:
+        return self.resource_name
+
 
 @dataclass(frozen=True)
 class HcaSharingConfig:
@@ -416,11 +420,21 @@ class HcaSharingConfig:
     units: int = _checked(1, _at_least_one)
     policy: Literal["distributed", "packed"] = "distributed"
 
+    @property
+    def renamed(self) -> str:
+        # Shared HCAs keep their resource's name.
+        return ""
+
 
 @dataclass(frozen=True)
 class SharingConfig:
     gpu: GpuSharingConfig = field(default_factory=GpuSharingConfig)
     hca: HcaSharingConfig = field(default_factory=HcaSharingConfig)
+
+    def of(self, kind: DeviceKind) -> GpuSharingConfig | HcaSharingConfig:
+        """A kind's section (named by the kind's value, as in resources)."""
+        section: GpuSharingConfig | HcaSharingConfig = getattr(self, kind.value)
+        return section
 
 
 @dataclass(frozen=True)
@@ -571,8 +585,7 @@ def parse_config(data: Any) -> Config:
 
 def served_name(config: Config, kind: DeviceKind) -> str:
     """The resource name the kubelet sees for a kind (sharing may rename it)."""
-    renamed = config.sharing.gpu.resource_name if kind is DeviceKind.GPU else ""
-    return renamed or config.resources.of(kind).name
+    return config.sharing.of(kind).renamed or config.resources.of(kind).name
 
 
 def validate(config: Config) -> None:

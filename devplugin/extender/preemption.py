@@ -32,7 +32,7 @@ from devplugin.extender.nominations import Effect, apply, going
 from devplugin.extender.serving import BadRequest, Verb
 from devplugin.extender.verdicts import NO_VICTIMS, UNTOLD_VICTIMS, PodKind, Verdicts, Victims
 from devplugin.extender.victims import answer, candidates, proposed_victims, unchanged
-from devplugin.model import DeviceKind
+from devplugin.kinds.registry import ANCHOR, PARTNER
 from devplugin.policy.allocator import Allocator
 from devplugin.policy.node_state import NodeState
 from devplugin.policy.placement import check, place
@@ -78,8 +78,8 @@ def _signature(
     aligns = (node.kubelet, node.machine, node.cpus) if node.kubelet.aligns else ()
     return (
         id(node.topology),
-        free[DeviceKind.GPU],
-        free[DeviceKind.HCA],
+        free[ANCHOR],
+        free[PARTNER],
         used,
         aligns,
         tuple(parts),

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from devplugin.extender.budgets import DisruptionBudget
+from devplugin.kinds.registry import ANCHOR, PARTNER
 from devplugin.model import DeviceKind
 from devplugin.policy.node_state import NodeState
 from devplugin.policy.pod_request import Shape, shape_of
@@ -154,7 +155,7 @@ def _per_resource(shape: Shape) -> dict[tuple[DeviceKind, str], int]:
     found: dict[tuple[DeviceKind, str], int] = {}
     for index, (g, h) in enumerate(shape.containers):
         g_res, h_res = shape.resources_of(index)
-        for key, count in (((DeviceKind.GPU, g_res), g), ((DeviceKind.HCA, h_res), h)):
+        for key, count in (((ANCHOR, g_res), g), ((PARTNER, h_res), h)):
             if count:
                 found[key] = found.get(key, 0) + count
     return found

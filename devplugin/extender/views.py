@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from devplugin.kinds.registry import ANCHOR, PARTNER
 from devplugin.loops import FailureLog, ThreadLoop
 from devplugin.model import DeviceKind
 from devplugin.policy.allocator import Allocator
@@ -303,7 +304,7 @@ class NodeViews:
         used = tuple(sorted(node.used.items())) if node.replicas else ()
         # And what its kubelet aligns, with the exclusive CPUs left.
         aligns = (node.kubelet, node.machine, node.cpus) if node.kubelet.aligns else ()
-        shared = (view.layout.key, free[DeviceKind.GPU], free[DeviceKind.HCA], used, aligns, key)
+        shared = (view.layout.key, free[ANCHOR], free[PARTNER], used, aligns, key)
         with self._shared_lock:
             found = self._shared.get(shared)
         if found is not None:

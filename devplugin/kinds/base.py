@@ -117,6 +117,10 @@ class Kind(ABC, Generic[D]):
         """How the picture draws a recorded device of this kind; PictureError
         names the field when the entry is not what this kind writes."""
 
+    # Its devices may be cut into smaller devices served in their place
+    # (MIG): cut anew, a device's old pieces are cleaned before reuse, and
+    # under the mixed strategy each piece's profile is a resource of its own.
+    cut: bool = False
     # Direct links between devices of this kind: the picture's edge kind
     # and label prefix, and the fabric node (key, label) drawn instead when
     # every pair has the same links. Most kinds have none.

@@ -63,6 +63,7 @@ class GpuKind(Kind[GpuInfo]):
     noun = "GPU"
     role = PairRole.ANCHOR
     slice_rank = 0
+    cut = True
     link_kind = "nvlink"
     link_label = "NV"
     fabric = ("nvswitch", "NVSwitch fabric")

@@ -47,3 +47,10 @@ def paired_with(kind: DeviceKind) -> DeviceKind:
 
 def is_anchor(kind: DeviceKind) -> bool:
     return WINGS[kind].role is PairRole.ANCHOR
+
+
+# The two roles' kinds, for code that reads a pod's pairing.
+ANCHOR = anchor()
+PARTNER = partner()
+# The kind whose devices are cut (MIG), whose recut rules the pipeline keeps.
+CUT = next(w.kind for w in KINDS if w.cut)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from devplugin.kinds.registry import ANCHOR, PARTNER
 from devplugin.loops import ThreadLoop
 from devplugin.model import DeviceKind
 from devplugin.node.coordination import Coordinator
@@ -57,7 +58,7 @@ def holders_report(topology: Topology, holders: Iterable[Held]) -> list[Containe
     found = []
     for held in holders:
         namespace, pod, container = held.container or ("", "", "")
-        gpus, hcas = held.devices[DeviceKind.GPU], held.devices[DeviceKind.HCA]
+        gpus, hcas = held.devices[ANCHOR], held.devices[PARTNER]
         measured = alignment(topology, gpus, hcas)
         found.append(
             ContainerAlignment(
@@ -126,7 +127,7 @@ class AlignmentMonitor(ThreadLoop):
         self._kinds = {name: kind for kind, name in resource_names.items()}
         # The mixed MIG strategy serves each profile as `<domain>/mig-<profile>`:
         # what containers hold of those is held GPU devices too.
-        gpu = resource_names.get(DeviceKind.GPU)
+        gpu = resource_names.get(ANCHOR)
         self._mig_prefix = gpu.split("/", 1)[0] + "/mig-" if gpu else None
         self._interval = interval
         self._min_interval = min_interval
@@ -190,7 +191,7 @@ class AlignmentMonitor(ThreadLoop):
     def _kind_of(self, resource: str) -> DeviceKind | None:
         kind = self._kinds.get(resource)
         if kind is None and self._mig_prefix and resource.startswith(self._mig_prefix):
-            return DeviceKind.GPU
+            return ANCHOR
         return kind
 
     def poll_once(self) -> bool:
@@ -230,7 +231,7 @@ class AlignmentMonitor(ThreadLoop):
         topology = self._coordinator.topology
         report: dict[str, ContainerAlignment] = {}
         for (namespace, pod, container), devices in sorted(holdings.items()):
-            gpus, hcas = devices[DeviceKind.GPU], devices[DeviceKind.HCA]
+            gpus, hcas = devices[ANCHOR], devices[PARTNER]
             measured = alignment(topology, gpus, hcas)
             entry_report = ContainerAlignment(
                 namespace,

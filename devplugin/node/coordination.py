@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from math import comb
 
-from devplugin.kinds.registry import paired_with
+from devplugin.kinds.registry import ANCHOR, PARTNER, is_anchor, paired_with
 from devplugin.model import DeviceKind
 from devplugin.node.ledger import Ledger
 from devplugin.policy.allocator import SEARCH_BUDGET, Allocator, Choice, Request, Role
@@ -258,7 +258,7 @@ class Coordinator:
                 return choice, role
         if (
             role is Role.FIRST
-            and kind is DeviceKind.HCA
+            and not is_anchor(kind)
             and expected
             and len(other_free | forced) >= expected
         ):
@@ -289,7 +289,7 @@ class Coordinator:
         against the plan. The pair is the one the other call order gives."""
         plan = allocator.choose(
             Request(
-                DeviceKind.GPU,
+                ANCHOR,
                 free_gpus,
                 gpus,
                 must_gpus,
@@ -302,7 +302,7 @@ class Coordinator:
         planned = frozenset(plan.ids)
         choice = allocator.choose(
             Request(
-                DeviceKind.HCA,
+                PARTNER,
                 candidates,
                 size,
                 must,
@@ -354,7 +354,7 @@ class Coordinator:
         with self._lock:
             return self._shapes.get((kind, size), size)
 
-    def nearest(self, gpu_ids: Sequence[str], kind: DeviceKind = DeviceKind.HCA) -> list[str]:
+    def nearest(self, gpu_ids: Sequence[str], kind: DeviceKind = PARTNER) -> list[str]:
         """Per GPU, the healthy device of `kind` closest to it (attach mode)."""
         with self._lock:
             topology = self._topology

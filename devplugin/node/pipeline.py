@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
+from devplugin.kinds.registry import CUT, PARTNER
 from devplugin.model import DeviceKind, Health, Inventory
 from devplugin.node.coordination import Coordinator
 from devplugin.node.judge import Verdicts, judge, transitions
@@ -77,7 +78,7 @@ class Pipeline:
         self._after_cleanup = after_cleanup
         # HCA device nodes for attach mode when rdma/hca itself is not served.
         served_kinds = {resource.kind for resource in self._resources}
-        self._hca_view = hca_view if DeviceKind.HCA not in served_kinds else None
+        self._hca_view = hca_view if PARTNER not in served_kinds else None
         self._sinks: dict[DeviceKind, Sink] = {}
         self._judged: list[Callable[[], None]] = []
         self._lock = threading.Lock()
@@ -127,8 +128,8 @@ class Pipeline:
         self._note_rdma_cm(inventory)
         unwritten = self._hca_spec.sync(inventory.hcas) if self._hca_spec is not None else {}
         live = {resource.kind: resource.state(inventory) for resource in self._resources}
-        if unwritten and DeviceKind.HCA in live:
-            live[DeviceKind.HCA] = _out(live[DeviceKind.HCA], unwritten)
+        if unwritten and PARTNER in live:
+            live[PARTNER] = _out(live[PARTNER], unwritten)
         if inventory.cdi is not None:
             self._metrics.cdi_refused_specs.set(len(inventory.cdi.refused))
             for resource in self._resources:
@@ -148,7 +149,7 @@ class Pipeline:
         for new_id in changed:
             # A GPU cut anew (or made whole again) served someone through its
             # old devices: its new ones are cleaned before anyone gets them.
-            self._custody.request_cleanup(DeviceKind.GPU, new_id)
+            self._custody.request_cleanup(CUT, new_id)
         with self._lock:
             self._former.update(gone)
         hcas = self._hca_view.state(inventory) if self._hca_view is not None else None
@@ -188,7 +189,7 @@ class Pipeline:
             cleanup=self._custody.verdicts(),
             in_use=in_use,
             after_cleanup=self._after_cleanup,
-            withheld=self._withheld(current.inventory, in_use.get(DeviceKind.GPU, set())),
+            withheld=self._withheld(current.inventory, in_use.get(CUT, set())),
         )
         judgement = judge(current.live, verdicts)
         for kind, state in judgement.served.items():
@@ -201,9 +202,9 @@ class Pipeline:
             sink = self._sinks.get(kind)
             if sink is not None and sink(served):
                 log.info("%s: device list changed", resource.name)
-        hcas = judgement.served.get(DeviceKind.HCA, current.hcas)
-        if DeviceKind.HCA not in judgement.served and hcas is not None:
-            self._coordinator.set_healthy(DeviceKind.HCA, hcas.healthy_ids())
+        hcas = judgement.served.get(PARTNER, current.hcas)
+        if PARTNER not in judgement.served and hcas is not None:
+            self._coordinator.set_healthy(PARTNER, hcas.healthy_ids())
         self._current = _Published(current.inventory, current.live, dict(judgement.served), hcas)
         for listener in self._judged:
             listener()
@@ -230,7 +231,7 @@ class Pipeline:
                 withheld[gpu.uuid] = f"GPU {physical[:40]} was cut anew while {olds} is held"
             elif physical in cleared:
                 # Its old holders are gone: what they may have left is cleaned.
-                self._custody.request_cleanup(DeviceKind.GPU, gpu.uuid)
+                self._custody.request_cleanup(CUT, gpu.uuid)
         return withheld
 
 

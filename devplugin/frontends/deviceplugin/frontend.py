@@ -19,6 +19,7 @@ from devplugin.frontends.deviceplugin.server import (
     PluginServer,
     socket_name,
 )
+from devplugin.kinds.registry import is_anchor, wing
 from devplugin.model import DeviceKind
 from devplugin.node.core import NodeCore, check_socket_field
 from devplugin.node.node_hooks import Identify, ResourceHooks
@@ -75,7 +76,7 @@ class DevicePluginFrontend:
             if resource.kind in core.dra_kinds:
                 continue
             served.append((resource, None))
-            if mixed and resource.kind is DeviceKind.GPU:
+            if mixed and wing(resource.kind).cut:
                 # One resource per MIG profile found at start, beside whole GPUs.
                 served += [
                     (replace(resource, name=profile_resource(resource.name, p)), p)  # type: ignore[type-var]
@@ -90,7 +91,7 @@ class DevicePluginFrontend:
             return found.ids if found is not None else None
 
         for resource, profile in served:
-            attach = config.allocation.attach_hcas and resource.kind is DeviceKind.GPU
+            attach = config.allocation.attach_hcas and is_anchor(resource.kind)
             hooks = ResourceHooks(
                 resource,
                 pipeline=core.pipeline,
@@ -115,7 +116,7 @@ class DevicePluginFrontend:
             by_name[resource.name] = servicer
             if profile is not None and partners is not None:
                 partners.add_resource(resource.kind, resource.name)
-            if fan is not None and resource.kind is DeviceKind.GPU:
+            if fan is not None and wing(resource.kind).cut:
                 fan.add(servicer, profile)
                 core.pipeline.connect(resource.kind, fan)
             else:
