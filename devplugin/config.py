@@ -23,7 +23,7 @@ from typing import Any, Literal
 import yaml
 
 from devplugin.kinds.base import Kind
-from devplugin.kinds.registry import KINDS
+from devplugin.kinds.registry import ANCHOR, KINDS, PARTNER, wing
 from devplugin.model import DeviceKind
 from devplugin.policy.cdi import kind_problem
 
@@ -413,6 +413,11 @@ class GpuSharingConfig:
     def renamed(self) -> str:
         return self.resource_name
 
+    @property
+    def copies(self) -> tuple[str, int, str]:
+        """(its field, how many copies each device is served as, what that is called)."""
+        return "replicas", self.replicas, "time-slicing is"
+
 
 @dataclass(frozen=True)
 class HcaSharingConfig:
@@ -424,6 +429,10 @@ class HcaSharingConfig:
     def renamed(self) -> str:
         # Shared HCAs keep their resource's name.
         return ""
+
+    @property
+    def copies(self) -> tuple[str, int, str]:
+        return "units", self.units, "shared HCAs are"
 
 
 @dataclass(frozen=True)
@@ -664,13 +673,15 @@ def _validate_dra(config: Config) -> None:
                 f"resources.{name}.hooks.init_phase",
                 "pre_start is a Device Plugin API call; with api dra, init runs at prepare",
             )
-    if "gpu" in kinds and config.sharing.gpu.replicas > 1:
-        raise ConfigError("sharing.gpu.replicas", "time-slicing is not offered through dra")
-    if "hca" in kinds and config.sharing.hca.units > 1:
-        raise ConfigError("sharing.hca.units", "shared HCAs are not offered through dra")
-    if "gpu" in kinds and config.allocation.attach_hcas:
+    for name in sorted(kinds):
+        field_name, copies, what = config.sharing.of(DeviceKind(name)).copies
+        if copies > 1:
+            raise ConfigError(f"sharing.{name}.{field_name}", f"{what} not offered through dra")
+    anchor = wing(ANCHOR)
+    if anchor.key in kinds and config.allocation.attach_hcas:
         raise ConfigError(
-            "allocation.attach_hcas", "not with resources.gpu.api dra (claim HCAs instead)"
+            "allocation.attach_hcas",
+            f"not with resources.{anchor.key}.api dra (claim {wing(PARTNER).noun}s instead)",
         )
 
 

@@ -14,7 +14,7 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 from devplugin.model import DeviceKind, Inventory, PciAddress, PciFunction
 
@@ -90,6 +90,11 @@ class Kind(ABC, Generic[D]):
     # Where its devices come in a slice's device list, among those under
     # one switch (anchors first, so first fit tends to align).
     slice_rank: int
+
+    # The CRD's schema of each field `record_fields` writes (the record's
+    # status.devices[] properties this kind owns); a test holds the shipped
+    # CRD to it.
+    record_schema: ClassVar[Mapping[str, Mapping[str, Any]]]
 
     @abstractmethod
     def devices(self, inventory: Inventory) -> Sequence[D]:

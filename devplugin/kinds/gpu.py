@@ -4,7 +4,7 @@ the anchor of every pairing."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from devplugin.kinds._fields import short, text
 from devplugin.kinds.base import Box, HookFacts, Kind, PairRole, PictureError, SliceFields
@@ -67,6 +67,48 @@ class GpuKind(Kind[GpuInfo]):
     link_kind = "nvlink"
     link_label = "NV"
     fabric = ("nvswitch", "NVSwitch fabric")
+    record_schema: ClassVar[Mapping[str, Mapping[str, Any]]] = {
+        "nvlinkPeers": {
+            "type": "array",
+            "maxItems": 1024,
+            "description": "The GPUs this GPU has NVLinks to, and how many.",
+            "items": {
+                "type": "object",
+                "required": ["id", "links"],
+                "properties": {
+                    "id": {"type": "string", "maxLength": MAX_TEXT},
+                    "links": {"type": "integer", "minimum": 1},
+                },
+            },
+        },
+        "product": {
+            "type": "string",
+            "maxLength": MAX_TEXT,
+            "description": "The GPU's product as NVML names it.",
+        },
+        "memoryMiB": {"type": "integer", "minimum": 0, "description": "The GPU's memory."},
+        "computeCapability": {
+            "type": "string",
+            "maxLength": 16,
+            "description": "The GPU's CUDA compute capability (9.0), where NVML tells it.",
+        },
+        "family": {
+            "type": "string",
+            "maxLength": 32,
+            "description": "The GPU's architecture family from its compute capability, "
+            "as GPU Feature Discovery names it (hopper, ampere, ...).",
+        },
+        "mig": {
+            "type": "object",
+            "description": "Set on a MIG device served in its GPU's place (the same PCI "
+            "address and topology path): its parent GPU and its profile.",
+            "required": ["parentUUID", "profile"],
+            "properties": {
+                "parentUUID": {"type": "string", "maxLength": MAX_TEXT},
+                "profile": {"type": "string", "maxLength": MAX_TEXT},
+            },
+        },
+    }
 
     def devices(self, inventory: Inventory) -> Sequence[GpuInfo]:
         return sorted(inventory.gpus, key=lambda g: g.index)

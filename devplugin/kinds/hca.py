@@ -4,7 +4,7 @@ partner each GPU is paired with."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from devplugin.kinds.base import Box, HookFacts, Kind, PairRole, PictureError, SliceFields
 from devplugin.model import DeviceKind, HcaInfo, Inventory, PciAddress, PciFunction
@@ -22,6 +22,28 @@ class HcaKind(Kind[HcaInfo]):
     noun = "HCA"
     role = PairRole.PARTNER
     slice_rank = 1
+    record_schema: ClassVar[Mapping[str, Mapping[str, Any]]] = {
+        "name": {
+            "type": "string",
+            "maxLength": MAX_TEXT,
+            "description": "The HCA's kernel name (mlx5_0).",
+        },
+        "ports": {
+            "type": "array",
+            "maxItems": MAX_PORTS,
+            "description": "The HCA's ports, their link layer, rate and state as sysfs says.",
+            "items": {
+                "type": "object",
+                "required": ["port", "linkLayer", "rate"],
+                "properties": {
+                    "port": {"type": "integer", "minimum": 0},
+                    "linkLayer": {"type": "string", "maxLength": MAX_TEXT},
+                    "rate": {"type": "string", "maxLength": MAX_TEXT},
+                    "state": {"type": "string", "maxLength": MAX_TEXT},
+                },
+            },
+        },
+    }
 
     def devices(self, inventory: Inventory) -> Sequence[HcaInfo]:
         return sorted(inventory.hcas, key=lambda h: h.device_id)

@@ -17,6 +17,8 @@ from functools import partial
 from pathlib import Path
 
 from devplugin.config import CDI_STRATEGIES, Config, ConfigError, dra_kinds
+from devplugin.kinds.gpu import GPU
+from devplugin.kinds.hca import HCA
 from devplugin.kinds.registry import KINDS
 from devplugin.model import DeviceKind, Inventory
 from devplugin.node.alignment import AlignmentMonitor
@@ -25,6 +27,9 @@ from devplugin.node.coordination import Coordinator
 from devplugin.node.deadline import Deadlines
 from devplugin.node.discovery import CdiReader, Discoverer, NvmlGpuSource, Roots
 from devplugin.node.discovery.udev import HotplugWatcher, udev_monitor
+from devplugin.node.gpu import resource as gpu_resource
+from devplugin.node.hca import resource as hca_resource
+from devplugin.node.hca.resource import HcaResource
 from devplugin.node.kubelet_facts import KubeletFacts
 from devplugin.node.ledger import Ledger
 from devplugin.node.lifecycle.assembly import CleanupPolicy, Hooks, Lifecycle
@@ -39,8 +44,7 @@ from devplugin.node.lifecycle.xid import XidWatcher
 from devplugin.node.metrics import Metrics
 from devplugin.node.pipeline import Pipeline, log_inventory
 from devplugin.node.podresources import PodResourcesClient
-from devplugin.node.resources import Capabilities, Delivery, GpuResource, HcaResource, Resource
-from devplugin.node.sharing import SharedResource
+from devplugin.node.resources import Capabilities, Resource
 from devplugin.rpc import check_server_path
 
 log = logging.getLogger(__name__)
@@ -62,45 +66,10 @@ def check_socket_field(field: str, path: Path) -> None:
         raise ConfigError(field, str(exc)) from exc
 
 
-def _gpu_resource(config: Config, capabilities: Capabilities) -> Resource:
-    gpu, sharing, cdi = config.resources.gpu, config.sharing.gpu, config.cdi
-    delivery = Delivery(
-        strategy=frozenset(gpu.device_list_strategy),
-        cdi_kind=cdi.kind_of(DeviceKind.GPU),
-        gpu_names=cdi.gpu_device_name,
-        plugin="devplugin.gpu",
-    )
-    resource = GpuResource(name=gpu.name, capabilities=capabilities, delivery=delivery)
-    if sharing.replicas <= 1:
-        return resource
-    return SharedResource(
-        resource,
-        sharing.replicas,
-        policy=sharing.policy,
-        refuse_multiple=sharing.refuse_multiple_per_gpu,
-        renamed=sharing.resource_name,
-    )
-
-
-def _hca_resource(config: Config, capabilities: Capabilities) -> Resource:
-    hca, sharing, cdi = config.resources.hca, config.sharing.hca, config.cdi
-    delivery = Delivery(
-        strategy=frozenset(hca.device_list_strategy),
-        cdi_kind=cdi.kind_of(DeviceKind.HCA),
-        plugin="devplugin.hca",
-    )
-    resource = HcaResource(
-        name=hca.name, env_var=hca.env_var, capabilities=capabilities, delivery=delivery
-    )
-    if sharing.units <= 1:
-        return resource
-    return SharedResource(resource, sharing.units, policy=sharing.policy)
-
-
-# How each kind is served: the one place that knows a kind's resource type.
+# How each kind is served: its node side's builder, one line per kind.
 RESOURCE_BUILDERS: dict[DeviceKind, Callable[[Config, Capabilities], Resource]] = {
-    DeviceKind.GPU: _gpu_resource,
-    DeviceKind.HCA: _hca_resource,
+    GPU.kind: gpu_resource.build,
+    HCA.kind: hca_resource.build,
 }
 
 

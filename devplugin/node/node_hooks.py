@@ -16,13 +16,14 @@ from collections.abc import Callable, Sequence
 
 from devplugin.model import DeviceKind, Refused
 from devplugin.node.coordination import Coordinator
+from devplugin.node.hca.resource import HcaResource
 from devplugin.node.ledger import ContainerKey, Ledger
 from devplugin.node.lifecycle.custody import wait_until
 from devplugin.node.lifecycle.devices import describe
 from devplugin.node.lifecycle.hooks import HookRunner, HookSpec
 from devplugin.node.lifecycle.takes import Takes
 from devplugin.node.pipeline import Pipeline
-from devplugin.node.resources import ContainerAllocation, HcaResource, Resource
+from devplugin.node.resources import ContainerAllocation, Resource
 
 log = logging.getLogger(__name__)
 

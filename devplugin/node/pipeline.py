@@ -21,12 +21,13 @@ from dataclasses import dataclass
 from devplugin.kinds.registry import CUT, PARTNER
 from devplugin.model import DeviceKind, Health, Inventory
 from devplugin.node.coordination import Coordinator
+from devplugin.node.hca.resource import HcaResource
 from devplugin.node.judge import Verdicts, judge, transitions
 from devplugin.node.lifecycle.cdi_spec import HcaSpecWriter
 from devplugin.node.lifecycle.health import HealthTracker
 from devplugin.node.lifecycle.view import CustodyView
 from devplugin.node.metrics import Metrics
-from devplugin.node.resources import CDI_UNDECLARED, HcaResource, Resource, ResourceState
+from devplugin.node.resources import CDI_UNDECLARED, Resource, ResourceState
 from devplugin.policy.topology import Topology
 
 log = logging.getLogger(__name__)

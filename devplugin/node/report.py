@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from devplugin.model import CharDevice, GpuInfo, HcaInfo, Inventory, PciFunction
-from devplugin.node.resources import hca_health
+from devplugin.node.hca.resource import hca_health
 from devplugin.policy.topology import Topology
 
 LEGEND = (

@@ -26,11 +26,8 @@ from typing import Protocol
 
 from devplugin.model import (
     IDS_SHOWN,
-    CdiCatalog,
     CharDevice,
     DeviceKind,
-    GpuInfo,
-    HcaInfo,
     Health,
     Inventory,
     PluginDevice,
@@ -38,7 +35,7 @@ from devplugin.model import (
     shown,
     shown_ids,
 )
-from devplugin.policy.cdi import SpecError, annotation_key, qualified, sanitize_device_name
+from devplugin.policy.cdi import annotation_key
 
 GPU_VISIBLE_ENV = "NVIDIA_VISIBLE_DEVICES"
 # A MIG device is opened through two of these (its GPU and compute instance).
@@ -271,7 +268,7 @@ def merge_allocations(
     )
 
 
-def _merge(state: ResourceState, ids: Sequence[str]) -> ContainerAllocation:
+def merged(state: ResourceState, ids: Sequence[str]) -> ContainerAllocation:
     """The devices' nodes (and the node-wide ones) and CDI names, each once."""
     nodes: list[DeviceNode] = []
     names: list[str] = []
@@ -284,7 +281,7 @@ def _merge(state: ResourceState, ids: Sequence[str]) -> ContainerAllocation:
     )
 
 
-def _node(char: CharDevice) -> DeviceNode:
+def char_node(char: CharDevice) -> DeviceNode:
     return DeviceNode(container_path=char.path, host_path=char.path, number=char.number)
 
 
@@ -307,149 +304,3 @@ class Exclusive:
         self, available: Collection[str], must: Collection[str], size: int, pick: Pick
     ) -> list[str]:
         return list(pick(frozenset(available), frozenset(must), size))
-
-
-@dataclass(frozen=True)
-class GpuResource(Exclusive):
-    """GPUs found through NVML, one device per GPU, id = UUID."""
-
-    name: str = "nvidia.com/gpu"
-    kind: DeviceKind = DeviceKind.GPU
-    capabilities: Capabilities = Capabilities(preferred_allocation=True)
-    delivery: Delivery = Delivery()
-
-    def state(self, inventory: Inventory) -> ResourceState:
-        devices = tuple(
-            PluginDevice(
-                id=gpu.uuid,
-                health=Health.UNHEALTHY if reason else Health.HEALTHY,
-                numa_node=gpu.numa_node,
-                reason=reason,
-            )
-            for gpu in inventory.gpus
-            for reason in [self._problem(gpu, inventory.cdi)]
-        )
-        allocations = {gpu.uuid: self._allocation(gpu) for gpu in inventory.gpus}
-        shared = tuple(_node(node) for node in inventory.gpu_control_nodes if node.present)
-        return ResourceState(
-            devices=devices,
-            allocations=allocations,
-            shared_nodes=shared,
-            names={gpu.uuid: gpu.uuid for gpu in inventory.gpus},
-        )
-
-    def allocate(self, state: ResourceState, ids: Sequence[str]) -> ContainerAllocation:
-        check_request(state, ids)
-        return self.delivery.answer(_merge(state, ids), ids, envs={GPU_VISIBLE_ENV: ",".join(ids)})
-
-    def cdi_name(self, gpu: GpuInfo) -> str:
-        if self.delivery.gpu_names != "index":
-            return gpu.uuid
-        # NVIDIA's toolkit names a MIG device <GPU index>:<MIG device index>.
-        if gpu.slice is not None:
-            return f"{gpu.slice.parent_index}:{gpu.slice.device.index}"
-        return str(gpu.index)
-
-    def _problem(self, gpu: GpuInfo, catalog: CdiCatalog | None) -> str:
-        if gpu.error:
-            return f"NVML: {gpu.error}"
-        if gpu.slice is not None and not gpu.slice.caps and self.delivery.nodes_only:
-            # Fail closed: device nodes alone cannot reach a MIG device
-            # without its capability nodes (nothing else would add them).
-            return f"{MIG_CAPS_UNREAD} (MIG device {gpu.uuid}, GPU minor {gpu.minor_number})"
-        if self.delivery.cdi:
-            # Fail closed: a name no spec declares would fail the container.
-            name, kind = self.cdi_name(gpu), self.delivery.cdi_kind
-            if catalog is None or not catalog.has(kind, name):
-                where = ", ".join(catalog.dirs) if catalog is not None else "(not read)"
-                return f"{CDI_UNDECLARED} {qualified(kind, name)} (in {where})"
-        return ""
-
-    def _allocation(self, gpu: GpuInfo) -> ContainerAllocation:
-        path = f"/dev/nvidia{gpu.minor_number}"
-        node = DeviceNode(path, path, number=(NVIDIA_MAJOR, gpu.minor_number))
-        caps = gpu.slice.caps if gpu.slice is not None else ()
-        nodes = (node, *(DeviceNode(cap_node(m), cap_node(m)) for m in caps))
-        names = (
-            (qualified(self.delivery.cdi_kind, self.cdi_name(gpu)),) if self.delivery.cdi else ()
-        )
-        return ContainerAllocation(devices=nodes, cdi_devices=names)
-
-
-def hca_health(hca: HcaInfo, *, numbered: bool = False) -> tuple[Health, str]:
-    """Healthy when every port is ACTIVE/LinkUp and every device node of its
-    own exists (`numbered`: with its device number known, which a CDI spec
-    needs); rdma_cm is optional in every strategy."""
-    if hca.error:
-        return Health.UNHEALTHY, hca.error
-    problems: list[str] = []
-    if not hca.ports:
-        problems.append("no ports")
-    for port in hca.ports:
-        if port.state_code != ACTIVE_STATE or port.phys_state_code != LINK_UP_PHYS_STATE:
-            problems.append(f"port {port.number} is {port.state or '?'} / {port.phys_state or '?'}")
-    if hca.uverbs is None:
-        problems.append("no uverbs device")
-    missing = [node.path for node in hca.own_devices if not node.present]
-    if missing:
-        problems.append(f"missing device nodes: {', '.join(missing)}")
-    if numbered:
-        unknown = [node.path for node in hca.own_devices if node.number is None]
-        if unknown:
-            problems.append(f"no device number in sysfs for {', '.join(unknown)}")
-        try:
-            sanitize_device_name(hca.name)
-        except SpecError as exc:
-            problems.append(str(exc))
-    if problems:
-        return Health.UNHEALTHY, "; ".join(problems)
-    return Health.HEALTHY, ""
-
-
-@dataclass(frozen=True)
-class HcaResource(Exclusive):
-    """RDMA HCAs from sysfs, one device per PCI function, id = PCI address."""
-
-    name: str = "rdma/hca"
-    env_var: str = "NCCL_IB_HCA"
-    kind: DeviceKind = DeviceKind.HCA
-    capabilities: Capabilities = Capabilities(preferred_allocation=True)
-    delivery: Delivery = Delivery()
-
-    def state(self, inventory: Inventory) -> ResourceState:
-        devices: list[PluginDevice] = []
-        allocations: dict[str, ContainerAllocation] = {}
-        rdma_cm: list[DeviceNode] = []
-        for hca in inventory.hcas:
-            health, reason = hca_health(hca, numbered=self.delivery.cdi)
-            devices.append(PluginDevice(hca.device_id, health, hca.numa_node, reason))
-            own = [hca.uverbs] if hca.uverbs is not None else []
-            own.extend(hca.umads)
-            own.extend(hca.issms)
-            allocations[hca.device_id] = ContainerAllocation(
-                devices=tuple(_node(node) for node in own if node.present),
-                cdi_devices=(qualified(self.delivery.cdi_kind, hca_cdi_name(hca)),)
-                if self.delivery.cdi and health is Health.HEALTHY
-                else (),
-            )
-            if hca.rdma_cm.present and not rdma_cm:
-                rdma_cm.append(_node(hca.rdma_cm))
-        return ResourceState(
-            devices=tuple(devices),
-            allocations=allocations,
-            shared_nodes=tuple(rdma_cm),
-            names={hca.device_id: hca.name for hca in inventory.hcas},
-        )
-
-    def allocate(self, state: ResourceState, ids: Sequence[str]) -> ContainerAllocation:
-        check_request(state, ids)
-        names = [state.names[device_id] for device_id in ids]
-        # The chosen HCAs' names: no CDI spec can carry which were chosen.
-        return self.delivery.answer(
-            _merge(state, ids), ids, envs={}, always={self.env_var: "=" + ",".join(names)}
-        )
-
-
-def hca_cdi_name(hca: HcaInfo) -> str:
-    """The HCA's CDI device name: its ibdev name, made valid (`mlx5_0` is)."""
-    return sanitize_device_name(hca.name)

@@ -196,7 +196,7 @@ def test_running_out_of_descriptors_does_not_make_devices_unhealthy(tmp_path: Pa
         import os, resource
         from pathlib import Path
         from devplugin.node.discovery import Discoverer, Roots
-        from devplugin.node.resources import hca_health
+        from devplugin.node.hca.resource import hca_health
         roots = Roots(Path({str(node.sysfs_root)!r}), Path({str(node.dev_root)!r}))
         discoverer = Discoverer(roots, None)
         first = discoverer.scan()

@@ -11,7 +11,7 @@ import pytest
 
 from devplugin.api import deviceplugin_v1beta1_pb2 as pb
 from devplugin.model import Refused
-from devplugin.node.resources import GpuResource
+from devplugin.node.gpu.resource import GpuResource
 from devplugin.node.sharing import SharedResource, physical_of
 from devplugin.policy.topology import Level
 from devplugin.testing.kubelet import AdmissionError, ContainerRequest

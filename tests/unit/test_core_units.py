@@ -10,8 +10,9 @@ from devplugin.frontends.deviceplugin.kubelet import KUBELET_SOCKET, Registrar
 from devplugin.frontends.deviceplugin.server import DevicePluginServicer, PluginServer
 from devplugin.model import DeviceKind
 from devplugin.node.coordination import Coordinator
+from devplugin.node.gpu.resource import GpuResource
 from devplugin.node.ledger import Holdings, Ledger
-from devplugin.node.resources import GpuResource, ResourceState
+from devplugin.node.resources import ResourceState
 from devplugin.policy.allocator import Role
 from devplugin.policy.topology import Topology
 from devplugin.testing.layouts import LAYOUTS

@@ -1,0 +1,1 @@
+"""The GPU wing's node side: how GPUs are served."""

@@ -1,0 +1,1 @@
+"""The HCA wing's node side: how HCAs are judged and served."""
