@@ -122,6 +122,7 @@ from bench.scheduler_cost import scheduler_cost_bench
 from devplugin.api import deviceplugin_v1beta1_pb2 as pb
 from devplugin.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from devplugin.config import Config, override
+from devplugin.kinds.registry import paired_with
 from devplugin.logs import setup_logging
 from devplugin.model import DeviceKind
 from devplugin.policy.allocator import (
@@ -267,7 +268,7 @@ def quality(
     (of at most `limit` subsets; '-' when that would take more)."""
     coordinator = daemon.core.coordinator
     topology = coordinator.topology
-    other = coordinator.free(kind.other)
+    other = coordinator.free(paired_with(kind))
     size = len(answer)
     request = Request(
         kind,
