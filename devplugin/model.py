@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 _BDF = re.compile(
     r"^(?:(?P<domain>[0-9a-fA-F]{1,8}):)?(?P<bus>[0-9a-fA-F]{2}):"
@@ -18,68 +17,17 @@ _BDF = re.compile(
 )
 
 
-class _Declared(type):
-    """Iterating DeviceKind gives every declared kind, in declaration order."""
+class DeviceKind(enum.Enum):
+    """The kinds of device devplugin serves; what each one is and does is
+    its wing in devplugin.kinds."""
 
-    def __iter__(cls) -> Iterator[DeviceKind]:
-        return iter(tuple(DeviceKind.declared.values()))
+    GPU = "gpu"
+    HCA = "hca"
 
-    def __len__(cls) -> int:
-        return len(DeviceKind.declared)
-
-
-class DeviceKind(metaclass=_Declared):
-    """A kind of device devplugin serves; what each one is and does is its
-    wing in devplugin.kinds. Open, unlike an enum, so a wing can add one
-    (`declare`); interned, so kinds compare and hash by identity, as enum
-    members do. `DeviceKind("gpu")` finds a declared kind or raises
-    ValueError."""
-
-    __slots__ = ("value",)
-    declared: ClassVar[dict[str, DeviceKind]] = {}
-    GPU: ClassVar[DeviceKind]
-    HCA: ClassVar[DeviceKind]
-    value: str
-
-    def __new__(cls, value: str) -> DeviceKind:
-        found = cls.declared.get(value)
-        if found is None:
-            raise ValueError(f"{value!r} is not a declared DeviceKind")
-        return found
-
-    @classmethod
-    def declare(cls, value: str) -> DeviceKind:
-        """The kind named `value`, declared now if it was not."""
-        found = cls.declared.get(value)
-        if found is not None:
-            return found
-        kind = object.__new__(cls)
-        object.__setattr__(kind, "value", value)
-        cls.declared[value] = kind
-        return kind
-
-    @classmethod
-    def forget(cls, kind: DeviceKind) -> None:
-        """Undo a declaration (a kind a test added for its own duration)."""
-        if cls.declared.get(kind.value) is kind:
-            del cls.declared[kind.value]
-
-    def __setattr__(self, name: str, value: object) -> None:
-        raise AttributeError("a DeviceKind cannot be changed")
-
-    def __reduce__(self) -> tuple[type[DeviceKind], tuple[str]]:
-        return DeviceKind, (self.value,)
-
-    def __repr__(self) -> str:
-        return f"DeviceKind.{self.value.upper()}"
-
-    # Hashed by identity in C: (kind, id) keys are hashed on every
-    # preference (about 120 times per call on 64 GPUs).
+    # Members are singletons compared by identity: hash them by identity in
+    # C too. Enum's own __hash__ is Python code, and (kind, id) keys are
+    # hashed on every preference (about 120 times per call on 64 GPUs).
     __hash__ = object.__hash__
-
-
-DeviceKind.GPU = DeviceKind.declare("gpu")
-DeviceKind.HCA = DeviceKind.declare("hca")
 
 
 class Refused(Exception):

@@ -18,7 +18,7 @@ from html import escape
 from typing import Any
 
 from devplugin.kinds.base import PictureError
-from devplugin.kinds.registry import KINDS
+from devplugin.kinds.registry import BY_KEY, KINDS
 from devplugin.model import shown
 
 __all__ = ["Edge", "Node", "Picture", "PictureError", "dot", "picture"]
@@ -106,7 +106,7 @@ def _domains(path: Sequence[str]) -> list[tuple[str, str, str]]:
 
 def _device_node(device: Mapping[str, Any], held: Mapping[str, str]) -> tuple[Node, str]:
     """The device's node, and the label of the cluster it is drawn inside."""
-    found = KINDS.find(str(device.get("kind")))
+    found = BY_KEY.get(str(device.get("kind")))
     if found is None:
         raise PictureError(
             f"status.devices[].kind: {shown(str(device.get('kind')))!r} is no kind served"
