@@ -113,9 +113,16 @@ class Kind(ABC, Generic[D]):
         """What the record says of the device beyond the fields every device
         has (id, kind, health, PCI address, NUMA node, place in the tree)."""
 
+    def slice_context(self, inventory: Inventory) -> Any:
+        """What `slice_fields` needs of the whole node (GPUs: their NVLink
+        domains), worked out once per listing of the node's devices."""
+        del inventory
+        return None
+
     @abstractmethod
-    def slice_fields(self, device: D, inventory: Inventory) -> SliceFields:
-        """The device's own attributes and capacities in a ResourceSlice."""
+    def slice_fields(self, device: D, context: Any) -> SliceFields:
+        """The device's own attributes and capacities in a ResourceSlice;
+        `context` is what `slice_context` gave for its inventory."""
 
     @abstractmethod
     def box(self, entry: Mapping[str, Any]) -> Box:

@@ -148,7 +148,10 @@ class GpuKind(Kind[GpuInfo]):
             }
         return found
 
-    def slice_fields(self, device: GpuInfo, inventory: Inventory) -> SliceFields:
+    def slice_context(self, inventory: Inventory) -> dict[str, str]:
+        return nvlink_domains(inventory.gpus)
+
+    def slice_fields(self, device: GpuInfo, context: Any) -> SliceFields:
         """A whole GPU, or a MIG device (NVIDIA's DRA driver's attributes:
         type mig, parentUUID, profile), which keeps its parent's place, so
         the claim templates' ladders pair a slice with an HCA as a GPU."""
@@ -168,7 +171,7 @@ class GpuKind(Kind[GpuInfo]):
             capacity["multiprocessors"] = {"value": str(mig.multiprocessors)}
             # Unique on the node: one name per GPU and compute instance.
             suffix = f"-mig-{mig.gpu_instance}-{mig.compute_instance}"
-        domain = nvlink_domains(inventory.gpus).get(device.uuid)
+        domain = context.get(device.uuid)
         if domain is not None:
             attributes["nvlinkDomain"] = string_value(domain)
         return SliceFields(attributes, capacity, suffix)

@@ -69,9 +69,9 @@ class HcaKind(Kind[HcaInfo]):
         ]
         return {"name": device.name[:MAX_TEXT], "ports": ports}
 
-    def slice_fields(self, device: HcaInfo, inventory: Inventory) -> SliceFields:
+    def slice_fields(self, device: HcaInfo, context: Any) -> SliceFields:
         """Its kernel name, first netdev, and its first port's link layer and state."""
-        del inventory
+        del context
         attributes: dict[str, Any] = {
             "type": string_value("hca"),
             "ibdev": string_value(device.name),

@@ -1,20 +1,9 @@
 """What each extended resource serves: its device list and what a container gets.
 
 Pure functions of an `Inventory`; no gRPC here. The server turns a
-`ContainerAllocation` into the kubelet's AllocateResponse.
-
-GPU resource (default `nvidia.com/gpu`)
-    Device id: the GPU UUID. A container gets `/dev/nvidiaN` for each GPU,
-    the node-wide nodes `/dev/nvidiactl`, `/dev/nvidia-uvm` and
-    `/dev/nvidia-uvm-tools` that exist, and
-    `NVIDIA_VISIBLE_DEVICES=<uuid>,<uuid>`.
-
-HCA resource (default `rdma/hca`)
-    Device id: the PCI address of the HCA's function (`0000:1b:00.0`). A
-    container gets each HCA's `uverbsN`, every `umadN` and `issmN` of its
-    ports, and `/dev/infiniband/rdma_cm`, all `rw`, and
-    `NCCL_IB_HCA==mlx5_0,mlx5_1` (the leading `=` makes NCCL match the
-    names exactly, so `mlx5_1` does not also select `mlx5_10`).
+`ContainerAllocation` into the kubelet's AllocateResponse. What every
+resource shares is here; each kind's own resource is in its node folder
+(node/gpu/resource.py, node/hca/resource.py).
 """
 
 from __future__ import annotations
@@ -37,30 +26,12 @@ from devplugin.model import (
 )
 from devplugin.policy.cdi import annotation_key
 
-GPU_VISIBLE_ENV = "NVIDIA_VISIBLE_DEVICES"
-# A MIG device is opened through two of these (its GPU and compute instance).
-CAPS_DIR = "/dev/nvidia-caps"
-
-
-def cap_node(minor: int) -> str:
-    return f"{CAPS_DIR}/nvidia-cap{minor}"
-
-
-# Why a MIG device is not offered when its capability nodes are unknown.
-MIG_CAPS_UNREAD = "its nvidia-caps access files are not readable (paths.nvidia_caps_root)"
 # How the reason of a GPU no CDI spec names begins.
 CDI_UNDECLARED = "no CDI spec declares"
 
 # The topology-aware choice of physical devices: (candidates, must include,
 # count) -> ids. Resources call it from `choose`.
 Pick = Callable[[frozenset[str], frozenset[str], int], Sequence[str]]
-ACTIVE_STATE = 4  # "4: ACTIVE"
-LINK_UP_PHYS_STATE = 5  # "5: LinkUp"
-
-
-# The character major the NVIDIA driver registers for /dev/nvidiaN and
-# /dev/nvidiactl (NV_MAJOR_DEVICE_NUMBER in its open kernel modules).
-NVIDIA_MAJOR = 195
 
 
 @dataclass(frozen=True)

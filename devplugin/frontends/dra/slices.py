@@ -112,10 +112,11 @@ def _placement(function: PciFunction | None, address: PciAddress) -> dict[str, A
     return attributes
 
 
-def slice_device(wing: Kind[Any], device: Any, inventory: Inventory) -> SliceDevice:
-    """One device as its slice lists it: where it sits, and what its wing says."""
+def slice_device(wing: Kind[Any], device: Any, context: Any) -> SliceDevice:
+    """One device as its slice lists it: where it sits, and what its wing says
+    (`context`: the wing's slice context for the device's inventory)."""
     address, function, _ = wing.pci(device)
-    own = wing.slice_fields(device, inventory)
+    own = wing.slice_fields(device, context)
     attributes = {"type": own.attributes["type"], **_placement(function, address)}
     attributes.update(own.attributes)
     body: dict[str, Any] = {"attributes": attributes}
@@ -133,9 +134,10 @@ def node_devices(inventory: Inventory, kinds: Collection[DeviceKind]) -> list[Sl
     for wing in KINDS:
         if wing.kind not in kinds:
             continue
+        context = wing.slice_context(inventory)
         for device in wing.devices(inventory):
             keys = switch_keys(wing.pci(device)[1]) or ("~", "~")
-            entry = slice_device(wing, device, inventory)
+            entry = slice_device(wing, device, context)
             devices.append(((keys[1], keys[0], wing.slice_rank), entry))
     devices.sort(key=lambda item: (item[0], item[1].name))
     return [device for _, device in devices]

@@ -1,6 +1,8 @@
-"""The GPU resource: one device per GPU (or MIG device), id = UUID; a
-container gets its /dev/nvidiaN (and MIG capability nodes), the node-wide
-control nodes and NVIDIA_VISIBLE_DEVICES."""
+"""The GPU resource (default `nvidia.com/gpu`): one device per GPU (or MIG
+device), id = the UUID. A container gets `/dev/nvidiaN` for each GPU (and a
+MIG device's capability nodes), the node-wide nodes `/dev/nvidiactl`,
+`/dev/nvidia-uvm` and `/dev/nvidia-uvm-tools` that exist, and
+`NVIDIA_VISIBLE_DEVICES=<uuid>,<uuid>`."""
 
 from __future__ import annotations
 
@@ -19,9 +21,6 @@ from devplugin.model import (
 )
 from devplugin.node.resources import (
     CDI_UNDECLARED,
-    GPU_VISIBLE_ENV,
-    MIG_CAPS_UNREAD,
-    NVIDIA_MAJOR,
     Capabilities,
     ContainerAllocation,
     Delivery,
@@ -29,13 +28,25 @@ from devplugin.node.resources import (
     Exclusive,
     Resource,
     ResourceState,
-    cap_node,
     char_node,
     check_request,
     merged,
 )
 from devplugin.node.sharing import SharedResource
 from devplugin.policy.cdi import qualified
+
+GPU_VISIBLE_ENV = "NVIDIA_VISIBLE_DEVICES"
+# A MIG device is opened through two of these (its GPU and compute instance).
+CAPS_DIR = "/dev/nvidia-caps"
+# Why a MIG device is not offered when its capability nodes are unknown.
+MIG_CAPS_UNREAD = "its nvidia-caps access files are not readable (paths.nvidia_caps_root)"
+# The character major the NVIDIA driver registers for /dev/nvidiaN and
+# /dev/nvidiactl (NV_MAJOR_DEVICE_NUMBER in its open kernel modules).
+NVIDIA_MAJOR = 195
+
+
+def cap_node(minor: int) -> str:
+    return f"{CAPS_DIR}/nvidia-cap{minor}"
 
 
 @dataclass(frozen=True)

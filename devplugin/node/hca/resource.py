@@ -1,6 +1,9 @@
-"""The HCA resource: one device per RDMA function, id = PCI address; a
-container gets its uverbs, umad and issm nodes, rdma_cm where it is
-loaded, and NCCL_IB_HCA naming the chosen HCAs exactly."""
+"""The HCA resource (default `rdma/hca`): one device per RDMA function, id =
+the PCI address of the HCA's function (`0000:1b:00.0`). A container gets
+each HCA's `uverbsN`, every `umadN` and `issmN` of its ports, and
+`/dev/infiniband/rdma_cm` where it is loaded, all `rw`, and
+`NCCL_IB_HCA==mlx5_0,mlx5_1` (the leading `=` makes NCCL match the names
+exactly, so `mlx5_1` does not also select `mlx5_10`)."""
 
 from __future__ import annotations
 
@@ -17,8 +20,6 @@ from devplugin.model import (
     PluginDevice,
 )
 from devplugin.node.resources import (
-    ACTIVE_STATE,
-    LINK_UP_PHYS_STATE,
     Capabilities,
     ContainerAllocation,
     Delivery,
@@ -32,6 +33,9 @@ from devplugin.node.resources import (
 )
 from devplugin.node.sharing import SharedResource
 from devplugin.policy.cdi import SpecError, qualified, sanitize_device_name
+
+ACTIVE_STATE = 4  # "4: ACTIVE"
+LINK_UP_PHYS_STATE = 5  # "5: LinkUp"
 
 
 def hca_health(hca: HcaInfo, *, numbered: bool = False) -> tuple[Health, str]:
