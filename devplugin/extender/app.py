@@ -208,16 +208,21 @@ def _current(cache: WatchCache[Any]) -> float:
 def placement_pod(names: Sequence[str], pod: PodInfo) -> PodInfo | None:
     """What placement reads of a pod: None for a pod without device requests;
     else its containers' requests for the device resources only (the named
-    ones and any other of their domains: MIG profiles, shared replicas), no
-    annotations."""
+    ones and any other of their domains: MIG profiles, shared replicas) and
+    their whole CPUs, no annotations."""
     domains = {name.split("/", 1)[0] + "/" for name in names}
 
     def wanted(resource: str) -> bool:
         return resource in names or any(resource.startswith(d) for d in domains)
 
     def trim(containers: tuple[ContainerInfo, ...]) -> tuple[ContainerInfo, ...]:
+        # The whole CPUs stay: where the kubelet aligns, a pod bound but not
+        # in its node's record yet is placed ahead on the NUMA node its CPUs
+        # can come from, as the kubelet will place it.
         return tuple(
-            ContainerInfo(c.name, {k: v for k, v in c.requests.items() if wanted(k)}, c.sidecar)
+            ContainerInfo(
+                c.name, {k: v for k, v in c.requests.items() if wanted(k)}, c.sidecar, c.cpus
+            )
             for c in containers
         )
 

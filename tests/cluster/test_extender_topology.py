@@ -98,3 +98,61 @@ def test_a_node_whose_kubelet_would_refuse_the_pod_is_failed_and_says_why(
 
     assert wait_until(refused, timeout=10), verdict(extender, [{GPU: 3, HCA: 3}], "hgx")
     assert verdict(extender, [{GPU: 2, HCA: 2}], "hgx")["NodeNames"] == ["hgx"]
+
+
+def test_a_pod_bound_but_not_in_the_record_yet_is_placed_ahead_where_its_cpus_are(
+    api: ApiServerImitation, tmp_path: Path, extender: Running
+) -> None:
+    # The real kubelet tier's case: single-numa-node with the static CPU
+    # manager, one whole CPU free and it on NUMA node 1. NUMA node 0 has two
+    # pairs free, node 1 one. A Guaranteed 1 + 1 + 1 CPU pod is bound but
+    # its daemon has not recorded it yet: the kubelet gives it node 1's pair
+    # (where its CPU is), so a 2 + 2 pod still fits on node 0.
+    inv = inventory("hgx-h100", tmp_path / "inv")
+    by_numa = {
+        numa: (sorted(g.uuid for g in inv.gpus if g.numa_node == numa),
+               sorted(h.device_id for h in inv.hcas if h.numa_node == numa))
+        for numa in (0, 1)
+    }  # fmt: skip
+    (g0, h0), (g1, h1) = by_numa[0], by_numa[1]
+    held = [
+        ContainerAlignment("default", "a", "c0", (g0[0], g0[3]), (h0[0], h0[3]),
+                           None, None, "uid-a"),
+        ContainerAlignment("default", "b", "c0", (g1[0], g1[1], g1[3]), (h1[0], h1[1], h1[3]),
+                           None, None, "uid-b"),
+    ]  # fmt: skip
+    for name, asks in (("a", {GPU: 2, HCA: 2}), ("b", {GPU: 3, HCA: 3})):
+        holder = pod(name, [asks])
+        holder["spec"]["nodeName"] = "hgx"
+        holder["status"] = {"phase": "Running"}
+        api.put("pods", holder)
+    put_record(api, "hgx", "hgx-h100", tmp_path, held=held)
+    found = api.get("nodedevices", "hgx")
+    assert found is not None
+    found["status"]["kubelet"] = {"topologyManagerPolicy": "single-numa-node",
+                                  "topologyManagerScope": "container",
+                                  "cpuManagerPolicy": "static", "version": "v1.37.2"}  # fmt: skip
+    found["status"]["numaNodes"] = [{"id": 0, "cpus": 1, "freeCpus": 0},
+                                    {"id": 1, "cpus": 1, "freeCpus": 1}]  # fmt: skip
+    api.put("nodedevices", found)
+
+    def seen() -> bool:
+        record = extender[0].records.items().get("hgx")
+        return record is not None and record.parsed.kubelet.aligns
+
+    assert wait_until(seen, timeout=10)
+    asks = [{GPU: 2, HCA: 2}]
+    assert verdict(extender, asks, "hgx")["NodeNames"] == ["hgx"]
+    cpu_pod = pod("cpu", [{GPU: 1, HCA: 1}])
+    cpu_pod["spec"]["containers"][0]["resources"]["limits"].update({"cpu": "1", "memory": "64Mi"})
+    cpu_pod["spec"]["nodeName"] = "hgx"
+    api.put("pods", cpu_pod)
+    assert wait_until(lambda: "uid-cpu" in extender[0].pods.pods(), timeout=10)
+    answer = verdict(extender, asks, "hgx")
+    assert answer["NodeNames"] == ["hgx"], answer
+    # Placed ahead, it took the node's one free CPU: a second such pod is failed.
+    again = pod("cpu-2", [{GPU: 1, HCA: 1}])
+    again["spec"]["containers"][0]["resources"]["limits"].update({"cpu": "1", "memory": "64Mi"})
+    code, second = call(extender, "filter", {"Pod": again, "NodeNames": ["hgx"]})
+    assert code == 200
+    assert second["NodeNames"] == [], second
