@@ -216,13 +216,11 @@ def placement_pod(names: Sequence[str], pod: PodInfo) -> PodInfo | None:
         return resource in names or any(resource.startswith(d) for d in domains)
 
     def trim(containers: tuple[ContainerInfo, ...]) -> tuple[ContainerInfo, ...]:
-        # The whole CPUs stay: where the kubelet aligns, a pod bound but not
-        # in its node's record yet is placed ahead on the NUMA node its CPUs
-        # can come from, as the kubelet will place it.
+        # Only the requests are cut; every other field stays. The whole CPUs
+        # matter: where the kubelet aligns, a pod bound but not in its node's
+        # record yet is placed ahead on the NUMA node its CPUs can come from.
         return tuple(
-            ContainerInfo(
-                c.name, {k: v for k, v in c.requests.items() if wanted(k)}, c.sidecar, c.cpus
-            )
+            replace(c, requests={k: v for k, v in c.requests.items() if wanted(k)})
             for c in containers
         )
 

@@ -30,14 +30,38 @@ from tests.waiting import wait_until
 __all__ = ["extender"]
 
 
-def aligning(api: ApiServerImitation, node: str, policy: str, scope: str = "container") -> None:
-    """The node's record, saying its kubelet aligns so."""
+def aligning(
+    api: ApiServerImitation,
+    node: str,
+    policy: str,
+    scope: str = "container",
+    *,
+    cpu_policy: str = "none",
+    numa_nodes: list[dict[str, int]] | None = None,
+) -> None:
+    """The node's record, saying its kubelet aligns so (its NUMA nodes 56
+    CPUs each unless `numa_nodes` says)."""
     found = api.get("nodedevices", node)
     assert found is not None
     found["status"]["kubelet"] = {"topologyManagerPolicy": policy, "topologyManagerScope": scope,
-                                  "cpuManagerPolicy": "none", "version": "v1.37.2"}  # fmt: skip
-    found["status"]["numaNodes"] = [{"id": 0, "cpus": 56}, {"id": 1, "cpus": 56}]
+                                  "cpuManagerPolicy": cpu_policy, "version": "v1.37.2"}  # fmt: skip
+    found["status"]["numaNodes"] = numa_nodes or [{"id": 0, "cpus": 56}, {"id": 1, "cpus": 56}]
     api.put("nodedevices", found)
+
+
+def sees_alignment(running: Running, node: str) -> bool:
+    """The extender has the node's record that says its kubelet aligns."""
+    found = running[0].records.items().get(node)
+    return found is not None and found.parsed.kubelet.aligns
+
+
+def guaranteed(name: str, asks: dict[str, int], cpus: int) -> dict[str, Any]:
+    """A pod of one container asking `asks` and `cpus` whole CPUs, Guaranteed."""
+    found = pod(name, [asks])
+    found["spec"]["containers"][0]["resources"]["limits"].update(
+        {"cpu": str(cpus), "memory": "64Mi"}
+    )
+    return found
 
 
 def verdict(running: Running, asks: list[dict[str, int]], node: str) -> dict[str, Any]:
@@ -69,12 +93,7 @@ def test_a_node_whose_kubelet_would_refuse_the_pod_is_failed_and_says_why(
     assert verdict(extender, [{GPU: 3, HCA: 3}], "hgx")["NodeNames"] == ["hgx"]
     version = api.get("nodedevices", "hgx")["metadata"]["resourceVersion"]  # type: ignore[index]
     aligning(api, "hgx", "single-numa-node")
-
-    def seen() -> bool:
-        found = extender[0].records.items().get("hgx")
-        return found is not None and found.parsed.kubelet.aligns
-
-    assert wait_until(seen, timeout=10), version
+    assert wait_until(partial(sees_alignment, extender, "hgx"), timeout=10), version
     split = verdict(extender, [{GPU: 3, HCA: 3}], "hgx")
     # Refused for what the kubelet would say, and unresolvable: by counts it
     # fits, so the scheduler's preemption would reprieve every victim.
@@ -127,32 +146,19 @@ def test_a_pod_bound_but_not_in_the_record_yet_is_placed_ahead_where_its_cpus_ar
         holder["status"] = {"phase": "Running"}
         api.put("pods", holder)
     put_record(api, "hgx", "hgx-h100", tmp_path, held=held)
-    found = api.get("nodedevices", "hgx")
-    assert found is not None
-    found["status"]["kubelet"] = {"topologyManagerPolicy": "single-numa-node",
-                                  "topologyManagerScope": "container",
-                                  "cpuManagerPolicy": "static", "version": "v1.37.2"}  # fmt: skip
-    found["status"]["numaNodes"] = [{"id": 0, "cpus": 1, "freeCpus": 0},
-                                    {"id": 1, "cpus": 1, "freeCpus": 1}]  # fmt: skip
-    api.put("nodedevices", found)
-
-    def seen() -> bool:
-        record = extender[0].records.items().get("hgx")
-        return record is not None and record.parsed.kubelet.aligns
-
-    assert wait_until(seen, timeout=10)
+    one_cpu_free_on_1 = [{"id": 0, "cpus": 1, "freeCpus": 0}, {"id": 1, "cpus": 1, "freeCpus": 1}]
+    aligning(api, "hgx", "single-numa-node", cpu_policy="static", numa_nodes=one_cpu_free_on_1)
+    assert wait_until(partial(sees_alignment, extender, "hgx"), timeout=10)
     asks = [{GPU: 2, HCA: 2}]
     assert verdict(extender, asks, "hgx")["NodeNames"] == ["hgx"]
-    cpu_pod = pod("cpu", [{GPU: 1, HCA: 1}])
-    cpu_pod["spec"]["containers"][0]["resources"]["limits"].update({"cpu": "1", "memory": "64Mi"})
+    cpu_pod = guaranteed("cpu", {GPU: 1, HCA: 1}, 1)
     cpu_pod["spec"]["nodeName"] = "hgx"
     api.put("pods", cpu_pod)
     assert wait_until(lambda: "uid-cpu" in extender[0].pods.pods(), timeout=10)
     answer = verdict(extender, asks, "hgx")
     assert answer["NodeNames"] == ["hgx"], answer
     # Placed ahead, it took the node's one free CPU: a second such pod is failed.
-    again = pod("cpu-2", [{GPU: 1, HCA: 1}])
-    again["spec"]["containers"][0]["resources"]["limits"].update({"cpu": "1", "memory": "64Mi"})
+    again = guaranteed("cpu-2", {GPU: 1, HCA: 1}, 1)
     code, second = call(extender, "filter", {"Pod": again, "NodeNames": ["hgx"]})
     assert code == 200
     assert second["NodeNames"] == [], second
